@@ -1,0 +1,44 @@
+//! Errors at the boundary between lockcell and etcd.
+
+use std::time::Duration;
+
+/// What can go wrong when the cell talks to etcd.
+///
+/// [`CellError::is_retriable`] separates a store that is briefly away (retry within the
+/// caller's deadline) from a state that retrying will not fix.
+#[derive(Debug, thiserror::Error)]
+pub enum CellError {
+    /// etcd answered with an error or the connection failed.
+    #[error("etcd {op} failed: {source}")]
+    Etcd {
+        op: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// etcd did not answer in time.
+    #[error("etcd did not answer {op} within {after:?}")]
+    Timeout { op: &'static str, after: Duration },
+    /// A record in etcd could not be read; someone wrote it by hand or a newer version did.
+    #[error("record at {key} is not readable: {reason}")]
+    CorruptRecord { key: String, reason: String },
+}
+
+impl CellError {
+    /// True when the same call may succeed later (etcd unreachable, slow or electing).
+    pub fn is_retriable(&self) -> bool {
+        matches!(self, CellError::Etcd { .. } | CellError::Timeout { .. })
+    }
+}
+
+/// Runs one etcd call with a deadline, naming the call in any error.
+pub async fn with_timeout<T>(
+    op: &'static str,
+    after: Duration,
+    call: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, CellError> {
+    match tokio::time::timeout(after, call).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(CellError::Etcd { op, source }),
+        Err(_) => Err(CellError::Timeout { op, after }),
+    }
+}

@@ -1,0 +1,234 @@
+//! Every etcd key lockcell uses is built here and nowhere else.
+//!
+//! | key | what |
+//! | --- | --- |
+//! | `/sys/epoch` | the epoch record |
+//! | `/l/<lock>/!x` | the exclusive holder of `<lock>` |
+//! | `/l/<lock>/!s/<session>` | one shared holder of `<lock>` |
+//!
+//! Lock names are `/`-separated paths (`billing/nightly`), so one lock's name may be a
+//! prefix of another's. The holder keys therefore sit under a marker segment that starts
+//! with `!`, a byte no lock name may contain: the range `/l/<lock>/!` then holds exactly
+//! the holders of `<lock>` and never those of `<lock>/<more>`.
+
+use std::fmt;
+
+/// Longest lock name accepted, in bytes.
+pub const MAX_NAME_BYTES: usize = 512;
+
+/// The byte that starts every marker segment; lock names may not contain it.
+pub const RESERVED: char = '!';
+
+const EPOCH_KEY: &str = "/sys/epoch";
+const LOCKS_ROOT: &str = "/l/";
+const HOLDERS_MARK: &str = "/!";
+const EXCLUSIVE_SUFFIX: &str = "/!x";
+
+/// Why a lock name was refused. The message names the rule the name broke.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error("lock name is empty")]
+    Empty,
+    #[error("lock name {name:?} is {len} bytes, over the limit of {max} bytes")]
+    TooLong {
+        name: String,
+        len: usize,
+        max: usize,
+    },
+    #[error("lock name {name:?} has an empty segment (it starts or ends with '/' or has '//')")]
+    EmptySegment { name: String },
+    #[error(
+        "lock name {name:?} has a '.' or '..' segment; names may not point outside their prefix"
+    )]
+    DotSegment { name: String },
+    #[error("lock name {name:?} contains a control character at byte {at}")]
+    ControlChar { name: String, at: usize },
+    #[error("lock name {name:?} contains '{RESERVED}' at byte {at}; '{RESERVED}' is reserved for lockcell's own key layout")]
+    Reserved { name: String, at: usize },
+}
+
+/// A lock name that has passed validation; the only way to build a lock key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LockName(String);
+
+impl LockName {
+    /// Validates `name`: 1 to 512 bytes, `/`-separated non-empty segments, no `.` or `..`
+    /// segment, no control characters, no `!`.
+    pub fn parse(name: &str) -> Result<Self, NameError> {
+        if name.is_empty() {
+            return Err(NameError::Empty);
+        }
+        // Shown names are cut so an error about a huge name stays readable.
+        let shown = || shorten(name);
+        if name.len() > MAX_NAME_BYTES {
+            return Err(NameError::TooLong {
+                name: shown(),
+                len: name.len(),
+                max: MAX_NAME_BYTES,
+            });
+        }
+        if let Some((at, _)) = name.char_indices().find(|(_, c)| c.is_control()) {
+            return Err(NameError::ControlChar { name: shown(), at });
+        }
+        if let Some(at) = name.find(RESERVED) {
+            return Err(NameError::Reserved { name: shown(), at });
+        }
+        for segment in name.split('/') {
+            match segment {
+                "" => return Err(NameError::EmptySegment { name: shown() }),
+                "." | ".." => return Err(NameError::DotSegment { name: shown() }),
+                _ => {}
+            }
+        }
+        Ok(LockName(name.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The range holding every holder key of this lock, exclusive and shared.
+    pub fn holders_prefix(&self) -> String {
+        format!("{LOCKS_ROOT}{}{HOLDERS_MARK}", self.0)
+    }
+
+    /// The key of the exclusive holder.
+    pub fn exclusive_key(&self) -> String {
+        format!("{LOCKS_ROOT}{}{EXCLUSIVE_SUFFIX}", self.0)
+    }
+}
+
+impl fmt::Display for LockName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn shorten(name: &str) -> String {
+    const SHOWN: usize = 64;
+    if name.len() <= SHOWN {
+        return name.to_owned();
+    }
+    let mut end = SHOWN;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &name[..end])
+}
+
+/// The epoch record's key.
+pub fn epoch_key() -> &'static str {
+    EPOCH_KEY
+}
+
+/// The prefix under which every lock holder key lives (for watches over all locks).
+pub fn locks_root() -> &'static str {
+    LOCKS_ROOT
+}
+
+/// The lock a holder key belongs to, or `None` for a key that is not a holder key.
+pub fn lock_of_key(key: &[u8]) -> Option<LockName> {
+    let rest = std::str::from_utf8(key).ok()?.strip_prefix(LOCKS_ROOT)?;
+    let end = rest.find(HOLDERS_MARK)?;
+    LockName::parse(&rest[..end]).ok()
+}
+
+/// The first key after every key that starts with `prefix`: the `range_end` of a
+/// prefix range in etcd.
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // A prefix of only 0xff bytes (or empty) ranges to the end of the key space.
+    vec![0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_paths() {
+        for ok in [
+            "a",
+            "billing/nightly-report",
+            "jobs/sched:leader",
+            "é/ü",
+            "a b",
+        ] {
+            assert!(LockName::parse(ok).is_ok(), "{ok} should be accepted");
+        }
+    }
+
+    #[test]
+    fn refuses_each_rule_with_its_reason() {
+        assert_eq!(LockName::parse(""), Err(NameError::Empty));
+        let long = "a".repeat(MAX_NAME_BYTES + 1);
+        assert!(matches!(
+            LockName::parse(&long),
+            Err(NameError::TooLong {
+                len: 513,
+                max: 512,
+                ..
+            })
+        ));
+        assert!(LockName::parse(&"a".repeat(MAX_NAME_BYTES)).is_ok());
+        for bad in ["/a", "a/", "a//b"] {
+            assert!(
+                matches!(LockName::parse(bad), Err(NameError::EmptySegment { .. })),
+                "{bad}"
+            );
+        }
+        for bad in ["..", "a/../b", "./a", "a/."] {
+            assert!(
+                matches!(LockName::parse(bad), Err(NameError::DotSegment { .. })),
+                "{bad}"
+            );
+        }
+        assert!(matches!(
+            LockName::parse("a\u{0}b"),
+            Err(NameError::ControlChar { at: 1, .. })
+        ));
+        assert!(matches!(
+            LockName::parse("a\nb"),
+            Err(NameError::ControlChar { .. })
+        ));
+        assert!(matches!(
+            LockName::parse("a/!x"),
+            Err(NameError::Reserved { at: 2, .. })
+        ));
+        let msg = LockName::parse("a/../b").unwrap_err().to_string();
+        assert!(msg.contains("a/../b") && msg.contains(".."), "{msg}");
+        // A dot inside a segment is fine.
+        assert!(LockName::parse("a/..b/c.d").is_ok());
+    }
+
+    #[test]
+    fn nested_names_have_disjoint_holder_ranges() {
+        let parent = LockName::parse("a").unwrap();
+        let child = LockName::parse("a/x").unwrap();
+        assert!(!child.exclusive_key().starts_with(&parent.holders_prefix()));
+        assert!(!parent.exclusive_key().starts_with(&child.holders_prefix()));
+        assert!(parent.exclusive_key().starts_with(&parent.holders_prefix()));
+        assert_eq!(parent.exclusive_key(), "/l/a/!x");
+    }
+
+    #[test]
+    fn lock_of_key_inverts_the_builders() {
+        let name = LockName::parse("svc/leader").unwrap();
+        assert_eq!(lock_of_key(name.exclusive_key().as_bytes()), Some(name));
+        assert_eq!(lock_of_key(b"/sys/epoch"), None);
+        assert_eq!(lock_of_key(b"/l/no-marker"), None);
+    }
+
+    #[test]
+    fn prefix_end_increments_last_byte() {
+        assert_eq!(prefix_end(b"/l/a/!"), b"/l/a/\"".to_vec());
+        assert_eq!(prefix_end(&[b'a', 0xff]), b"b".to_vec());
+        assert_eq!(prefix_end(&[0xff]), vec![0]);
+    }
+}

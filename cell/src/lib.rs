@@ -1,0 +1,17 @@
+//! The authoritative side of lockcell: how the cell's state is laid out in etcd and the
+//! transactions that change it.
+//!
+//! Only etcd answers "who holds what". This crate is the one place that knows the key
+//! space ([`keyspace`]), the epoch record ([`epoch`]) and the lock log transactions
+//! ([`locklog`]) that mint fencing tokens ([`FencingToken`], defined with the protocol);
+//! proxies carry out its decisions.
+#![forbid(unsafe_code)]
+
+pub mod epoch;
+pub mod error;
+pub mod keyspace;
+pub mod locklog;
+
+pub use error::CellError;
+pub use keyspace::{LockName, NameError};
+pub use lockcell_proto::FencingToken;

@@ -1,0 +1,222 @@
+//! Exclusive locks: acquiring one through a session, and the guard that holds it.
+
+use std::time::Duration;
+
+use lockcell_proto::v1::lock_client::LockClient;
+use lockcell_proto::v1::{AcquireRequest, ReleaseRequest};
+use lockcell_proto::FencingToken;
+use tokio::time::Instant;
+use tracing::Instrument as _;
+
+use crate::client::UNARY_TIMEOUT;
+use crate::error::Error;
+use crate::session::Session;
+use crate::validity::SessionState;
+
+/// Extra time the gRPC deadline of a waiting Acquire gets beyond the wait itself, so the
+/// proxy's "not granted" answer arrives before the call is cut off.
+const ACQUIRE_SLACK: Duration = Duration::from_secs(5);
+
+/// How long an Acquire may wait while another session holds the lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Try once; do not wait.
+    Try,
+    /// Wait up to this long.
+    Timeout(Duration),
+    /// Wait until granted, or until the session ends.
+    Forever,
+}
+
+impl Wait {
+    /// The wire's `wait_timeout_ms`: absent means forever, 0 means try once.
+    pub(crate) fn wait_timeout_ms(self) -> Option<u64> {
+        match self {
+            Wait::Try => Some(0),
+            Wait::Timeout(d) => Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            Wait::Forever => None,
+        }
+    }
+
+    /// The gRPC deadline for the call: the wait plus slack, none when waiting forever.
+    pub(crate) fn call_timeout(self) -> Option<Duration> {
+        match self {
+            Wait::Try => Some(ACQUIRE_SLACK),
+            Wait::Timeout(d) => Some(d.saturating_add(ACQUIRE_SLACK)),
+            Wait::Forever => None,
+        }
+    }
+}
+
+impl Session {
+    /// Acquires `lock` exclusively, waiting as `wait` says while another session holds
+    /// it. `Ok(None)`: not granted (tried once, or the wait ran out).
+    ///
+    /// The grant is valid only while the session is: check [`LockGuard::is_valid`] or
+    /// race the work against [`Session::jeopardy`], and pass [`LockGuard::token`] to
+    /// every resource touched, so a stale holder is refused.
+    ///
+    /// If this future is dropped while the proxy is deciding, the lock may still have
+    /// been granted to the session; it is then released when the session closes.
+    pub async fn acquire(&self, lock: &str, wait: Wait) -> Result<Option<LockGuard>, Error> {
+        let shared = self.shared();
+        if shared.is_expired() {
+            return Err(self.expired_error());
+        }
+        let mut request = tonic::Request::new(AcquireRequest {
+            session_id: self.id().to_owned(),
+            lock: lock.to_owned(),
+            wait_timeout_ms: wait.wait_timeout_ms(),
+        });
+        if let Some(timeout) = wait.call_timeout() {
+            request.set_timeout(timeout);
+        }
+        let mut client = LockClient::new(self.client().channel());
+        let sent = Instant::now();
+        let reply = tokio::select! {
+            reply = client.acquire(request) => {
+                reply.map_err(|status| self.call_failed(status))?.into_inner()
+            }
+            // A wait must not outlive the session: the proxy would refuse the grant anyway.
+            _ = shared.expired() => return Err(self.expired_error()),
+        };
+        if !reply.granted {
+            return Ok(None);
+        }
+        let token = reply
+            .token
+            .ok_or_else(|| {
+                Error::Protocol(format!("lock {lock:?} granted without a fencing token"))
+            })?
+            .into();
+        shared.grant(sent, reply.valid_for_ms);
+        tracing::debug!(session.id = %self.id(), lock.name = lock, %token, "lock granted");
+        Ok(Some(LockGuard {
+            session: self.clone(),
+            lock: lock.to_owned(),
+            token,
+            released: false,
+        }))
+    }
+}
+
+/// A held lock. Keeps its session alive (renewed) while it lives.
+///
+/// Dropping it without [`release`](LockGuard::release) releases it in the background
+/// (when a tokio runtime is around); releasing explicitly tells whether it worked.
+#[derive(Debug)]
+#[must_use = "dropping a LockGuard releases the lock"]
+pub struct LockGuard {
+    session: Session,
+    lock: String,
+    token: FencingToken,
+    /// Set once released, so `Drop` does not release again.
+    released: bool,
+}
+
+impl LockGuard {
+    /// The lock's name.
+    pub fn lock(&self) -> &str {
+        &self.lock
+    }
+
+    /// The grant's fencing token: hand it to every resource acted on under the lock.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// The session this lock was acquired through.
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// Whether the application may still act as holder: its session is before its
+    /// deadline and not expired.
+    pub fn is_valid(&self) -> bool {
+        self.session.state() == SessionState::Valid
+    }
+
+    /// Releases the lock. `Ok(false)`: it was no longer held by this grant (e.g. the
+    /// session had already lost it).
+    pub async fn release(mut self) -> Result<bool, Error> {
+        self.released = true;
+        if self.session.shared().is_expired() {
+            return Err(self.session.expired_error());
+        }
+        release(&self.session, &self.lock, self.token).await
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if self.released || self.session.shared().is_expired() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Nothing to send from; the lock goes when the session does.
+            return;
+        };
+        let session = self.session.clone();
+        let lock = std::mem::take(&mut self.lock);
+        let token = self.token;
+        // Owned by its own bound: the call answers or times out. It holds the session,
+        // so the session is closed only after the release.
+        let span = tracing::debug_span!("release", session.id = %session.id(), lock.name = %lock);
+        let task = async move {
+            match release(&session, &lock, token).await {
+                Ok(released) => tracing::debug!(released, "dropped guard released"),
+                Err(error) => tracing::warn!(%error, "dropped guard not released"),
+            }
+        };
+        runtime.spawn(task.instrument(span));
+    }
+}
+
+async fn release(session: &Session, lock: &str, token: FencingToken) -> Result<bool, Error> {
+    let mut request = tonic::Request::new(ReleaseRequest {
+        session_id: session.id().to_owned(),
+        lock: lock.to_owned(),
+        token: Some(token.into()),
+    });
+    request.set_timeout(UNARY_TIMEOUT);
+    let reply = LockClient::new(session.client().channel())
+        .release(request)
+        .await
+        .map_err(|status| session.call_failed(status))?;
+    Ok(reply.into_inner().released)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_maps_to_the_wire() {
+        assert_eq!(Wait::Try.wait_timeout_ms(), Some(0));
+        assert_eq!(
+            Wait::Timeout(Duration::from_millis(1500)).wait_timeout_ms(),
+            Some(1500)
+        );
+        assert_eq!(Wait::Timeout(Duration::ZERO).wait_timeout_ms(), Some(0));
+        assert_eq!(Wait::Forever.wait_timeout_ms(), None);
+        assert_eq!(
+            Wait::Timeout(Duration::MAX).wait_timeout_ms(),
+            Some(u64::MAX)
+        );
+    }
+
+    #[test]
+    fn call_deadline_leaves_room_for_the_answer() {
+        let s = Duration::from_secs;
+        assert_eq!(Wait::Try.call_timeout(), Some(ACQUIRE_SLACK));
+        assert_eq!(
+            Wait::Timeout(s(30)).call_timeout(),
+            Some(s(30) + ACQUIRE_SLACK)
+        );
+        assert_eq!(
+            Wait::Timeout(Duration::MAX).call_timeout(),
+            Some(Duration::MAX)
+        );
+        assert_eq!(Wait::Forever.call_timeout(), None);
+    }
+}

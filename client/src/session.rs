@@ -1,0 +1,216 @@
+//! Sessions: what the application holds to stay a holder. A session's validity decides
+//! whether the locks acquired through it may still be acted on.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockcell_proto::v1::session_client::SessionClient;
+use lockcell_proto::v1::CloseRequest;
+use tokio::time::Instant;
+use tonic::Status;
+
+use crate::client::{Client, UNARY_TIMEOUT};
+use crate::error::Error;
+use crate::shared::SessionShared;
+use crate::validity::SessionState;
+
+/// What to ask for when opening a session.
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    /// Requested TTL: how long the proxy keeps the session without hearing a renewal.
+    /// The proxy clamps it to its bounds; [`Session::ttl`] says what was granted.
+    pub ttl: Duration,
+    /// Who this client is, recorded with every grant so an operator can tell which
+    /// process held a lock.
+    pub identity: String,
+}
+
+impl Default for SessionOptions {
+    /// A 12 s TTL (renewed every 4 s) and `"<hostname>/<pid>"` as identity.
+    fn default() -> Self {
+        SessionOptions {
+            ttl: Duration::from_secs(12),
+            identity: default_identity(),
+        }
+    }
+}
+
+/// `"<hostname-or-unknown>/<pid>"`: enough to find the process in an incident.
+fn default_identity() -> String {
+    let host = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".to_owned());
+    format!("{host}/{}", std::process::id())
+}
+
+/// An open session. Cheap to clone: all clones (and the [`LockGuard`](crate::LockGuard)s
+/// acquired through them) are the same session.
+///
+/// While any of them lives, the client renews the session. When the last one is dropped
+/// the renewals stop and the session is closed in the background, releasing its locks.
+#[derive(Clone, Debug)]
+pub struct Session {
+    inner: Arc<SessionInner>,
+}
+
+#[derive(Debug)]
+struct SessionInner {
+    client: Client,
+    shared: Arc<SessionShared>,
+    /// The proxy that holds the session, for diagnostics.
+    proxy_id: String,
+    /// Set by [`Session::close`], so that dropping the last handle afterwards does not
+    /// close it a second time.
+    closed: AtomicBool,
+}
+
+impl Session {
+    pub(crate) fn new(client: Client, shared: Arc<SessionShared>, proxy_id: String) -> Session {
+        Session {
+            inner: Arc::new(SessionInner {
+                client,
+                shared,
+                proxy_id,
+                closed: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// The session id the proxy assigned.
+    pub fn id(&self) -> &str {
+        &self.inner.shared.id
+    }
+
+    /// The TTL the proxy granted (not necessarily the one requested).
+    pub fn ttl(&self) -> Duration {
+        self.inner.shared.ttl
+    }
+
+    /// The id of the proxy holding the session.
+    pub fn proxy_id(&self) -> &str {
+        &self.inner.proxy_id
+    }
+
+    /// Until when (exclusive) the application may act on what this session holds.
+    /// Renewals move it forward; nothing ever moves it back.
+    pub fn deadline(&self) -> Instant {
+        self.inner.shared.deadline()
+    }
+
+    /// Where the session stands right now.
+    pub fn state(&self) -> SessionState {
+        self.inner.shared.state()
+    }
+
+    /// Why the session expired, once it has.
+    pub fn expired_reason(&self) -> Option<String> {
+        self.inner.shared.expired_reason()
+    }
+
+    /// Resolves as soon as the session is past its deadline or expired: from then on the
+    /// proxy may give its locks to someone else, so the application must stop acting as
+    /// holder. Race the work done under a lock against this.
+    pub async fn jeopardy(&self) {
+        self.inner.shared.jeopardy().await
+    }
+
+    /// Stops renewals and closes the session, releasing everything it holds. Returns
+    /// how many locks the close released.
+    ///
+    /// The session counts as expired from the moment the Close is sent (the proxy may
+    /// hand its locks on at once), also for other handles and guards still around.
+    pub async fn close(self) -> Result<u32, Error> {
+        let inner = &self.inner;
+        inner.closed.store(true, Ordering::Relaxed);
+        inner.client.keepalive().unregister(&inner.shared.id);
+        inner.shared.expire("closed by the application");
+        let mut request = tonic::Request::new(CloseRequest {
+            session_id: inner.shared.id.clone(),
+        });
+        request.set_timeout(UNARY_TIMEOUT);
+        let reply = SessionClient::new(inner.client.channel())
+            .close(request)
+            .await
+            .map_err(|status| Error::from_status(status, Some(self.id())))?;
+        Ok(reply.into_inner().released)
+    }
+
+    pub(crate) fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<SessionShared> {
+        &self.inner.shared
+    }
+
+    /// Turns a failed call's status into an [`Error`]; when the proxy says the session
+    /// is gone, the local session expires too, so every handle and guard learns of it.
+    pub(crate) fn call_failed(&self, status: Status) -> Error {
+        let message = status.message().to_owned();
+        let error = Error::from_status(status, Some(self.id()));
+        if matches!(error, Error::SessionExpired { .. }) {
+            self.inner.shared.expire(&message);
+        }
+        error
+    }
+
+    /// The error for a call refused locally because the session has already expired.
+    pub(crate) fn expired_error(&self) -> Error {
+        Error::SessionExpired {
+            session: self.id().to_owned(),
+        }
+    }
+}
+
+impl Drop for SessionInner {
+    /// The last handle is gone: stop renewing (nothing could act on the session any
+    /// more) and close it in the background, so its locks are released now rather than
+    /// when the TTL runs out.
+    fn drop(&mut self) {
+        let keepalive = self.client.keepalive();
+        keepalive.unregister(&self.shared.id);
+        if self.closed.load(Ordering::Relaxed) || self.shared.is_expired() {
+            return;
+        }
+        self.shared.expire("dropped by the application");
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime to send from; the proxy expires the session after its TTL.
+            return;
+        };
+        let channel = self.client.channel();
+        let id = self.shared.id.clone();
+        // Owned by its own bound: it ends when the call answers or times out.
+        runtime.spawn(async move {
+            let mut request = tonic::Request::new(CloseRequest {
+                session_id: id.clone(),
+            });
+            request.set_timeout(UNARY_TIMEOUT);
+            match SessionClient::new(channel).close(request).await {
+                Ok(reply) => {
+                    let released = reply.into_inner().released;
+                    tracing::debug!(session.id = %id, released, "dropped session closed");
+                }
+                Err(status) => {
+                    tracing::debug!(session.id = %id, %status, "dropped session not closed");
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_options() {
+        let opts = SessionOptions::default();
+        assert_eq!(opts.ttl, Duration::from_secs(12));
+        let (host, pid) = opts.identity.rsplit_once('/').expect("host/pid");
+        assert!(!host.is_empty());
+        assert_eq!(pid, std::process::id().to_string());
+    }
+}

@@ -1,0 +1,209 @@
+//! The part of a session that both the application's handles and the keep-alive driver
+//! see: its id and TTL, its renewal sequence, and its validity (a watch channel, so
+//! waiters learn about a new deadline or an expiry the moment it happens).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::{sleep_until, Instant};
+
+use crate::validity::{deadline_from, renew_interval, SessionState, Validity};
+
+/// One session's shared state. Held by the session's handles and, for reply dispatch,
+/// by the client's keep-alive driver.
+#[derive(Debug)]
+pub(crate) struct SessionShared {
+    pub(crate) id: String,
+    /// The TTL the proxy granted.
+    pub(crate) ttl: Duration,
+    /// The last `seq` used in a renewal; each renewal takes the next one, so a reply
+    /// names exactly one request.
+    seq: AtomicU64,
+    /// The last `valid_for` granted, in ms: it shortens the renewal interval when the
+    /// proxy grants less than the TTL (e.g. while it cannot reach etcd).
+    last_valid_for_ms: AtomicU64,
+    validity: watch::Sender<Validity>,
+}
+
+impl SessionShared {
+    /// A session just opened: `sent` is when the Open request went out.
+    pub(crate) fn new(id: String, ttl: Duration, sent: Instant, valid_for_ms: u64) -> Self {
+        SessionShared {
+            id,
+            ttl,
+            seq: AtomicU64::new(0),
+            last_valid_for_ms: AtomicU64::new(valid_for_ms),
+            validity: watch::Sender::new(Validity::new(deadline_from(sent, valid_for_ms))),
+        }
+    }
+
+    /// Applies a grant of `valid_for_ms` for a request sent at `sent`.
+    pub(crate) fn grant(&self, sent: Instant, valid_for_ms: u64) {
+        self.last_valid_for_ms
+            .store(valid_for_ms, Ordering::Relaxed);
+        let candidate = deadline_from(sent, valid_for_ms);
+        self.validity.send_if_modified(|v| v.extend(candidate));
+    }
+
+    /// Ends the session for good (terminal), remembering why.
+    pub(crate) fn expire(&self, reason: &str) {
+        let reason: Arc<str> = reason.into();
+        if self.validity.send_if_modified(|v| v.expire(reason.clone())) {
+            tracing::debug!(session.id = %self.id, %reason, "session expired");
+        }
+    }
+
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// How long after a renewal the next one should go out.
+    pub(crate) fn renew_interval(&self) -> Duration {
+        let valid_for = Duration::from_millis(self.last_valid_for_ms.load(Ordering::Relaxed));
+        renew_interval(self.ttl, valid_for)
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        self.validity.borrow().deadline
+    }
+
+    pub(crate) fn state(&self) -> SessionState {
+        self.validity.borrow().state_at(Instant::now())
+    }
+
+    pub(crate) fn is_expired(&self) -> bool {
+        self.validity.borrow().expired.is_some()
+    }
+
+    pub(crate) fn expired_reason(&self) -> Option<String> {
+        self.validity.borrow().expired.as_deref().map(str::to_owned)
+    }
+
+    /// Resolves once the session is past its deadline or expired. Wakes on every change
+    /// of the validity, because a renewal that lands before the deadline moves it.
+    pub(crate) async fn jeopardy(&self) {
+        let mut rx = self.validity.subscribe();
+        loop {
+            let deadline = {
+                let v = rx.borrow_and_update();
+                if v.state_at(Instant::now()) != SessionState::Valid {
+                    return;
+                }
+                v.deadline
+            };
+            tokio::select! {
+                // Re-checked at the top: a renewal may have landed at the same moment.
+                _ = sleep_until(deadline) => {}
+                changed = rx.changed() => {
+                    if changed.is_err() {
+                        // No more updates can come: only the clock matters now.
+                        sleep_until(deadline).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Resolves once the session has expired (not merely past its deadline).
+    pub(crate) async fn expired(&self) {
+        let mut rx = self.validity.subscribe();
+        // An error means the sender is gone, which cannot happen while `self` lives.
+        let _ = rx.wait_for(|v| v.expired.is_some()).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// Lets spawned tasks run to their next await point (time is paused, so this does
+    /// not wait for anything real).
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn jeopardy_resolves_at_the_deadline() {
+        let t0 = Instant::now();
+        let s = Arc::new(SessionShared::new("s".into(), ms(900), t0, 900));
+        let waiter = tokio::spawn({
+            let s = s.clone();
+            async move {
+                s.jeopardy().await;
+                Instant::now()
+            }
+        });
+        let resolved = waiter.await.unwrap();
+        assert_eq!(resolved, t0 + ms(900));
+        assert_eq!(s.state(), SessionState::Jeopardy);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_before_the_deadline_postpones_jeopardy() {
+        let t0 = Instant::now();
+        let s = Arc::new(SessionShared::new("s".into(), ms(900), t0, 900));
+        let waiter = tokio::spawn({
+            let s = s.clone();
+            async move { s.jeopardy().await }
+        });
+        tokio::time::advance(ms(600)).await;
+        s.grant(t0 + ms(500), 900); // new deadline t0 + 1400
+        settle().await;
+        tokio::time::advance(ms(400)).await; // t0 + 1000: past the old deadline
+        settle().await;
+        assert!(!waiter.is_finished());
+        assert_eq!(s.state(), SessionState::Valid);
+        tokio::time::advance(ms(400)).await; // t0 + 1400
+        settle().await;
+        assert!(waiter.is_finished());
+        assert_eq!(s.state(), SessionState::Jeopardy);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expiry_resolves_jeopardy_and_expired_at_once() {
+        let t0 = Instant::now();
+        let s = Arc::new(SessionShared::new("s".into(), ms(12_000), t0, 12_000));
+        let jeopardy = tokio::spawn({
+            let s = s.clone();
+            async move { s.jeopardy().await }
+        });
+        let expired = tokio::spawn({
+            let s = s.clone();
+            async move { s.expired().await }
+        });
+        settle().await;
+        assert!(!jeopardy.is_finished() && !expired.is_finished());
+        s.expire("session \"s\" has expired: missed renewals");
+        settle().await;
+        assert!(jeopardy.is_finished() && expired.is_finished());
+        assert_eq!(Instant::now(), t0, "no time had to pass");
+        assert_eq!(s.state(), SessionState::Expired);
+        assert_eq!(
+            s.expired_reason().as_deref(),
+            Some("session \"s\" has expired: missed renewals")
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn renewal_interval_tracks_the_last_grant() {
+        let t0 = Instant::now();
+        let s = SessionShared::new("s".into(), ms(12_000), t0, 12_000);
+        assert_eq!(s.renew_interval(), ms(4_000));
+        s.grant(t0, 1_500);
+        assert_eq!(s.renew_interval(), ms(500));
+        assert_eq!(
+            s.deadline(),
+            t0 + ms(12_000),
+            "the shorter grant did not shorten the deadline"
+        );
+        assert_eq!((s.next_seq(), s.next_seq()), (1, 2));
+    }
+}

@@ -1,0 +1,203 @@
+//! An in-memory fake proxy on `127.0.0.1:0`, implementing just enough of `lockcell.v1`
+//! to drive the SDK and lockctl; the real proxy is tested end to end in the workspace's
+//! `tests/` crate. Tests steer it through its fields and watch what it saw.
+#![allow(dead_code)] // each test file uses part of it
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockcell_proto::v1::lock_server::{Lock, LockServer};
+use lockcell_proto::v1::session_server::{Session as SessionApi, SessionServer};
+use lockcell_proto::v1::{
+    AcquireRequest, AcquireResponse, CloseRequest, CloseResponse, FencingToken, KeepAliveRequest,
+    KeepAliveResponse, OpenRequest, OpenResponse, ReleaseRequest, ReleaseResponse,
+    SessionState as Wire,
+};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+
+/// Every wait in these tests is for a condition, bounded by this.
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+#[derive(Default)]
+pub struct Fake {
+    pub next_id: AtomicU64,
+    /// `valid_for_ms` granted by Open, renewals and Acquire.
+    pub valid_for_ms: AtomicU64,
+    /// While set, renewals are swallowed without a reply.
+    pub mute: AtomicBool,
+    pub streams_opened: watch::Sender<usize>,
+    /// Sessions the fake reports as EXPIRED.
+    pub killed: Mutex<Vec<String>>,
+    /// Renewals seen, per session.
+    pub renewals: watch::Sender<HashMap<String, u64>>,
+    pub closed: watch::Sender<Vec<String>>,
+    pub released: watch::Sender<Vec<String>>,
+    /// lock → (session, revision)
+    pub locks: Mutex<HashMap<String, (String, i64)>>,
+    pub revision: AtomicU64,
+}
+
+#[derive(Clone)]
+struct FakeProxy(Arc<Fake>);
+
+#[tonic::async_trait]
+impl SessionApi for FakeProxy {
+    async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
+        let n = self.0.next_id.fetch_add(1, Ordering::Relaxed);
+        Ok(Response::new(OpenResponse {
+            session_id: format!("s{n}"),
+            ttl_ms: request.get_ref().ttl_ms,
+            valid_for_ms: self.0.valid_for_ms.load(Ordering::Relaxed),
+            proxy_id: "fake".into(),
+        }))
+    }
+
+    type KeepAliveStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<KeepAliveResponse, Status>> + Send>>;
+
+    async fn keep_alive(
+        &self,
+        request: Request<Streaming<KeepAliveRequest>>,
+    ) -> Result<Response<Self::KeepAliveStream>, Status> {
+        self.0.streams_opened.send_modify(|n| *n += 1);
+        let mut input = request.into_inner();
+        let (tx, rx) = mpsc::channel(64);
+        let fake = self.0.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(req)) = input.message().await {
+                fake.renewals
+                    .send_modify(|m| *m.entry(req.session_id.clone()).or_default() += 1);
+                if fake.mute.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let killed = fake.killed.lock().unwrap().contains(&req.session_id);
+                let reply = KeepAliveResponse {
+                    state: if killed { Wire::Expired } else { Wire::Alive } as i32,
+                    valid_for_ms: if killed {
+                        0
+                    } else {
+                        fake.valid_for_ms.load(Ordering::Relaxed)
+                    },
+                    reason: if killed {
+                        format!(
+                            "session {:?} has expired: killed by the test",
+                            req.session_id
+                        )
+                    } else {
+                        String::new()
+                    },
+                    session_id: req.session_id,
+                    seq: req.seq,
+                };
+                if tx.send(Ok(reply)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn close(
+        &self,
+        request: Request<CloseRequest>,
+    ) -> Result<Response<CloseResponse>, Status> {
+        let id = request.into_inner().session_id;
+        let released = {
+            let mut locks = self.0.locks.lock().unwrap();
+            let before = locks.len();
+            locks.retain(|_, (holder, _)| *holder != id);
+            (before - locks.len()) as u32
+        };
+        self.0.closed.send_modify(|c| c.push(id));
+        Ok(Response::new(CloseResponse { released }))
+    }
+}
+
+#[tonic::async_trait]
+impl Lock for FakeProxy {
+    async fn acquire(
+        &self,
+        request: Request<AcquireRequest>,
+    ) -> Result<Response<AcquireResponse>, Status> {
+        let req = request.into_inner();
+        if req.lock.is_empty() || req.lock.contains(' ') {
+            return Err(Status::invalid_argument(format!(
+                "lock name {:?} is not allowed",
+                req.lock
+            )));
+        }
+        if self.0.killed.lock().unwrap().contains(&req.session_id) {
+            return Err(Status::failed_precondition("expired"));
+        }
+        let mut locks = self.0.locks.lock().unwrap();
+        if locks
+            .get(&req.lock)
+            .is_some_and(|(holder, _)| *holder != req.session_id)
+        {
+            return Ok(Response::new(AcquireResponse {
+                granted: false,
+                token: None,
+                valid_for_ms: 0,
+            }));
+        }
+        let revision = self.0.revision.fetch_add(1, Ordering::Relaxed) as i64 + 100;
+        locks.insert(req.lock, (req.session_id, revision));
+        Ok(Response::new(AcquireResponse {
+            granted: true,
+            token: Some(FencingToken { epoch: 1, revision }),
+            valid_for_ms: self.0.valid_for_ms.load(Ordering::Relaxed),
+        }))
+    }
+
+    async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
+        let req = request.into_inner();
+        let revision = req.token.map(|t| t.revision);
+        let mut locks = self.0.locks.lock().unwrap();
+        let released = locks
+            .get(&req.lock)
+            .is_some_and(|(holder, rev)| *holder == req.session_id && Some(*rev) == revision);
+        if released {
+            locks.remove(&req.lock);
+            self.0.released.send_modify(|r| r.push(req.lock));
+        }
+        Ok(Response::new(ReleaseResponse { released }))
+    }
+}
+
+/// A running fake; the server task stops when this is dropped.
+pub struct Running {
+    pub fake: Arc<Fake>,
+    pub addr: String,
+    pub server: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+pub async fn start(valid_for_ms: u64) -> Running {
+    let fake = Arc::new(Fake::default());
+    fake.valid_for_ms.store(valid_for_ms, Ordering::Relaxed);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let proxy = FakeProxy(fake.clone());
+    let server = tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(SessionServer::new(proxy.clone()))
+            .add_service(LockServer::new(proxy))
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await
+            .unwrap();
+    });
+    Running { fake, addr, server }
+}

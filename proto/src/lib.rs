@@ -1,0 +1,34 @@
+//! The `lockcell.v1` wire protocol shared by the proxy, the SDK and the tests, and the
+//! fencing token type that every grant carries.
+//!
+//! The messages are generated from `proto/lockcell/v1/lockcell.proto`; read that file for
+//! the meaning of each field.
+#![forbid(unsafe_code)]
+
+pub mod token;
+
+pub use token::{FencingToken, TokenParseError};
+
+/// Generated messages and services of package `lockcell.v1`.
+pub mod v1 {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("lockcell.v1");
+}
+
+impl From<FencingToken> for v1::FencingToken {
+    fn from(t: FencingToken) -> Self {
+        v1::FencingToken {
+            epoch: t.epoch,
+            revision: t.revision,
+        }
+    }
+}
+
+impl From<v1::FencingToken> for FencingToken {
+    fn from(t: v1::FencingToken) -> Self {
+        FencingToken {
+            epoch: t.epoch,
+            revision: t.revision,
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! The proxy's one typed configuration, from flags or `LOCKCELL_*` environment variables.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// lockcell-proxy: the zone proxy of a lockcell cell.
+///
+/// Holds client sessions in memory and answers their keepalives itself; attaches every
+/// key its clients create to one of a few etcd leases of its own, so etcd sees K leases
+/// per proxy instead of one per client. Grants exclusive locks with fencing tokens.
+///
+/// Example: lockcell-proxy --etcd 127.0.0.1:2379 --zone a --listen 127.0.0.1:7420
+#[derive(Debug, Clone, Parser)]
+#[command(name = "lockcell-proxy", version, about, long_about)]
+pub struct ProxyConfig {
+    /// Address the lockcell.v1 gRPC service listens on.
+    #[arg(long, env = "LOCKCELL_LISTEN", default_value = "127.0.0.1:7420")]
+    pub listen: SocketAddr,
+
+    /// Address of the admin HTTP server (/metrics for Prometheus, /healthz).
+    #[arg(long, env = "LOCKCELL_ADMIN_LISTEN", default_value = "127.0.0.1:7421")]
+    pub admin_listen: SocketAddr,
+
+    /// etcd client endpoints of the cell, comma-separated.
+    #[arg(
+        long = "etcd",
+        env = "LOCKCELL_ETCD",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:2379"
+    )]
+    pub etcd_endpoints: Vec<String>,
+
+    /// The zone this proxy serves (a label in logs and in every grant record).
+    #[arg(long, env = "LOCKCELL_ZONE", default_value = "local")]
+    pub zone: String,
+
+    /// This proxy's name in grant records; defaults to ZONE-<random>.
+    #[arg(long, env = "LOCKCELL_PROXY_ID")]
+    pub proxy_id: Option<String>,
+
+    /// How many etcd leases the proxy spreads its sessions over (K). Losing the proxy
+    /// costs etcd K revocations, whatever the number of sessions.
+    #[arg(long, env = "LOCKCELL_LEASES", default_value_t = 4,
+          value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub leases: u16,
+
+    /// TTL of the proxy's etcd leases: how long the keys of a dead proxy's clients
+    /// outlive it. etcd counts whole seconds.
+    #[arg(long, env = "LOCKCELL_LEASE_TTL", default_value = "12s", value_parser = whole_seconds)]
+    pub lease_ttl: Duration,
+
+    /// How often the proxy renews its leases; defaults to a quarter of --lease-ttl.
+    #[arg(long, env = "LOCKCELL_LEASE_RENEW_INTERVAL", value_parser = humantime::parse_duration)]
+    pub lease_renew_interval: Option<Duration>,
+
+    /// Session TTL given to clients that ask for none.
+    #[arg(long, env = "LOCKCELL_SESSION_TTL", default_value = "12s", value_parser = humantime::parse_duration)]
+    pub session_ttl: Duration,
+
+    /// Shortest session TTL a client may ask for (shorter requests are raised to it).
+    #[arg(long, env = "LOCKCELL_SESSION_TTL_MIN", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub session_ttl_min: Duration,
+
+    /// Longest session TTL a client may ask for (longer requests are cut to it).
+    #[arg(long, env = "LOCKCELL_SESSION_TTL_MAX", default_value = "120s", value_parser = humantime::parse_duration)]
+    pub session_ttl_max: Duration,
+
+    /// Safety margin taken off every validity the proxy grants, for clock-rate drift
+    /// between this machine and the etcd leader.
+    #[arg(long, env = "LOCKCELL_VALIDITY_MARGIN", default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub validity_margin: Duration,
+
+    /// Deadline of each call to etcd; a store that does not answer in time is reported
+    /// to clients as Unavailable.
+    #[arg(long, env = "LOCKCELL_ETCD_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub etcd_timeout: Duration,
+
+    /// How long a shutdown waits for clients to disconnect before it cuts them off.
+    #[arg(long, env = "LOCKCELL_SHUTDOWN_GRACE", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub shutdown_grace: Duration,
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--session-ttl-min ({min:?}) is above --session-ttl-max ({max:?})")]
+    TtlBounds { min: Duration, max: Duration },
+    #[error("--session-ttl ({ttl:?}) is outside --session-ttl-min..--session-ttl-max ({min:?}..{max:?})")]
+    DefaultTtl {
+        ttl: Duration,
+        min: Duration,
+        max: Duration,
+    },
+    #[error("--lease-renew-interval ({interval:?}) must be below half of --lease-ttl ({ttl:?}), or the lease could lapse between renewals")]
+    RenewInterval { interval: Duration, ttl: Duration },
+    #[error("--validity-margin ({margin:?}) must be below half of --lease-ttl ({ttl:?}), or no client could ever be valid")]
+    Margin { margin: Duration, ttl: Duration },
+    #[error("--etcd needs at least one endpoint")]
+    NoEndpoints,
+}
+
+impl ProxyConfig {
+    /// Checks the values against each other; every error names the flag to change.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let (min, max) = (self.session_ttl_min, self.session_ttl_max);
+        if min > max {
+            return Err(ConfigError::TtlBounds { min, max });
+        }
+        if self.session_ttl < min || self.session_ttl > max {
+            return Err(ConfigError::DefaultTtl {
+                ttl: self.session_ttl,
+                min,
+                max,
+            });
+        }
+        let interval = self.renew_interval();
+        if interval * 2 >= self.lease_ttl {
+            return Err(ConfigError::RenewInterval {
+                interval,
+                ttl: self.lease_ttl,
+            });
+        }
+        if self.validity_margin * 2 >= self.lease_ttl {
+            return Err(ConfigError::Margin {
+                margin: self.validity_margin,
+                ttl: self.lease_ttl,
+            });
+        }
+        if self.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
+            return Err(ConfigError::NoEndpoints);
+        }
+        Ok(())
+    }
+
+    /// The lease renewal period actually used.
+    pub fn renew_interval(&self) -> Duration {
+        self.lease_renew_interval.unwrap_or(self.lease_ttl / 4)
+    }
+
+    /// The TTL a session gets when it asks for `requested` (zero: the default).
+    pub fn session_ttl_for(&self, requested: Duration) -> Duration {
+        if requested.is_zero() {
+            return self.session_ttl;
+        }
+        requested.clamp(self.session_ttl_min, self.session_ttl_max)
+    }
+}
+
+fn whole_seconds(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d.subsec_nanos() != 0 || d.as_secs() == 0 {
+        return Err(format!(
+            "{s:?}: etcd lease TTLs are whole seconds, at least 1s"
+        ));
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> ProxyConfig {
+        let mut argv = vec!["lockcell-proxy"];
+        argv.extend_from_slice(args);
+        ProxyConfig::try_parse_from(argv).expect("parses")
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = parse(&[]);
+        c.validate().unwrap();
+        assert_eq!(c.leases, 4);
+        assert_eq!(c.renew_interval(), Duration::from_secs(3));
+    }
+
+    #[test]
+    fn clamps_requested_ttls() {
+        let c = parse(&["--session-ttl-min", "2s", "--session-ttl-max", "30s"]);
+        assert_eq!(c.session_ttl_for(Duration::ZERO), Duration::from_secs(12));
+        assert_eq!(
+            c.session_ttl_for(Duration::from_millis(10)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            c.session_ttl_for(Duration::from_secs(99)),
+            Duration::from_secs(30)
+        );
+    }
+
+    #[test]
+    fn refuses_inconsistent_values_naming_the_flag() {
+        let c = parse(&["--lease-ttl", "2s", "--lease-renew-interval", "1s"]);
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--lease-renew-interval"));
+        let c = parse(&[
+            "--session-ttl-min",
+            "10s",
+            "--session-ttl-max",
+            "5s",
+            "--session-ttl",
+            "7s",
+        ]);
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--session-ttl-min"));
+        assert!(ProxyConfig::try_parse_from(["p", "--lease-ttl", "1500ms"]).is_err());
+    }
+}

@@ -1,0 +1,62 @@
+//! The proxy's errors and the one place they become gRPC statuses.
+
+use lockcell_cell::{CellError, NameError};
+use tonic::Status;
+
+use crate::sessions::Gone;
+
+/// Why a call to the proxy failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("{0}")]
+    BadName(#[from] NameError),
+    #[error("session {id:?} is not known to this proxy (never opened here, or closed)")]
+    UnknownSession { id: String },
+    #[error("session {id:?} has expired: {reason}")]
+    ExpiredSession { id: String, reason: String },
+    #[error("{0}")]
+    BadArgument(String),
+    #[error("this proxy holds no etcd lease right now (etcd unreachable?); try again or use another proxy")]
+    NoLease,
+    #[error("{0}")]
+    Store(#[from] CellError),
+    #[error("{context}: {source}")]
+    StoreDuring {
+        context: String,
+        #[source]
+        source: CellError,
+    },
+}
+
+impl ProxyError {
+    pub fn session(id: &str, gone: Gone) -> Self {
+        match gone {
+            Gone::Unknown => ProxyError::UnknownSession { id: id.to_owned() },
+            Gone::Expired(reason) => ProxyError::ExpiredSession {
+                id: id.to_owned(),
+                reason: reason.to_string(),
+            },
+        }
+    }
+}
+
+impl From<ProxyError> for Status {
+    fn from(e: ProxyError) -> Status {
+        let message = e.to_string();
+        match e {
+            ProxyError::BadName(_) | ProxyError::BadArgument(_) => {
+                Status::invalid_argument(message)
+            }
+            ProxyError::UnknownSession { .. } => Status::not_found(message),
+            ProxyError::ExpiredSession { .. } => Status::failed_precondition(message),
+            ProxyError::NoLease => Status::unavailable(message),
+            ProxyError::Store(ref c) | ProxyError::StoreDuring { source: ref c, .. } => {
+                if c.is_retriable() {
+                    Status::unavailable(message)
+                } else {
+                    Status::internal(message)
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! Keeps each of the proxy's K etcd leases alive, and replaces a lease that is lost.
+//!
+//! One task per bucket: grant a lease, then renew it every renew interval over a
+//! keepalive stream, recording `time sent + TTL` as the lease's lower bound. A reply that
+//! does not arrive in time resets the stream, so a late reply can never be paired with a
+//! later send time. Once the lower bound passes without a renewal, or etcd says the
+//! lease is gone, the bucket's sessions expire and a new lease is granted.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{LeaseKeepAliveStream, LeaseKeeper};
+use tokio::time::{Instant, MissedTickBehavior};
+
+use crate::metrics as m;
+use crate::state::ProxyState;
+
+/// Runs bucket `bucket` until shutdown.
+pub async fn run(state: Arc<ProxyState>, bucket: usize) {
+    let mut shutdown = state.shutdown.clone();
+    loop {
+        let lease = tokio::select! {
+            lease = grant(&state, bucket) => lease,
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        };
+        let reason = tokio::select! {
+            reason = renew(&state, bucket, lease) => reason,
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        };
+        lose(&state, bucket, lease, reason);
+    }
+}
+
+/// Grants a lease for `bucket`, retrying until etcd answers.
+async fn grant(state: &ProxyState, bucket: usize) -> i64 {
+    let ttl = state.config.lease_ttl.as_secs() as i64;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let sent = Instant::now();
+        let mut client = state.etcd.lease_client();
+        let call = client.grant(ttl, None);
+        match tokio::time::timeout(state.config.etcd_timeout, call).await {
+            Ok(Ok(resp)) => {
+                let granted = Duration::from_secs(resp.ttl().max(0) as u64);
+                state.leases.install(bucket, resp.id(), sent, granted);
+                tracing::info!(
+                    bucket,
+                    lease = resp.id(),
+                    ttl_s = resp.ttl(),
+                    "granted proxy lease"
+                );
+                return resp.id();
+            }
+            Ok(Err(e)) => tracing::warn!(bucket, error = %e, "lease grant failed; retrying"),
+            Err(_) => tracing::warn!(bucket, "lease grant timed out; retrying"),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Renews `lease` until it is lost; returns why.
+async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
+    let mut tick = tokio::time::interval(state.config.renew_interval());
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
+    loop {
+        tick.tick().await;
+        if state.leases.past_bound(bucket, Instant::now()) {
+            return "the proxy could not renew its etcd lease before the lease's lower bound";
+        }
+        let (keeper, replies) = match stream.as_mut() {
+            Some(pair) => pair,
+            None => {
+                let mut client = state.etcd.lease_client();
+                let call = client.keep_alive(lease);
+                match tokio::time::timeout(state.config.etcd_timeout, call).await {
+                    Ok(Ok(pair)) => stream.insert(pair),
+                    Ok(Err(e)) => {
+                        tracing::warn!(bucket, lease, error = %e, "lease keepalive stream failed to open");
+                        continue;
+                    }
+                    Err(_) => {
+                        tracing::warn!(bucket, lease, "lease keepalive stream timed out opening");
+                        continue;
+                    }
+                }
+            }
+        };
+        let sent = Instant::now();
+        let exchange = async {
+            keeper.keep_alive().await?;
+            replies.message().await
+        };
+        match tokio::time::timeout(state.config.etcd_timeout, exchange).await {
+            Ok(Ok(Some(reply))) if reply.id() == lease && reply.ttl() > 0 => {
+                let ttl = Duration::from_secs(reply.ttl() as u64);
+                state.leases.renewed(bucket, lease, sent, ttl);
+                metrics::counter!(m::LEASE_RENEWALS).increment(1);
+            }
+            Ok(Ok(Some(reply))) if reply.ttl() <= 0 => {
+                return "etcd reports the proxy lease expired or revoked";
+            }
+            other => {
+                let what = match other {
+                    Ok(Err(e)) => e.to_string(),
+                    Ok(Ok(_)) => "stream ended".to_owned(),
+                    Err(_) => "no reply in time".to_owned(),
+                };
+                tracing::warn!(bucket, lease, error = %what, "lease renewal failed; reopening the stream");
+                stream = None;
+            }
+        }
+    }
+}
+
+/// Gives up `lease`: its sessions expire, and etcd is asked to revoke it so their keys
+/// go now rather than at the lease's TTL.
+fn lose(state: &Arc<ProxyState>, bucket: usize, lease: i64, reason: &'static str) {
+    if !state.leases.clear(bucket, lease) {
+        return;
+    }
+    let sessions = state
+        .sessions
+        .take_on_lease(lease, reason.into(), Instant::now());
+    tracing::warn!(
+        bucket,
+        lease,
+        sessions = sessions.len(),
+        reason,
+        "proxy lease lost"
+    );
+    metrics::counter!(m::LEASES_LOST).increment(1);
+    metrics::counter!(m::SESSIONS_EXPIRED).increment(sessions.len() as u64);
+    for s in &sessions {
+        state.leases.unassign(s.bucket);
+    }
+    let state = state.clone();
+    // Bounded by the etcd timeout: this task ends on its own.
+    tokio::spawn(async move {
+        let mut client = state.etcd.lease_client();
+        let call = client.revoke(lease);
+        if let Ok(Ok(_)) = tokio::time::timeout(state.config.etcd_timeout, call).await {
+            tracing::info!(lease, "revoked lost proxy lease");
+        }
+    });
+}

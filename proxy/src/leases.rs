@@ -1,0 +1,199 @@
+//! The lease multiplexer's bookkeeping: K buckets, each with the proxy's current etcd
+//! lease and a lower bound of when etcd could revoke it.
+//!
+//! The lower bound is `time the renewal was sent + TTL etcd granted`: etcd starts the
+//! TTL no earlier than it receives the request, so the lease cannot expire before then.
+//! Every validity the proxy grants a client ends before it (DESIGN.md section 5). This
+//! module is plain data; [`crate::lease_keeper`] performs the renewals.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// A lease id etcd never hands out; marks a bucket whose lease is being replaced.
+pub const NO_LEASE: i64 = 0;
+
+/// The proxy's K leases and how long each is certainly alive.
+pub struct LeaseBook {
+    /// Origin of the bounds below, which are stored as nanoseconds after it so that a
+    /// keepalive can read a bucket without a lock.
+    base: Instant,
+    buckets: Vec<Bucket>,
+    /// Taken off every validity, for clock-rate drift between proxy and etcd leader.
+    margin: Duration,
+}
+
+struct Bucket {
+    /// The etcd lease sessions in this bucket attach their keys to, or [`NO_LEASE`].
+    lease: AtomicI64,
+    /// Lower bound of the lease's expiry, in nanoseconds after `base`.
+    bound: AtomicU64,
+    /// Sessions assigned here, so new sessions go to the emptiest bucket.
+    sessions: AtomicUsize,
+}
+
+impl LeaseBook {
+    pub fn new(k: usize, margin: Duration, base: Instant) -> Self {
+        let buckets = (0..k)
+            .map(|_| Bucket {
+                lease: AtomicI64::new(NO_LEASE),
+                bound: AtomicU64::new(0),
+                sessions: AtomicUsize::new(0),
+            })
+            .collect();
+        LeaseBook {
+            base,
+            buckets,
+            margin,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buckets.is_empty()
+    }
+
+    /// The lease currently in `bucket`, if it has one.
+    pub fn lease(&self, bucket: usize) -> Option<i64> {
+        match self.buckets[bucket].lease.load(Ordering::Acquire) {
+            NO_LEASE => None,
+            id => Some(id),
+        }
+    }
+
+    /// Every lease the proxy holds now.
+    pub fn leases(&self) -> Vec<i64> {
+        (0..self.len()).filter_map(|b| self.lease(b)).collect()
+    }
+
+    /// Puts a freshly granted lease in `bucket`. `sent` is when the grant request left.
+    pub fn install(&self, bucket: usize, lease: i64, sent: Instant, ttl: Duration) {
+        let b = &self.buckets[bucket];
+        b.bound.store(self.nanos(sent + ttl), Ordering::Release);
+        b.lease.store(lease, Ordering::Release);
+    }
+
+    /// Records a successful renewal of `lease` sent at `sent` for which etcd granted
+    /// `ttl`. Ignored when the bucket holds another lease by now.
+    pub fn renewed(&self, bucket: usize, lease: i64, sent: Instant, ttl: Duration) {
+        let b = &self.buckets[bucket];
+        if b.lease.load(Ordering::Acquire) == lease {
+            b.bound.fetch_max(self.nanos(sent + ttl), Ordering::AcqRel);
+        }
+    }
+
+    /// Empties `bucket` if it still holds `lease`; returns whether it did.
+    pub fn clear(&self, bucket: usize, lease: i64) -> bool {
+        self.buckets[bucket]
+            .lease
+            .compare_exchange(lease, NO_LEASE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// True once `now` is past the bucket's lower bound: etcd may have revoked the lease.
+    pub fn past_bound(&self, bucket: usize, now: Instant) -> bool {
+        self.nanos(now) >= self.buckets[bucket].bound.load(Ordering::Acquire)
+    }
+
+    /// How long a client of a session on (`bucket`, `lease`) with `ttl` may act from
+    /// `now`: `min(ttl, lower bound - now - margin)`, zero when the lease is gone.
+    pub fn valid_for(&self, bucket: usize, lease: i64, ttl: Duration, now: Instant) -> Duration {
+        let b = &self.buckets[bucket];
+        if b.lease.load(Ordering::Acquire) != lease {
+            return Duration::ZERO;
+        }
+        let bound = b.bound.load(Ordering::Acquire);
+        let left = Duration::from_nanos(bound.saturating_sub(self.nanos(now)));
+        left.saturating_sub(self.margin).min(ttl)
+    }
+
+    /// Picks the bucket with a live lease and the fewest sessions, and counts the new
+    /// session there. `None` while no bucket has a lease.
+    pub fn assign(&self) -> Option<(usize, i64)> {
+        let (bucket, lease) = (0..self.len())
+            .filter_map(|b| self.lease(b).map(|l| (b, l)))
+            .min_by_key(|(b, _)| self.buckets[*b].sessions.load(Ordering::Relaxed))?;
+        self.buckets[bucket]
+            .sessions
+            .fetch_add(1, Ordering::Relaxed);
+        Some((bucket, lease))
+    }
+
+    /// Counts a session out of `bucket`.
+    pub fn unassign(&self, bucket: usize) {
+        let _ =
+            self.buckets[bucket]
+                .sessions
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    fn nanos(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.base).as_nanos() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn validity_ends_before_the_lease_lower_bound() {
+        let t0 = Instant::now();
+        let book = LeaseBook::new(2, Duration::from_millis(500), t0);
+        book.install(0, 7, t0, 10 * S);
+        // Right after the grant: capped by the session TTL.
+        assert_eq!(book.valid_for(0, 7, 5 * S, t0), 5 * S);
+        // Later: capped by bound - now - margin.
+        assert_eq!(
+            book.valid_for(0, 7, 12 * S, t0 + 4 * S),
+            Duration::from_millis(5500)
+        );
+        // Past the bound, or for a lease the bucket no longer holds: nothing.
+        assert_eq!(book.valid_for(0, 7, 12 * S, t0 + 10 * S), Duration::ZERO);
+        assert_eq!(book.valid_for(0, 8, 12 * S, t0), Duration::ZERO);
+        assert!(book.past_bound(0, t0 + 10 * S));
+        assert!(!book.past_bound(0, t0 + 9 * S));
+    }
+
+    #[test]
+    fn renewals_move_the_bound_forward_only_for_the_current_lease() {
+        let t0 = Instant::now();
+        let book = LeaseBook::new(1, Duration::ZERO, t0);
+        book.install(0, 7, t0, 10 * S);
+        book.renewed(0, 7, t0 + 3 * S, 10 * S);
+        assert_eq!(book.valid_for(0, 7, 60 * S, t0), 13 * S);
+        // A late reply to an older renewal does not pull the bound back.
+        book.renewed(0, 7, t0 + S, 10 * S);
+        assert_eq!(book.valid_for(0, 7, 60 * S, t0), 13 * S);
+        // A renewal of a replaced lease is ignored.
+        assert!(book.clear(0, 7));
+        book.install(0, 9, t0, 2 * S);
+        book.renewed(0, 7, t0 + 5 * S, 10 * S);
+        assert_eq!(book.valid_for(0, 9, 60 * S, t0), 2 * S);
+        assert!(
+            !book.clear(0, 7),
+            "clear of a replaced lease must not empty the bucket"
+        );
+    }
+
+    #[test]
+    fn assigns_to_the_emptiest_bucket_with_a_lease() {
+        let t0 = Instant::now();
+        let book = LeaseBook::new(3, Duration::ZERO, t0);
+        assert_eq!(book.assign(), None);
+        book.install(1, 11, t0, 10 * S);
+        book.install(2, 12, t0, 10 * S);
+        let picks: Vec<usize> = (0..4).map(|_| book.assign().unwrap().0).collect();
+        assert_eq!(picks.iter().filter(|b| **b == 1).count(), 2);
+        assert_eq!(picks.iter().filter(|b| **b == 2).count(), 2);
+        book.unassign(1);
+        assert_eq!(book.assign(), Some((1, 11)));
+        assert_eq!(book.leases(), vec![11, 12]);
+    }
+}

@@ -1,0 +1,217 @@
+//! lockcell-proxy: the zone proxy. It holds client sessions in memory, answers their
+//! keepalives itself, and attaches every key its clients create to one of K etcd leases
+//! of its own (DESIGN.md sections 1, 4 and 5).
+//!
+//! Pure parts ([`sessions`], [`leases`], the waiter channels of [`release_watch`]) hold
+//! the proxy's bookkeeping; the runtime parts ([`lease_keeper`], [`reaper`],
+//! [`service`]) carry out what they decide against etcd.
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod cleanup;
+pub mod config;
+pub mod errors;
+pub mod lease_keeper;
+pub mod leases;
+pub mod metrics;
+pub mod reaper;
+pub mod release_watch;
+pub mod service;
+pub mod sessions;
+pub mod state;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use etcd_client::ConnectOptions;
+use lockcell_cell::epoch;
+use lockcell_cell::locklog::LockLog;
+use lockcell_proto::v1::lock_server::LockServer;
+use lockcell_proto::v1::session_server::SessionServer;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use config::ProxyConfig;
+use state::ProxyState;
+
+/// Installs the Prometheus recorder for this process and describes the metrics.
+pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(metrics::ACQUIRE_SECONDS.to_owned()),
+            metrics::ACQUIRE_BUCKETS,
+        )?
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    metrics::describe();
+    Ok(handle)
+}
+
+/// Runs a proxy until `shutdown` resolves, then stops: stops accepting, ends client
+/// streams, waits up to the shutdown grace, and revokes its leases so its clients' locks
+/// go at once instead of at the lease TTL.
+pub async fn run(
+    config: ProxyConfig,
+    prometheus: PrometheusHandle,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    config.validate()?;
+    let proxy_id = config
+        .proxy_id
+        .clone()
+        .unwrap_or_else(|| format!("{}-{:08x}", config.zone, rand::random::<u32>()));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopping = tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+
+    let (etcd, epoch, start_revision) = connect(&config, stop_rx.clone()).await?;
+    let grpc = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding the gRPC address {}", config.listen))?;
+    let admin = TcpListener::bind(config.admin_listen)
+        .await
+        .with_context(|| format!("binding the admin address {}", config.admin_listen))?;
+
+    let state = Arc::new(ProxyState {
+        proxy_id: proxy_id.clone(),
+        epoch: epoch.epoch,
+        sessions: Default::default(),
+        leases: leases::LeaseBook::new(
+            config.leases as usize,
+            config.validity_margin,
+            Instant::now(),
+        ),
+        locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout),
+        releases: Default::default(),
+        cleanup: Default::default(),
+        etcd: etcd.clone(),
+        shutdown: stop_rx.clone(),
+        config,
+    });
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for bucket in 0..state.leases.len() {
+        tasks.spawn(lease_keeper::run(state.clone(), bucket));
+    }
+    tasks.spawn(reaper::run(state.clone()));
+    tasks.spawn(admin::serve(admin, prometheus, state.clone()));
+    let follow = tokio::spawn(release_watch::follow(
+        etcd.watch_client(),
+        state.releases.clone(),
+        start_revision + 1,
+    ));
+
+    // Serve only once every bucket has a lease, so the first client finds one.
+    wait_for_leases(&state).await;
+    tracing::info!(
+        proxy.id = %proxy_id,
+        zone = %state.config.zone,
+        grpc = %state.config.listen,
+        admin = %state.config.admin_listen,
+        cluster.id = %epoch.cluster_id,
+        epoch = epoch.epoch,
+        leases = state.leases.len(),
+        "lockcell-proxy ready"
+    );
+
+    let mut stop = stop_rx.clone();
+    let server = tonic::transport::Server::builder()
+        .add_service(SessionServer::new(service::session::SessionService {
+            state: state.clone(),
+        }))
+        .add_service(LockServer::new(service::lock::LockService {
+            state: state.clone(),
+        }))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
+            let _ = stop.wait_for(|s| *s).await;
+        });
+    let mut stop = stop_rx.clone();
+    tokio::select! {
+        result = server => result.context("gRPC server failed")?,
+        _ = async {
+            let _ = stop.wait_for(|s| *s).await;
+            tokio::time::sleep(state.config.shutdown_grace).await;
+        } => tracing::warn!("clients did not disconnect within the shutdown grace; closing"),
+    }
+    follow.abort();
+    tasks.shutdown().await;
+    stopping.abort();
+    revoke_all(&state).await;
+    tracing::info!("lockcell-proxy stopped");
+    Ok(())
+}
+
+/// Connects to etcd, retrying until it answers or shutdown, and reads the epoch record.
+async fn connect(
+    config: &ProxyConfig,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<(etcd_client::Client, epoch::EpochRecord, i64)> {
+    let options = ConnectOptions::new()
+        .with_connect_timeout(config.etcd_timeout)
+        .with_keep_alive(Duration::from_secs(2), config.etcd_timeout);
+    let mut pause = Duration::from_millis(200);
+    loop {
+        let attempt = async {
+            let client =
+                etcd_client::Client::connect(&config.etcd_endpoints, Some(options.clone())).await?;
+            let record = epoch::ensure(&mut client.kv_client(), config.etcd_timeout).await?;
+            let mut kv = client.kv_client();
+            let now = lockcell_cell::error::with_timeout(
+                "read revision",
+                config.etcd_timeout,
+                kv.get(lockcell_cell::keyspace::epoch_key(), None),
+            )
+            .await?;
+            let revision = now.header().map(|h| h.revision()).unwrap_or_default();
+            anyhow::Ok((client, record, revision))
+        };
+        match attempt.await {
+            Ok(connected) => return Ok(connected),
+            Err(e) => {
+                tracing::warn!(
+                    etcd = %config.etcd_endpoints.join(","),
+                    error = %e,
+                    retry_in = ?pause,
+                    "etcd is unreachable; retrying"
+                );
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stop.wait_for(|s| *s) => anyhow::bail!("stopped before etcd at {} answered", config.etcd_endpoints.join(",")),
+        }
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+async fn wait_for_leases(state: &ProxyState) {
+    let mut stop = state.shutdown.clone();
+    while state.leases.leases().len() < state.leases.len() && !*stop.borrow() {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            _ = stop.changed() => {}
+        }
+    }
+}
+
+/// Revokes every lease the proxy holds, so its clients' keys go now.
+async fn revoke_all(state: &ProxyState) {
+    for lease in state.leases.leases() {
+        let mut client = state.etcd.lease_client();
+        let call = client.revoke(lease);
+        match tokio::time::timeout(state.config.etcd_timeout, call).await {
+            Ok(Ok(_)) => tracing::info!(lease, "revoked proxy lease"),
+            Ok(Err(e)) => {
+                tracing::warn!(lease, error = %e, "could not revoke proxy lease; etcd will expire it")
+            }
+            Err(_) => tracing::warn!(lease, "revoking proxy lease timed out; etcd will expire it"),
+        }
+    }
+}

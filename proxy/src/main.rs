@@ -1,0 +1,33 @@
+//! The `lockcell-proxy` binary: parse the configuration, set up logs and metrics, run
+//! until SIGTERM or SIGINT.
+#![forbid(unsafe_code)]
+
+use clap::Parser;
+use lockcell_proxy::ProxyConfig;
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = ProxyConfig::parse();
+    if let Err(e) = config.validate() {
+        eprintln!("lockcell-proxy: {e}");
+        std::process::exit(2);
+    }
+    let prometheus = lockcell_proxy::install_metrics()?;
+    lockcell_proxy::run(config, prometheus, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+    }
+}

@@ -1,0 +1,10 @@
+//! The lockcell.v1 gRPC services: one file per service.
+
+pub mod lock;
+pub mod session;
+
+use std::time::Duration;
+
+fn millis(d: Duration) -> u64 {
+    d.as_millis().min(u64::MAX as u128) as u64
+}

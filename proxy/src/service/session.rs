@@ -1,0 +1,162 @@
+//! The Session service: open, keep alive and close sessions, all from memory.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockcell_proto::v1::session_server::Session as SessionApi;
+use lockcell_proto::v1::{
+    CloseRequest, CloseResponse, KeepAliveRequest, KeepAliveResponse, OpenRequest, OpenResponse,
+    SessionState,
+};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::millis;
+use crate::errors::ProxyError;
+use crate::metrics as m;
+use crate::sessions::{Gone, Session};
+use crate::state::ProxyState;
+
+/// Replies buffered per keepalive stream before the proxy stops reading that stream.
+const KEEPALIVE_BUFFER: usize = 256;
+
+pub struct SessionService {
+    pub state: Arc<ProxyState>,
+}
+
+type ReplyStream = Pin<Box<dyn Stream<Item = Result<KeepAliveResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl SessionApi for SessionService {
+    #[tracing::instrument(skip_all, fields(session.id))]
+    async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
+        let req = request.into_inner();
+        let state = &self.state;
+        let ttl = state
+            .config
+            .session_ttl_for(Duration::from_millis(req.ttl_ms));
+        let (bucket, lease) = state.leases.assign().ok_or(ProxyError::NoLease)?;
+        let id: Arc<str> = format!("{:032x}", rand::random::<u128>()).into();
+        tracing::Span::current().record("session.id", &*id);
+        let now = Instant::now();
+        state.sessions.insert(Session {
+            id: id.clone(),
+            identity: req.identity,
+            ttl,
+            bucket,
+            lease,
+            renewed_at: now,
+            held: Vec::new(),
+        });
+        metrics::counter!(m::SESSIONS_OPENED).increment(1);
+        metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+        tracing::debug!(ttl_ms = millis(ttl), bucket, lease, "session opened");
+        Ok(Response::new(OpenResponse {
+            session_id: id.to_string(),
+            ttl_ms: millis(ttl),
+            valid_for_ms: millis(state.leases.valid_for(bucket, lease, ttl, now)),
+            proxy_id: state.proxy_id.clone(),
+        }))
+    }
+
+    type KeepAliveStream = ReplyStream;
+
+    async fn keep_alive(
+        &self,
+        request: Request<Streaming<KeepAliveRequest>>,
+    ) -> Result<Response<Self::KeepAliveStream>, Status> {
+        let mut input = request.into_inner();
+        let (tx, rx) = mpsc::channel(KEEPALIVE_BUFFER);
+        let state = self.state.clone();
+        // Owned by the stream: it ends when the client hangs up, the reply stream is
+        // dropped, or the proxy shuts down.
+        tokio::spawn(async move {
+            let mut shutdown = state.shutdown.clone();
+            loop {
+                let req = tokio::select! {
+                    msg = input.message() => match msg {
+                        Ok(Some(req)) => req,
+                        Ok(None) | Err(_) => return,
+                    },
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                };
+                if tx.send(Ok(renew(&state, req))).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    #[tracing::instrument(skip_all, fields(session.id = %request.get_ref().session_id))]
+    async fn close(
+        &self,
+        request: Request<CloseRequest>,
+    ) -> Result<Response<CloseResponse>, Status> {
+        let id = request.into_inner().session_id;
+        let state = &self.state;
+        let session = state
+            .sessions
+            .close(&id)
+            .map_err(|gone| ProxyError::session(&id, gone))?;
+        state.leases.unassign(session.bucket);
+        metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+        if session.held.is_empty() {
+            return Ok(Response::new(CloseResponse { released: 0 }));
+        }
+        match state
+            .locklog
+            .delete_guarded(&session.held, session.lease)
+            .await
+        {
+            Ok(released) => {
+                metrics::counter!(m::LOCKS_RELEASED).increment(released as u64);
+                Ok(Response::new(CloseResponse {
+                    released: released as u32,
+                }))
+            }
+            Err(source) => {
+                let held = session.held.len();
+                state.cleanup.push(session.lease, session.held);
+                Err(ProxyError::StoreDuring {
+                    context: format!(
+                        "session {id:?} is closed; its {held} lock(s) will be released when etcd answers"
+                    ),
+                    source,
+                }
+                .into())
+            }
+        }
+    }
+}
+
+/// Answers one renewal from memory.
+fn renew(state: &ProxyState, req: KeepAliveRequest) -> KeepAliveResponse {
+    metrics::counter!(m::KEEPALIVES).increment(1);
+    let now = Instant::now();
+    let mut reply = KeepAliveResponse {
+        session_id: String::new(),
+        seq: req.seq,
+        state: SessionState::Alive as i32,
+        valid_for_ms: 0,
+        reason: String::new(),
+    };
+    match state.sessions.renew(&req.session_id, now) {
+        Ok(r) => {
+            reply.valid_for_ms = millis(state.leases.valid_for(r.bucket, r.lease, r.ttl, now));
+        }
+        Err(gone) => {
+            reply.state = match gone {
+                Gone::Unknown => SessionState::NotFound,
+                Gone::Expired(_) => SessionState::Expired,
+            } as i32;
+            reply.reason = ProxyError::session(&req.session_id, gone).to_string();
+        }
+    }
+    reply.session_id = req.session_id;
+    reply
+}

@@ -1,0 +1,297 @@
+//! The session table: every client session this proxy holds, in memory.
+//!
+//! Opening and renewing a session touch only this table, never etcd. Expiry is found
+//! through a min-heap of deadlines that renewals do not touch: when an entry comes due,
+//! the reaper checks the session's real deadline and puts it back if it was renewed
+//! meanwhile, so each session costs the heap about one push per TTL.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use lockcell_cell::LockName;
+use tokio::time::Instant;
+
+/// A session's id as clients see it: 128 random bits in hex.
+pub type SessionId = Arc<str>;
+
+/// How long the table remembers that a session expired, so that a late client is told
+/// "expired" rather than "unknown".
+pub const TOMBSTONE_RETENTION: Duration = Duration::from_secs(600);
+
+/// One client session.
+#[derive(Debug, Clone)]
+pub struct Session {
+    pub id: SessionId,
+    /// Recorded with every grant, for people investigating.
+    pub identity: String,
+    pub ttl: Duration,
+    /// The lease bucket and the lease in it when the session was opened: every key of
+    /// the session is attached to `lease`.
+    pub bucket: usize,
+    pub lease: i64,
+    /// When the last renewal (or the open) arrived; the session expires at
+    /// `renewed_at + ttl`.
+    pub renewed_at: Instant,
+    /// Exclusive grants held: (lock, create revision of the holder key).
+    pub held: Vec<(LockName, i64)>,
+}
+
+impl Session {
+    pub fn expires_at(&self) -> Instant {
+        self.renewed_at + self.ttl
+    }
+}
+
+/// Why a session is no longer in the table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Gone {
+    /// Never opened here, closed, or forgotten long ago.
+    Unknown,
+    /// Expired, for the reason given.
+    Expired(Arc<str>),
+}
+
+/// What a renewal found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renewed {
+    pub bucket: usize,
+    pub lease: i64,
+    pub ttl: Duration,
+}
+
+/// The proxy's sessions.
+#[derive(Default)]
+pub struct SessionTable {
+    live: DashMap<SessionId, Session>,
+    /// Sessions by the deadline they had when last queued; may be stale (see module doc).
+    due: Mutex<BinaryHeap<Reverse<(Instant, SessionId)>>>,
+    /// Expired sessions and why, kept for [`TOMBSTONE_RETENTION`].
+    tombstones: DashMap<SessionId, Arc<str>>,
+    tombstone_order: Mutex<VecDeque<(Instant, SessionId)>>,
+}
+
+impl SessionTable {
+    pub fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    pub fn insert(&self, session: Session) {
+        let due = session.expires_at();
+        let id = session.id.clone();
+        self.live.insert(id.clone(), session);
+        self.due.lock().expect("due heap").push(Reverse((due, id)));
+    }
+
+    /// Renews `id` at `now`. A session whose deadline has passed is not renewed even if
+    /// the reaper has not reached it yet.
+    pub fn renew(&self, id: &str, now: Instant) -> Result<Renewed, Gone> {
+        match self.live.get_mut(id) {
+            Some(mut s) if s.expires_at() > now => {
+                s.renewed_at = now;
+                Ok(Renewed {
+                    bucket: s.bucket,
+                    lease: s.lease,
+                    ttl: s.ttl,
+                })
+            }
+            Some(_) => Err(Gone::Expired("no renewal arrived within its TTL".into())),
+            None => Err(self.gone(id)),
+        }
+    }
+
+    /// A copy of the session, if it is alive at `now`.
+    pub fn get(&self, id: &str, now: Instant) -> Result<Session, Gone> {
+        match self.live.get(id) {
+            Some(s) if s.expires_at() > now => Ok(s.clone()),
+            Some(_) => Err(Gone::Expired("no renewal arrived within its TTL".into())),
+            None => Err(self.gone(id)),
+        }
+    }
+
+    /// Records that `id` holds `lock` at `revision`. False when the session is gone:
+    /// the caller must then undo the grant itself.
+    pub fn record_grant(&self, id: &str, lock: &LockName, revision: i64) -> bool {
+        let Some(mut s) = self.live.get_mut(id) else {
+            return false;
+        };
+        if !s.held.iter().any(|(l, r)| l == lock && *r == revision) {
+            s.held.push((lock.clone(), revision));
+        }
+        true
+    }
+
+    /// Forgets a grant after it was released.
+    pub fn forget_grant(&self, id: &str, lock: &LockName, revision: i64) {
+        if let Some(mut s) = self.live.get_mut(id) {
+            s.held.retain(|(l, r)| !(l == lock && *r == revision));
+        }
+    }
+
+    /// Removes a session that its client closed.
+    pub fn close(&self, id: &str) -> Result<Session, Gone> {
+        self.live
+            .remove(id)
+            .map(|(_, s)| s)
+            .ok_or_else(|| self.gone(id))
+    }
+
+    /// Removes and returns every session whose deadline is at or before `now`.
+    pub fn take_expired(&self, now: Instant) -> Vec<Session> {
+        let mut expired = Vec::new();
+        let mut due = self.due.lock().expect("due heap");
+        while let Some(Reverse((at, _))) = due.peek() {
+            if *at > now {
+                break;
+            }
+            let Reverse((_, id)) = due.pop().expect("peeked");
+            let removed = self.live.remove_if(&id, |_, s| s.expires_at() <= now);
+            match removed {
+                Some((_, s)) => expired.push(s),
+                None => {
+                    // Renewed since it was queued (or closed): queue its real deadline.
+                    if let Some(s) = self.live.get(&id) {
+                        due.push(Reverse((s.expires_at(), id)));
+                    }
+                }
+            }
+        }
+        drop(due);
+        for s in &expired {
+            self.bury(&s.id, "no renewal arrived within its TTL".into(), now);
+        }
+        expired
+    }
+
+    /// Removes and returns every session attached to `lease` (the lease was lost).
+    pub fn take_on_lease(&self, lease: i64, reason: Arc<str>, now: Instant) -> Vec<Session> {
+        let ids: Vec<SessionId> = self
+            .live
+            .iter()
+            .filter(|s| s.lease == lease)
+            .map(|s| s.id.clone())
+            .collect();
+        let taken: Vec<Session> = ids
+            .iter()
+            .filter_map(|id| self.live.remove(id).map(|(_, s)| s))
+            .collect();
+        for s in &taken {
+            self.bury(&s.id, reason.clone(), now);
+        }
+        taken
+    }
+
+    /// Drops tombstones older than [`TOMBSTONE_RETENTION`].
+    pub fn prune_tombstones(&self, now: Instant) {
+        let mut order = self.tombstone_order.lock().expect("tombstone order");
+        while let Some((at, _)) = order.front() {
+            if now.saturating_duration_since(*at) < TOMBSTONE_RETENTION {
+                break;
+            }
+            let (_, id) = order.pop_front().expect("peeked");
+            self.tombstones.remove(&id);
+        }
+    }
+
+    fn bury(&self, id: &SessionId, reason: Arc<str>, now: Instant) {
+        self.tombstones.insert(id.clone(), reason);
+        self.tombstone_order
+            .lock()
+            .expect("tombstone order")
+            .push_back((now, id.clone()));
+    }
+
+    fn gone(&self, id: &str) -> Gone {
+        match self.tombstones.get(id) {
+            Some(reason) => Gone::Expired(reason.clone()),
+            None => Gone::Unknown,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    fn session(id: &str, lease: i64, ttl: Duration, now: Instant) -> Session {
+        Session {
+            id: id.into(),
+            identity: "test".into(),
+            ttl,
+            bucket: 0,
+            lease,
+            renewed_at: now,
+            held: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn renewal_postpones_expiry() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        table.insert(session("a", 1, 3 * S, t0));
+        table.insert(session("b", 1, 3 * S, t0));
+        assert!(table.renew("a", t0 + 2 * S).is_ok());
+        let expired = table.take_expired(t0 + 3 * S);
+        assert_eq!(expired.iter().map(|s| &*s.id).collect::<Vec<_>>(), ["b"]);
+        assert!(table.take_expired(t0 + 4 * S).is_empty());
+        assert_eq!(table.take_expired(t0 + 5 * S).len(), 1);
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn expired_and_unknown_are_told_apart() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        table.insert(session("a", 1, S, t0));
+        assert!(
+            matches!(table.renew("a", t0 + 2 * S), Err(Gone::Expired(_))),
+            "past deadline, not yet reaped"
+        );
+        table.take_expired(t0 + 2 * S);
+        assert!(matches!(
+            table.renew("a", t0 + 2 * S),
+            Err(Gone::Expired(_))
+        ));
+        assert_eq!(table.renew("zz", t0), Err(Gone::Unknown));
+        table.prune_tombstones(t0 + 2 * S + TOMBSTONE_RETENTION);
+        assert_eq!(table.renew("a", t0), Err(Gone::Unknown));
+    }
+
+    #[test]
+    fn grants_follow_the_session() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        table.insert(session("a", 1, S, t0));
+        let lock = LockName::parse("x").unwrap();
+        assert!(table.record_grant("a", &lock, 5));
+        assert!(table.record_grant("a", &lock, 5), "idempotent");
+        assert_eq!(table.get("a", t0).unwrap().held, vec![(lock.clone(), 5)]);
+        table.forget_grant("a", &lock, 5);
+        assert!(table.get("a", t0).unwrap().held.is_empty());
+        assert!(!table.record_grant("nobody", &lock, 6));
+    }
+
+    #[test]
+    fn losing_a_lease_takes_only_its_sessions() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        table.insert(session("a", 1, 9 * S, t0));
+        table.insert(session("b", 2, 9 * S, t0));
+        let taken = table.take_on_lease(1, "lease lost".into(), t0);
+        assert_eq!(taken.len(), 1);
+        assert_eq!(
+            table.get("a", t0).unwrap_err(),
+            Gone::Expired("lease lost".into())
+        );
+        assert!(table.get("b", t0).is_ok());
+    }
+}

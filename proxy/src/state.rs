@@ -1,0 +1,30 @@
+//! What every part of a running proxy shares.
+
+use std::sync::Arc;
+
+use lockcell_cell::locklog::LockLog;
+use tokio::sync::watch;
+
+use crate::cleanup::CleanupQueue;
+use crate::config::ProxyConfig;
+use crate::leases::LeaseBook;
+use crate::release_watch::ReleaseWatch;
+use crate::sessions::SessionTable;
+
+/// The proxy's state, behind one `Arc`.
+pub struct ProxyState {
+    pub config: ProxyConfig,
+    /// Written into every grant record so an investigator can tell which proxy granted.
+    pub proxy_id: String,
+    /// The cell's epoch, the first part of every fencing token this proxy hands out.
+    pub epoch: u64,
+    pub sessions: SessionTable,
+    pub leases: LeaseBook,
+    pub locklog: LockLog,
+    pub releases: Arc<ReleaseWatch>,
+    pub cleanup: CleanupQueue,
+    /// The connection to etcd (cheap clones share it).
+    pub etcd: etcd_client::Client,
+    /// Turns true when the proxy starts shutting down; long-lived calls end on it.
+    pub shutdown: watch::Receiver<bool>,
+}

@@ -1,0 +1,140 @@
+//! `lockcell-dev`: a local three-zone cell for development (what `make dev` runs).
+//!
+//! Starts one etcd member and one proxy per zone on loopback, writes
+//! `<dir>/endpoints` (`KIND ZONE ADDR` lines), prints a ready-to-paste `lockctl`
+//! example, and on Ctrl-C or SIGTERM stops everything it started.
+#![forbid(unsafe_code)]
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use lockcell_tests::{bins, EtcdCluster, ProxyOptions, ProxyProcess};
+
+/// Runs a local lockcell cell: etcd members and proxies, one per zone, on loopback.
+///
+/// Everything lives under --dir (data, logs and the `endpoints` file) and is stopped on
+/// Ctrl-C or SIGTERM. Each start is a fresh cell: old etcd data in --dir is removed.
+#[derive(Debug, Parser)]
+#[command(name = "lockcell-dev", version, about, long_about)]
+struct Args {
+    /// Folder for etcd data, logs and the endpoints file.
+    #[arg(long, default_value = ".lockcell-dev")]
+    dir: PathBuf,
+    /// How many zones (one etcd member and one proxy each), named a, b, c...
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=5))]
+    zones: u8,
+    /// TTL of each proxy's etcd leases (whole seconds).
+    #[arg(long, default_value = "12s", value_parser = humantime_secs)]
+    lease_ttl: Duration,
+}
+
+fn humantime_secs(s: &str) -> Result<Duration, String> {
+    let secs = s.strip_suffix('s').unwrap_or(s);
+    secs.parse::<u64>()
+        .ok()
+        .filter(|n| *n > 0)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("{s:?} is not a whole number of seconds, e.g. 12s"))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
+    let dir = args.dir.canonicalize()?;
+    for entry in std::fs::read_dir(&dir)? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("etcd-") && path.is_dir() {
+            std::fs::remove_dir_all(&path)?;
+        }
+    }
+    let endpoints_file = dir.join("endpoints");
+    let _ = std::fs::remove_file(&endpoints_file);
+
+    let zones = args.zones as usize;
+    eprintln!(
+        "lockcell-dev: starting {zones} etcd members in {}",
+        dir.display()
+    );
+    let mut etcd = EtcdCluster::start_in(&dir, zones).await?;
+    let mut proxies = Vec::new();
+    for member in &etcd.members {
+        let mut options = ProxyOptions::new(&member.name, etcd.endpoints());
+        options.lease_ttl = args.lease_ttl;
+        options.session_ttl_min = Duration::from_secs(1);
+        proxies.push(ProxyProcess::start(&options, &dir).await?);
+    }
+
+    let mut listing = String::new();
+    for (member, proxy) in etcd.members.iter().zip(&proxies) {
+        writeln!(listing, "etcd {} {}", member.name, member.client_addr)?;
+        writeln!(listing, "proxy {} {}", proxy.zone, proxy.addr)?;
+        writeln!(listing, "admin {} {}", proxy.zone, proxy.admin_addr)?;
+    }
+    std::fs::write(&endpoints_file, &listing)?;
+
+    let lockctl = bins::bin_dir()?.join("lockctl");
+    println!(
+        "lockcell dev cell is up: {zones} etcd members, {zones} proxies (logs in {})",
+        dir.display()
+    );
+    for proxy in &proxies {
+        println!(
+            "  zone {}: proxy {}  metrics http://{}/metrics",
+            proxy.zone, proxy.addr, proxy.admin_addr
+        );
+    }
+    println!("Endpoints are listed in {}.", endpoints_file.display());
+    println!("Try, in another terminal:");
+    println!(
+        "{} --proxy {} lock demo -- sh -c 'echo \"holding $LOCKCELL_LOCK with token $LOCKCELL_TOKEN\"; sleep 1'",
+        lockctl.display(),
+        proxies[0].addr
+    );
+    println!("Ctrl-C stops everything.");
+
+    wait_for_stop(&mut proxies, &mut etcd).await;
+    eprintln!("lockcell-dev: stopping");
+    for proxy in proxies.iter_mut() {
+        proxy.process.stop(Duration::from_secs(10));
+    }
+    for member in etcd.members.iter_mut() {
+        member.process.stop(Duration::from_secs(10));
+    }
+    let _ = std::fs::remove_file(&endpoints_file);
+    eprintln!("lockcell-dev: stopped");
+    Ok(())
+}
+
+/// Waits for Ctrl-C or SIGTERM, reporting any process that dies meanwhile.
+async fn wait_for_stop(proxies: &mut [ProxyProcess], etcd: &mut EtcdCluster) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut reported = std::collections::HashSet::new();
+    let mut check = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return,
+            _ = term.recv() => return,
+            _ = check.tick() => {}
+        }
+        let processes = proxies
+            .iter_mut()
+            .map(|p| &mut p.process)
+            .chain(etcd.members.iter_mut().map(|m| &mut m.process));
+        for process in processes {
+            if !process.is_running() && reported.insert(process.name.clone()) {
+                eprintln!(
+                    "lockcell-dev: {} exited; its log: {}",
+                    process.name,
+                    process.log.display()
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,18 @@
+//! lockcell's test harness: real etcd clusters and real proxy processes on loopback,
+//! each stopped when its handle drops (also when a test panics).
+//!
+//! Used by the end-to-end tests in `tests/e2e` and by the `lockcell-dev` local cell.
+#![forbid(unsafe_code)]
+
+pub mod bins;
+pub mod etcd;
+pub mod fenced;
+pub mod ports;
+pub mod process;
+pub mod proxy;
+pub mod wait;
+
+pub use etcd::EtcdCluster;
+pub use fenced::FencedResource;
+pub use proxy::{ProxyOptions, ProxyProcess};
+pub use wait::eventually;

@@ -1,0 +1,112 @@
+//! A child process that is killed when its handle drops, with its output in a log file.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// A running child process owned by a test.
+pub struct Managed {
+    /// What it is, for messages ("etcd a", "proxy b").
+    pub name: String,
+    pub log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Managed {
+    /// Starts `command` with stdout and stderr appended to `log`.
+    pub fn spawn(
+        name: impl Into<String>,
+        mut command: Command,
+        log: &Path,
+    ) -> anyhow::Result<Self> {
+        let name = name.into();
+        let out = File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("opening log {}", log.display()))?;
+        let err = out.try_clone()?;
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("starting {name} ({command:?})"))?;
+        Ok(Managed {
+            name,
+            log: log.to_path_buf(),
+            child: Some(child),
+        })
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends `signal` (SIGKILL, SIGTERM, SIGSTOP, ...).
+    pub fn signal(&self, signal: Signal) -> anyhow::Result<()> {
+        let pid = self
+            .pid()
+            .with_context(|| format!("{} is not running", self.name))?;
+        kill(Pid::from_raw(pid as i32), signal)
+            .with_context(|| format!("sending {signal} to {}", self.name))
+    }
+
+    /// True while the process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// Kills the process with SIGKILL and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Sends SIGTERM and waits up to `grace` for the exit, then kills. Returns whether it
+    /// exited by itself.
+    pub fn stop(&mut self, grace: Duration) -> bool {
+        let Some(mut child) = self.child.take() else {
+            return true;
+        };
+        let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        false
+    }
+
+    /// The last lines of the log, for error messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        log_tail(&self.log, lines)
+    }
+}
+
+impl Drop for Managed {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The last `lines` lines of a file ("" when unreadable).
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

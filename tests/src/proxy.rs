@@ -1,0 +1,160 @@
+//! A real `lockcell-proxy` process on loopback.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::bail;
+use nix::sys::signal::Signal;
+
+use crate::bins;
+use crate::ports::free_port;
+use crate::process::Managed;
+use crate::wait::eventually;
+
+/// How long a proxy may take to reach etcd, get its leases and start serving.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The line a proxy logs once it serves.
+const READY_LINE: &str = "lockcell-proxy ready";
+
+/// How to start a proxy. Times are short by default so tests stay quick.
+#[derive(Debug, Clone)]
+pub struct ProxyOptions {
+    pub zone: String,
+    pub etcd: Vec<String>,
+    pub leases: u16,
+    /// Whole seconds (etcd's unit).
+    pub lease_ttl: Duration,
+    pub session_ttl_min: Duration,
+    /// More `--flag value` arguments.
+    pub extra_args: Vec<String>,
+}
+
+impl ProxyOptions {
+    pub fn new(zone: &str, etcd: Vec<String>) -> Self {
+        ProxyOptions {
+            zone: zone.to_owned(),
+            etcd,
+            leases: 4,
+            lease_ttl: Duration::from_secs(3),
+            session_ttl_min: Duration::from_millis(500),
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+/// A running proxy; dropping it kills the process.
+pub struct ProxyProcess {
+    pub zone: String,
+    /// `127.0.0.1:PORT` of the gRPC service.
+    pub addr: String,
+    /// `127.0.0.1:PORT` of the admin server (/metrics, /healthz).
+    pub admin_addr: String,
+    pub process: Managed,
+}
+
+impl ProxyProcess {
+    /// Starts a proxy with its log in `log_dir`, and waits until it serves.
+    pub async fn start(options: &ProxyOptions, log_dir: &Path) -> anyhow::Result<Self> {
+        let bin = bins::workspace_bin("lockcell-proxy")?;
+        let (port, admin_port) = (free_port(), free_port());
+        let addr = format!("127.0.0.1:{port}");
+        let admin_addr = format!("127.0.0.1:{admin_port}");
+        let log = log_dir.join(format!("proxy-{}-{port}.log", options.zone));
+        let mut cmd = Command::new(bin);
+        cmd.arg("--listen")
+            .arg(&addr)
+            .arg("--admin-listen")
+            .arg(&admin_addr)
+            .arg("--etcd")
+            .arg(options.etcd.join(","))
+            .arg("--zone")
+            .arg(&options.zone)
+            .arg("--proxy-id")
+            .arg(format!("{}-{port}", options.zone))
+            .arg("--leases")
+            .arg(options.leases.to_string())
+            .arg("--lease-ttl")
+            .arg(format!("{}s", options.lease_ttl.as_secs()))
+            .arg("--session-ttl-min")
+            .arg(format!("{}ms", options.session_ttl_min.as_millis()))
+            .args(&options.extra_args)
+            .env("RUST_LOG", "info");
+        let mut process = Managed::spawn(format!("proxy {}", options.zone), cmd, &log)?;
+        eventually(
+            &format!("proxy {} serves", options.zone),
+            START_TIMEOUT,
+            || {
+                let running = process.is_running();
+                let log = log.clone();
+                let tail = process.log_tail(20);
+                async move {
+                    if !running {
+                        bail!("proxy exited:\n{tail}");
+                    }
+                    Ok(std::fs::read_to_string(&log)?
+                        .contains(READY_LINE)
+                        .then_some(()))
+                }
+            },
+        )
+        .await?;
+        Ok(ProxyProcess {
+            zone: options.zone.clone(),
+            addr,
+            admin_addr,
+            process,
+        })
+    }
+
+    /// The address as a URL for the SDK.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.process.log.clone()
+    }
+
+    pub fn signal(&self, signal: Signal) -> anyhow::Result<()> {
+        self.process.signal(signal)
+    }
+
+    /// Reads the admin `/metrics` page.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        http_get(&self.admin_addr, "/metrics").await
+    }
+
+    /// The value of one metric without labels from `/metrics` (0 when absent).
+    pub async fn metric(&self, name: &str) -> anyhow::Result<f64> {
+        let page = self.metrics().await?;
+        Ok(page
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| {
+                let (key, value) = l.split_once(' ')?;
+                (key == name).then(|| value.trim().parse().ok()).flatten()
+            })
+            .unwrap_or(0.0))
+    }
+}
+
+/// A plain HTTP/1.0 GET on loopback, enough for the admin pages.
+pub async fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await?;
+    let (head, rest) = body.split_once("\r\n\r\n").unwrap_or((&body, ""));
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        bail!(
+            "GET {path} on {addr}: {}",
+            head.lines().next().unwrap_or("")
+        );
+    }
+    Ok(rest.to_owned())
+}

@@ -1,0 +1,166 @@
+//! Faults: a proxy killed, etcd gone, a client's session past its deadline.
+
+use std::process::Stdio;
+
+use std::time::Duration;
+use tokio::io::AsyncBufReadExt;
+
+use anyhow::{ensure, Context};
+use lockcell_client::{Client, Error, SessionState, Wait};
+use lockcell_proto::v1::{KeepAliveRequest, OpenRequest, SessionState as WireState};
+use lockcell_tests::{bins, eventually};
+use nix::sys::signal::Signal;
+
+use crate::locks::until_not_valid;
+use crate::support::{cell, lease_count, raw, short_session};
+
+pub async fn killed_proxy_locks_pass_on_after_lease_ttl() -> anyhow::Result<()> {
+    let (etcd, mut proxies) = cell(&["a", "b"]).await?;
+    let a = Client::connect(&proxies[0].url()).await?;
+    let b = Client::connect(&proxies[1].url()).await?;
+    let holder = a
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let held = holder
+        .acquire("deploy/db", Wait::Try)
+        .await?
+        .context("free lock not granted")?;
+    let waiter = b
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    ensure!(
+        waiter.acquire("deploy/db", Wait::Try).await?.is_none(),
+        "a held lock was granted twice"
+    );
+    ensure!(lease_count(&etcd).await? == 8);
+
+    proxies[0].signal(Signal::SIGKILL)?;
+    let taken = waiter
+        .acquire("deploy/db", Wait::Timeout(Duration::from_secs(30)))
+        .await?
+        .context("the lock of a killed proxy's client never passed on")?;
+    // The old holder must have stopped acting before the new grant could exist.
+    ensure!(
+        holder.state() != SessionState::Valid,
+        "the killed proxy's client still believes it holds the lock after it passed on"
+    );
+    ensure!(taken.token() > held.token());
+    // etcd dropped the dead proxy's K leases, and only those.
+    eventually(
+        "the dead proxy's leases are gone",
+        Duration::from_secs(10),
+        || async { Ok((lease_count(&etcd).await? == 4).then_some(())) },
+    )
+    .await?;
+    proxies[0].process.kill();
+    Ok(())
+}
+
+pub async fn etcd_away_acquire_unavailable_sessions_end_at_lower_bound() -> anyhow::Result<()> {
+    let (mut etcd, proxies) = cell(&["a"]).await?;
+    let proxy = &proxies[0];
+    let client = Client::connect(&proxy.url()).await?;
+    let session = client
+        .open_session(short_session(Duration::from_secs(30)))
+        .await?;
+    let (mut raw_sessions, _) = raw(proxy).await?;
+    let raw_session = raw_sessions
+        .open(OpenRequest {
+            ttl_ms: 30_000,
+            identity: "raw".into(),
+        })
+        .await?
+        .into_inner();
+
+    etcd.members[0].process.kill();
+    let started = tokio::time::Instant::now();
+    match session.acquire("while-etcd-is-away", Wait::Try).await {
+        Err(Error::Unavailable(message)) => ensure!(
+            message.contains("etcd"),
+            "Unavailable without saying why: {message}"
+        ),
+        other => anyhow::bail!("acquire with etcd gone gave {other:?}, not Unavailable"),
+    }
+    ensure!(
+        started.elapsed() < Duration::from_secs(10),
+        "acquire took {:?} to fail",
+        started.elapsed()
+    );
+
+    // Sessions live on only until the proxy lease's lower bound (3 s lease TTL here),
+    // although their own TTL is 30 s.
+    until_not_valid(&session, Duration::from_secs(10)).await?;
+    let reason = eventually(
+        "the proxy expires the session at its lease's lower bound",
+        Duration::from_secs(10),
+        || {
+            let mut raw_sessions = raw_sessions.clone();
+            let id = raw_session.session_id.clone();
+            async move {
+                let reply = raw_sessions
+                    .keep_alive(tokio_stream::iter([KeepAliveRequest {
+                        session_id: id,
+                        seq: 1,
+                    }]))
+                    .await?
+                    .into_inner()
+                    .message()
+                    .await?
+                    .context("no reply")?;
+                Ok((reply.state == WireState::Expired as i32).then_some(reply.reason))
+            }
+        },
+    )
+    .await?;
+    ensure!(
+        reason.contains("lease"),
+        "expiry reason does not name the lease: {reason}"
+    );
+    Ok(())
+}
+
+pub async fn lockctl_stops_its_command_when_the_session_passes_its_deadline() -> anyhow::Result<()>
+{
+    let (_etcd, proxies) = cell(&["a"]).await?;
+    let lockctl = bins::workspace_bin("lockctl")?;
+    let mut child = tokio::process::Command::new(lockctl)
+        .args([
+            "--proxy",
+            &proxies[0].addr,
+            "--ttl",
+            "2s",
+            "lock",
+            "batch/nightly",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            "echo holding $LOCKCELL_LOCK $LOCKCELL_TOKEN; exec sleep 120",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .context("lockctl's command did not start within 20 s")??
+        .context("lockctl's command printed nothing")?;
+    ensure!(
+        first.starts_with("holding batch/nightly 1:"),
+        "command saw {first:?}"
+    );
+
+    // The proxy dies: lockctl's session reaches its deadline and it must stop the command.
+    proxies[0].signal(Signal::SIGKILL)?;
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .context("lockctl did not stop its command after the session's deadline")??;
+    ensure!(
+        status.code() == Some(128 + 15),
+        "lockctl exited with {status:?}, not 143 (command got SIGTERM)"
+    );
+    Ok(())
+}

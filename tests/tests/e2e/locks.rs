@@ -1,0 +1,191 @@
+//! Exclusive locks: expiry hands a lock on, tokens rise, retries are idempotent.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use lockcell_client::{Client, FencingToken, SessionState, Wait};
+use lockcell_proto::v1::{
+    AcquireRequest, KeepAliveRequest, OpenRequest, ReleaseRequest, SessionState as WireState,
+};
+use lockcell_tests::{eventually, FencedResource};
+
+use crate::support::{cell, raw, short_session};
+
+pub async fn holder_that_stops_renewing_loses_its_lock() -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a"]).await?;
+    let proxy = &proxies[0];
+    // The holder speaks the raw protocol and never renews.
+    let (mut sessions, mut locks) = raw(proxy).await?;
+    let holder = sessions
+        .open(OpenRequest {
+            ttl_ms: 1_000,
+            identity: "silent holder".into(),
+        })
+        .await?
+        .into_inner();
+    let grant = locks
+        .acquire(AcquireRequest {
+            session_id: holder.session_id.clone(),
+            lock: "jobs/report".into(),
+            wait_timeout_ms: Some(0),
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        grant.granted,
+        "the first acquire of a free lock was not granted"
+    );
+    let first: FencingToken = grant.token.context("grant without token")?.into();
+
+    let client = Client::connect(&proxy.url()).await?;
+    let waiter = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    let guard = waiter
+        .acquire("jobs/report", Wait::Timeout(Duration::from_secs(20)))
+        .await?
+        .context("the waiter did not get the lock after the holder stopped renewing")?;
+    ensure!(
+        guard.token() > first,
+        "token {} is not above the expired holder's {first}",
+        guard.token()
+    );
+
+    // The holder's session is over: the proxy says so.
+    let reply = sessions
+        .keep_alive(tokio_stream::iter([KeepAliveRequest {
+            session_id: holder.session_id.clone(),
+            seq: 1,
+        }]))
+        .await?
+        .into_inner()
+        .message()
+        .await?
+        .context("no keepalive reply")?;
+    ensure!(
+        reply.state == WireState::Expired as i32,
+        "holder's session is {:?}, not expired",
+        reply.state
+    );
+    ensure!(
+        guard.release().await?,
+        "release of a held lock did not delete it"
+    );
+    Ok(())
+}
+
+pub async fn two_clients_hammering_one_lock_are_fenced() -> anyhow::Result<()> {
+    const ROUNDS: usize = 25;
+    let (_etcd, proxies) = cell(&["a", "b"]).await?;
+    let resource = Arc::new(FencedResource::default());
+    // Tokens in grant order, appended while holding the lock.
+    let grants: Arc<Mutex<Vec<FencingToken>>> = Arc::default();
+    let mut workers = Vec::new();
+    for (i, proxy) in proxies.iter().enumerate() {
+        let url = proxy.url();
+        let (resource, grants) = (resource.clone(), grants.clone());
+        workers.push(tokio::spawn(async move {
+            let name = format!("client-{i}");
+            let client = Client::connect(&url).await?;
+            let session = client
+                .open_session(short_session(Duration::from_secs(5)))
+                .await?;
+            for _ in 0..ROUNDS {
+                let guard = session
+                    .acquire("hammer", Wait::Timeout(Duration::from_secs(20)))
+                    .await?
+                    .context("no grant within 20 s")?;
+                ensure!(guard.is_valid(), "{name} got a grant on an invalid session");
+                grants.lock().unwrap().push(guard.token());
+                ensure!(
+                    resource.write(&name, guard.token()),
+                    "the fenced resource refused {name}, the current holder, with token {}",
+                    guard.token()
+                );
+                tokio::task::yield_now().await;
+                ensure!(
+                    resource.write(&name, guard.token()),
+                    "refused a second write by the holder"
+                );
+                ensure!(
+                    guard.release().await?,
+                    "{name}'s release did not delete its grant"
+                );
+            }
+            session.close().await?;
+            anyhow::Ok(())
+        }));
+    }
+    for worker in workers {
+        worker.await??;
+    }
+    let grants = grants.lock().unwrap().clone();
+    ensure!(grants.len() == 2 * ROUNDS);
+    for pair in grants.windows(2) {
+        ensure!(
+            pair[0] < pair[1],
+            "tokens did not strictly increase: {} then {}",
+            pair[0],
+            pair[1]
+        );
+    }
+    // Every earlier holder is stale now: the resource must refuse each of them.
+    for stale in &grants[..grants.len() - 1] {
+        ensure!(
+            !resource.write("stale", *stale),
+            "the resource accepted stale token {stale}"
+        );
+    }
+    ensure!(resource.refused().len() == grants.len() - 1);
+    Ok(())
+}
+
+pub async fn retried_acquire_and_release_are_idempotent() -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a"]).await?;
+    let (mut sessions, mut locks) = raw(&proxies[0]).await?;
+    let session = sessions
+        .open(OpenRequest {
+            ttl_ms: 10_000,
+            identity: "retrier".into(),
+        })
+        .await?
+        .into_inner();
+    let request = AcquireRequest {
+        session_id: session.session_id.clone(),
+        lock: "idem".into(),
+        wait_timeout_ms: Some(0),
+    };
+    // As if the first reply were lost: the same call again.
+    let first = locks.acquire(request.clone()).await?.into_inner();
+    let again = locks.acquire(request).await?.into_inner();
+    ensure!(first.granted && again.granted);
+    ensure!(
+        first.token == again.token,
+        "a retried acquire got {:?}, not the first grant {:?}",
+        again.token,
+        first.token
+    );
+    let release = ReleaseRequest {
+        session_id: session.session_id.clone(),
+        lock: "idem".into(),
+        token: first.token,
+    };
+    ensure!(locks.release(release.clone()).await?.into_inner().released);
+    ensure!(
+        !locks.release(release).await?.into_inner().released,
+        "a retried release deleted something"
+    );
+    Ok(())
+}
+
+/// Used by the fault tests: waits until an SDK session is no longer valid.
+pub async fn until_not_valid(
+    session: &lockcell_client::Session,
+    within: Duration,
+) -> anyhow::Result<()> {
+    eventually("the session leaves the valid state", within, || async {
+        Ok((session.state() != SessionState::Valid).then_some(()))
+    })
+    .await
+}

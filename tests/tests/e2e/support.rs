@@ -1,0 +1,64 @@
+//! Shared pieces of the end-to-end tests.
+
+use std::future::Future;
+use std::time::Duration;
+
+use libtest_mimic::Trial;
+use lockcell_proto::v1::lock_client::LockClient;
+use lockcell_proto::v1::session_client::SessionClient;
+use lockcell_tests::{EtcdCluster, ProxyOptions, ProxyProcess};
+use tonic::transport::Channel;
+
+/// A test as a trial with its own tokio runtime; an error fails it with its causes.
+pub fn trial<F, Fut>(name: &str, test: F) -> Trial
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
+    Trial::test(name, move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        runtime
+            .block_on(test())
+            .map_err(|e| format!("{e:#}").into())
+    })
+}
+
+/// A one-member etcd and `zones` proxies on it, with short TTLs.
+pub async fn cell(zones: &[&str]) -> anyhow::Result<(EtcdCluster, Vec<ProxyProcess>)> {
+    let etcd = EtcdCluster::start(1).await?;
+    let mut proxies = Vec::new();
+    for zone in zones {
+        let options = ProxyOptions::new(zone, etcd.endpoints());
+        proxies.push(ProxyProcess::start(&options, &etcd.dir).await?);
+    }
+    Ok((etcd, proxies))
+}
+
+/// Raw protocol clients, for tests that must behave unlike the SDK (stop renewing,
+/// send bad input).
+pub async fn raw(
+    proxy: &ProxyProcess,
+) -> anyhow::Result<(SessionClient<Channel>, LockClient<Channel>)> {
+    let channel = Channel::from_shared(proxy.url())?.connect().await?;
+    Ok((
+        SessionClient::new(channel.clone()),
+        LockClient::new(channel),
+    ))
+}
+
+/// Session options for tests: a short TTL.
+pub fn short_session(ttl: Duration) -> lockcell_client::SessionOptions {
+    lockcell_client::SessionOptions {
+        ttl,
+        identity: "e2e".to_owned(),
+    }
+}
+
+/// Number of leases etcd holds now.
+pub async fn lease_count(etcd: &EtcdCluster) -> anyhow::Result<usize> {
+    Ok(etcd.client().await?.leases().await?.leases().len())
+}
