@@ -18,6 +18,8 @@ pub enum ProxyError {
     BadArgument(String),
     #[error("this proxy holds no etcd lease right now (etcd unreachable?); try again or use another proxy")]
     NoLease,
+    #[error("this proxy is shutting down; use another proxy")]
+    ShuttingDown,
     #[error("{0}")]
     Store(#[from] CellError),
     #[error("{context}: {source}")]
@@ -49,7 +51,7 @@ impl From<ProxyError> for Status {
             }
             ProxyError::UnknownSession { .. } => Status::not_found(message),
             ProxyError::ExpiredSession { .. } => Status::failed_precondition(message),
-            ProxyError::NoLease => Status::unavailable(message),
+            ProxyError::NoLease | ProxyError::ShuttingDown => Status::unavailable(message),
             ProxyError::Store(ref c) | ProxyError::StoreDuring { source: ref c, .. } => {
                 if c.is_retriable() {
                     Status::unavailable(message)

@@ -52,9 +52,11 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
-/// Runs a proxy until `shutdown` resolves, then stops: stops accepting, ends client
-/// streams, waits up to the shutdown grace, and revokes its leases so its clients' locks
-/// go at once instead of at the lease TTL.
+/// Runs a proxy until `shutdown` resolves, then stops: stops accepting and granting,
+/// ends client streams, waits up to the shutdown grace for clients to go, waits until
+/// no client can still believe it holds a lock (the latest validity granted to a holder
+/// has run out), and then revokes its leases, so its clients' locks go sooner than the
+/// lease TTL and never while a holder may still act.
 pub async fn run(
     config: ProxyConfig,
     prometheus: PrometheusHandle,
@@ -143,6 +145,16 @@ pub async fn run(
     follow.abort();
     tasks.shutdown().await;
     stopping.abort();
+    if let Some(until) = state.sessions.holders_valid_until() {
+        let now = Instant::now();
+        if until > now {
+            tracing::info!(
+                wait_ms = (until - now).as_millis() as u64,
+                "waiting for the validity granted to lock holders to run out before revoking"
+            );
+            tokio::time::sleep_until(until.min(now + state.config.lease_ttl)).await;
+        }
+    }
     revoke_all(&state).await;
     tracing::info!("lockcell-proxy stopped");
     Ok(())

@@ -37,6 +37,10 @@ pub struct Session {
     pub renewed_at: Instant,
     /// Exclusive grants held: (lock, create revision of the holder key).
     pub held: Vec<(LockName, i64)>,
+    /// The end of the latest validity granted to the client (proxy clock). The client's
+    /// own deadline ends no later, so once this has passed the session's keys may be
+    /// deleted without any client still believing it holds them.
+    pub valid_until: Instant,
 }
 
 impl Session {
@@ -89,17 +93,25 @@ impl SessionTable {
         self.due.lock().expect("due heap").push(Reverse((due, id)));
     }
 
-    /// Renews `id` at `now`. A session whose deadline has passed is not renewed even if
-    /// the reaper has not reached it yet.
-    pub fn renew(&self, id: &str, now: Instant) -> Result<Renewed, Gone> {
+    /// Renews `id` at `now` and grants it the validity `validity` computes, which it
+    /// returns. A session whose deadline has passed is not renewed even if the reaper
+    /// has not reached it yet.
+    pub fn renew(
+        &self,
+        id: &str,
+        now: Instant,
+        validity: impl FnOnce(Renewed) -> Duration,
+    ) -> Result<Duration, Gone> {
         match self.live.get_mut(id) {
             Some(mut s) if s.expires_at() > now => {
                 s.renewed_at = now;
-                Ok(Renewed {
+                let valid_for = validity(Renewed {
                     bucket: s.bucket,
                     lease: s.lease,
                     ttl: s.ttl,
-                })
+                });
+                s.valid_until = s.valid_until.max(now + valid_for);
+                Ok(valid_for)
             }
             Some(_) => Err(Gone::Expired("no renewal arrived within its TTL".into())),
             None => Err(self.gone(id)),
@@ -115,16 +127,34 @@ impl SessionTable {
         }
     }
 
-    /// Records that `id` holds `lock` at `revision`. False when the session is gone:
-    /// the caller must then undo the grant itself.
-    pub fn record_grant(&self, id: &str, lock: &LockName, revision: i64) -> bool {
+    /// Records that `id` holds `lock` at `revision`, valid for the client until
+    /// `valid_until`. False when the session is gone: the caller must then undo the
+    /// grant itself.
+    pub fn record_grant(
+        &self,
+        id: &str,
+        lock: &LockName,
+        revision: i64,
+        valid_until: Instant,
+    ) -> bool {
         let Some(mut s) = self.live.get_mut(id) else {
             return false;
         };
         if !s.held.iter().any(|(l, r)| l == lock && *r == revision) {
             s.held.push((lock.clone(), revision));
         }
+        s.valid_until = s.valid_until.max(valid_until);
         true
+    }
+
+    /// The latest validity granted to any session that holds a lock: until then some
+    /// client may still act as a holder.
+    pub fn holders_valid_until(&self) -> Option<Instant> {
+        self.live
+            .iter()
+            .filter(|s| !s.held.is_empty())
+            .map(|s| s.valid_until)
+            .max()
     }
 
     /// Forgets a grant after it was released.
@@ -230,6 +260,7 @@ mod tests {
             lease,
             renewed_at: now,
             held: Vec::new(),
+            valid_until: now,
         }
     }
 
@@ -239,7 +270,7 @@ mod tests {
         let table = SessionTable::default();
         table.insert(session("a", 1, 3 * S, t0));
         table.insert(session("b", 1, 3 * S, t0));
-        assert!(table.renew("a", t0 + 2 * S).is_ok());
+        assert!(table.renew("a", t0 + 2 * S, |_| S).is_ok());
         let expired = table.take_expired(t0 + 3 * S);
         assert_eq!(expired.iter().map(|s| &*s.id).collect::<Vec<_>>(), ["b"]);
         assert!(table.take_expired(t0 + 4 * S).is_empty());
@@ -253,17 +284,17 @@ mod tests {
         let table = SessionTable::default();
         table.insert(session("a", 1, S, t0));
         assert!(
-            matches!(table.renew("a", t0 + 2 * S), Err(Gone::Expired(_))),
+            matches!(table.renew("a", t0 + 2 * S, |_| S), Err(Gone::Expired(_))),
             "past deadline, not yet reaped"
         );
         table.take_expired(t0 + 2 * S);
         assert!(matches!(
-            table.renew("a", t0 + 2 * S),
+            table.renew("a", t0 + 2 * S, |_| S),
             Err(Gone::Expired(_))
         ));
-        assert_eq!(table.renew("zz", t0), Err(Gone::Unknown));
+        assert_eq!(table.renew("zz", t0, |_| S), Err(Gone::Unknown));
         table.prune_tombstones(t0 + 2 * S + TOMBSTONE_RETENTION);
-        assert_eq!(table.renew("a", t0), Err(Gone::Unknown));
+        assert_eq!(table.renew("a", t0, |_| S), Err(Gone::Unknown));
     }
 
     #[test]
@@ -272,12 +303,21 @@ mod tests {
         let table = SessionTable::default();
         table.insert(session("a", 1, S, t0));
         let lock = LockName::parse("x").unwrap();
-        assert!(table.record_grant("a", &lock, 5));
-        assert!(table.record_grant("a", &lock, 5), "idempotent");
+        assert_eq!(table.holders_valid_until(), None, "no holder yet");
+        assert!(table.record_grant("a", &lock, 5, t0 + S));
+        assert!(table.record_grant("a", &lock, 5, t0 + S), "idempotent");
         assert_eq!(table.get("a", t0).unwrap().held, vec![(lock.clone(), 5)]);
+        assert_eq!(table.holders_valid_until(), Some(t0 + S));
+        table.renew("a", t0 + S / 2, |_| S).unwrap();
+        assert_eq!(
+            table.holders_valid_until(),
+            Some(t0 + S + S / 2),
+            "renewals extend it"
+        );
         table.forget_grant("a", &lock, 5);
         assert!(table.get("a", t0).unwrap().held.is_empty());
-        assert!(!table.record_grant("nobody", &lock, 6));
+        assert_eq!(table.holders_valid_until(), None);
+        assert!(!table.record_grant("nobody", &lock, 6, t0));
     }
 
     #[test]

@@ -18,6 +18,11 @@ pub fn available() -> bool {
     bins::on_path("etcd").is_some()
 }
 
+/// Free `(client, peer)` port pairs for `members` members.
+pub fn reserve_ports(members: usize) -> Vec<(u16, u16)> {
+    (0..members).map(|_| (free_port(), free_port())).collect()
+}
+
 /// One member of a cluster.
 pub struct EtcdMember {
     /// The member's name and zone ("a", "b", ...).
@@ -49,20 +54,25 @@ impl EtcdCluster {
 
     /// Starts `members` members with their data and logs under `dir`.
     pub async fn start_in(dir: &Path, members: usize) -> anyhow::Result<Self> {
+        Self::start_on(dir, &reserve_ports(members)).await
+    }
+
+    /// Starts one member per `(client port, peer port)` pair, with data and logs under
+    /// `dir`: for tests that point a proxy at an address before etcd is there.
+    pub async fn start_on(dir: &Path, ports: &[(u16, u16)]) -> anyhow::Result<Self> {
         let etcd =
             bins::on_path("etcd").context("no etcd on PATH (install the etcd-server package)")?;
-        let names: Vec<String> = (0..members)
+        let names: Vec<String> = (0..ports.len())
             .map(|i| ((b'a' + i as u8) as char).to_string())
             .collect();
-        let ports: Vec<(u16, u16)> = names.iter().map(|_| (free_port(), free_port())).collect();
         let initial: Vec<String> = names
             .iter()
-            .zip(&ports)
+            .zip(ports)
             .map(|(n, (_, peer))| format!("{n}=http://127.0.0.1:{peer}"))
             .collect();
         let token = format!("lockcell-{}", ports[0].0);
         let mut started = Vec::new();
-        for (name, (client, peer)) in names.iter().zip(&ports) {
+        for (name, (client, peer)) in names.iter().zip(ports) {
             let data = dir.join(format!("etcd-{name}"));
             std::fs::create_dir_all(&data)?;
             let mut cmd = Command::new(&etcd);

@@ -65,6 +65,29 @@ impl Managed {
         }
     }
 
+    /// Waits up to `within` for the process to exit by itself and returns its status.
+    pub async fn wait_exit(
+        &mut self,
+        within: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        let name = self.name.clone();
+        let child = self
+            .child
+            .as_mut()
+            .with_context(|| format!("{name} was already reaped"))?;
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                self.child = None;
+                return Ok(status);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                anyhow::bail!("{name} did not exit within {within:?}");
+            }
+            tokio::time::sleep(crate::wait::POLL).await;
+        }
+    }
+
     /// Kills the process with SIGKILL and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -57,6 +57,13 @@ pub struct ProxyProcess {
 impl ProxyProcess {
     /// Starts a proxy with its log in `log_dir`, and waits until it serves.
     pub async fn start(options: &ProxyOptions, log_dir: &Path) -> anyhow::Result<Self> {
+        let mut proxy = Self::spawn(options, log_dir)?;
+        proxy.wait_ready(START_TIMEOUT).await?;
+        Ok(proxy)
+    }
+
+    /// Starts a proxy process without waiting for it to serve.
+    pub fn spawn(options: &ProxyOptions, log_dir: &Path) -> anyhow::Result<Self> {
         let bin = bins::workspace_bin("lockcell-proxy")?;
         let (port, admin_port) = (free_port(), free_port());
         let addr = format!("127.0.0.1:{port}");
@@ -81,31 +88,36 @@ impl ProxyProcess {
             .arg(format!("{}ms", options.session_ttl_min.as_millis()))
             .args(&options.extra_args)
             .env("RUST_LOG", "info");
-        let mut process = Managed::spawn(format!("proxy {}", options.zone), cmd, &log)?;
-        eventually(
-            &format!("proxy {} serves", options.zone),
-            START_TIMEOUT,
-            || {
-                let running = process.is_running();
-                let log = log.clone();
-                let tail = process.log_tail(20);
-                async move {
-                    if !running {
-                        bail!("proxy exited:\n{tail}");
-                    }
-                    Ok(std::fs::read_to_string(&log)?
-                        .contains(READY_LINE)
-                        .then_some(()))
-                }
-            },
-        )
-        .await?;
+        let process = Managed::spawn(format!("proxy {}", options.zone), cmd, &log)?;
         Ok(ProxyProcess {
             zone: options.zone.clone(),
             addr,
             admin_addr,
             process,
         })
+    }
+
+    /// Waits until the proxy logs that it serves; fails if it exits first.
+    pub async fn wait_ready(&mut self, within: Duration) -> anyhow::Result<()> {
+        self.wait_for_log(READY_LINE, within).await
+    }
+
+    /// Waits until the proxy's log contains `text`; fails if the proxy exits first.
+    pub async fn wait_for_log(&mut self, text: &str, within: Duration) -> anyhow::Result<()> {
+        let what = format!("proxy {} logs {text:?}", self.zone);
+        eventually(&what, within, || {
+            let running = self.process.is_running();
+            let log = self.process.log.clone();
+            let tail = self.process.log_tail(20);
+            async move {
+                let seen = std::fs::read_to_string(&log)?.contains(text);
+                if !seen && !running {
+                    bail!("proxy exited:\n{tail}");
+                }
+                Ok(seen.then_some(()))
+            }
+        })
+        .await
     }
 
     /// The address as a URL for the SDK.

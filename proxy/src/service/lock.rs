@@ -80,7 +80,20 @@ async fn acquire(state: &ProxyState, req: AcquireRequest) -> Result<AcquireRespo
             .await?
         {
             Acquired::Granted { revision, fresh } => {
-                if !state.sessions.record_grant(&id, &lock, revision) {
+                if *state.shutdown.borrow() {
+                    // The proxy's leases are about to be revoked with every key on them:
+                    // this grant would not outlive the reply.
+                    return Err(ProxyError::ShuttingDown);
+                }
+                let now = Instant::now();
+                let valid_for =
+                    state
+                        .leases
+                        .valid_for(session.bucket, session.lease, session.ttl, now);
+                if !state
+                    .sessions
+                    .record_grant(&id, &lock, revision, now + valid_for)
+                {
                     // The session ended while the grant was in flight: undo it.
                     state
                         .cleanup
@@ -93,11 +106,6 @@ async fn acquire(state: &ProxyState, req: AcquireRequest) -> Result<AcquireRespo
                     metrics::histogram!(m::ACQUIRE_SECONDS).record(started.elapsed().as_secs_f64());
                     tracing::debug!(revision, "granted");
                 }
-                let now = Instant::now();
-                let valid_for =
-                    state
-                        .leases
-                        .valid_for(session.bucket, session.lease, session.ttl, now);
                 return Ok(AcquireResponse {
                     granted: true,
                     token: Some(

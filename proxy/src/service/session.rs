@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::millis;
 use crate::errors::ProxyError;
 use crate::metrics as m;
-use crate::sessions::{Gone, Session};
+use crate::sessions::{Gone, Renewed, Session};
 use crate::state::ProxyState;
 
 /// Replies buffered per keepalive stream before the proxy stops reading that stream.
@@ -43,6 +43,7 @@ impl SessionApi for SessionService {
         let id: Arc<str> = format!("{:032x}", rand::random::<u128>()).into();
         tracing::Span::current().record("session.id", &*id);
         let now = Instant::now();
+        let valid_for = state.leases.valid_for(bucket, lease, ttl, now);
         state.sessions.insert(Session {
             id: id.clone(),
             identity: req.identity,
@@ -51,6 +52,7 @@ impl SessionApi for SessionService {
             lease,
             renewed_at: now,
             held: Vec::new(),
+            valid_until: now + valid_for,
         });
         metrics::counter!(m::SESSIONS_OPENED).increment(1);
         metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
@@ -58,7 +60,7 @@ impl SessionApi for SessionService {
         Ok(Response::new(OpenResponse {
             session_id: id.to_string(),
             ttl_ms: millis(ttl),
-            valid_for_ms: millis(state.leases.valid_for(bucket, lease, ttl, now)),
+            valid_for_ms: millis(valid_for),
             proxy_id: state.proxy_id.clone(),
         }))
     }
@@ -145,10 +147,9 @@ fn renew(state: &ProxyState, req: KeepAliveRequest) -> KeepAliveResponse {
         valid_for_ms: 0,
         reason: String::new(),
     };
-    match state.sessions.renew(&req.session_id, now) {
-        Ok(r) => {
-            reply.valid_for_ms = millis(state.leases.valid_for(r.bucket, r.lease, r.ttl, now));
-        }
+    let validity = |r: Renewed| state.leases.valid_for(r.bucket, r.lease, r.ttl, now);
+    match state.sessions.renew(&req.session_id, now, validity) {
+        Ok(valid_for) => reply.valid_for_ms = millis(valid_for),
         Err(gone) => {
             reply.state = match gone {
                 Gone::Unknown => SessionState::NotFound,

@@ -8,7 +8,8 @@ use tokio::io::AsyncBufReadExt;
 use anyhow::{ensure, Context};
 use lockcell_client::{Client, Error, SessionState, Wait};
 use lockcell_proto::v1::{KeepAliveRequest, OpenRequest, SessionState as WireState};
-use lockcell_tests::{bins, eventually};
+use lockcell_tests::etcd::reserve_ports;
+use lockcell_tests::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess};
 use nix::sys::signal::Signal;
 
 use crate::locks::until_not_valid;
@@ -161,6 +162,74 @@ pub async fn lockctl_stops_its_command_when_the_session_passes_its_deadline() ->
     ensure!(
         status.code() == Some(128 + 15),
         "lockctl exited with {status:?}, not 143 (command got SIGTERM)"
+    );
+    Ok(())
+}
+
+pub async fn proxy_started_before_etcd_says_so_and_serves_once_it_is_up() -> anyhow::Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("lockcell-late-etcd-")
+        .tempdir()?;
+    let ports = reserve_ports(1);
+    let options = ProxyOptions::new("a", vec![format!("127.0.0.1:{}", ports[0].0)]);
+    let mut proxy = ProxyProcess::spawn(&options, dir.path())?;
+    proxy
+        .wait_for_log("etcd is unreachable; retrying", Duration::from_secs(20))
+        .await?;
+    let _etcd = EtcdCluster::start_on(dir.path(), &ports).await?;
+    proxy.wait_ready(Duration::from_secs(30)).await?;
+    let client = Client::connect(&proxy.url()).await?;
+    let session = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    ensure!(
+        session.acquire("late/start", Wait::Try).await?.is_some(),
+        "no grant once etcd was up"
+    );
+    Ok(())
+}
+
+pub async fn sigterm_waits_out_holders_validity_then_revokes_its_leases() -> anyhow::Result<()> {
+    let (etcd, mut proxies) = cell(&["a", "b"]).await?;
+    let a = Client::connect(&proxies[0].url()).await?;
+    let b = Client::connect(&proxies[1].url()).await?;
+    let holder = a
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let held = holder
+        .acquire("rolling/restart", Wait::Try)
+        .await?
+        .context("free lock not granted")?;
+    let waiter = b
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+
+    proxies[0].signal(Signal::SIGTERM)?;
+    let taken = waiter
+        .acquire("rolling/restart", Wait::Timeout(Duration::from_secs(30)))
+        .await?
+        .context("the lock of a stopped proxy's client never passed on")?;
+    ensure!(
+        holder.state() != SessionState::Valid,
+        "the stopped proxy revoked its leases while its client could still act as holder"
+    );
+    ensure!(taken.token() > held.token());
+    let status = proxies[0]
+        .process
+        .wait_exit(Duration::from_secs(30))
+        .await?;
+    ensure!(
+        status.success(),
+        "the proxy exited with {status:?} on SIGTERM"
+    );
+    let log = std::fs::read_to_string(proxies[0].log_path())?;
+    ensure!(
+        log.contains("revoked proxy lease"),
+        "the proxy did not revoke its leases:\n{log}"
+    );
+    ensure!(
+        lease_count(&etcd).await? == 4,
+        "the stopped proxy's leases are still in etcd"
     );
     Ok(())
 }
