@@ -2,7 +2,7 @@
 CARGO ?= cargo
 DEV_DIR ?= .lockcell-dev
 
-.PHONY: setup build dev test unit e2e lint fmt clean
+.PHONY: setup build dev test lint fmt clean bench bench-full
 
 setup:
 	@sh deploy/setup.sh
@@ -20,6 +20,16 @@ test: build
 	$(CARGO) test --workspace --exclude lockcell-tests
 	$(CARGO) test -p lockcell-tests --lib --bins
 	$(CARGO) test -p lockcell-tests --test e2e -- --test-threads 1
+
+# The load test, side by side with bare etcd and etcd's grpc-proxy (release build).
+# Reports, tables and plots land in target/loadtest/.
+bench: setup
+	$(CARGO) build --release --workspace --bins
+	./target/release/lockcell-loadtest bench
+
+bench-full: setup
+	$(CARGO) build --release --workspace --bins
+	./target/release/lockcell-loadtest bench --full
 
 lint: setup
 	$(CARGO) fmt --all -- --check

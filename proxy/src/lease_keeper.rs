@@ -88,6 +88,7 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
             }
         };
         let sent = Instant::now();
+        metrics::counter!(m::LEASE_RENEWALS).increment(1);
         let exchange = async {
             keeper.keep_alive().await?;
             replies.message().await
@@ -96,7 +97,6 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
             Ok(Ok(Some(reply))) if reply.id() == lease && reply.ttl() > 0 => {
                 let ttl = Duration::from_secs(reply.ttl() as u64);
                 state.leases.renewed(bucket, lease, sent, ttl);
-                metrics::counter!(m::LEASE_RENEWALS).increment(1);
             }
             Ok(Ok(Some(reply))) if reply.ttl() <= 0 => {
                 return "etcd reports the proxy lease expired or revoked";

@@ -33,7 +33,7 @@ pub fn describe() {
     );
     describe_counter!(
         LEASE_RENEWALS,
-        "Keepalives of the proxy's own etcd leases that etcd confirmed."
+        "Keepalives of the proxy's own etcd leases sent to etcd (K leases, each every renew interval)."
     );
     describe_counter!(
         LEASES_LOST,

@@ -100,8 +100,14 @@ async fn main() -> anyhow::Result<()> {
 
     wait_for_stop(&mut proxies, &mut etcd).await;
     eprintln!("lockcell-dev: stopping");
+    // A proxy waits out the validity it granted to lock holders (at most its lease
+    // TTL) before it revokes its leases and exits.
+    // All are told at once, so their waits overlap.
+    for proxy in &proxies {
+        let _ = proxy.signal(nix::sys::signal::Signal::SIGTERM);
+    }
     for proxy in proxies.iter_mut() {
-        proxy.process.stop(Duration::from_secs(10));
+        proxy.process.stop(args.lease_ttl + Duration::from_secs(5));
     }
     for member in etcd.members.iter_mut() {
         member.process.stop(Duration::from_secs(10));

@@ -138,6 +138,22 @@ pub async fn two_clients_hammering_one_lock_are_fenced() -> anyhow::Result<()> {
         );
     }
     ensure!(resource.refused().len() == grants.len() - 1);
+    // Each proxy timed its grants.
+    for proxy in &proxies {
+        let page = proxy.metrics().await?;
+        let count = proxy
+            .metric("lockcell_acquire_duration_seconds_count")
+            .await?;
+        ensure!(
+            page.contains("lockcell_acquire_duration_seconds_bucket"),
+            "no acquire histogram:\n{page}"
+        );
+        ensure!(
+            count >= ROUNDS as f64,
+            "proxy {} timed {count} acquires, not {ROUNDS}",
+            proxy.zone
+        );
+    }
     Ok(())
 }
 

@@ -15,7 +15,7 @@ pub async fn thousand_sessions_use_k_leases_and_write_nothing() -> anyhow::Resul
     let (etcd, proxies) = cell(&["a"]).await?;
     let proxy = &proxies[0];
     let client = Client::connect(&proxy.url()).await?;
-    let ttl = Duration::from_secs(1);
+    let ttl = Duration::from_secs(2);
     let mut sessions = Vec::with_capacity(SESSIONS);
     for _ in 0..SESSIONS {
         sessions.push(client.open_session(short_session(ttl)).await?);

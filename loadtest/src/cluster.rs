@@ -1,0 +1,206 @@
+//! The system under test: a three-zone etcd cluster and, per zone, what clients of the
+//! target connect to (a lockcell proxy, an etcd grpc-proxy, or the zone's etcd member).
+
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use lockcell_loadtest::procstat::ProcTracker;
+use lockcell_loadtest::prom::{self, Counters};
+use lockcell_tests::ports::free_port;
+use lockcell_tests::process::Managed;
+use lockcell_tests::proxy::http_get;
+use lockcell_tests::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess};
+use nix::sys::signal::Signal;
+
+/// What the clients talk to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Target {
+    /// lockcell proxies, one per zone, multiplexing sessions onto a few leases.
+    Lockcell,
+    /// Bare etcd: one lease per client session, the txn lock recipe, direct watches.
+    Etcd,
+    /// The bare-etcd client through `etcd grpc-proxy`, one per zone.
+    EtcdGrpcProxy,
+}
+
+impl Target {
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Lockcell => "lockcell",
+            Target::Etcd => "etcd",
+            Target::EtcdGrpcProxy => "etcd-grpc-proxy",
+        }
+    }
+
+    /// True when clients speak lockcell.v1 rather than etcd's API.
+    pub fn is_lockcell(self) -> bool {
+        self == Target::Lockcell
+    }
+}
+
+/// How to start the cell.
+#[derive(Debug, Clone)]
+pub struct CellOptions {
+    /// Use this running etcd cluster (one endpoint per zone) instead of starting one.
+    pub endpoints: Option<Vec<String>>,
+    /// TTL of the lockcell proxies' etcd leases (the sessions' TTL in the scenarios).
+    pub lease_ttl: Duration,
+}
+
+/// One zone's way in for clients.
+pub struct Zone {
+    /// What this zone's clients connect to (`127.0.0.1:PORT`).
+    pub endpoint: String,
+    proxy: Option<ProxyProcess>,
+    grpc_proxy: Option<Managed>,
+}
+
+/// A running cell; dropping it stops everything it started.
+pub struct Cell {
+    pub target: Target,
+    /// Member client addresses, zone by zone.
+    pub etcd_endpoints: Vec<String>,
+    pub zones: Vec<Zone>,
+    etcd: Option<EtcdCluster>,
+    /// Data and logs of what the cell started; removed with the cell.
+    _dir: tempfile::TempDir,
+}
+
+impl Cell {
+    pub async fn start(target: Target, options: &CellOptions) -> anyhow::Result<Cell> {
+        let dir = tempfile::Builder::new()
+            .prefix("lockcell-loadtest-")
+            .tempdir()?;
+        let (etcd, endpoints) = match &options.endpoints {
+            Some(endpoints) => (None, endpoints.clone()),
+            None => {
+                let etcd = EtcdCluster::start_in(dir.path(), 3).await?;
+                let endpoints = etcd.endpoints();
+                (Some(etcd), endpoints)
+            }
+        };
+        let mut zones = Vec::new();
+        for (i, member) in endpoints.iter().enumerate() {
+            let name = ((b'a' + i as u8) as char).to_string();
+            let zone = match target {
+                Target::Etcd => Zone {
+                    endpoint: member.clone(),
+                    proxy: None,
+                    grpc_proxy: None,
+                },
+                Target::Lockcell => {
+                    let mut opts = ProxyOptions::new(&name, endpoints.clone());
+                    opts.lease_ttl = options.lease_ttl;
+                    opts.extra_args = vec!["--session-ttl-max".into(), "600s".into()];
+                    let proxy = ProxyProcess::start(&opts, dir.path()).await?;
+                    let endpoint = proxy.addr.clone();
+                    Zone {
+                        endpoint,
+                        proxy: Some(proxy),
+                        grpc_proxy: None,
+                    }
+                }
+                Target::EtcdGrpcProxy => {
+                    let (process, endpoint) =
+                        start_grpc_proxy(&name, &endpoints, dir.path()).await?;
+                    Zone {
+                        endpoint,
+                        proxy: None,
+                        grpc_proxy: Some(process),
+                    }
+                }
+            };
+            zones.push(zone);
+        }
+        Ok(Cell {
+            target,
+            etcd_endpoints: endpoints,
+            zones,
+            etcd,
+            _dir: dir,
+        })
+    }
+
+    /// Kills zone `zone`'s proxy with SIGKILL (bare etcd has none: its clients just stop).
+    pub fn kill_zone(&mut self, zone: usize) -> anyhow::Result<()> {
+        let z = &mut self.zones[zone];
+        if let Some(proxy) = &z.proxy {
+            proxy.signal(Signal::SIGKILL)?;
+        }
+        if let Some(process) = &z.grpc_proxy {
+            process.signal(Signal::SIGKILL)?;
+        }
+        Ok(())
+    }
+
+    /// etcd's own request counters, summed over members, and the proposals one member
+    /// committed (every member commits every proposal, so one member counts each once).
+    pub async fn etcd_counters(&self) -> anyhow::Result<Counters> {
+        let mut total = Counters::default();
+        for (i, member) in self.etcd_endpoints.iter().enumerate() {
+            let page = http_get(member, "/metrics")
+                .await
+                .with_context(|| format!("etcd /metrics at {member}"))?;
+            let mut counters = prom::etcd_counters(&page);
+            if i > 0 {
+                counters.0.remove("proposals_committed");
+                counters.0.remove("proposals_applied");
+            }
+            total.add(&counters);
+        }
+        Ok(total)
+    }
+
+    /// Trackers for the CPU and memory of every process the cell started, by kind.
+    pub fn trackers(&self) -> Vec<(&'static str, ProcTracker)> {
+        let mut out = Vec::new();
+        if let Some(etcd) = &self.etcd {
+            for m in &etcd.members {
+                if let Some(pid) = m.process.pid() {
+                    out.push(("etcd", ProcTracker::start(pid)));
+                }
+            }
+        }
+        for z in &self.zones {
+            let pid = z
+                .proxy
+                .as_ref()
+                .and_then(|p| p.process.pid())
+                .or(z.grpc_proxy.as_ref().and_then(|p| p.pid()));
+            if let Some(pid) = pid {
+                out.push(("proxy", ProcTracker::start(pid)));
+            }
+        }
+        out
+    }
+}
+
+async fn start_grpc_proxy(
+    zone: &str,
+    endpoints: &[String],
+    dir: &std::path::Path,
+) -> anyhow::Result<(Managed, String)> {
+    let etcd = bins::on_path("etcd").context("no etcd on PATH")?;
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut cmd = Command::new(etcd);
+    cmd.arg("grpc-proxy")
+        .arg("start")
+        .arg(format!("--endpoints={}", endpoints.join(",")))
+        .arg(format!("--listen-addr={addr}"));
+    let log = dir.join(format!("grpc-proxy-{zone}.log"));
+    let mut process = Managed::spawn(format!("grpc-proxy {zone}"), cmd, &log)?;
+    eventually("etcd grpc-proxy listens", Duration::from_secs(20), || {
+        let running = process.is_running();
+        let addr = addr.clone();
+        let tail = process.log_tail(10);
+        async move {
+            if !running {
+                bail!("grpc-proxy exited:\n{tail}");
+            }
+            Ok(tokio::net::TcpStream::connect(&addr).await.ok().map(|_| ()))
+        }
+    })
+    .await?;
+    Ok((process, addr))
+}

@@ -1,0 +1,412 @@
+//! A fleet of client sessions, each kept alive with one message per renewal, spread
+//! over zones and over many client connections.
+//!
+//! For lockcell a session is a proxy session renewed on a `KeepAlive` stream; for bare
+//! etcd (direct or through grpc-proxy) it is an etcd lease renewed on a
+//! `LeaseKeepAlive` stream. Each connection carries one stream with the renewals of its
+//! sessions, paced so the fleet's renewals are spread evenly over the renewal period.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use lockcell_loadtest::pacing::{share, Schedule};
+use lockcell_loadtest::stats::Samples;
+use lockcell_proto::v1::session_client::SessionClient;
+use lockcell_proto::v1::{KeepAliveRequest, OpenRequest, SessionState};
+use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::cluster::{Cell, Target};
+use crate::etcdpb::lease_client::LeaseClient;
+use crate::etcdpb::{LeaseGrantRequest, LeaseKeepAliveRequest};
+
+/// A session's handle for lock calls.
+#[derive(Debug, Clone)]
+pub enum SessionKey {
+    Lockcell(Arc<str>),
+    Etcd(i64),
+}
+
+/// One session of the fleet.
+#[derive(Debug, Clone)]
+pub struct Member {
+    pub zone: usize,
+    pub key: SessionKey,
+}
+
+/// The fleet's shape.
+#[derive(Debug, Clone, Copy)]
+pub struct FleetSpec {
+    pub sessions: usize,
+    pub ttl: Duration,
+    pub renewals_per_ttl: u32,
+    pub connections: usize,
+}
+
+impl FleetSpec {
+    pub fn period(&self) -> Duration {
+        self.ttl / self.renewals_per_ttl.max(1)
+    }
+}
+
+/// Counters the progress bars read while the fleet runs.
+#[derive(Default)]
+pub struct Live {
+    pub opened: AtomicU64,
+    pub sent: AtomicU64,
+    pub answered: AtomicU64,
+}
+
+/// What one connection's keepalive worker saw.
+#[derive(Default)]
+pub struct WorkerStats {
+    pub sent: u64,
+    pub answered: u64,
+    pub latency: Samples,
+    /// (offset of the send since the phase start, round trip).
+    pub timeline: Vec<(Duration, Duration)>,
+    /// Sessions the target declared expired although they were renewed.
+    pub expired: HashSet<usize>,
+    /// Stream failures (reconnects are not attempted: a broken stream is a finding).
+    pub stream_errors: u64,
+}
+
+/// A running fleet.
+pub struct Fleet {
+    pub members: Vec<Member>,
+    pub live: Arc<Live>,
+    connections: Vec<(usize, Channel)>,
+    spec: FleetSpec,
+    workers: JoinSet<WorkerStats>,
+    zone_stop: Vec<watch::Sender<bool>>,
+}
+
+/// Sessions opened at once, fleet-wide, so opening does not swamp the target.
+const OPEN_CONCURRENCY: usize = 256;
+
+impl Fleet {
+    /// Connects and opens every session (members `i*n/c .. (i+1)*n/c` on connection `i`,
+    /// connection `i` in zone `i % zones`).
+    pub async fn open(cell: &Cell, spec: FleetSpec, live: Arc<Live>) -> anyhow::Result<Fleet> {
+        let zones = cell.zones.len();
+        let mut connections = Vec::with_capacity(spec.connections);
+        for c in 0..spec.connections {
+            let zone = c % zones;
+            let url = format!("http://{}", cell.zones[zone].endpoint);
+            let channel = Endpoint::from_shared(url)?
+                .tcp_nodelay(true)
+                .connect_timeout(Duration::from_secs(10))
+                .connect_lazy();
+            connections.push((zone, channel));
+        }
+        let gate = Arc::new(Semaphore::new(OPEN_CONCURRENCY));
+        let mut opening = JoinSet::new();
+        for (c, (zone, channel)) in connections.iter().enumerate() {
+            let range = share(spec.sessions, spec.connections, c);
+            let (zone, channel, gate, live) = (*zone, channel.clone(), gate.clone(), live.clone());
+            let target = cell.target;
+            opening.spawn(async move {
+                let mut members = Vec::with_capacity(range.len());
+                for _ in range.clone() {
+                    let _permit = gate.acquire().await.expect("gate open");
+                    let key = open_one(target, &channel, spec.ttl).await?;
+                    live.opened.fetch_add(1, Ordering::Relaxed);
+                    members.push(Member { zone, key });
+                }
+                anyhow::Ok((range.start, members))
+            });
+        }
+        let mut parts = Vec::new();
+        while let Some(done) = opening.join_next().await {
+            parts.push(done??);
+        }
+        parts.sort_by_key(|(start, _)| *start);
+        let members = parts.into_iter().flat_map(|(_, m)| m).collect();
+        let zone_stop = (0..zones).map(|_| watch::channel(false).0).collect();
+        Ok(Fleet {
+            members,
+            live,
+            connections,
+            spec,
+            workers: JoinSet::new(),
+            zone_stop,
+        })
+    }
+
+    /// Starts renewing every session, paced evenly from `start`.
+    pub fn start_keepalives(&mut self, target: Target, start: Instant) {
+        let n = self.members.len();
+        for (c, (zone, channel)) in self.connections.iter().enumerate() {
+            let range = share(n, self.connections.len(), c);
+            if range.is_empty() {
+                continue;
+            }
+            let worker = Worker {
+                target,
+                channel: channel.clone(),
+                members: self.members[range.clone()].to_vec(),
+                first: range.start,
+                schedule: Schedule::new(self.spec.period(), n, range.start, range.len()),
+                start,
+                stop: self.zone_stop[*zone].subscribe(),
+                live: self.live.clone(),
+            };
+            self.workers.spawn(worker.run());
+        }
+    }
+
+    /// Stops the renewals of every session in `zone` (its clients died).
+    pub fn stop_zone(&self, zone: usize) {
+        let _ = self.zone_stop[zone].send(true);
+    }
+
+    /// Stops every renewal and collects what each worker saw.
+    pub async fn finish(mut self) -> Vec<WorkerStats> {
+        for stop in &self.zone_stop {
+            let _ = stop.send(true);
+        }
+        let mut out = Vec::new();
+        while let Some(done) = self.workers.join_next().await {
+            if let Ok(stats) = done {
+                out.push(stats);
+            }
+        }
+        out
+    }
+
+    /// The connection member `i` renews on.
+    pub fn member_channel(&self, i: usize) -> Channel {
+        let c = (0..self.connections.len())
+            .find(|c| share(self.members.len(), self.connections.len(), *c).contains(&i))
+            .expect("every member has a connection");
+        self.connections[c].1.clone()
+    }
+
+    /// A channel of `zone` for lock calls (lockcell).
+    pub fn channel(&self, zone: usize, hint: usize) -> Channel {
+        let in_zone: Vec<&Channel> = self
+            .connections
+            .iter()
+            .filter(|(z, _)| *z == zone)
+            .map(|(_, c)| c)
+            .collect();
+        in_zone[hint % in_zone.len()].clone()
+    }
+}
+
+async fn open_one(target: Target, channel: &Channel, ttl: Duration) -> anyhow::Result<SessionKey> {
+    if target.is_lockcell() {
+        let reply = SessionClient::new(channel.clone())
+            .open(OpenRequest {
+                ttl_ms: ttl.as_millis() as u64,
+                identity: "loadtest".into(),
+            })
+            .await
+            .context("opening a lockcell session")?
+            .into_inner();
+        Ok(SessionKey::Lockcell(reply.session_id.into()))
+    } else {
+        let reply = LeaseClient::new(channel.clone())
+            .lease_grant(LeaseGrantRequest {
+                ttl: ttl.as_secs() as i64,
+                id: 0,
+            })
+            .await
+            .context("granting an etcd lease")?
+            .into_inner();
+        Ok(SessionKey::Etcd(reply.id))
+    }
+}
+
+/// Renews one connection's sessions over one stream.
+struct Worker {
+    target: Target,
+    channel: Channel,
+    members: Vec<Member>,
+    /// Fleet index of `members[0]`.
+    first: usize,
+    schedule: Schedule,
+    start: Instant,
+    stop: watch::Receiver<bool>,
+    live: Arc<Live>,
+}
+
+/// A reply from either protocol: which session, and whether it is still alive.
+struct Reply {
+    local: usize,
+    alive: bool,
+}
+
+impl Worker {
+    async fn run(mut self) -> WorkerStats {
+        let mut stats = WorkerStats::default();
+        let (tx, rx) = mpsc::channel::<Request>(4096);
+        let (reply_tx, mut replies) = mpsc::channel::<Option<Reply>>(4096);
+        let index: Arc<Index> = Arc::new(Index::new(&self.members));
+        // The stream's two halves: requests from a channel, replies into another.
+        let mut io = JoinSet::new();
+        io.spawn(drive_stream(
+            self.target,
+            self.channel.clone(),
+            rx,
+            reply_tx,
+            index,
+        ));
+        let mut in_flight: Vec<VecDeque<Instant>> = vec![VecDeque::new(); self.members.len()];
+        let mut seq = 0u64;
+        let (mut job, mut due) = self.schedule.next();
+        loop {
+            tokio::select! {
+                biased;
+                _ = stopped(&mut self.stop) => break,
+                reply = replies.recv() => match reply {
+                    Some(Some(reply)) => {
+                        let Some(sent) = in_flight[reply.local].pop_front() else { continue };
+                        let now = Instant::now();
+                        stats.answered += 1;
+                        self.live.answered.fetch_add(1, Ordering::Relaxed);
+                        stats.latency.record(now - sent);
+                        stats.timeline.push((sent - self.start, now - sent));
+                        if !reply.alive {
+                            stats.expired.insert(self.first + reply.local);
+                        }
+                    }
+                    Some(None) | None => {
+                        stats.stream_errors += 1;
+                        break;
+                    }
+                },
+                _ = tokio::time::sleep_until(self.start + due) => {
+                    let local = job - self.first;
+                    seq += 1;
+                    let request = match &self.members[local].key {
+                        SessionKey::Lockcell(id) => Request::Lockcell(KeepAliveRequest { session_id: id.to_string(), seq }),
+                        SessionKey::Etcd(id) => Request::Etcd(LeaseKeepAliveRequest { id: *id }),
+                    };
+                    in_flight[local].push_back(Instant::now());
+                    if tx.send(request).await.is_err() {
+                        stats.stream_errors += 1;
+                        break;
+                    }
+                    stats.sent += 1;
+                    self.live.sent.fetch_add(1, Ordering::Relaxed);
+                    (job, due) = self.schedule.next();
+                }
+            }
+        }
+        io.abort_all();
+        stats
+    }
+}
+
+/// Resolves once `stop` turns true (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+enum Request {
+    Lockcell(KeepAliveRequest),
+    Etcd(LeaseKeepAliveRequest),
+}
+
+/// Maps a reply's session id or lease id to the worker's local index.
+struct Index {
+    lockcell: HashMap<Arc<str>, usize>,
+    etcd: HashMap<i64, usize>,
+}
+
+impl Index {
+    fn new(members: &[Member]) -> Self {
+        let mut index = Index {
+            lockcell: HashMap::new(),
+            etcd: HashMap::new(),
+        };
+        for (i, m) in members.iter().enumerate() {
+            match &m.key {
+                SessionKey::Lockcell(id) => index.lockcell.insert(id.clone(), i),
+                SessionKey::Etcd(id) => index.etcd.insert(*id, i),
+            };
+        }
+        index
+    }
+}
+
+/// Opens the stream and pumps requests out and replies back; `None` marks its end.
+async fn drive_stream(
+    target: Target,
+    channel: Channel,
+    mut requests: mpsc::Receiver<Request>,
+    replies: mpsc::Sender<Option<Reply>>,
+    index: Arc<Index>,
+) {
+    if target.is_lockcell() {
+        let (out_tx, out_rx) = mpsc::channel(4096);
+        let forward = async move {
+            while let Some(Request::Lockcell(r)) = requests.recv().await {
+                if out_tx.send(r).await.is_err() {
+                    break;
+                }
+            }
+        };
+        let receive = async {
+            let Ok(resp) = SessionClient::new(channel)
+                .keep_alive(ReceiverStream::new(out_rx))
+                .await
+            else {
+                return;
+            };
+            let mut stream = resp.into_inner();
+            while let Ok(Some(reply)) = stream.message().await {
+                let Some(&local) = index.lockcell.get(reply.session_id.as_str()) else {
+                    continue;
+                };
+                let alive = reply.state == SessionState::Alive as i32;
+                if replies.send(Some(Reply { local, alive })).await.is_err() {
+                    return;
+                }
+            }
+        };
+        tokio::select! { _ = forward => {}, _ = receive => {} }
+    } else {
+        let (out_tx, out_rx) = mpsc::channel(4096);
+        let forward = async move {
+            while let Some(Request::Etcd(r)) = requests.recv().await {
+                if out_tx.send(r).await.is_err() {
+                    break;
+                }
+            }
+        };
+        let receive = async {
+            let Ok(resp) = LeaseClient::new(channel)
+                .lease_keep_alive(ReceiverStream::new(out_rx))
+                .await
+            else {
+                return;
+            };
+            let mut stream = resp.into_inner();
+            while let Ok(Some(reply)) = stream.message().await {
+                let Some(&local) = index.etcd.get(&reply.id) else {
+                    continue;
+                };
+                if replies
+                    .send(Some(Reply {
+                        local,
+                        alive: reply.ttl > 0,
+                    }))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        };
+        tokio::select! { _ = forward => {}, _ = receive => {} }
+    }
+    let _ = replies.send(None).await;
+}

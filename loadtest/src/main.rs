@@ -1,0 +1,220 @@
+//! `lockcell-loadtest`: runs a scenario against each target in turn on this machine and
+//! prints the figures side by side, with the ratio lockcell/other for each.
+#![forbid(unsafe_code)]
+
+mod cluster;
+mod etcdpb;
+mod fleet;
+mod locks;
+mod progress;
+mod scenario;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use lockcell_loadtest::plot::{self, Line};
+use lockcell_loadtest::report::{markdown_table, Report};
+
+use cluster::{CellOptions, Target};
+
+/// Load test for lockcell, side by side with bare etcd and etcd's grpc-proxy.
+///
+/// Each scenario starts what it measures (a three-member etcd cluster on loopback and
+/// the target's proxies), drives it, stops it, and moves to the next target. Reports
+/// go to --out as <scenario>-<target>.json, the side-by-side table to <scenario>.md
+/// and plots to <scenario>-*.svg.
+///
+/// Examples:
+///   lockcell-loadtest bench                 # every scenario, small (make bench)
+///   lockcell-loadtest bench --full          # the seed's sizes (make bench-full)
+///   lockcell-loadtest --targets lockcell,etcd keepalive --sessions 30000 --duration 30s
+#[derive(Debug, Parser)]
+#[command(
+    name = "lockcell-loadtest",
+    version,
+    about,
+    long_about,
+    verbatim_doc_comment
+)]
+struct Cli {
+    /// Targets to drive, in this order.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "lockcell,etcd,etcd-grpc-proxy"
+    )]
+    targets: Vec<Target>,
+    /// Where reports, tables and plots go.
+    #[arg(long, default_value = "target/loadtest")]
+    out: PathBuf,
+    /// Use this running etcd cluster (one client endpoint per zone, comma-separated)
+    /// instead of starting one.
+    #[arg(long, value_delimiter = ',')]
+    endpoints: Option<Vec<String>>,
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Debug, Subcommand)]
+enum Scenario {
+    /// N sessions kept alive at TTL/renewals-per-TTL for a duration.
+    Keepalive(scenario::keepalive::Args),
+    /// The seed's fleet; zone a dies; survivors wait on its locks.
+    ZoneFailure(scenario::zone_failure::Args),
+    /// Uncontended acquire and release from C concurrent clients.
+    Acquire(scenario::acquire::Args),
+    /// Every scenario against every target: small sizes (a few minutes), or --full.
+    Bench {
+        /// The seed's sizes: 120,000 sessions for 60 s, zone failure at scale 1.0.
+        #[arg(long)]
+        full: bool,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    raise_fd_limit();
+    let cell = CellOptions {
+        endpoints: cli.endpoints.clone(),
+        lease_ttl: Duration::from_secs(12),
+    };
+    let plan: Vec<Scenario> = match cli.scenario {
+        Scenario::Bench { full } => bench_plan(full),
+        one => vec![one],
+    };
+    let mut tables = Vec::new();
+    for scenario in &plan {
+        let mut reports = Vec::new();
+        for &target in &cli.targets {
+            eprintln!(
+                "lockcell-loadtest: {} against {}",
+                name(scenario),
+                target.name()
+            );
+            let report = match scenario {
+                Scenario::Keepalive(args) => scenario::keepalive::run(target, &cell, args).await,
+                Scenario::ZoneFailure(args) => {
+                    scenario::zone_failure::run(target, &cell, args).await
+                }
+                Scenario::Acquire(args) => scenario::acquire::run(target, &cell, args).await,
+                Scenario::Bench { .. } => unreachable!("bench expands into scenarios"),
+            }
+            .with_context(|| format!("{} against {}", name(scenario), target.name()))?;
+            let path = report.write(&cli.out)?;
+            eprintln!("lockcell-loadtest: wrote {}", path.display());
+            reports.push(report);
+        }
+        let table = markdown_table(name(scenario), &reports);
+        std::fs::write(cli.out.join(format!("{}.md", name(scenario))), &table)?;
+        plots(&cli.out, name(scenario), &reports)?;
+        println!("{table}");
+        tables.push(table);
+    }
+    if plan.len() > 1 {
+        std::fs::write(cli.out.join("summary.md"), tables.join("\n"))?;
+    }
+    Ok(())
+}
+
+fn name(scenario: &Scenario) -> &'static str {
+    match scenario {
+        Scenario::Keepalive(_) => "keepalive",
+        Scenario::ZoneFailure(_) => "zone-failure",
+        Scenario::Acquire(_) => "acquire",
+        Scenario::Bench { .. } => "bench",
+    }
+}
+
+/// The scenarios `bench` runs: small enough for a few minutes here, or the seed's sizes.
+fn bench_plan(full: bool) -> Vec<Scenario> {
+    use scenario::{acquire, keepalive, zone_failure};
+    if full {
+        return vec![
+            Scenario::Keepalive(keepalive::Args {
+                sessions: 120_000,
+                ttl: Duration::from_secs(12),
+                renewals_per_ttl: 3,
+                duration: Duration::from_secs(60),
+                connections: 3_000,
+            }),
+            Scenario::ZoneFailure(zone_failure::Args {
+                scale: 1.0,
+                ttl: Duration::from_secs(12),
+                connections: 3_000,
+            }),
+            Scenario::Acquire(acquire::Args {
+                clients: 16,
+                duration: Duration::from_secs(30),
+            }),
+        ];
+    }
+    vec![
+        Scenario::Keepalive(keepalive::Args {
+            sessions: 6_000,
+            ttl: Duration::from_secs(12),
+            renewals_per_ttl: 3,
+            duration: Duration::from_secs(15),
+            connections: 300,
+        }),
+        Scenario::ZoneFailure(zone_failure::Args {
+            scale: 0.02,
+            ttl: Duration::from_secs(6),
+            connections: 150,
+        }),
+        Scenario::Acquire(acquire::Args {
+            clients: 8,
+            duration: Duration::from_secs(8),
+        }),
+    ]
+}
+
+/// One SVG per plotted series, one line per target.
+fn plots(out: &Path, scenario: &str, reports: &[Report]) -> anyhow::Result<()> {
+    let (file, title, x, y, series) = match scenario {
+        "keepalive" => (
+            "keepalive-latency.svg",
+            "keepalive round trip, p99 per second",
+            "seconds",
+            "ms",
+            "keepalive_p99_ms_per_s",
+        ),
+        "zone-failure" => (
+            "zone-failure-regrants.svg",
+            "locks of the dead zone re-granted since the kill",
+            "seconds since kill",
+            "locks",
+            "regranted_since_kill",
+        ),
+        _ => return Ok(()),
+    };
+    let lines: Vec<Line> = reports
+        .iter()
+        .filter_map(|r| {
+            r.series.get(series).map(|points| Line {
+                label: r.target.clone(),
+                points: points.clone(),
+            })
+        })
+        .collect();
+    if !lines.is_empty() {
+        plot::line_plot(&out.join(file), title, x, y, &lines)?;
+    }
+    Ok(())
+}
+
+/// Lets the load generator hold as many connections as the hard limit allows.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+}

@@ -1,0 +1,85 @@
+//! The scenarios, each run against one target at a time and turned into a [`Report`].
+
+pub mod acquire;
+pub mod keepalive;
+pub mod zone_failure;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockcell_loadtest::procstat::{ProcSample, ProcTracker};
+use lockcell_loadtest::report::Report;
+
+use crate::cluster::Cell;
+use crate::fleet::{Fleet, FleetSpec, Live};
+use crate::progress;
+
+/// Opens a fleet with a progress bar.
+pub async fn open_fleet(cell: &Cell, spec: FleetSpec) -> anyhow::Result<Fleet> {
+    let live = Arc::new(Live::default());
+    let bar = progress::count("opening sessions", spec.sessions as u64);
+    let opening = Fleet::open(cell, spec, live.clone());
+    tokio::pin!(opening);
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    let fleet = loop {
+        tokio::select! {
+            fleet = &mut opening => break fleet?,
+            _ = tick.tick() => bar.set_position(live.opened.load(Ordering::Relaxed)),
+        }
+    };
+    bar.finish_and_clear();
+    Ok(fleet)
+}
+
+/// CPU and memory of the processes under test (and of the load generator itself).
+pub struct Resources {
+    trackers: Vec<(&'static str, ProcTracker)>,
+    own: ProcTracker,
+}
+
+impl Resources {
+    pub fn start(cell: &Cell) -> Self {
+        Resources {
+            trackers: cell.trackers(),
+            own: ProcTracker::start(std::process::id()),
+        }
+    }
+
+    pub fn sample(&mut self) {
+        for (_, t) in self.trackers.iter_mut() {
+            t.sample();
+        }
+        self.own.sample();
+    }
+
+    /// Adds cpu and memory figures per process kind; `sessions` sizes the per-session
+    /// memory figures.
+    pub fn finish(self, report: &mut Report, sessions: usize) {
+        let Resources { trackers, own } = self;
+        let finished: Vec<(&str, ProcSample)> =
+            trackers.into_iter().map(|(k, t)| (k, t.finish())).collect();
+        for kind in ["etcd", "proxy"] {
+            let samples: Vec<&ProcSample> = finished
+                .iter()
+                .filter(|(k, _)| *k == kind)
+                .map(|(_, s)| s)
+                .collect();
+            if samples.is_empty() {
+                continue;
+            }
+            let cpu: f64 = samples.iter().map(|s| s.cpu_seconds).sum();
+            let peak = samples.iter().map(|s| s.peak_rss_bytes).max().unwrap_or(0);
+            let rss: u64 = samples.iter().map(|s| s.rss_bytes).sum();
+            report.metric(&format!("{kind}_cpu_s"), cpu);
+            report.metric(&format!("{kind}_peak_rss_bytes"), peak as f64);
+            if sessions > 0 {
+                report.metric(
+                    &format!("{kind}_rss_bytes_per_session"),
+                    rss as f64 / sessions as f64,
+                );
+            }
+        }
+        report.metric("loadgen_cpu_s", own.finish().cpu_seconds);
+    }
+}

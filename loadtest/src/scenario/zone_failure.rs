@@ -1,0 +1,213 @@
+//! `zone-failure`: the seed's fleet (2,000 services × 60 processes over 3 zones, 5,000
+//! locks, scaled by `--scale`), every process holding a session, lock holders spread
+//! over zones. Zone a dies at once; survivors wait on the locks it held. Measures how
+//! long each lock takes to reach a survivor and what the storm cost etcd.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use lockcell_loadtest::report::Report;
+use lockcell_loadtest::stats::{cumulative, Samples};
+use lockcell_proto::v1::lock_client::LockClient;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::{open_fleet, Resources};
+use crate::cluster::{Cell, CellOptions, Target};
+use crate::fleet::{Fleet, FleetSpec};
+use crate::locks::Locker;
+use crate::progress;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Fleet size: 1.0 is 2,000 services × 60 processes (120,000 sessions) and 5,000
+    /// locks held.
+    #[arg(long, default_value_t = 1.0)]
+    pub scale: f64,
+    /// Session TTL (and lockcell proxy lease TTL).
+    #[arg(long, default_value = "12s", value_parser = humantime::parse_duration)]
+    pub ttl: Duration,
+    /// Client connections the sessions are spread over.
+    #[arg(long, default_value_t = 3_000)]
+    pub connections: usize,
+}
+
+const SERVICES: f64 = 2_000.0;
+const PROCESSES_PER_SERVICE: usize = 60;
+const LOCKS: f64 = 5_000.0;
+/// Lock calls in flight at once while the holders take their locks.
+const SETUP_CONCURRENCY: usize = 64;
+/// Lock clients per zone (each a connection).
+const LOCKERS_PER_ZONE: usize = 64;
+
+pub async fn run(
+    target: Target,
+    cell_options: &CellOptions,
+    args: &Args,
+) -> anyhow::Result<Report> {
+    let mut cell_options = cell_options.clone();
+    cell_options.lease_ttl = args.ttl;
+    let mut cell = Cell::start(target, &cell_options).await?;
+    let services = ((SERVICES * args.scale).round() as usize).max(1);
+    let sessions = services * PROCESSES_PER_SERVICE;
+    let locks = ((LOCKS * args.scale).round() as usize).max(3);
+    let spec = FleetSpec {
+        sessions,
+        ttl: args.ttl,
+        renewals_per_ttl: 3,
+        connections: args.connections.clamp(3, sessions),
+    };
+    let mut report = Report::new("zone-failure", target.name());
+    report.param("scale", args.scale);
+    report.param("sessions", sessions);
+    report.param("locks", locks);
+    report.param("ttl_s", args.ttl.as_secs_f64());
+    report.param("connections", spec.connections);
+
+    let mut fleet = open_fleet(&cell, spec).await?;
+    fleet.start_keepalives(target, Instant::now());
+    let lockers = lockers(&cell, &fleet).await?;
+    let by_zone: Vec<Vec<usize>> = (0..cell.zones.len())
+        .map(|z| {
+            (0..fleet.members.len())
+                .filter(|i| fleet.members[*i].zone == z)
+                .collect()
+        })
+        .collect();
+
+    // Every lock gets a holder; holders are spread over the zones.
+    let bar = progress::count("taking locks", locks as u64);
+    let gate = Arc::new(Semaphore::new(SETUP_CONCURRENCY));
+    let mut taking = JoinSet::new();
+    for j in 0..locks {
+        let zone = j % by_zone.len();
+        let member = by_zone[zone][(j / by_zone.len()) % by_zone[zone].len()];
+        let (locker, key, gate) = (
+            lockers[zone][j % LOCKERS_PER_ZONE].clone(),
+            fleet.members[member].key.clone(),
+            gate.clone(),
+        );
+        taking.spawn(async move {
+            let _permit = gate.acquire().await.expect("gate open");
+            let grant = locker.acquire(&key, &lock_name(j), Duration::ZERO).await?;
+            grant.with_context(|| format!("free lock {} was not granted", lock_name(j)))?;
+            anyhow::Ok(())
+        });
+    }
+    while let Some(done) = taking.join_next().await {
+        done??;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
+    // Survivors wait on every lock zone a holds.
+    let doomed: Vec<usize> = (0..locks).filter(|j| j % by_zone.len() == 0).collect();
+    let patience = args.ttl * 3 + Duration::from_secs(120);
+    let regranted = Arc::new(AtomicU64::new(0));
+    let mut waiting = JoinSet::new();
+    for (n, &j) in doomed.iter().enumerate() {
+        let zone = 1 + n % (by_zone.len() - 1);
+        let member = by_zone[zone][n % by_zone[zone].len()];
+        let (locker, key, regranted) = (
+            lockers[zone][n % LOCKERS_PER_ZONE].clone(),
+            fleet.members[member].key.clone(),
+            regranted.clone(),
+        );
+        waiting.spawn(async move {
+            let grant = locker.acquire(&key, &lock_name(j), patience).await;
+            regranted.fetch_add(1, Ordering::Relaxed);
+            (grant.map(|g| g.is_some()), Instant::now())
+        });
+    }
+    // The waiters' first attempts find their locks held; give them a moment to be sent.
+    tokio::task::yield_now().await;
+
+    let before = cell.etcd_counters().await?;
+    let mut resources = Resources::start(&cell);
+    let killed = Instant::now();
+    cell.kill_zone(0)?;
+    fleet.stop_zone(0);
+
+    let bar = progress::count("locks re-granted", doomed.len() as u64);
+    let mut regrants = Samples::new();
+    let mut offsets = Vec::new();
+    let mut failed = 0;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            done = waiting.join_next() => match done {
+                Some(Ok((Ok(true), at))) => {
+                    regrants.record(at - killed);
+                    offsets.push((at - killed).as_secs_f64());
+                    bar.inc(1);
+                }
+                Some(Ok((Ok(false), _))) | Some(Ok((Err(_), _))) | Some(Err(_)) => {
+                    failed += 1;
+                    bar.inc(1);
+                }
+                None => break,
+            },
+            _ = tick.tick() => resources.sample(),
+        }
+    }
+    bar.finish_and_clear();
+    let after = cell.etcd_counters().await?;
+    let workers = fleet.finish().await;
+    if regrants.is_empty() && failed > 0 {
+        bail!("no lock of the dead zone reached a survivor ({failed} waits failed)");
+    }
+
+    let delta = after.delta(&before);
+    let survivors_expired: usize = workers
+        .iter()
+        .flat_map(|w| w.expired.iter())
+        .filter(|i| by_zone[0].binary_search(i).is_err())
+        .count();
+    report.metric("locks_of_dead_zone", doomed.len() as f64);
+    report.metric("locks_not_regranted", failed as f64);
+    for (name, p) in [("regrant_p50_s", 50.0), ("regrant_p99_s", 99.0)] {
+        if let Some(d) = regrants.percentile(p) {
+            report.metric(name, d.as_secs_f64());
+        }
+    }
+    if let Some(d) = regrants.max() {
+        report.metric("regrant_max_s", d.as_secs_f64());
+    }
+    report.metric(
+        "etcd_proposals_during_storm",
+        delta.get("proposals_committed"),
+    );
+    report.metric(
+        "etcd_lease_revokes_during_storm",
+        delta.get("lease_revokes"),
+    );
+    report.metric("false_expiries", survivors_expired as f64);
+    resources.finish(&mut report, sessions);
+    report
+        .series
+        .insert("regranted_since_kill".into(), cumulative(&offsets));
+    Ok(report)
+}
+
+fn lock_name(j: usize) -> String {
+    format!("zf/lock-{j}")
+}
+
+/// Lock clients per zone.
+async fn lockers(cell: &Cell, fleet: &Fleet) -> anyhow::Result<Vec<Vec<Locker>>> {
+    let mut out = Vec::new();
+    for (z, zone) in cell.zones.iter().enumerate() {
+        let mut pool = Vec::new();
+        for i in 0..LOCKERS_PER_ZONE {
+            pool.push(match cell.target {
+                Target::Lockcell => Locker::Lockcell(LockClient::new(fleet.channel(z, i))),
+                _ => Locker::connect_etcd(&zone.endpoint).await?,
+            });
+        }
+        out.push(pool);
+    }
+    Ok(out)
+}
