@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, KvClient, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, GetOptions, KvClient, Txn, TxnOp, TxnOpResponse};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{with_timeout, CellError};
@@ -108,6 +108,24 @@ impl LockLog {
             }
         }
         Ok(Acquired::Busy { seen_at: revision })
+    }
+
+    /// Whether `lock` has any holder now, and the store revision that answer is from.
+    /// A read, not a transaction: waiters use it to learn whether trying again is
+    /// worth a proposal through the raft log.
+    pub async fn is_held(&self, lock: &LockName) -> Result<(bool, i64), CellError> {
+        let prefix = lock.holders_prefix();
+        let options = GetOptions::new()
+            .with_range(prefix_end(prefix.as_bytes()))
+            .with_count_only();
+        let resp = with_timeout(
+            "holder read",
+            self.timeout,
+            self.kv.clone().get(prefix.as_bytes(), Some(options)),
+        )
+        .await?;
+        let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
+        Ok((resp.count() > 0, revision))
     }
 
     /// Deletes the exclusive holder key of `lock` if it is still the grant made at

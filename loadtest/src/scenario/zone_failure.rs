@@ -20,6 +20,7 @@ use crate::cluster::{Cell, CellOptions, Target};
 use crate::fleet::{Fleet, FleetSpec};
 use crate::locks::Locker;
 use crate::progress;
+use lockcell_tests::eventually;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -107,6 +108,7 @@ pub async fn run(
     let doomed: Vec<usize> = (0..locks).filter(|j| j % by_zone.len() == 0).collect();
     let patience = args.ttl * 3 + Duration::from_secs(120);
     let regranted = Arc::new(AtomicU64::new(0));
+    let placed = cell.etcd_counters().await?;
     let mut waiting = JoinSet::new();
     for (n, &j) in doomed.iter().enumerate() {
         let zone = 1 + n % (by_zone.len() - 1);
@@ -122,8 +124,18 @@ pub async fn run(
             (grant.map(|g| g.is_some()), Instant::now())
         });
     }
-    // The waiters' first attempts find their locks held; give them a moment to be sent.
-    tokio::task::yield_now().await;
+    // Every waiter's first attempt is one transaction that finds its lock held: the
+    // storm starts once etcd has seen them all.
+    let waiters = doomed.len() as f64;
+    eventually(
+        "every survivor waits on its lock",
+        Duration::from_secs(60),
+        || async {
+            let txns = cell.etcd_counters().await?.delta(&placed).get("txns");
+            Ok((txns >= waiters).then_some(()))
+        },
+    )
+    .await?;
 
     let before = cell.etcd_counters().await?;
     let mut resources = Resources::start(&cell);

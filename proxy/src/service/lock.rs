@@ -118,8 +118,14 @@ async fn acquire(state: &ProxyState, req: AcquireRequest) -> Result<AcquireRespo
                     valid_for_ms: millis(valid_for),
                 });
             }
-            Acquired::Busy { seen_at } => {
+            Acquired::Busy { mut seen_at } => loop {
+                // Wait for a release, then read before trying again: a grant attempt is
+                // a proposal through etcd's log, a read is not.
                 let now = Instant::now();
+                let session = state
+                    .sessions
+                    .get(&id, now)
+                    .map_err(|gone| ProxyError::session(&id, gone))?;
                 let mut patience = POLL.min(session.expires_at().saturating_duration_since(now));
                 if let Some(give_up) = give_up {
                     if now >= give_up {
@@ -132,7 +138,12 @@ async fn acquire(state: &ProxyState, req: AcquireRequest) -> Result<AcquireRespo
                     patience = patience.min(give_up - now);
                 }
                 releases.released_after(seen_at, patience).await;
-            }
+                let (held, at) = state.locklog.is_held(&lock).await?;
+                if !held {
+                    break;
+                }
+                seen_at = at;
+            },
         }
     }
 }
