@@ -16,7 +16,7 @@ use lockcell_loadtest::pacing::{share, Schedule};
 use lockcell_loadtest::stats::Samples;
 use lockcell_proto::v1::session_client::SessionClient;
 use lockcell_proto::v1::{KeepAliveRequest, OpenRequest, SessionState};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -82,17 +82,19 @@ pub struct Fleet {
     pub members: Vec<Member>,
     pub live: Arc<Live>,
     connections: Vec<(usize, Channel)>,
-    spec: FleetSpec,
     workers: JoinSet<WorkerStats>,
     zone_stop: Vec<watch::Sender<bool>>,
+    /// When the measured window starts; workers count round trips from then on.
+    measure: watch::Sender<Option<Instant>>,
 }
 
 /// Sessions opened at once, fleet-wide, so opening does not swamp the target.
 const OPEN_CONCURRENCY: usize = 256;
 
 impl Fleet {
-    /// Connects and opens every session (members `i*n/c .. (i+1)*n/c` on connection `i`,
-    /// connection `i` in zone `i % zones`).
+    /// Connects and opens every session (members `share(n, c, i)` on connection `i`,
+    /// connection `i` in zone `i % zones`). Each connection starts renewing its
+    /// sessions as soon as they are open, so none expires while the rest open.
     pub async fn open(cell: &Cell, spec: FleetSpec, live: Arc<Live>) -> anyhow::Result<Fleet> {
         let zones = cell.zones.len();
         let mut connections = Vec::with_capacity(spec.connections);
@@ -105,60 +107,58 @@ impl Fleet {
                 .connect_lazy();
             connections.push((zone, channel));
         }
+        let zone_stop: Vec<watch::Sender<bool>> =
+            (0..zones).map(|_| watch::channel(false).0).collect();
+        let (measure, _) = watch::channel(None);
         let gate = Arc::new(Semaphore::new(OPEN_CONCURRENCY));
-        let mut opening = JoinSet::new();
+        let epoch = Instant::now();
+        let mut workers = JoinSet::new();
+        let mut opened = Vec::new();
         for (c, (zone, channel)) in connections.iter().enumerate() {
             let range = share(spec.sessions, spec.connections, c);
-            let (zone, channel, gate, live) = (*zone, channel.clone(), gate.clone(), live.clone());
-            let target = cell.target;
-            opening.spawn(async move {
-                let mut members = Vec::with_capacity(range.len());
-                for _ in range.clone() {
-                    let _permit = gate.acquire().await.expect("gate open");
-                    let key = open_one(target, &channel, spec.ttl).await?;
-                    live.opened.fetch_add(1, Ordering::Relaxed);
-                    members.push(Member { zone, key });
-                }
-                anyhow::Ok((range.start, members))
-            });
+            if range.is_empty() {
+                continue;
+            }
+            let (ready_tx, ready_rx) = oneshot::channel();
+            opened.push((range.start, ready_rx));
+            let worker = Worker {
+                target: cell.target,
+                channel: channel.clone(),
+                zone: *zone,
+                range,
+                spec,
+                epoch,
+                gate: gate.clone(),
+                stop: zone_stop[*zone].subscribe(),
+                measure: measure.subscribe(),
+                live: live.clone(),
+            };
+            workers.spawn(worker.run(ready_tx));
         }
         let mut parts = Vec::new();
-        while let Some(done) = opening.join_next().await {
-            parts.push(done??);
+        for (start, ready) in opened {
+            match ready.await {
+                Ok(Ok(members)) => parts.push((start, members)),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => anyhow::bail!("a connection's worker ended before opening its sessions"),
+            }
         }
         parts.sort_by_key(|(start, _)| *start);
         let members = parts.into_iter().flat_map(|(_, m)| m).collect();
-        let zone_stop = (0..zones).map(|_| watch::channel(false).0).collect();
         Ok(Fleet {
             members,
             live,
             connections,
-            spec,
-            workers: JoinSet::new(),
+            workers,
             zone_stop,
+            measure,
         })
     }
 
-    /// Starts renewing every session, paced evenly from `start`.
-    pub fn start_keepalives(&mut self, target: Target, start: Instant) {
-        let n = self.members.len();
-        for (c, (zone, channel)) in self.connections.iter().enumerate() {
-            let range = share(n, self.connections.len(), c);
-            if range.is_empty() {
-                continue;
-            }
-            let worker = Worker {
-                target,
-                channel: channel.clone(),
-                members: self.members[range.clone()].to_vec(),
-                first: range.start,
-                schedule: Schedule::new(self.spec.period(), n, range.start, range.len()),
-                start,
-                stop: self.zone_stop[*zone].subscribe(),
-                live: self.live.clone(),
-            };
-            self.workers.spawn(worker.run());
-        }
+    /// Counts round trips and rates from `from` on (earlier replies only count as
+    /// expiries).
+    pub fn measure_from(&self, from: Instant) {
+        let _ = self.measure.send(Some(from));
     }
 
     /// Stops the renewals of every session in `zone` (its clients died).
@@ -224,16 +224,19 @@ async fn open_one(target: Target, channel: &Channel, ttl: Duration) -> anyhow::R
     }
 }
 
-/// Renews one connection's sessions over one stream.
+/// Opens one connection's sessions, then renews them over one stream.
 struct Worker {
     target: Target,
     channel: Channel,
-    members: Vec<Member>,
-    /// Fleet index of `members[0]`.
-    first: usize,
-    schedule: Schedule,
-    start: Instant,
+    zone: usize,
+    /// The fleet indices of this connection's sessions.
+    range: std::ops::Range<usize>,
+    spec: FleetSpec,
+    /// The fleet's common time origin: renewal slots are spread evenly from it.
+    epoch: Instant,
+    gate: Arc<Semaphore>,
     stop: watch::Receiver<bool>,
+    measure: watch::Receiver<Option<Instant>>,
     live: Arc<Live>,
 }
 
@@ -244,12 +247,36 @@ struct Reply {
 }
 
 impl Worker {
-    async fn run(mut self) -> WorkerStats {
+    async fn run(mut self, ready: oneshot::Sender<anyhow::Result<Vec<Member>>>) -> WorkerStats {
         let mut stats = WorkerStats::default();
+        let mut members = Vec::with_capacity(self.range.len());
+        for _ in self.range.clone() {
+            let _permit = self.gate.acquire().await.expect("gate open");
+            match open_one(self.target, &self.channel, self.spec.ttl).await {
+                Ok(key) => members.push(Member {
+                    zone: self.zone,
+                    key,
+                }),
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return stats;
+                }
+            }
+            self.live.opened.fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = ready.send(Ok(members.clone()));
+
+        let period = self.spec.period();
+        let first = self.range.start;
+        let mut schedule = Schedule::new(period, self.spec.sessions, first, self.range.len());
+        // Start at the next period boundary after opening, so these sessions take their
+        // even slots instead of bursting to catch up on slots that passed while opening.
+        let periods = (self.epoch.elapsed().as_secs_f64() / period.as_secs_f64()).ceil() as u32;
+        let start = self.epoch + period * periods;
+
         let (tx, rx) = mpsc::channel::<Request>(4096);
         let (reply_tx, mut replies) = mpsc::channel::<Option<Reply>>(4096);
-        let index: Arc<Index> = Arc::new(Index::new(&self.members));
-        // The stream's two halves: requests from a channel, replies into another.
+        let index: Arc<Index> = Arc::new(Index::new(&members));
         let mut io = JoinSet::new();
         io.spawn(drive_stream(
             self.target,
@@ -258,9 +285,9 @@ impl Worker {
             reply_tx,
             index,
         ));
-        let mut in_flight: Vec<VecDeque<Instant>> = vec![VecDeque::new(); self.members.len()];
+        let mut in_flight: Vec<VecDeque<Instant>> = vec![VecDeque::new(); members.len()];
         let mut seq = 0u64;
-        let (mut job, mut due) = self.schedule.next();
+        let (mut job, mut due) = schedule.next();
         loop {
             tokio::select! {
                 biased;
@@ -269,12 +296,16 @@ impl Worker {
                     Some(Some(reply)) => {
                         let Some(sent) = in_flight[reply.local].pop_front() else { continue };
                         let now = Instant::now();
-                        stats.answered += 1;
                         self.live.answered.fetch_add(1, Ordering::Relaxed);
-                        stats.latency.record(now - sent);
-                        stats.timeline.push((sent - self.start, now - sent));
                         if !reply.alive {
-                            stats.expired.insert(self.first + reply.local);
+                            stats.expired.insert(first + reply.local);
+                        }
+                        if let Some(from) = *self.measure.borrow() {
+                            if sent >= from {
+                                stats.answered += 1;
+                                stats.latency.record(now - sent);
+                                stats.timeline.push((sent - from, now - sent));
+                            }
                         }
                     }
                     Some(None) | None => {
@@ -282,21 +313,24 @@ impl Worker {
                         break;
                     }
                 },
-                _ = tokio::time::sleep_until(self.start + due) => {
-                    let local = job - self.first;
+                _ = tokio::time::sleep_until(start + due) => {
+                    let local = job - first;
                     seq += 1;
-                    let request = match &self.members[local].key {
+                    let request = match &members[local].key {
                         SessionKey::Lockcell(id) => Request::Lockcell(KeepAliveRequest { session_id: id.to_string(), seq }),
                         SessionKey::Etcd(id) => Request::Etcd(LeaseKeepAliveRequest { id: *id }),
                     };
-                    in_flight[local].push_back(Instant::now());
+                    let sent = Instant::now();
+                    in_flight[local].push_back(sent);
                     if tx.send(request).await.is_err() {
                         stats.stream_errors += 1;
                         break;
                     }
-                    stats.sent += 1;
+                    if self.measure.borrow().is_some_and(|from| sent >= from) {
+                        stats.sent += 1;
+                    }
                     self.live.sent.fetch_add(1, Ordering::Relaxed);
-                    (job, due) = self.schedule.next();
+                    (job, due) = schedule.next();
                 }
             }
         }

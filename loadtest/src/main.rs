@@ -81,46 +81,73 @@ async fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let Cli {
+        targets,
+        out,
+        endpoints,
+        scenario,
+    } = Cli::parse();
     raise_fd_limit();
     let cell = CellOptions {
-        endpoints: cli.endpoints.clone(),
+        endpoints,
         lease_ttl: Duration::from_secs(12),
     };
-    let plan: Vec<Scenario> = match cli.scenario {
+    let plan: Vec<Scenario> = match scenario {
         Scenario::Bench { full } => bench_plan(full),
         one => vec![one],
     };
+    // On Ctrl-C or SIGTERM the run is dropped, and with it every process it started.
+    tokio::select! {
+        result = run(&targets, &out, &cell, &plan) => result,
+        _ = interrupted() => anyhow::bail!("interrupted; everything this run started is stopped"),
+    }
+}
+
+async fn interrupted() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+async fn run(
+    targets: &[Target],
+    out: &Path,
+    cell: &CellOptions,
+    plan: &[Scenario],
+) -> anyhow::Result<()> {
     let mut tables = Vec::new();
-    for scenario in &plan {
+    for scenario in plan {
         let mut reports = Vec::new();
-        for &target in &cli.targets {
+        for &target in targets {
             eprintln!(
                 "lockcell-loadtest: {} against {}",
                 name(scenario),
                 target.name()
             );
             let report = match scenario {
-                Scenario::Keepalive(args) => scenario::keepalive::run(target, &cell, args).await,
+                Scenario::Keepalive(args) => scenario::keepalive::run(target, cell, args).await,
                 Scenario::ZoneFailure(args) => {
-                    scenario::zone_failure::run(target, &cell, args).await
+                    scenario::zone_failure::run(target, cell, args).await
                 }
-                Scenario::Acquire(args) => scenario::acquire::run(target, &cell, args).await,
+                Scenario::Acquire(args) => scenario::acquire::run(target, cell, args).await,
                 Scenario::Bench { .. } => unreachable!("bench expands into scenarios"),
             }
             .with_context(|| format!("{} against {}", name(scenario), target.name()))?;
-            let path = report.write(&cli.out)?;
+            let path = report.write(out)?;
             eprintln!("lockcell-loadtest: wrote {}", path.display());
             reports.push(report);
         }
         let table = markdown_table(name(scenario), &reports);
-        std::fs::write(cli.out.join(format!("{}.md", name(scenario))), &table)?;
-        plots(&cli.out, name(scenario), &reports)?;
+        std::fs::write(out.join(format!("{}.md", name(scenario))), &table)?;
+        plots(out, name(scenario), &reports)?;
         println!("{table}");
         tables.push(table);
     }
     if plan.len() > 1 {
-        std::fs::write(cli.out.join("summary.md"), tables.join("\n"))?;
+        std::fs::write(out.join("summary.md"), tables.join("\n"))?;
     }
     Ok(())
 }

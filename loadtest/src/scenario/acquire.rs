@@ -46,8 +46,7 @@ pub async fn run(
     report.param("clients", clients);
     report.param("duration_s", args.duration.as_secs_f64());
 
-    let mut fleet = open_fleet(&cell, spec).await?;
-    fleet.start_keepalives(target, Instant::now());
+    let fleet = open_fleet(&cell, spec).await?;
     let done = Arc::new(AtomicU64::new(0));
     let mut resources = Resources::start(&cell);
     let start = Instant::now();

@@ -54,7 +54,7 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
     report.param("target_keepalives_per_s", target_rate);
 
     let opened = Instant::now();
-    let mut fleet = open_fleet(&cell, spec).await?;
+    let fleet = open_fleet(&cell, spec).await?;
     report.metric(
         "open_sessions_per_s",
         pacing::rate(spec.sessions as u64, opened.elapsed()),
@@ -62,8 +62,8 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
 
     let before = cell.etcd_counters().await?;
     let mut resources = Resources::start(&cell);
-    let start = Instant::now() + Duration::from_millis(100);
-    fleet.start_keepalives(target, start);
+    let start = Instant::now();
+    fleet.measure_from(start);
     let bar = progress::timed(&format!("keepalive {}", target.name()), args.duration);
     let live = fleet.live.clone();
     let mut last = (0u64, Instant::now());

@@ -68,8 +68,7 @@ pub async fn run(
     report.param("ttl_s", args.ttl.as_secs_f64());
     report.param("connections", spec.connections);
 
-    let mut fleet = open_fleet(&cell, spec).await?;
-    fleet.start_keepalives(target, Instant::now());
+    let fleet = open_fleet(&cell, spec).await?;
     let lockers = lockers(&cell, &fleet).await?;
     let by_zone: Vec<Vec<usize>> = (0..cell.zones.len())
         .map(|z| {
