@@ -1,15 +1,19 @@
 //! Every etcd key lockcell uses is built here and nowhere else.
 //!
-//! | key | what |
-//! | --- | --- |
-//! | `/sys/epoch` | the epoch record |
-//! | `/l/<lock>/!x` | the exclusive holder of `<lock>` |
-//! | `/l/<lock>/!s/<session>` | one shared holder of `<lock>` |
+//! | key | what | lease |
+//! | --- | --- | --- |
+//! | `/sys/epoch` | the epoch record | none |
+//! | `/l/<lock>/!x` | the exclusive holder of `<lock>` | the holder session's proxy lease |
+//! | `/l/<lock>/!s/<session>` | one shared holder of `<lock>` | same |
+//! | `/l/<lock>/!r` | written with every clean release, for lock-delay | none |
+//! | `/q/<lock>/!x/<session>`, `/q/<lock>/!s/<session>` | a waiter of a fair class, in line by create revision | the waiter's proxy lease |
 //!
 //! Lock names are `/`-separated paths (`billing/nightly`), so one lock's name may be a
-//! prefix of another's. The holder keys therefore sit under a marker segment that starts
-//! with `!`, a byte no lock name may contain: the range `/l/<lock>/!` then holds exactly
-//! the holders of `<lock>` and never those of `<lock>/<more>`.
+//! prefix of another's. The keys of a lock therefore sit under a marker segment that
+//! starts with `!`, a byte no lock name may contain: the range `/l/<lock>/!` holds
+//! exactly the keys of `<lock>` and never those of `<lock>/<more>`. The holders of a
+//! lock are the range `[/l/<lock>/!s, /l/<lock>/!y)`: shared holders and the exclusive
+//! holder, not the release marker.
 
 use std::fmt;
 
@@ -21,8 +25,8 @@ pub const RESERVED: char = '!';
 
 const EPOCH_KEY: &str = "/sys/epoch";
 const LOCKS_ROOT: &str = "/l/";
-const HOLDERS_MARK: &str = "/!";
-const EXCLUSIVE_SUFFIX: &str = "/!x";
+const QUEUES_ROOT: &str = "/q/";
+const MARK: &str = "/!";
 
 /// Why a lock name was refused. The message names the rule the name broke.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -87,15 +91,83 @@ impl LockName {
         &self.0
     }
 
-    /// The range holding every holder key of this lock, exclusive and shared.
-    pub fn holders_prefix(&self) -> String {
-        format!("{LOCKS_ROOT}{}{HOLDERS_MARK}", self.0)
+    /// Every key of this lock under `/l/`: holders and the release marker.
+    pub fn keys_prefix(&self) -> String {
+        format!("{LOCKS_ROOT}{}{MARK}", self.0)
+    }
+
+    /// `[start, end)` holding every holder key of this lock, exclusive and shared.
+    pub fn holders_range(&self) -> (String, String) {
+        (
+            format!("{LOCKS_ROOT}{}{MARK}s", self.0),
+            format!("{LOCKS_ROOT}{}{MARK}y", self.0),
+        )
     }
 
     /// The key of the exclusive holder.
     pub fn exclusive_key(&self) -> String {
-        format!("{LOCKS_ROOT}{}{EXCLUSIVE_SUFFIX}", self.0)
+        format!("{LOCKS_ROOT}{}{MARK}x", self.0)
     }
+
+    /// The prefix of the shared holders' keys.
+    pub fn shared_prefix(&self) -> String {
+        format!("{LOCKS_ROOT}{}{MARK}s/", self.0)
+    }
+
+    /// The key of `session`'s shared hold.
+    pub fn shared_key(&self, session: &str) -> String {
+        format!("{}{session}", self.shared_prefix())
+    }
+
+    /// The key a clean release writes, so that lock-delay can tell it from a holder that
+    /// vanished.
+    pub fn released_key(&self) -> String {
+        format!("{LOCKS_ROOT}{}{MARK}r", self.0)
+    }
+
+    /// The holder key of `session` in `mode`.
+    pub fn holder_key(&self, mode: Mode, session: &str) -> String {
+        match mode {
+            Mode::Exclusive => self.exclusive_key(),
+            Mode::Shared => self.shared_key(session),
+        }
+    }
+
+    /// Every waiter of this lock (fair classes), both modes.
+    pub fn queue_prefix(&self) -> String {
+        format!("{QUEUES_ROOT}{}{MARK}", self.0)
+    }
+
+    /// The waiters for exclusive holds.
+    pub fn exclusive_queue_prefix(&self) -> String {
+        format!("{QUEUES_ROOT}{}{MARK}x/", self.0)
+    }
+
+    /// A waiter's key in `mode`. `waiter` names one acquire call (the session and a
+    /// nonce), so two calls of one session never share a place in line.
+    pub fn waiter_key(&self, mode: Mode, waiter: &str) -> String {
+        let m = match mode {
+            Mode::Exclusive => 'x',
+            Mode::Shared => 's',
+        };
+        format!("{QUEUES_ROOT}{}{MARK}{m}/{waiter}", self.0)
+    }
+}
+
+/// How a lock is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    Exclusive,
+    Shared,
+}
+
+/// What a key under `/l/` or `/q/` is, for the watch that follows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyKind {
+    Exclusive,
+    Shared,
+    Released,
+    Waiter,
 }
 
 impl fmt::Display for LockName {
@@ -121,16 +193,41 @@ pub fn epoch_key() -> &'static str {
     EPOCH_KEY
 }
 
-/// The prefix under which every lock holder key lives (for watches over all locks).
+/// The prefix of every lock's holder and marker keys (for the proxy's one watch).
 pub fn locks_root() -> &'static str {
     LOCKS_ROOT
 }
 
+/// The prefix of every fair-class waiter key (for the proxy's one watch).
+pub fn queues_root() -> &'static str {
+    QUEUES_ROOT
+}
+
+/// The lock a key under `/l/` or `/q/` belongs to, and what the key is.
+pub fn parse_key(key: &[u8]) -> Option<(LockName, KeyKind)> {
+    let key = std::str::from_utf8(key).ok()?;
+    let (rest, in_queue) = match key.strip_prefix(LOCKS_ROOT) {
+        Some(rest) => (rest, false),
+        None => (key.strip_prefix(QUEUES_ROOT)?, true),
+    };
+    let end = rest.find(MARK)?;
+    let lock = LockName::parse(&rest[..end]).ok()?;
+    let kind = match (in_queue, &rest[end + MARK.len()..]) {
+        (true, _) => KeyKind::Waiter,
+        (false, "x") => KeyKind::Exclusive,
+        (false, "r") => KeyKind::Released,
+        (false, tail) if tail.starts_with("s/") => KeyKind::Shared,
+        _ => return None,
+    };
+    Some((lock, kind))
+}
+
 /// The lock a holder key belongs to, or `None` for a key that is not a holder key.
 pub fn lock_of_key(key: &[u8]) -> Option<LockName> {
-    let rest = std::str::from_utf8(key).ok()?.strip_prefix(LOCKS_ROOT)?;
-    let end = rest.find(HOLDERS_MARK)?;
-    LockName::parse(&rest[..end]).ok()
+    match parse_key(key)? {
+        (lock, KeyKind::Exclusive | KeyKind::Shared) => Some(lock),
+        _ => None,
+    }
 }
 
 /// The first key after every key that starts with `prefix`: the `range_end` of a
@@ -211,16 +308,49 @@ mod tests {
     fn nested_names_have_disjoint_holder_ranges() {
         let parent = LockName::parse("a").unwrap();
         let child = LockName::parse("a/x").unwrap();
-        assert!(!child.exclusive_key().starts_with(&parent.holders_prefix()));
-        assert!(!parent.exclusive_key().starts_with(&child.holders_prefix()));
-        assert!(parent.exclusive_key().starts_with(&parent.holders_prefix()));
+        for key in [
+            child.exclusive_key(),
+            child.shared_key("s1"),
+            child.released_key(),
+        ] {
+            assert!(!key.starts_with(&parent.keys_prefix()), "{key}");
+        }
+        assert!(!child
+            .waiter_key(Mode::Exclusive, "s1")
+            .starts_with(&parent.queue_prefix()));
+        assert!(!parent.exclusive_key().starts_with(&child.keys_prefix()));
         assert_eq!(parent.exclusive_key(), "/l/a/!x");
+        let (start, end) = parent.holders_range();
+        let inside = |k: &str| k >= start.as_str() && k < end.as_str();
+        assert!(inside(&parent.exclusive_key()) && inside(&parent.shared_key("s1")));
+        assert!(
+            !inside(&parent.released_key()),
+            "the release marker is not a holder"
+        );
+        assert!(!inside(&child.exclusive_key()));
     }
 
     #[test]
     fn lock_of_key_inverts_the_builders() {
         let name = LockName::parse("svc/leader").unwrap();
-        assert_eq!(lock_of_key(name.exclusive_key().as_bytes()), Some(name));
+        assert_eq!(
+            lock_of_key(name.exclusive_key().as_bytes()),
+            Some(name.clone())
+        );
+        assert_eq!(
+            lock_of_key(name.shared_key("s1").as_bytes()),
+            Some(name.clone())
+        );
+        assert_eq!(lock_of_key(name.released_key().as_bytes()), None);
+        let waiter = name.waiter_key(Mode::Shared, "s1");
+        assert_eq!(
+            parse_key(waiter.as_bytes()),
+            Some((name.clone(), KeyKind::Waiter))
+        );
+        assert_eq!(
+            parse_key(name.released_key().as_bytes()),
+            Some((name, KeyKind::Released))
+        );
         assert_eq!(lock_of_key(b"/sys/epoch"), None);
         assert_eq!(lock_of_key(b"/l/no-marker"), None);
     }

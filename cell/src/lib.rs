@@ -7,11 +7,12 @@
 //! proxies carry out its decisions.
 #![forbid(unsafe_code)]
 
+pub mod arbiter;
 pub mod epoch;
 pub mod error;
 pub mod keyspace;
 pub mod locklog;
 
 pub use error::CellError;
-pub use keyspace::{LockName, NameError};
+pub use keyspace::{LockName, Mode, NameError};
 pub use lockcell_proto::FencingToken;

@@ -1,23 +1,27 @@
-//! The lock log: the etcd transactions that grant, release and clean up exclusive locks.
+//! The lock log: the etcd transactions that grant, release, queue and clean up locks.
 //!
-//! Every grant is one transaction that compares the lock's whole holder range empty and
-//! puts the holder key on the session's proxy lease; the key's create revision is the
-//! fencing token. Every delete is guarded by the holder key's create revision and lease,
-//! so a delayed release or clean-up can never remove a later holder's key.
+//! A grant is one transaction that compares the lock's holders compatible with the
+//! mode asked (the whole holder range empty for exclusive, no exclusive holder for
+//! shared) and puts the holder key on the session's proxy lease; the key's create
+//! revision is the fencing token. Every delete is guarded by the key's create revision
+//! and lease, so a delayed release or clean-up never removes a later grant's key.
 
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, KvClient, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{
+    Compare, CompareOp, GetOptions, KvClient, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+    TxnOpResponse,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{with_timeout, CellError};
-use crate::keyspace::{prefix_end, LockName};
+use crate::keyspace::{prefix_end, LockName, Mode};
 
 /// Most guarded deletes sent in one transaction (etcd refuses more than 128 operations).
 pub const MAX_DELETES_PER_TXN: usize = 64;
 
-/// The value of a holder key: who holds the lock, for idempotent retries and for people
-/// reading etcd during an investigation.
+/// The value of a holder key: who holds the lock, for idempotent retries, for elections
+/// (the leader's value) and for people reading etcd during an investigation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HolderRecord {
     /// The session that holds the lock; a retried acquire by it gets the same grant.
@@ -28,6 +32,9 @@ pub struct HolderRecord {
     pub identity: String,
     /// Wall-clock time of the grant (milliseconds since the Unix epoch), for people only.
     pub acquired_at_ms: u64,
+    /// An election leader's value (empty for plain locks).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub value: String,
 }
 
 /// What an acquire transaction found.
@@ -36,9 +43,26 @@ pub enum Acquired {
     /// The session holds the lock; `revision` is the holder key's create revision.
     /// `fresh` is false when the session already held it (a retried acquire).
     Granted { revision: i64, fresh: bool },
-    /// Another holder has it. `seen_at` is the store revision the transaction saw:
-    /// any release that lets a waiter in happens after it.
+    /// Another holder is in the way. `seen_at` is the store revision the transaction
+    /// saw: any release that lets a waiter in happens after it.
     Busy { seen_at: i64 },
+}
+
+/// A holder key as read back: its record and its grant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub record: HolderRecord,
+    pub revision: i64,
+    pub lease: i64,
+}
+
+/// Where a fair waiter stands in line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Place {
+    /// Nobody earlier in line blocks this waiter; `seen_at` is the read's revision.
+    Head { seen_at: i64 },
+    /// This waiter key is the one just ahead; wait for its deletion.
+    Behind { predecessor: Vec<u8>, seen_at: i64 },
 }
 
 /// Runs lock-log transactions against one etcd cluster.
@@ -55,104 +79,299 @@ impl LockLog {
         LockLog { kv, timeout }
     }
 
-    /// Grants `lock` exclusively to `record.session` on `lease`, unless another holder
-    /// (exclusive or shared) has it. Idempotent for the session that holds it.
-    pub async fn acquire_exclusive(
+    /// Grants `lock` in `mode` to `record.session` on `lease` unless a holder is in the
+    /// way. With `queued` (fair classes: the waiter's id and the create revision of its
+    /// waiter key) the waiter key must still be there and goes in the same transaction.
+    /// Idempotent for the session that holds it.
+    pub async fn acquire(
         &self,
         lock: &LockName,
+        mode: Mode,
         lease: i64,
         record: &HolderRecord,
+        queued: Option<(&str, i64)>,
     ) -> Result<Acquired, CellError> {
-        let prefix = lock.holders_prefix();
-        let key = lock.exclusive_key();
+        let key = lock.holder_key(mode, &record.session);
         let body = serde_json::to_vec(record).expect("holder record serializes");
+        let mut when = vec![holders_compatible(lock, mode)];
+        let mut then = vec![TxnOp::put(
+            key.as_bytes(),
+            body,
+            Some(PutOptions::new().with_lease(lease)),
+        )];
+        if let Some((waiter, queued)) = queued {
+            let waiter = lock.waiter_key(mode, waiter);
+            when.push(Compare::create_revision(
+                waiter.as_bytes(),
+                CompareOp::Equal,
+                queued,
+            ));
+            then.push(TxnOp::delete(waiter.as_bytes(), None));
+        }
+        // Read back in the same transaction: a shared session that already held the
+        // lock rewrote its own key, which keeps its create revision (its token).
+        then.push(TxnOp::get(key.as_bytes(), None));
         let txn = Txn::new()
-            // A range compare: true only when no key at all lies in the holder range.
-            .when([
-                Compare::create_revision(prefix.as_bytes(), CompareOp::Equal, 0)
-                    .with_range(prefix_end(prefix.as_bytes())),
-            ])
-            .and_then([TxnOp::put(
-                key.as_bytes(),
-                body,
-                Some(etcd_client::PutOptions::new().with_lease(lease)),
-            )])
+            .when(when)
+            .and_then(then)
             .or_else([TxnOp::get(key.as_bytes(), None)]);
         let resp = with_timeout("acquire txn", self.timeout, self.kv.clone().txn(txn)).await?;
-        let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
-        if resp.succeeded() {
-            // The put is the transaction's only write, so it was created at the revision
-            // the transaction produced.
-            return Ok(Acquired::Granted {
+        let seen_at = resp.header().map(|h| h.revision()).unwrap_or_default();
+        let mine = first_kv(&resp.op_responses())
+            .map(|kv| decode(&key, kv.value()).map(|r| (r, kv.create_revision(), kv.lease())))
+            .transpose()?;
+        match mine {
+            Some((_, revision, _)) if resp.succeeded() => Ok(Acquired::Granted {
                 revision,
-                fresh: true,
-            });
-        }
-        for op in resp.op_responses() {
-            let TxnOpResponse::Get(get) = op else {
-                continue;
-            };
-            let Some(kv) = get.kvs().first() else {
-                continue;
-            };
-            let holder: HolderRecord =
-                serde_json::from_slice(kv.value()).map_err(|e| CellError::CorruptRecord {
-                    key: key.clone(),
-                    reason: e.to_string(),
-                })?;
-            if holder.session == record.session && kv.lease() == lease {
-                return Ok(Acquired::Granted {
-                    revision: kv.create_revision(),
+                fresh: revision == seen_at,
+            }),
+            Some((held, revision, held_lease))
+                if held.session == record.session && held_lease == lease =>
+            {
+                Ok(Acquired::Granted {
+                    revision,
                     fresh: false,
-                });
+                })
             }
+            _ if resp.succeeded() => Err(CellError::CorruptRecord {
+                key,
+                reason: "granted, but the holder key did not read back".to_owned(),
+            }),
+            _ => Ok(Acquired::Busy { seen_at }),
         }
-        Ok(Acquired::Busy { seen_at: revision })
     }
 
-    /// Whether `lock` has any holder now, and the store revision that answer is from.
-    /// A read, not a transaction: waiters use it to learn whether trying again is
-    /// worth a proposal through the raft log.
-    pub async fn is_held(&self, lock: &LockName) -> Result<(bool, i64), CellError> {
-        let prefix = lock.holders_prefix();
-        let options = GetOptions::new()
-            .with_range(prefix_end(prefix.as_bytes()))
-            .with_count_only();
+    /// Whether a holder stands in the way of `mode` now, and the revision of that answer.
+    /// A read, not a transaction: waiters use it to learn whether trying again is worth
+    /// a proposal through the raft log.
+    pub async fn is_held(&self, lock: &LockName, mode: Mode) -> Result<(bool, i64), CellError> {
+        let (key, options) = match mode {
+            Mode::Exclusive => {
+                let (start, end) = lock.holders_range();
+                (start, GetOptions::new().with_range(end).with_count_only())
+            }
+            Mode::Shared => (lock.exclusive_key(), GetOptions::new().with_count_only()),
+        };
         let resp = with_timeout(
             "holder read",
             self.timeout,
-            self.kv.clone().get(prefix.as_bytes(), Some(options)),
+            self.kv.clone().get(key.as_bytes(), Some(options)),
         )
         .await?;
         let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
         Ok((resp.count() > 0, revision))
     }
 
-    /// Deletes the exclusive holder key of `lock` if it is still the grant made at
-    /// `revision` on `lease`. Returns whether it deleted it.
+    /// The exclusive holder of `lock`, if any, and the revision the read reflects.
+    pub async fn exclusive_holder(
+        &self,
+        lock: &LockName,
+    ) -> Result<(Option<Holder>, i64), CellError> {
+        let key = lock.exclusive_key();
+        let resp = with_timeout(
+            "holder read",
+            self.timeout,
+            self.kv.clone().get(key.as_bytes(), None),
+        )
+        .await?;
+        let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
+        let holder = match resp.kvs().first() {
+            Some(kv) => Some(Holder {
+                record: decode(&key, kv.value())?,
+                revision: kv.create_revision(),
+                lease: kv.lease(),
+            }),
+            None => None,
+        };
+        Ok((holder, revision))
+    }
+
+    /// Puts waiter `waiter`'s key for `mode` in line (fair classes), or finds the one it
+    /// already has. `waiter` names one acquire call. Returns the key's create revision:
+    /// the waiter's place in line.
+    pub async fn enqueue(
+        &self,
+        lock: &LockName,
+        mode: Mode,
+        waiter: &str,
+        lease: i64,
+    ) -> Result<i64, CellError> {
+        let key = lock.waiter_key(mode, waiter);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                key.as_bytes(),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then([
+                TxnOp::put(
+                    key.as_bytes(),
+                    waiter,
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                TxnOp::get(key.as_bytes(), None),
+            ])
+            .or_else([TxnOp::get(key.as_bytes(), None)]);
+        let resp = with_timeout("enqueue txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        match first_kv(&resp.op_responses()) {
+            Some(kv) if kv.lease() == lease => Ok(kv.create_revision()),
+            Some(kv) => Err(CellError::CorruptRecord {
+                key,
+                reason: format!(
+                    "waiter key is on lease {:x}, not the waiter's {lease:x}",
+                    kv.lease()
+                ),
+            }),
+            None => Err(CellError::CorruptRecord {
+                key,
+                reason: "waiter key did not read back".to_owned(),
+            }),
+        }
+    }
+
+    /// Where the waiter queued at `queued` for `mode` stands: an exclusive waiter is
+    /// behind every earlier waiter, a shared one only behind earlier exclusive waiters.
+    /// Earlier waiters only ever leave the line, so the answer cannot be overtaken by a
+    /// later arrival.
+    pub async fn place(
+        &self,
+        lock: &LockName,
+        mode: Mode,
+        queued: i64,
+    ) -> Result<Place, CellError> {
+        let prefix = match mode {
+            Mode::Exclusive => lock.queue_prefix(),
+            Mode::Shared => lock.exclusive_queue_prefix(),
+        };
+        let options = GetOptions::new()
+            .with_range(prefix_end(prefix.as_bytes()))
+            .with_max_create_revision(queued - 1)
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_limit(1)
+            .with_keys_only();
+        let resp = with_timeout(
+            "queue read",
+            self.timeout,
+            self.kv.clone().get(prefix.as_bytes(), Some(options)),
+        )
+        .await?;
+        let seen_at = resp.header().map(|h| h.revision()).unwrap_or_default();
+        Ok(match resp.kvs().first() {
+            Some(kv) => Place::Behind {
+                predecessor: kv.key().to_vec(),
+                seen_at,
+            },
+            None => Place::Head { seen_at },
+        })
+    }
+
+    /// The create revision of `session`'s `mode` hold of `lock` on `lease`, if it has
+    /// one: a retried acquire on a fair class finds its grant without joining the line.
+    pub async fn held_by(
+        &self,
+        lock: &LockName,
+        mode: Mode,
+        session: &str,
+        lease: i64,
+    ) -> Result<Option<i64>, CellError> {
+        let key = lock.holder_key(mode, session);
+        let resp = with_timeout(
+            "holder read",
+            self.timeout,
+            self.kv.clone().get(key.as_bytes(), None),
+        )
+        .await?;
+        for kv in resp.kvs() {
+            if kv.lease() == lease && decode(&key, kv.value())?.session == session {
+                return Ok(Some(kv.create_revision()));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Takes a waiter out of line (it gave up), if it is still the one queued at `queued`.
+    pub async fn dequeue(
+        &self,
+        lock: &LockName,
+        mode: Mode,
+        waiter: &str,
+        queued: i64,
+    ) -> Result<bool, CellError> {
+        let key = lock.waiter_key(mode, waiter);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                key.as_bytes(),
+                CompareOp::Equal,
+                queued,
+            )])
+            .and_then([TxnOp::delete(key.as_bytes(), None)]);
+        let resp = with_timeout("dequeue txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        Ok(resp.succeeded())
+    }
+
+    /// Releases `session`'s `mode` hold of `lock` if it is still the grant made at
+    /// `revision` on `lease`, marking the release clean. Returns whether it deleted it.
     pub async fn release(
         &self,
         lock: &LockName,
+        mode: Mode,
+        session: &str,
         revision: i64,
         lease: i64,
     ) -> Result<bool, CellError> {
-        let txn = guarded_delete(lock, revision, lease);
+        let txn = guarded_delete(lock, &lock.holder_key(mode, session), revision, lease, true);
         let resp = with_timeout("release txn", self.timeout, self.kv.clone().txn(txn)).await?;
         Ok(resp.succeeded())
     }
 
-    /// Deletes every `(lock, revision)` grant still on `lease`, each under its own guard,
-    /// in as few transactions as etcd allows. Returns how many keys it deleted.
+    /// Replaces the value of an exclusive grant (an election leader's Proclaim), if the
+    /// grant is still `revision` on `lease`. The key keeps its create revision.
+    pub async fn rewrite(
+        &self,
+        lock: &LockName,
+        revision: i64,
+        lease: i64,
+        record: &HolderRecord,
+    ) -> Result<bool, CellError> {
+        let key = lock.exclusive_key();
+        let body = serde_json::to_vec(record).expect("holder record serializes");
+        let txn = Txn::new()
+            .when([
+                Compare::create_revision(key.as_bytes(), CompareOp::Equal, revision),
+                Compare::lease(key.as_bytes(), CompareOp::Equal, lease),
+            ])
+            .and_then([TxnOp::put(
+                key.as_bytes(),
+                body,
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        let resp = with_timeout("proclaim txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        Ok(resp.succeeded())
+    }
+
+    /// Deletes every grant still on `lease`, each under its own guard, in as few
+    /// transactions as etcd allows. `clean` marks the deletes as releases (a closed
+    /// session) rather than a holder that vanished (an expired one), for lock-delay.
+    /// Returns how many keys it deleted.
     pub async fn delete_guarded(
         &self,
-        grants: &[(LockName, i64)],
+        grants: &[Grant],
         lease: i64,
+        clean: bool,
     ) -> Result<usize, CellError> {
         let mut deleted = 0;
         for chunk in grants.chunks(MAX_DELETES_PER_TXN) {
             let nested: Vec<TxnOp> = chunk
                 .iter()
-                .map(|(lock, revision)| TxnOp::txn(guarded_delete(lock, *revision, lease)))
+                .map(|g| {
+                    TxnOp::txn(guarded_delete(
+                        &g.lock,
+                        &g.key,
+                        g.revision,
+                        lease,
+                        clean && !g.waiter,
+                    ))
+                })
                 .collect();
             let txn = Txn::new().and_then(nested);
             let resp = with_timeout("clean-up txn", self.timeout, self.kv.clone().txn(txn)).await?;
@@ -166,13 +385,82 @@ impl LockLog {
     }
 }
 
-/// Delete the exclusive key of `lock` only while it is the grant `revision` on `lease`.
-fn guarded_delete(lock: &LockName, revision: i64, lease: i64) -> Txn {
-    let key = lock.exclusive_key();
+/// A key a session has in the log: a holder key (a grant) or a waiter key of a fair
+/// class, with its create revision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub lock: LockName,
+    pub key: String,
+    pub revision: i64,
+    /// A waiter key, not a hold: deleting it releases nothing.
+    pub waiter: bool,
+}
+
+impl Grant {
+    pub fn hold(lock: &LockName, mode: Mode, session: &str, revision: i64) -> Grant {
+        Grant {
+            lock: lock.clone(),
+            key: lock.holder_key(mode, session),
+            revision,
+            waiter: false,
+        }
+    }
+
+    pub fn waiting(lock: &LockName, mode: Mode, waiter: &str, revision: i64) -> Grant {
+        Grant {
+            lock: lock.clone(),
+            key: lock.waiter_key(mode, waiter),
+            revision,
+            waiter: true,
+        }
+    }
+}
+
+/// The compare that lets `mode` in: no holder at all for exclusive, no exclusive holder
+/// for shared. A range compare holds only when every key in the range satisfies it, and
+/// an empty range compares as an absent key.
+fn holders_compatible(lock: &LockName, mode: Mode) -> Compare {
+    match mode {
+        Mode::Exclusive => {
+            let (start, end) = lock.holders_range();
+            Compare::create_revision(start.as_bytes(), CompareOp::Equal, 0)
+                .with_range(end.as_bytes())
+        }
+        Mode::Shared => {
+            Compare::create_revision(lock.exclusive_key().as_bytes(), CompareOp::Equal, 0)
+        }
+    }
+}
+
+/// Delete `key` only while it is the grant `revision` on `lease`; a clean release also
+/// writes the lock's release marker in the same revision.
+fn guarded_delete(lock: &LockName, key: &str, revision: i64, lease: i64, clean: bool) -> Txn {
+    let mut then = vec![TxnOp::delete(key.as_bytes(), None)];
+    if clean {
+        then.push(TxnOp::put(
+            lock.released_key().as_bytes(),
+            revision.to_string(),
+            None,
+        ));
+    }
     Txn::new()
         .when([
             Compare::create_revision(key.as_bytes(), CompareOp::Equal, revision),
             Compare::lease(key.as_bytes(), CompareOp::Equal, lease),
         ])
-        .and_then([TxnOp::delete(key.as_bytes(), None)])
+        .and_then(then)
+}
+
+fn first_kv(ops: &[TxnOpResponse]) -> Option<&etcd_client::KeyValue> {
+    ops.iter().find_map(|op| match op {
+        TxnOpResponse::Get(get) => get.kvs().first(),
+        _ => None,
+    })
+}
+
+fn decode(key: &str, value: &[u8]) -> Result<HolderRecord, CellError> {
+    serde_json::from_slice(value).map_err(|e| CellError::CorruptRecord {
+        key: key.to_owned(),
+        reason: e.to_string(),
+    })
 }

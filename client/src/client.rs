@@ -9,7 +9,7 @@ use lockcell_proto::v1::OpenRequest;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::error::Error;
+use crate::error::{Call, Error};
 use crate::keepalive::KeepAlive;
 use crate::session::{Session, SessionOptions};
 use crate::shared::SessionShared;
@@ -85,7 +85,7 @@ impl Client {
         let reply = SessionClient::new(self.channel())
             .open(request)
             .await
-            .map_err(|status| Error::from_status(status, None))?
+            .map_err(|status| Error::from_status(status, Call::Unbound))?
             .into_inner();
         if reply.session_id.is_empty() {
             return Err(Error::Protocol("Open answered without a session id".into()));

@@ -30,6 +30,12 @@ pub enum Error {
         /// The session's id.
         session: String,
     },
+    /// The proxy refused a call about a grant (a Release, a Proclaim, a Resign) because
+    /// the grant it names is no longer the current one: the lock passed on or the
+    /// leadership ended. The text is the proxy's, naming the lock or election and the
+    /// token. Stop acting as holder or leader; the session itself may still be fine.
+    #[error("{0}")]
+    NotHolder(String),
     /// The proxy (or its etcd) cannot serve right now; retrying later may succeed.
     #[error("lockcell proxy unavailable: {0}")]
     Unavailable(String),
@@ -41,17 +47,43 @@ pub enum Error {
     Status(#[from] Status),
 }
 
+/// What a failed call was made for. NOT_FOUND and FAILED_PRECONDITION mean different
+/// things depending on it, so every call says which kind it is.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Call<'a> {
+    /// A call without a session: Open, Leader, Observe, CheckSequencer.
+    Unbound,
+    /// A session's call that asks for something: Acquire, Campaign, Close.
+    Session(&'a str),
+    /// A session's call about a grant it holds: Release, Proclaim, Resign.
+    Grant(&'a str),
+}
+
 impl Error {
-    /// Maps a gRPC status to an [`Error`]. `session` is the session the call was made
-    /// for, if any: the proxy answers NOT_FOUND for a session it does not know and
-    /// FAILED_PRECONDITION for one that expired, and both mean the same to the caller.
-    pub(crate) fn from_status(status: Status, session: Option<&str>) -> Error {
-        match (status.code(), session) {
+    /// Maps a gRPC status to an [`Error`], given what the call was for.
+    ///
+    /// The proxy answers NOT_FOUND for a session it does not know ("… is not known …")
+    /// and FAILED_PRECONDITION for one that expired ("… has expired …"); both mean the
+    /// session is gone. On a call about a held grant, any other FAILED_PRECONDITION (or
+    /// NOT_FOUND) means the grant is no longer current, which is [`Error::NotHolder`]
+    /// with the proxy's text.
+    pub(crate) fn from_status(status: Status, call: Call<'_>) -> Error {
+        let gone = |id: &str| Error::SessionExpired {
+            session: id.to_owned(),
+        };
+        match (status.code(), call) {
             (Code::InvalidArgument, _) => Error::InvalidArgument(status.message().to_owned()),
             (Code::Unavailable, _) => Error::Unavailable(status.message().to_owned()),
-            (Code::NotFound | Code::FailedPrecondition, Some(session)) => Error::SessionExpired {
-                session: session.to_owned(),
-            },
+            (Code::NotFound | Code::FailedPrecondition, Call::Session(id) | Call::Grant(id))
+                if names_a_gone_session(status.message()) =>
+            {
+                gone(id)
+            }
+            (Code::NotFound | Code::FailedPrecondition, Call::Grant(_)) => {
+                Error::NotHolder(status.message().to_owned())
+            }
+            // The proxy's answer for a session it does not know, whatever the wording.
+            (Code::NotFound, Call::Session(id)) => gone(id),
             _ => Error::Status(status),
         }
     }
@@ -76,28 +108,71 @@ impl Error {
     }
 }
 
+/// Whether the proxy's message says the session itself is gone (expired, or unknown to
+/// it), as opposed to a grant of a live session being stale.
+fn names_a_gone_session(message: &str) -> bool {
+    message.contains("has expired") || message.contains("is not known")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const EXPIRED: &str = "session \"s1\" has expired: missed renewals";
+    const UNKNOWN: &str =
+        "session \"s1\" is not known to this proxy (never opened here, or closed)";
+
+    fn is_expired(e: &Error) -> bool {
+        matches!(e, Error::SessionExpired { session } if session == "s1")
+    }
 
     #[test]
     fn maps_codes_in_one_place() {
         let e = Error::from_status(
             Status::invalid_argument("lock name \"\" is empty"),
-            Some("s1"),
+            Call::Session("s1"),
         );
         assert!(matches!(e, Error::InvalidArgument(ref m) if m == "lock name \"\" is empty"));
-        let e = Error::from_status(Status::unavailable("no lease"), None);
+        let e = Error::from_status(Status::unavailable("no lease"), Call::Unbound);
         assert!(matches!(e, Error::Unavailable(ref m) if m == "no lease"));
-        for status in [Status::not_found("x"), Status::failed_precondition("y")] {
-            let e = Error::from_status(status, Some("s1"));
-            assert!(matches!(e, Error::SessionExpired { ref session } if session == "s1"));
-        }
-        // Without a session, NOT_FOUND means nothing more specific.
-        let e = Error::from_status(Status::not_found("x"), None);
-        assert!(matches!(e, Error::Status(ref s) if s.code() == Code::NotFound));
-        let e = Error::from_status(Status::internal("boom"), Some("s1"));
+        let e = Error::from_status(Status::internal("boom"), Call::Session("s1"));
         assert!(matches!(e, Error::Status(ref s) if s.code() == Code::Internal));
+        // Without a session, NOT_FOUND and FAILED_PRECONDITION mean nothing more specific.
+        for status in [Status::not_found("x"), Status::failed_precondition(EXPIRED)] {
+            let code = status.code();
+            let e = Error::from_status(status, Call::Unbound);
+            assert!(
+                matches!(e, Error::Status(ref s) if s.code() == code),
+                "{e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_gone_session_is_told_apart_from_a_stale_grant_by_the_message() {
+        for call in [Call::Session("s1"), Call::Grant("s1")] {
+            let e = Error::from_status(Status::failed_precondition(EXPIRED), call);
+            assert!(is_expired(&e), "{call:?}: {e:?}");
+            let e = Error::from_status(Status::not_found(UNKNOWN), call);
+            assert!(is_expired(&e), "{call:?}: {e:?}");
+        }
+        for stale in [
+            "not the leader of election \"db\"",
+            "token 1:4521 is not the current grant of lock \"jobs/x\"",
+        ] {
+            let e = Error::from_status(Status::failed_precondition(stale), Call::Grant("s1"));
+            assert!(matches!(e, Error::NotHolder(ref m) if m == stale), "{e:?}");
+            assert_eq!(e.to_string(), stale, "the proxy's text reaches the caller");
+        }
+        // A session's request refused for another reason does not end the session...
+        let e = Error::from_status(
+            Status::failed_precondition("lock class \"jobs/\" allows no shared locks"),
+            Call::Session("s1"),
+        );
+        assert!(matches!(e, Error::Status(ref s) if s.code() == Code::FailedPrecondition));
+        // ...but NOT_FOUND on one is the proxy not knowing the session.
+        let e = Error::from_status(Status::not_found("x"), Call::Session("s1"));
+        assert!(is_expired(&e), "{e:?}");
     }
 
     #[test]

@@ -1,16 +1,21 @@
-//! The lockcell Rust SDK: sessions and exclusive locks served by a zone proxy.
+//! The lockcell Rust SDK: sessions, locks and leader elections served by a zone proxy.
 //!
 //! A [`Client`] holds one connection to a proxy and one keep-alive stream that renews
-//! every [`Session`] opened through it. Locks are acquired through a session and held by
-//! a [`LockGuard`], which carries the grant's [`FencingToken`].
+//! every [`Session`] opened through it. Locks ([exclusive](Session::acquire) or
+//! [shared](Session::acquire_shared)) are acquired through a session and held by a
+//! [`LockGuard`], which carries the grant's [`FencingToken`]. Leadership of an election
+//! is won the same way ([`Session::campaign`]) and held by a [`Leadership`]; anyone can
+//! ask who leads ([`Client::leader`]) or follow the changes ([`Client::observe`]).
 //!
 //! # The one rule
 //!
 //! Every grant says how long it is valid, counted from when the request was *sent*. The
-//! session's [`deadline`](Session::deadline) is the latest of those; past it the session
-//! is in [jeopardy](SessionState::Jeopardy) and the proxy may hand its locks to someone
-//! else at any moment, so the application must stop acting as holder. Race work done
-//! under a lock against [`Session::jeopardy`], and pass the token to every resource.
+//! session's [`deadline`](Session::deadline) is the latest of those (renewals, lock
+//! grants and election wins alike); past it the session is in
+//! [jeopardy](SessionState::Jeopardy) and the proxy may hand its locks and leaderships
+//! to someone else at any moment, so the application must stop acting as holder or
+//! leader. Race work done under a lock against [`Session::jeopardy`], and pass the
+//! token to every resource.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), lockcell_client::Error> {
@@ -32,6 +37,7 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod election;
 mod error;
 mod keepalive;
 mod lock;
@@ -41,8 +47,9 @@ mod shared;
 mod validity;
 
 pub use client::Client;
+pub use election::{LeaderInfo, LeaderStream, Leadership};
 pub use error::Error;
-pub use lock::{LockGuard, Wait};
+pub use lock::{LockGuard, Mode, Sequencer, Wait};
 pub use lockcell_proto::FencingToken;
 pub use session::{Session, SessionOptions};
 pub use validity::SessionState;

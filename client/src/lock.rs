@@ -1,15 +1,15 @@
-//! Exclusive locks: acquiring one through a session, and the guard that holds it.
+//! Locks: acquiring one (exclusive or shared) through a session, the guard that holds
+//! it, and the sequencer check for resources that cannot keep the highest token.
 
 use std::time::Duration;
 
 use lockcell_proto::v1::lock_client::LockClient;
-use lockcell_proto::v1::{AcquireRequest, ReleaseRequest};
+use lockcell_proto::v1::{AcquireRequest, CheckSequencerRequest, LockMode, ReleaseRequest};
 use lockcell_proto::FencingToken;
-use tokio::time::Instant;
 use tracing::Instrument as _;
 
-use crate::client::UNARY_TIMEOUT;
-use crate::error::Error;
+use crate::client::{Client, UNARY_TIMEOUT};
+use crate::error::{Call, Error};
 use crate::session::Session;
 use crate::validity::SessionState;
 
@@ -48,6 +48,26 @@ impl Wait {
     }
 }
 
+/// How a lock is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// One holder at a time: the holder may change what the lock protects.
+    Exclusive,
+    /// Any number of holders at once, and none while an exclusive holder has the lock:
+    /// enough to read what the lock protects without it changing underneath.
+    Shared,
+}
+
+impl Mode {
+    /// The wire's `LockMode`.
+    pub(crate) fn wire(self) -> LockMode {
+        match self {
+            Mode::Exclusive => LockMode::Exclusive,
+            Mode::Shared => LockMode::Shared,
+        }
+    }
+}
+
 impl Session {
     /// Acquires `lock` exclusively, waiting as `wait` says while another session holds
     /// it. `Ok(None)`: not granted (tried once, or the wait ran out).
@@ -59,27 +79,33 @@ impl Session {
     /// If this future is dropped while the proxy is deciding, the lock may still have
     /// been granted to the session; it is then released when the session closes.
     pub async fn acquire(&self, lock: &str, wait: Wait) -> Result<Option<LockGuard>, Error> {
-        let shared = self.shared();
-        if shared.is_expired() {
-            return Err(self.expired_error());
-        }
+        self.acquire_mode(lock, Mode::Exclusive, wait).await
+    }
+
+    /// Acquires `lock` shared, waiting as `wait` says while an exclusive holder has it.
+    /// Otherwise as [`acquire`](Session::acquire); the lock's class must allow shared
+    /// holders.
+    pub async fn acquire_shared(&self, lock: &str, wait: Wait) -> Result<Option<LockGuard>, Error> {
+        self.acquire_mode(lock, Mode::Shared, wait).await
+    }
+
+    async fn acquire_mode(
+        &self,
+        lock: &str,
+        mode: Mode,
+        wait: Wait,
+    ) -> Result<Option<LockGuard>, Error> {
         let mut request = tonic::Request::new(AcquireRequest {
             session_id: self.id().to_owned(),
             lock: lock.to_owned(),
             wait_timeout_ms: wait.wait_timeout_ms(),
+            mode: mode.wire().into(),
         });
         if let Some(timeout) = wait.call_timeout() {
             request.set_timeout(timeout);
         }
         let mut client = LockClient::new(self.client().channel());
-        let sent = Instant::now();
-        let reply = tokio::select! {
-            reply = client.acquire(request) => {
-                reply.map_err(|status| self.call_failed(status))?.into_inner()
-            }
-            // A wait must not outlive the session: the proxy would refuse the grant anyway.
-            _ = shared.expired() => return Err(self.expired_error()),
-        };
+        let (reply, sent) = self.grant_request(client.acquire(request)).await?;
         if !reply.granted {
             return Ok(None);
         }
@@ -89,11 +115,12 @@ impl Session {
                 Error::Protocol(format!("lock {lock:?} granted without a fencing token"))
             })?
             .into();
-        shared.grant(sent, reply.valid_for_ms);
-        tracing::debug!(session.id = %self.id(), lock.name = lock, %token, "lock granted");
+        self.shared().grant(sent, reply.valid_for_ms);
+        tracing::debug!(session.id = %self.id(), lock.name = lock, ?mode, %token, "lock granted");
         Ok(Some(LockGuard {
             session: self.clone(),
             lock: lock.to_owned(),
+            mode,
             token,
             released: false,
         }))
@@ -109,6 +136,8 @@ impl Session {
 pub struct LockGuard {
     session: Session,
     lock: String,
+    /// Sent with the release: the proxy keeps shared and exclusive holders apart.
+    mode: Mode,
     token: FencingToken,
     /// Set once released, so `Drop` does not release again.
     released: bool,
@@ -118,6 +147,11 @@ impl LockGuard {
     /// The lock's name.
     pub fn lock(&self) -> &str {
         &self.lock
+    }
+
+    /// Whether the lock is held exclusively or shared.
+    pub fn mode(&self) -> Mode {
+        self.mode
     }
 
     /// The grant's fencing token: hand it to every resource acted on under the lock.
@@ -137,13 +171,14 @@ impl LockGuard {
     }
 
     /// Releases the lock. `Ok(false)`: it was no longer held by this grant (e.g. the
-    /// session had already lost it).
+    /// session had already lost it); the proxy may also say so with
+    /// [`Error::NotHolder`].
     pub async fn release(mut self) -> Result<bool, Error> {
         self.released = true;
         if self.session.shared().is_expired() {
             return Err(self.session.expired_error());
         }
-        release(&self.session, &self.lock, self.token).await
+        release(&self.session, &self.lock, self.mode, self.token).await
     }
 }
 
@@ -158,12 +193,12 @@ impl Drop for LockGuard {
         };
         let session = self.session.clone();
         let lock = std::mem::take(&mut self.lock);
-        let token = self.token;
+        let (mode, token) = (self.mode, self.token);
         // Owned by its own bound: the call answers or times out. It holds the session,
         // so the session is closed only after the release.
         let span = tracing::debug_span!("release", session.id = %session.id(), lock.name = %lock);
         let task = async move {
-            match release(&session, &lock, token).await {
+            match release(&session, &lock, mode, token).await {
                 Ok(released) => tracing::debug!(released, "dropped guard released"),
                 Err(error) => tracing::warn!(%error, "dropped guard not released"),
             }
@@ -172,23 +207,127 @@ impl Drop for LockGuard {
     }
 }
 
-async fn release(session: &Session, lock: &str, token: FencingToken) -> Result<bool, Error> {
+async fn release(
+    session: &Session,
+    lock: &str,
+    mode: Mode,
+    token: FencingToken,
+) -> Result<bool, Error> {
     let mut request = tonic::Request::new(ReleaseRequest {
         session_id: session.id().to_owned(),
         lock: lock.to_owned(),
         token: Some(token.into()),
+        mode: mode.wire().into(),
     });
     request.set_timeout(UNARY_TIMEOUT);
     let reply = LockClient::new(session.client().channel())
         .release(request)
         .await
-        .map_err(|status| session.call_failed(status))?;
+        .map_err(|status| session.grant_call_failed(status))?;
     Ok(reply.into_inner().released)
+}
+
+/// The answer of a sequencer check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sequencer {
+    /// Whether the token checked is the lock's current exclusive grant.
+    pub current: bool,
+    /// The current exclusive grant's token; `None` when nobody holds the lock
+    /// exclusively (it is free, or held shared).
+    pub holder: Option<FencingToken>,
+}
+
+impl Client {
+    /// Asks whether `token` is still the current exclusive grant of `lock` (Chubby's
+    /// sequencer check). For a resource that cannot remember the highest token it has
+    /// seen: it checks each request's token here before acting on it.
+    ///
+    /// The answer is already old when it arrives; a resource that can keep the highest
+    /// token is safer comparing tokens itself.
+    pub async fn check_sequencer(
+        &self,
+        lock: &str,
+        token: FencingToken,
+    ) -> Result<Sequencer, Error> {
+        let mut request = tonic::Request::new(CheckSequencerRequest {
+            lock: lock.to_owned(),
+            token: Some(token.into()),
+        });
+        request.set_timeout(UNARY_TIMEOUT);
+        let reply = LockClient::new(self.channel())
+            .check_sequencer(request)
+            .await
+            .map_err(|status| Error::from_status(status, Call::Unbound))?
+            .into_inner();
+        sequencer(lock, token, reply.current, reply.holder.map(Into::into))
+    }
+}
+
+/// Checks a CheckSequencer reply for consistency: a current token is the holder.
+fn sequencer(
+    lock: &str,
+    token: FencingToken,
+    current: bool,
+    holder: Option<FencingToken>,
+) -> Result<Sequencer, Error> {
+    match (current, holder) {
+        (true, Some(holder)) if holder != token => Err(Error::Protocol(format!(
+            "CheckSequencer on lock {lock:?} called token {token} current while naming \
+             {holder} as the holder"
+        ))),
+        // The holder may be left out of a "current" answer: it is the token asked about.
+        (true, _) => Ok(Sequencer {
+            current,
+            holder: Some(token),
+        }),
+        (false, holder) => Ok(Sequencer { current, holder }),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn t(revision: i64) -> FencingToken {
+        FencingToken { epoch: 1, revision }
+    }
+
+    #[test]
+    fn modes_map_to_the_wire() {
+        assert_eq!(Mode::Exclusive.wire(), LockMode::Exclusive);
+        assert_eq!(Mode::Shared.wire(), LockMode::Shared);
+        // The wire values the proto fixes: exclusive is the default (0).
+        assert_eq!(i32::from(Mode::Exclusive.wire()), 0);
+        assert_eq!(i32::from(Mode::Shared.wire()), 1);
+    }
+
+    #[test]
+    fn sequencer_answers_are_checked() {
+        assert_eq!(
+            sequencer("l", t(7), true, Some(t(7))).unwrap(),
+            Sequencer {
+                current: true,
+                holder: Some(t(7))
+            }
+        );
+        assert_eq!(sequencer("l", t(7), true, None).unwrap().holder, Some(t(7)));
+        assert_eq!(
+            sequencer("l", t(7), false, Some(t(9))).unwrap(),
+            Sequencer {
+                current: false,
+                holder: Some(t(9))
+            }
+        );
+        assert_eq!(
+            sequencer("l", t(7), false, None).unwrap(),
+            Sequencer {
+                current: false,
+                holder: None
+            }
+        );
+        let err = sequencer("l", t(7), true, Some(t(9))).unwrap_err();
+        assert!(matches!(err, Error::Protocol(_)), "{err:?}");
+    }
 
     #[test]
     fn wait_maps_to_the_wire() {

@@ -1,6 +1,7 @@
 //! Sessions: what the application holds to stay a holder. A session's validity decides
 //! whether the locks acquired through it may still be acted on.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use crate::client::{Client, UNARY_TIMEOUT};
-use crate::error::Error;
+use crate::error::{Call, Error};
 use crate::shared::SessionShared;
 use crate::validity::SessionState;
 
@@ -134,7 +135,7 @@ impl Session {
         let reply = SessionClient::new(inner.client.channel())
             .close(request)
             .await
-            .map_err(|status| Error::from_status(status, Some(self.id())))?;
+            .map_err(|status| Error::from_status(status, Call::Session(self.id())))?;
         Ok(reply.into_inner().released)
     }
 
@@ -146,11 +147,47 @@ impl Session {
         &self.inner.shared
     }
 
-    /// Turns a failed call's status into an [`Error`]; when the proxy says the session
-    /// is gone, the local session expires too, so every handle and guard learns of it.
+    /// Makes a call that may grant something (Acquire, Campaign) and returns its reply
+    /// with the instant the request was sent, where the reply's `valid_for` counts from.
+    ///
+    /// Refused locally once the session has expired, and abandoned if it expires while
+    /// the call waits: the proxy would refuse the grant anyway.
+    pub(crate) async fn grant_request<T>(
+        &self,
+        call: impl Future<Output = Result<tonic::Response<T>, Status>>,
+    ) -> Result<(T, Instant), Error> {
+        let shared = self.shared();
+        if shared.is_expired() {
+            return Err(self.expired_error());
+        }
+        // Taken before the call is first polled, which is when the request goes out.
+        let sent = Instant::now();
+        tokio::select! {
+            reply = call => match reply {
+                Ok(reply) => Ok((reply.into_inner(), sent)),
+                Err(status) => Err(self.call_failed(status)),
+            },
+            _ = shared.expired() => Err(self.expired_error()),
+        }
+    }
+
+    /// Turns a failed request's status (Acquire, Campaign) into an [`Error`]; when the
+    /// proxy says the session is gone, the local session expires too, so every handle
+    /// and guard learns of it.
     pub(crate) fn call_failed(&self, status: Status) -> Error {
+        self.failed(status, Call::Session(self.id()))
+    }
+
+    /// As [`call_failed`](Session::call_failed), for a call about a grant the session
+    /// holds (Release, Proclaim, Resign): a stale grant is [`Error::NotHolder`] and
+    /// leaves the session as it is.
+    pub(crate) fn grant_call_failed(&self, status: Status) -> Error {
+        self.failed(status, Call::Grant(self.id()))
+    }
+
+    fn failed(&self, status: Status, call: Call<'_>) -> Error {
         let message = status.message().to_owned();
-        let error = Error::from_status(status, Some(self.id()));
+        let error = Error::from_status(status, call);
         if matches!(error, Error::SessionExpired { .. }) {
             self.inner.shared.expire(&message);
         }

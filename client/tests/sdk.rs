@@ -1,5 +1,5 @@
 //! The SDK against the fake proxy: renewals over one shared stream, expiry, jeopardy
-//! and recovery, locks, and cleanup on drop.
+//! and recovery, locks (exclusive and shared), sequencer checks, and cleanup on drop.
 
 mod fake;
 
@@ -7,7 +7,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use fake::{start, Fake, PATIENCE};
-use lockcell_client::{Client, Error, SessionOptions, SessionState, Wait};
+use lockcell_client::{
+    Client, Error, FencingToken, Mode, Sequencer, SessionOptions, SessionState, Wait,
+};
+use lockcell_proto::v1::LockMode;
 use tokio::time::timeout;
 
 fn opts(ttl_ms: u64) -> SessionOptions {
@@ -156,6 +159,87 @@ async fn locks_are_granted_refused_and_released() {
         .unwrap();
 
     assert_eq!(a.close().await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn shared_holders_coexist_and_keep_an_exclusive_holder_out() {
+    let proxy = start(5_000).await;
+    let client = Client::connect(&proxy.addr).await.unwrap();
+    let a = client.open_session(opts(5_000)).await.unwrap();
+    let b = client.open_session(opts(5_000)).await.unwrap();
+    let c = client.open_session(opts(5_000)).await.unwrap();
+
+    let ra = a
+        .acquire_shared("cfg", Wait::Try)
+        .await
+        .unwrap()
+        .expect("granted");
+    let rb = b
+        .acquire_shared("cfg", Wait::Try)
+        .await
+        .unwrap()
+        .expect("granted alongside");
+    assert_eq!((ra.mode(), rb.mode()), (Mode::Shared, Mode::Shared));
+    assert!(c.acquire("cfg", Wait::Try).await.unwrap().is_none());
+
+    assert!(ra.release().await.unwrap());
+    assert!(rb.release().await.unwrap());
+    assert_eq!(
+        proxy.fake.release_modes.lock().unwrap().as_slice(),
+        [LockMode::Shared, LockMode::Shared],
+        "a release says which mode it releases"
+    );
+    let w = c
+        .acquire("cfg", Wait::Try)
+        .await
+        .unwrap()
+        .expect("free now");
+    assert_eq!(w.mode(), Mode::Exclusive);
+    assert!(a.acquire_shared("cfg", Wait::Try).await.unwrap().is_none());
+    assert!(w.release().await.unwrap());
+    assert_eq!(
+        proxy.fake.release_modes.lock().unwrap().last(),
+        Some(&LockMode::Exclusive)
+    );
+}
+
+#[tokio::test]
+async fn sequencer_checks_tell_the_current_grant_from_stale_ones() {
+    let proxy = start(5_000).await;
+    let client = Client::connect(&proxy.addr).await.unwrap();
+    let a = client.open_session(opts(5_000)).await.unwrap();
+    let guard = a
+        .acquire("jobs/x", Wait::Try)
+        .await
+        .unwrap()
+        .expect("granted");
+    let token = guard.token();
+    assert_eq!(
+        client.check_sequencer("jobs/x", token).await.unwrap(),
+        Sequencer {
+            current: true,
+            holder: Some(token)
+        }
+    );
+    let older = FencingToken {
+        revision: token.revision - 1,
+        ..token
+    };
+    assert_eq!(
+        client.check_sequencer("jobs/x", older).await.unwrap(),
+        Sequencer {
+            current: false,
+            holder: Some(token)
+        }
+    );
+    assert!(guard.release().await.unwrap());
+    assert_eq!(
+        client.check_sequencer("jobs/x", token).await.unwrap(),
+        Sequencer {
+            current: false,
+            holder: None
+        }
+    );
 }
 
 #[tokio::test]

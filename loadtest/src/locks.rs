@@ -53,6 +53,7 @@ impl Locker {
                         session_id: id.to_string(),
                         lock: lock.to_owned(),
                         wait_timeout_ms: Some(wait.as_millis() as u64),
+                        ..Default::default()
                     })
                     .await?
                     .into_inner();
@@ -85,6 +86,7 @@ impl Locker {
                             epoch: grant.epoch,
                             revision: grant.revision,
                         }),
+                        ..Default::default()
                     })
                     .await?;
                 Ok(())

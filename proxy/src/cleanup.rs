@@ -8,18 +8,18 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use lockcell_cell::LockName;
+use lockcell_cell::locklog::Grant;
 
 use crate::state::ProxyState;
 
 /// Grants to delete, by the lease they are attached to.
 #[derive(Default)]
 pub struct CleanupQueue {
-    pending: Mutex<BTreeMap<i64, Vec<(LockName, i64)>>>,
+    pending: Mutex<BTreeMap<i64, Vec<Grant>>>,
 }
 
 impl CleanupQueue {
-    pub fn push(&self, lease: i64, grants: Vec<(LockName, i64)>) {
+    pub fn push(&self, lease: i64, grants: Vec<Grant>) {
         if grants.is_empty() {
             return;
         }
@@ -52,7 +52,8 @@ impl CleanupQueue {
             if !leases.contains(&lease) {
                 continue;
             }
-            match state.locklog.delete_guarded(&grants, lease).await {
+            // Ended sessions' holds vanished without a release: no clean-release marker.
+            match state.locklog.delete_guarded(&grants, lease, false).await {
                 Ok(deleted) => tracing::debug!(lease, deleted, "cleaned up ended sessions' locks"),
                 Err(e) => {
                     tracing::warn!(lease, error = %e, grants = grants.len(), "clean-up failed; will retry");

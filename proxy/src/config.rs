@@ -77,6 +77,12 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_ETCD_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub etcd_timeout: Duration,
 
+    /// Lock classes file (TOML; see deploy/config/classes.toml). Reloaded on SIGHUP and
+    /// when it changes; a bad file is refused and the last good one stays in force.
+    /// Without it every lock has one built-in class: both modes, fenced, not fair.
+    #[arg(long, env = "LOCKCELL_CLASSES")]
+    pub classes: Option<std::path::PathBuf>,
+
     /// How long a shutdown waits for clients to disconnect before it cuts them off.
     #[arg(long, env = "LOCKCELL_SHUTDOWN_GRACE", default_value = "5s", value_parser = humantime::parse_duration)]
     pub shutdown_grace: Duration,

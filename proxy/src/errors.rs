@@ -16,6 +16,9 @@ pub enum ProxyError {
     ExpiredSession { id: String, reason: String },
     #[error("{0}")]
     BadArgument(String),
+    /// The call is well-formed but breaks a rule of the lock's class or of its grant.
+    #[error("{0}")]
+    Refused(String),
     #[error("this proxy holds no etcd lease right now (etcd unreachable?); try again or use another proxy")]
     NoLease,
     #[error("this proxy is shutting down; use another proxy")]
@@ -50,7 +53,9 @@ impl From<ProxyError> for Status {
                 Status::invalid_argument(message)
             }
             ProxyError::UnknownSession { .. } => Status::not_found(message),
-            ProxyError::ExpiredSession { .. } => Status::failed_precondition(message),
+            ProxyError::ExpiredSession { .. } | ProxyError::Refused(_) => {
+                Status::failed_precondition(message)
+            }
             ProxyError::NoLease | ProxyError::ShuttingDown => Status::unavailable(message),
             ProxyError::Store(ref c) | ProxyError::StoreDuring { source: ref c, .. } => {
                 if c.is_retriable() {

@@ -2,20 +2,24 @@
 //! keepalives itself, and attaches every key its clients create to one of K etcd leases
 //! of its own (DESIGN.md sections 1, 4 and 5).
 //!
-//! Pure parts ([`sessions`], [`leases`], the waiter channels of [`release_watch`]) hold
-//! the proxy's bookkeeping; the runtime parts ([`lease_keeper`], [`reaper`],
-//! [`service`]) carry out what they decide against etcd.
+//! Pure parts ([`sessions`], [`leases`], [`classes`], the arbiter queues behind
+//! [`queues`]) hold the proxy's bookkeeping; the runtime parts ([`lease_keeper`],
+//! [`reaper`], [`events`], [`acquire`], [`service`]) carry out what they decide
+//! against etcd.
 #![forbid(unsafe_code)]
 
+pub mod acquire;
 pub mod admin;
+pub mod classes;
 pub mod cleanup;
 pub mod config;
 pub mod errors;
+pub mod events;
 pub mod lease_keeper;
 pub mod leases;
 pub mod metrics;
+pub mod queues;
 pub mod reaper;
-pub mod release_watch;
 pub mod service;
 pub mod sessions;
 pub mod state;
@@ -26,8 +30,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use etcd_client::ConnectOptions;
-use lockcell_cell::epoch;
 use lockcell_cell::locklog::LockLog;
+use lockcell_cell::{epoch, keyspace};
+use lockcell_proto::v1::election_server::ElectionServer;
 use lockcell_proto::v1::lock_server::LockServer;
 use lockcell_proto::v1::session_server::SessionServer;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -73,6 +78,10 @@ pub async fn run(
         let _ = stop_tx.send(true);
     });
 
+    let classes = classes::ClassBook::load(
+        config.classes.clone(),
+        classes::Classes::builtin(config.session_ttl_min, config.session_ttl_max),
+    )?;
     let (etcd, epoch, start_revision) = connect(&config, stop_rx.clone()).await?;
     let grpc = TcpListener::bind(config.listen)
         .await
@@ -81,6 +90,7 @@ pub async fn run(
         .await
         .with_context(|| format!("binding the admin address {}", config.admin_listen))?;
 
+    let events = Arc::new(events::LockEvents::new());
     let state = Arc::new(ProxyState {
         proxy_id: proxy_id.clone(),
         epoch: epoch.epoch,
@@ -91,7 +101,9 @@ pub async fn run(
             Instant::now(),
         ),
         locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout),
-        releases: Default::default(),
+        queues: events.queues().clone(),
+        events,
+        classes: Arc::new(classes),
         cleanup: Default::default(),
         etcd: etcd.clone(),
         shutdown: stop_rx.clone(),
@@ -104,11 +116,28 @@ pub async fn run(
     }
     tasks.spawn(reaper::run(state.clone()));
     tasks.spawn(admin::serve(admin, prometheus, state.clone()));
-    let follow = tokio::spawn(release_watch::follow(
-        etcd.watch_client(),
-        state.releases.clone(),
-        start_revision + 1,
-    ));
+    tasks.spawn(
+        state
+            .classes
+            .clone()
+            .follow(Duration::from_secs(1), stop_rx.clone()),
+    );
+    let follow = [
+        tokio::spawn(events::follow(
+            etcd.watch_client(),
+            state.events.clone(),
+            keyspace::locks_root(),
+            false,
+            start_revision + 1,
+        )),
+        tokio::spawn(events::follow(
+            etcd.watch_client(),
+            state.events.clone(),
+            keyspace::queues_root(),
+            true,
+            start_revision + 1,
+        )),
+    ];
 
     // Serve only once every bucket has a lease, so the first client finds one.
     wait_for_leases(&state).await;
@@ -131,6 +160,9 @@ pub async fn run(
         .add_service(LockServer::new(service::lock::LockService {
             state: state.clone(),
         }))
+        .add_service(ElectionServer::new(service::election::ElectionService {
+            state: state.clone(),
+        }))
         .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
             let _ = stop.wait_for(|s| *s).await;
         });
@@ -142,7 +174,9 @@ pub async fn run(
             tokio::time::sleep(state.config.shutdown_grace).await;
         } => tracing::warn!("clients did not disconnect within the shutdown grace; closing"),
     }
-    follow.abort();
+    for f in follow {
+        f.abort();
+    }
     tasks.shutdown().await;
     stopping.abort();
     if let Some(until) = state.sessions.holders_valid_until() {

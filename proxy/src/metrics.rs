@@ -13,6 +13,10 @@ pub const ACQUIRE_SECONDS: &str = "lockcell_acquire_duration_seconds";
 pub const LOCKS_GRANTED: &str = "lockcell_locks_granted_total";
 pub const LOCKS_RELEASED: &str = "lockcell_locks_released_total";
 pub const CLEANUPS_PENDING: &str = "lockcell_cleanups_pending";
+pub const CLASSES_RELOADS: &str = "lockcell_classes_reloads_total";
+pub const CLASSES_RELOAD_FAILURES: &str = "lockcell_classes_reload_failures_total";
+pub const WAITERS: &str = "lockcell_waiters";
+pub const GRANT_ATTEMPTS: &str = "lockcell_grant_attempts_total";
 
 /// Histogram buckets for acquire latency, in seconds: 1 ms to 30 s.
 pub const ACQUIRE_BUCKETS: &[f64] = &[

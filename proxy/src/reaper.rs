@@ -28,6 +28,7 @@ pub async fn run(state: Arc<ProxyState>) {
             state.cleanup.push(session.lease, session.held);
         }
         state.sessions.prune_tombstones(now);
+        state.events.prune(state.classes.current().max_lock_delay());
         metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
         if !state.cleanup.is_empty() {
             state.cleanup.run(&state).await;

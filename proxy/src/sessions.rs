@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dashmap::DashMap;
-use lockcell_cell::LockName;
+use lockcell_cell::locklog::Grant;
 use tokio::time::Instant;
 
 /// A session's id as clients see it: 128 random bits in hex.
@@ -35,8 +35,9 @@ pub struct Session {
     /// When the last renewal (or the open) arrived; the session expires at
     /// `renewed_at + ttl`.
     pub renewed_at: Instant,
-    /// Exclusive grants held: (lock, create revision of the holder key).
-    pub held: Vec<(LockName, i64)>,
+    /// Keys the session has in the log: its holds, and its waiter keys on fair
+    /// classes. Deleted (guarded) when the session ends.
+    pub held: Vec<Grant>,
     /// The end of the latest validity granted to the client (proxy clock). The client's
     /// own deadline ends no later, so once this has passed the session's keys may be
     /// deleted without any client still believing it holds them.
@@ -127,23 +128,19 @@ impl SessionTable {
         }
     }
 
-    /// Records that `id` holds `lock` at `revision`, valid for the client until
+    /// Records a key `id` now has in the log; for a hold, the client may act on it until
     /// `valid_until`. False when the session is gone: the caller must then undo the
     /// grant itself.
-    pub fn record_grant(
-        &self,
-        id: &str,
-        lock: &LockName,
-        revision: i64,
-        valid_until: Instant,
-    ) -> bool {
+    pub fn record_grant(&self, id: &str, grant: Grant, valid_until: Option<Instant>) -> bool {
         let Some(mut s) = self.live.get_mut(id) else {
             return false;
         };
-        if !s.held.iter().any(|(l, r)| l == lock && *r == revision) {
-            s.held.push((lock.clone(), revision));
+        if !s.held.contains(&grant) {
+            s.held.push(grant);
         }
-        s.valid_until = s.valid_until.max(valid_until);
+        if let Some(until) = valid_until {
+            s.valid_until = s.valid_until.max(until);
+        }
         true
     }
 
@@ -152,15 +149,24 @@ impl SessionTable {
     pub fn holders_valid_until(&self) -> Option<Instant> {
         self.live
             .iter()
-            .filter(|s| !s.held.is_empty())
+            .filter(|s| s.held.iter().any(|g| !g.waiter))
             .map(|s| s.valid_until)
             .max()
     }
 
-    /// Forgets a grant after it was released.
-    pub fn forget_grant(&self, id: &str, lock: &LockName, revision: i64) {
+    /// Whether `id` holds the grant `key` at `revision`.
+    pub fn holds(&self, id: &str, key: &str, revision: i64) -> bool {
+        self.live.get(id).is_some_and(|s| {
+            s.held
+                .iter()
+                .any(|g| g.key == key && g.revision == revision)
+        })
+    }
+
+    /// Forgets a key after it left the log (released, or a waiter key dequeued).
+    pub fn forget_grant(&self, id: &str, key: &str, revision: i64) {
         if let Some(mut s) = self.live.get_mut(id) {
-            s.held.retain(|(l, r)| !(l == lock && *r == revision));
+            s.held.retain(|g| !(g.key == key && g.revision == revision));
         }
     }
 
@@ -302,11 +308,21 @@ mod tests {
         let t0 = Instant::now();
         let table = SessionTable::default();
         table.insert(session("a", 1, S, t0));
-        let lock = LockName::parse("x").unwrap();
-        assert_eq!(table.holders_valid_until(), None, "no holder yet");
-        assert!(table.record_grant("a", &lock, 5, t0 + S));
-        assert!(table.record_grant("a", &lock, 5, t0 + S), "idempotent");
-        assert_eq!(table.get("a", t0).unwrap().held, vec![(lock.clone(), 5)]);
+        let lock = lockcell_cell::LockName::parse("x").unwrap();
+        let hold = Grant::hold(&lock, lockcell_cell::Mode::Exclusive, "a", 5);
+        let waiter = Grant::waiting(&lock, lockcell_cell::Mode::Shared, "a", 4);
+        assert!(table.record_grant("a", waiter.clone(), None));
+        assert_eq!(table.holders_valid_until(), None, "a waiter holds nothing");
+        assert!(table.record_grant("a", hold.clone(), Some(t0 + S)));
+        assert!(
+            table.record_grant("a", hold.clone(), Some(t0 + S)),
+            "idempotent"
+        );
+        assert_eq!(
+            table.get("a", t0).unwrap().held,
+            vec![waiter.clone(), hold.clone()]
+        );
+        assert!(table.holds("a", &hold.key, 5) && !table.holds("a", &hold.key, 6));
         assert_eq!(table.holders_valid_until(), Some(t0 + S));
         table.renew("a", t0 + S / 2, |_| S).unwrap();
         assert_eq!(
@@ -314,10 +330,11 @@ mod tests {
             Some(t0 + S + S / 2),
             "renewals extend it"
         );
-        table.forget_grant("a", &lock, 5);
+        table.forget_grant("a", &hold.key, 5);
+        table.forget_grant("a", &waiter.key, 4);
         assert!(table.get("a", t0).unwrap().held.is_empty());
         assert_eq!(table.holders_valid_until(), None);
-        assert!(!table.record_grant("nobody", &lock, 6, t0));
+        assert!(!table.record_grant("nobody", hold, None));
     }
 
     #[test]

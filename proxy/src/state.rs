@@ -5,10 +5,14 @@ use std::sync::Arc;
 use lockcell_cell::locklog::LockLog;
 use tokio::sync::watch;
 
+use lockcell_proto::FencingToken;
+
+use crate::classes::ClassBook;
 use crate::cleanup::CleanupQueue;
 use crate::config::ProxyConfig;
+use crate::events::LockEvents;
 use crate::leases::LeaseBook;
-use crate::release_watch::ReleaseWatch;
+use crate::queues::Queues;
 use crate::sessions::SessionTable;
 
 /// The proxy's state, behind one `Arc`.
@@ -21,10 +25,25 @@ pub struct ProxyState {
     pub sessions: SessionTable,
     pub leases: LeaseBook,
     pub locklog: LockLog,
-    pub releases: Arc<ReleaseWatch>,
+    /// What the proxy's watch over the lock log tells waiters and observers.
+    pub events: Arc<LockEvents>,
+    /// Local wait queues of classes that are not fair.
+    pub queues: Arc<Queues>,
+    /// The lock classes in force.
+    pub classes: Arc<ClassBook>,
     pub cleanup: CleanupQueue,
     /// The connection to etcd (cheap clones share it).
     pub etcd: etcd_client::Client,
     /// Turns true when the proxy starts shutting down; long-lived calls end on it.
     pub shutdown: watch::Receiver<bool>,
+}
+
+impl ProxyState {
+    /// The fencing token of a grant made at `revision` in this cell's epoch.
+    pub fn token(&self, revision: i64) -> FencingToken {
+        FencingToken {
+            epoch: self.epoch,
+            revision,
+        }
+    }
 }

@@ -10,9 +10,11 @@ pub mod fenced;
 pub mod ports;
 pub mod process;
 pub mod proxy;
+pub mod relay;
 pub mod wait;
 
 pub use etcd::EtcdCluster;
 pub use fenced::FencedResource;
 pub use proxy::{ProxyOptions, ProxyProcess};
+pub use relay::Relay;
 pub use wait::eventually;

@@ -3,18 +3,21 @@
 //! `tests/` crate. Tests steer it through its fields and watch what it saw.
 #![allow(dead_code)] // each test file uses part of it
 
+mod election;
+
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lockcell_proto::v1::election_server::ElectionServer;
 use lockcell_proto::v1::lock_server::{Lock, LockServer};
 use lockcell_proto::v1::session_server::{Session as SessionApi, SessionServer};
 use lockcell_proto::v1::{
-    AcquireRequest, AcquireResponse, CloseRequest, CloseResponse, FencingToken, KeepAliveRequest,
-    KeepAliveResponse, OpenRequest, OpenResponse, ReleaseRequest, ReleaseResponse,
-    SessionState as Wire,
+    AcquireRequest, AcquireResponse, CheckSequencerRequest, CheckSequencerResponse, CloseRequest,
+    CloseResponse, FencingToken, KeepAliveRequest, KeepAliveResponse, Leader, LockMode,
+    OpenRequest, OpenResponse, ReleaseRequest, ReleaseResponse, SessionState as Wire,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -37,9 +40,49 @@ pub struct Fake {
     pub renewals: watch::Sender<HashMap<String, u64>>,
     pub closed: watch::Sender<Vec<String>>,
     pub released: watch::Sender<Vec<String>>,
-    /// lock → (session, revision)
+    /// lock → (session, revision) of its exclusive holder
     pub locks: Mutex<HashMap<String, (String, i64)>>,
+    /// lock → (session, revision) of each shared holder
+    pub shared: Mutex<HashMap<String, Vec<(String, i64)>>>,
+    /// The mode of every Release that released something, in order.
+    pub release_modes: Mutex<Vec<LockMode>>,
     pub revision: AtomicU64,
+    /// session → the identity it opened with
+    pub identities: Mutex<HashMap<String, String>>,
+    /// election → its leader
+    pub leaders: watch::Sender<HashMap<String, Leader>>,
+    /// Elections resigned, in order.
+    pub resigned: watch::Sender<Vec<String>>,
+    /// Set to end every Observe stream.
+    pub cut_observers: watch::Sender<Cut>,
+}
+
+/// How the test ends Observe streams.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Cut {
+    #[default]
+    Not,
+    /// With an UNAVAILABLE status.
+    WithError,
+    /// As if the proxy had nothing more to say.
+    Cleanly,
+}
+
+impl Fake {
+    fn next_revision(&self) -> i64 {
+        self.revision.fetch_add(1, Ordering::Relaxed) as i64 + 100
+    }
+
+    fn is_killed(&self, session: &str) -> bool {
+        self.killed.lock().unwrap().iter().any(|k| k == session)
+    }
+
+    /// The proxy's refusal for an expired session, in its words.
+    fn expired(session: &str) -> Status {
+        Status::failed_precondition(format!(
+            "session {session:?} has expired: killed by the test"
+        ))
+    }
 }
 
 #[derive(Clone)]
@@ -49,8 +92,14 @@ struct FakeProxy(Arc<Fake>);
 impl SessionApi for FakeProxy {
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
         let n = self.0.next_id.fetch_add(1, Ordering::Relaxed);
+        let session_id = format!("s{n}");
+        self.0
+            .identities
+            .lock()
+            .unwrap()
+            .insert(session_id.clone(), request.get_ref().identity.clone());
         Ok(Response::new(OpenResponse {
-            session_id: format!("s{n}"),
+            session_id,
             ttl_ms: request.get_ref().ttl_ms,
             valid_for_ms: self.0.valid_for_ms.load(Ordering::Relaxed),
             proxy_id: "fake".into(),
@@ -111,8 +160,19 @@ impl SessionApi for FakeProxy {
             let mut locks = self.0.locks.lock().unwrap();
             let before = locks.len();
             locks.retain(|_, (holder, _)| *holder != id);
-            (before - locks.len()) as u32
+            let mut released = before - locks.len();
+            for holders in self.0.shared.lock().unwrap().values_mut() {
+                let before = holders.len();
+                holders.retain(|(holder, _)| *holder != id);
+                released += before - holders.len();
+            }
+            released as u32
         };
+        self.0.leaders.send_if_modified(|leaders| {
+            let before = leaders.len();
+            leaders.retain(|_, leader| leader.session_id != id);
+            leaders.len() != before
+        });
         self.0.closed.send_modify(|c| c.push(id));
         Ok(Response::new(CloseResponse { released }))
     }
@@ -131,22 +191,43 @@ impl Lock for FakeProxy {
                 req.lock
             )));
         }
-        if self.0.killed.lock().unwrap().contains(&req.session_id) {
-            return Err(Status::failed_precondition("expired"));
+        if self.0.is_killed(&req.session_id) {
+            return Err(Fake::expired(&req.session_id));
         }
+        let shared_mode = req.mode == LockMode::Shared as i32;
         let mut locks = self.0.locks.lock().unwrap();
-        if locks
+        let mut shared = self.0.shared.lock().unwrap();
+        let others = |holders: &[(String, i64)]| holders.iter().any(|(h, _)| *h != req.session_id);
+        let busy = locks
             .get(&req.lock)
             .is_some_and(|(holder, _)| *holder != req.session_id)
-        {
+            || (!shared_mode && shared.get(&req.lock).is_some_and(|h| others(h)));
+        if busy {
             return Ok(Response::new(AcquireResponse {
                 granted: false,
                 token: None,
                 valid_for_ms: 0,
             }));
         }
-        let revision = self.0.revision.fetch_add(1, Ordering::Relaxed) as i64 + 100;
-        locks.insert(req.lock, (req.session_id, revision));
+        let revision = if shared_mode {
+            let holders = shared.entry(req.lock).or_default();
+            let existing = holders
+                .iter()
+                .find(|(h, _)| *h == req.session_id)
+                .map(|(_, revision)| *revision);
+            match existing {
+                Some(revision) => revision,
+                None => {
+                    let revision = self.0.next_revision();
+                    holders.push((req.session_id, revision));
+                    revision
+                }
+            }
+        } else {
+            let revision = self.0.next_revision();
+            locks.insert(req.lock, (req.session_id, revision));
+            revision
+        };
         Ok(Response::new(AcquireResponse {
             granted: true,
             token: Some(FencingToken { epoch: 1, revision }),
@@ -160,15 +241,49 @@ impl Lock for FakeProxy {
     ) -> Result<Response<ReleaseResponse>, Status> {
         let req = request.into_inner();
         let revision = req.token.map(|t| t.revision);
-        let mut locks = self.0.locks.lock().unwrap();
-        let released = locks
-            .get(&req.lock)
-            .is_some_and(|(holder, rev)| *holder == req.session_id && Some(*rev) == revision);
+        let mode = LockMode::try_from(req.mode).unwrap_or(LockMode::Exclusive);
+        let released = if mode == LockMode::Shared {
+            let mut shared = self.0.shared.lock().unwrap();
+            let holders = shared.entry(req.lock.clone()).or_default();
+            let before = holders.len();
+            holders.retain(|(holder, rev)| !(*holder == req.session_id && Some(*rev) == revision));
+            holders.len() != before
+        } else {
+            let mut locks = self.0.locks.lock().unwrap();
+            let held = locks
+                .get(&req.lock)
+                .is_some_and(|(holder, rev)| *holder == req.session_id && Some(*rev) == revision);
+            if held {
+                locks.remove(&req.lock);
+            }
+            held
+        };
         if released {
-            locks.remove(&req.lock);
+            self.0.release_modes.lock().unwrap().push(mode);
             self.0.released.send_modify(|r| r.push(req.lock));
         }
         Ok(Response::new(ReleaseResponse { released }))
+    }
+
+    async fn check_sequencer(
+        &self,
+        request: Request<CheckSequencerRequest>,
+    ) -> Result<Response<CheckSequencerResponse>, Status> {
+        let req = request.into_inner();
+        let holder = self
+            .0
+            .locks
+            .lock()
+            .unwrap()
+            .get(&req.lock)
+            .map(|(_, revision)| FencingToken {
+                epoch: 1,
+                revision: *revision,
+            });
+        Ok(Response::new(CheckSequencerResponse {
+            current: holder.is_some() && holder == req.token,
+            holder,
+        }))
     }
 }
 
@@ -194,7 +309,8 @@ pub async fn start(valid_for_ms: u64) -> Running {
     let server = tokio::spawn(async move {
         tonic::transport::Server::builder()
             .add_service(SessionServer::new(proxy.clone()))
-            .add_service(LockServer::new(proxy))
+            .add_service(LockServer::new(proxy.clone()))
+            .add_service(ElectionServer::new(proxy))
             .serve_with_incoming(TcpListenerStream::new(listener))
             .await
             .unwrap();

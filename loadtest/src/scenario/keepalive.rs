@@ -60,10 +60,12 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
         pacing::rate(spec.sessions as u64, opened.elapsed()),
     );
 
+    // One renewal period of warm-up: every connection has started renewing by then.
+    let start = Instant::now() + spec.period();
+    fleet.measure_from(start);
+    tokio::time::sleep_until(start).await;
     let before = cell.etcd_counters().await?;
     let mut resources = Resources::start(&cell);
-    let start = Instant::now();
-    fleet.measure_from(start);
     let bar = progress::timed(&format!("keepalive {}", target.name()), args.duration);
     let live = fleet.live.clone();
     let mut last = (0u64, Instant::now());

@@ -1,24 +1,24 @@
-//! The Lock service: exclusive acquire (waiting) and release, through the lock log.
+//! The Lock service: acquire (waiting, per the lock's class), release and the
+//! sequencer check, through the lock log.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use lockcell_cell::locklog::{Acquired, HolderRecord};
-use lockcell_cell::LockName;
+use lockcell_cell::{LockName, Mode};
 use lockcell_proto::v1::lock_server::Lock as LockApi;
-use lockcell_proto::v1::{AcquireRequest, AcquireResponse, ReleaseRequest, ReleaseResponse};
+use lockcell_proto::v1::{
+    AcquireRequest, AcquireResponse, CheckSequencerRequest, CheckSequencerResponse, LockMode,
+    ReleaseRequest, ReleaseResponse,
+};
 use lockcell_proto::FencingToken;
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::millis;
+use crate::acquire::{self, Call};
 use crate::errors::ProxyError;
 use crate::metrics as m;
 use crate::state::ProxyState;
-
-/// A waiter retries on this period even without a release event, so a missed watch
-/// event delays a grant by at most this much.
-const POLL: Duration = Duration::from_secs(1);
 
 pub struct LockService {
     pub state: Arc<ProxyState>,
@@ -32,7 +32,26 @@ impl LockApi for LockService {
         request: Request<AcquireRequest>,
     ) -> Result<Response<AcquireResponse>, Status> {
         let req = request.into_inner();
-        Ok(Response::new(acquire(&self.state, req).await?))
+        let call = Call {
+            mode: mode(req.mode)?,
+            lock: LockName::parse(&req.lock).map_err(ProxyError::from)?,
+            session_id: req.session_id,
+            wait: req.wait_timeout_ms.map(Duration::from_millis),
+            value: String::new(),
+        };
+        let reply = match acquire::acquire(&self.state, call).await? {
+            Some(granted) => AcquireResponse {
+                granted: true,
+                token: Some(self.state.token(granted.revision).into()),
+                valid_for_ms: millis(granted.valid_for),
+            },
+            None => AcquireResponse {
+                granted: false,
+                token: None,
+                valid_for_ms: 0,
+            },
+        };
+        Ok(Response::new(reply))
     }
 
     #[tracing::instrument(skip_all, fields(session.id = %request.get_ref().session_id, lock.name = %request.get_ref().lock))]
@@ -41,137 +60,99 @@ impl LockApi for LockService {
         request: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
         let req = request.into_inner();
-        Ok(Response::new(release(&self.state, req).await?))
+        let mode = mode(req.mode)?;
+        let released = release(&self.state, &req.session_id, &req.lock, mode, req.token).await?;
+        Ok(Response::new(ReleaseResponse { released }))
     }
-}
 
-async fn acquire(state: &ProxyState, req: AcquireRequest) -> Result<AcquireResponse, ProxyError> {
-    let started = Instant::now();
-    let lock = LockName::parse(&req.lock)?;
-    let id = req.session_id;
-    let session = state
-        .sessions
-        .get(&id, started)
-        .map_err(|gone| ProxyError::session(&id, gone))?;
-    let give_up = req
-        .wait_timeout_ms
-        .map(|ms| started + Duration::from_millis(ms));
-    let record = HolderRecord {
-        session: id.clone(),
-        proxy: state.proxy_id.clone(),
-        identity: session.identity.clone(),
-        acquired_at_ms: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or_default(),
-    };
-    // Subscribed before the first attempt, so a release between attempt and wait is seen.
-    let mut releases = state.releases.subscribe(&lock);
-    loop {
-        let now = Instant::now();
-        // The session must still be alive for every attempt; waiting does not renew it.
-        let session = state
-            .sessions
-            .get(&id, now)
-            .map_err(|gone| ProxyError::session(&id, gone))?;
-        match state
+    #[tracing::instrument(skip_all, fields(lock.name = %request.get_ref().lock))]
+    async fn check_sequencer(
+        &self,
+        request: Request<CheckSequencerRequest>,
+    ) -> Result<Response<CheckSequencerResponse>, Status> {
+        let req = request.into_inner();
+        let lock = LockName::parse(&req.lock).map_err(ProxyError::from)?;
+        let token = token(&lock, req.token)?;
+        let (holder, _) = self
+            .state
             .locklog
-            .acquire_exclusive(&lock, session.lease, &record)
-            .await?
-        {
-            Acquired::Granted { revision, fresh } => {
-                if *state.shutdown.borrow() {
-                    // The proxy's leases are about to be revoked with every key on them:
-                    // this grant would not outlive the reply.
-                    return Err(ProxyError::ShuttingDown);
-                }
-                let now = Instant::now();
-                let valid_for =
-                    state
-                        .leases
-                        .valid_for(session.bucket, session.lease, session.ttl, now);
-                if !state
-                    .sessions
-                    .record_grant(&id, &lock, revision, now + valid_for)
-                {
-                    // The session ended while the grant was in flight: undo it.
-                    state
-                        .cleanup
-                        .push(session.lease, vec![(lock.clone(), revision)]);
-                    let gone = state.sessions.get(&id, Instant::now()).unwrap_err();
-                    return Err(ProxyError::session(&id, gone));
-                }
-                if fresh {
-                    metrics::counter!(m::LOCKS_GRANTED).increment(1);
-                    metrics::histogram!(m::ACQUIRE_SECONDS).record(started.elapsed().as_secs_f64());
-                    tracing::debug!(revision, "granted");
-                }
-                return Ok(AcquireResponse {
-                    granted: true,
-                    token: Some(
-                        FencingToken {
-                            epoch: state.epoch,
-                            revision,
-                        }
-                        .into(),
-                    ),
-                    valid_for_ms: millis(valid_for),
-                });
-            }
-            Acquired::Busy { mut seen_at } => loop {
-                // Wait for a release, then read before trying again: a grant attempt is
-                // a proposal through etcd's log, a read is not.
-                let now = Instant::now();
-                let session = state
-                    .sessions
-                    .get(&id, now)
-                    .map_err(|gone| ProxyError::session(&id, gone))?;
-                let mut patience = POLL.min(session.expires_at().saturating_duration_since(now));
-                if let Some(give_up) = give_up {
-                    if now >= give_up {
-                        return Ok(AcquireResponse {
-                            granted: false,
-                            token: None,
-                            valid_for_ms: 0,
-                        });
-                    }
-                    patience = patience.min(give_up - now);
-                }
-                releases.released_after(seen_at, patience).await;
-                let (held, at) = state.locklog.is_held(&lock).await?;
-                if !held {
-                    break;
-                }
-                seen_at = at;
-            },
-        }
+            .exclusive_holder(&lock)
+            .await
+            .map_err(ProxyError::from)?;
+        let holder = holder.map(|h| self.state.token(h.revision));
+        Ok(Response::new(CheckSequencerResponse {
+            current: holder == Some(token),
+            holder: holder.map(Into::into),
+        }))
     }
 }
 
-async fn release(state: &ProxyState, req: ReleaseRequest) -> Result<ReleaseResponse, ProxyError> {
-    let lock = LockName::parse(&req.lock)?;
-    let id = req.session_id;
-    let token: FencingToken = req
-        .token
-        .ok_or_else(|| {
-            ProxyError::BadArgument(format!("release of lock {lock:?} carries no fencing token"))
-        })?
-        .into();
+/// Releases `session`'s `mode` hold of `lock` granted with `token`; idempotent.
+pub async fn release(
+    state: &ProxyState,
+    session_id: &str,
+    lock: &str,
+    mode: Mode,
+    token: Option<lockcell_proto::v1::FencingToken>,
+) -> Result<bool, ProxyError> {
+    let lock = LockName::parse(lock)?;
+    let token = token_of(&lock, token)?;
     let session = state
         .sessions
-        .get(&id, Instant::now())
-        .map_err(|gone| ProxyError::session(&id, gone))?;
+        .get(session_id, Instant::now())
+        .map_err(|gone| ProxyError::session(session_id, gone))?;
     if token.epoch != state.epoch {
         // A grant of another epoch is not a current grant: nothing of it is ours to delete.
-        return Ok(ReleaseResponse { released: false });
+        return Ok(false);
     }
     let released = state
         .locklog
-        .release(&lock, token.revision, session.lease)
+        .release(&lock, mode, session_id, token.revision, session.lease)
         .await?;
-    state.sessions.forget_grant(&id, &lock, token.revision);
+    state.sessions.forget_grant(
+        session_id,
+        &lock.holder_key(mode, session_id),
+        token.revision,
+    );
     if released {
         metrics::counter!(m::LOCKS_RELEASED).increment(1);
     }
-    Ok(ReleaseResponse { released })
+    Ok(released)
+}
+
+pub fn mode(wire: i32) -> Result<Mode, ProxyError> {
+    match LockMode::try_from(wire) {
+        Ok(LockMode::Exclusive) => Ok(Mode::Exclusive),
+        Ok(LockMode::Shared) => Ok(Mode::Shared),
+        Err(_) => Err(ProxyError::BadArgument(format!(
+            "lock mode {wire} is not one of EXCLUSIVE (0) or SHARED (1)"
+        ))),
+    }
+}
+
+fn token(
+    lock: &LockName,
+    token: Option<lockcell_proto::v1::FencingToken>,
+) -> Result<FencingToken, Status> {
+    Ok(token_of(lock, token)?)
+}
+
+/// The fencing token a call about `lock` must carry.
+pub fn token_of(
+    lock: &LockName,
+    token: Option<lockcell_proto::v1::FencingToken>,
+) -> Result<FencingToken, ProxyError> {
+    let token: FencingToken = token
+        .ok_or_else(|| {
+            ProxyError::BadArgument(format!(
+                "the call about lock {lock:?} carries no fencing token"
+            ))
+        })?
+        .into();
+    if token.revision <= 0 {
+        return Err(ProxyError::BadArgument(format!(
+            "fencing token {token} for lock {lock:?} has no revision; tokens come from grants"
+        )));
+    }
+    Ok(token)
 }

@@ -1,5 +1,6 @@
 //! The lockcell.v1 gRPC services: one file per service.
 
+pub mod election;
 pub mod lock;
 pub mod session;
 

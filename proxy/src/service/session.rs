@@ -112,7 +112,7 @@ impl SessionApi for SessionService {
         }
         match state
             .locklog
-            .delete_guarded(&session.held, session.lease)
+            .delete_guarded(&session.held, session.lease, true)
             .await
         {
             Ok(released) => {

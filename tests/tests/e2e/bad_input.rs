@@ -39,6 +39,7 @@ pub async fn bad_lock_names_are_refused_with_the_rule() -> anyhow::Result<()> {
                 session_id: session.session_id.clone(),
                 lock: name.to_owned(),
                 wait_timeout_ms: Some(0),
+                ..Default::default()
             })
             .await
             .expect_err("a bad name was accepted");
@@ -58,6 +59,7 @@ pub async fn bad_lock_names_are_refused_with_the_rule() -> anyhow::Result<()> {
             session_id: session.session_id.clone(),
             lock: "fine".into(),
             token: None,
+            ..Default::default()
         })
         .await
         .expect_err("a release without a token was accepted");
@@ -79,6 +81,7 @@ pub async fn unknown_and_expired_sessions_are_told_apart() -> anyhow::Result<()>
         session_id: session_id.to_owned(),
         lock: "x".into(),
         wait_timeout_ms: Some(0),
+        ..Default::default()
     };
     let status = locks
         .acquire(acquire("no-such-session"))

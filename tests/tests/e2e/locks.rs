@@ -29,6 +29,7 @@ pub async fn holder_that_stops_renewing_loses_its_lock() -> anyhow::Result<()> {
             session_id: holder.session_id.clone(),
             lock: "jobs/report".into(),
             wait_timeout_ms: Some(0),
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -171,6 +172,7 @@ pub async fn retried_acquire_and_release_are_idempotent() -> anyhow::Result<()> 
         session_id: session.session_id.clone(),
         lock: "idem".into(),
         wait_timeout_ms: Some(0),
+        ..Default::default()
     };
     // As if the first reply were lost: the same call again.
     let first = locks.acquire(request.clone()).await?.into_inner();
@@ -186,6 +188,7 @@ pub async fn retried_acquire_and_release_are_idempotent() -> anyhow::Result<()> 
         session_id: session.session_id.clone(),
         lock: "idem".into(),
         token: first.token,
+        ..Default::default()
     };
     ensure!(locks.release(release.clone()).await?.into_inner().released);
     ensure!(
@@ -204,4 +207,106 @@ pub async fn until_not_valid(
         Ok((session.state() != SessionState::Valid).then_some(()))
     })
     .await
+}
+
+pub async fn a_lost_acquire_reply_and_its_retry_make_one_grant() -> anyhow::Result<()> {
+    let (etcd, proxies) = cell(&["a"]).await?;
+    let (mut sessions, mut locks) = raw(&proxies[0]).await?;
+    let holder = sessions
+        .open(OpenRequest {
+            ttl_ms: 30_000,
+            identity: "holder".into(),
+        })
+        .await?
+        .into_inner();
+    let waiter = sessions
+        .open(OpenRequest {
+            ttl_ms: 30_000,
+            identity: "waiter".into(),
+        })
+        .await?
+        .into_inner();
+    let request = |session: &str, wait: u64| AcquireRequest {
+        session_id: session.to_owned(),
+        lock: "lost/reply".into(),
+        wait_timeout_ms: Some(wait),
+        mode: 0,
+    };
+    let held = locks
+        .acquire(request(&holder.session_id, 0))
+        .await?
+        .into_inner();
+    ensure!(held.granted);
+
+    // The waiter's call goes through a relay that will lose the reply.
+    let relay = lockcell_tests::Relay::start(&proxies[0].addr).await?;
+    let channel = tonic::transport::Channel::from_shared(relay.url())?
+        .connect()
+        .await?;
+    let mut relayed = lockcell_proto::v1::lock_client::LockClient::new(channel);
+    let first = request(&waiter.session_id, 20_000);
+    let pending = tokio::spawn(async move { relayed.acquire(first).await });
+    eventually("the waiter waits", Duration::from_secs(10), || async {
+        Ok((proxies[0].metric("lockcell_waiters").await? >= 1.0).then_some(()))
+    })
+    .await?;
+    relay.cut_replies(true);
+    relay.cut_requests(true);
+    locks
+        .release(ReleaseRequest {
+            session_id: holder.session_id.clone(),
+            lock: "lost/reply".into(),
+            token: held.token,
+            mode: 0,
+        })
+        .await?;
+    // The proxy grants; the reply is lost on the way back.
+    let store = etcd.client().await?;
+    let granted_at = eventually(
+        "the proxy grants the waiter",
+        Duration::from_secs(10),
+        || {
+            let mut store = store.clone();
+            let waiter = waiter.session_id.clone();
+            async move {
+                let resp = store.get("/l/lost/reply/!x", None).await?;
+                Ok(resp
+                    .kvs()
+                    .first()
+                    .filter(|kv| kv.value_str().is_ok_and(|v| v.contains(&waiter)))
+                    .map(|kv| kv.create_revision()))
+            }
+        },
+    )
+    .await?;
+    pending.abort();
+
+    // The retry finds the grant it already has.
+    let retry = locks
+        .acquire(request(&waiter.session_id, 0))
+        .await?
+        .into_inner();
+    ensure!(retry.granted, "the retry was refused");
+    let token = retry.token.context("token")?;
+    ensure!(
+        token.revision == granted_at,
+        "the retry got {token:?}, not the grant made at {granted_at}"
+    );
+    let holders = store
+        .clone()
+        .get(
+            "/l/lost/reply/!s",
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_range("/l/lost/reply/!y")
+                    .with_count_only(),
+            ),
+        )
+        .await?
+        .count();
+    ensure!(
+        holders == 1,
+        "{holders} holder keys after a lost reply and a retry"
+    );
+    Ok(())
 }

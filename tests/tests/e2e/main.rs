@@ -4,9 +4,12 @@
 //! (skipped), never passed.
 
 mod bad_input;
+mod contention;
 mod dev;
+mod elections;
 mod faults;
 mod locks;
+mod modes;
 mod sessions;
 mod support;
 
@@ -32,6 +35,16 @@ fn main() {
         locks::holder_that_stops_renewing_loses_its_lock,
         locks::two_clients_hammering_one_lock_are_fenced,
         locks::retried_acquire_and_release_are_idempotent,
+        locks::a_lost_acquire_reply_and_its_retry_make_one_grant,
+        contention::two_hundred_waiters_each_get_it_once_at_one_grant_per_proxy,
+        contention::two_hundred_waiters_on_a_fair_class_go_in_arrival_order,
+        modes::readers_share_and_a_writer_excludes_them,
+        modes::a_fair_writer_is_not_starved_by_new_readers,
+        modes::class_rules_refuse_a_mode_and_a_ttl,
+        modes::a_bad_classes_file_is_refused_and_the_last_good_one_stays,
+        modes::lock_delay_holds_back_a_vanished_holders_lock_but_not_a_released_one,
+        elections::one_leader_at_a_time_and_observers_see_every_change_in_order,
+        elections::a_leader_whose_session_expires_is_replaced,
         faults::killed_proxy_locks_pass_on_after_lease_ttl,
         faults::sigterm_waits_out_holders_validity_then_revokes_its_leases,
         faults::proxy_started_before_etcd_says_so_and_serves_once_it_is_up,

@@ -62,3 +62,19 @@ pub fn short_session(ttl: Duration) -> lockcell_client::SessionOptions {
 pub async fn lease_count(etcd: &EtcdCluster) -> anyhow::Result<usize> {
     Ok(etcd.client().await?.leases().await?.leases().len())
 }
+
+/// Transactions etcd has handled, from its own /metrics (summed over members).
+pub async fn etcd_txns(etcd: &EtcdCluster) -> anyhow::Result<f64> {
+    let mut total = 0.0;
+    for endpoint in etcd.endpoints() {
+        let page = lockcell_tests::proxy::http_get(&endpoint, "/metrics").await?;
+        total += page
+            .lines()
+            .filter(|l| {
+                l.starts_with("grpc_server_handled_total{") && l.contains("grpc_method=\"Txn\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    Ok(total)
+}

@@ -1,0 +1,287 @@
+//! `lockctl`: runs a command while holding a lockcell lock or leading an election, and
+//! stops it (SIGTERM) the moment that can no longer be trusted; also asks who leads an
+//! election and whether a fencing token is still current.
+#![forbid(unsafe_code)]
+
+mod check;
+mod exit;
+mod hold;
+mod leader;
+mod signals;
+
+use std::io::Write as _;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use lockcell_client::SessionOptions;
+
+use crate::check::{CheckArgs, CHECK_LONG};
+use crate::exit::failure_code;
+use crate::hold::{hold_and_run, ElectArgs, LockArgs, ELECT_LONG, LOCK_LONG};
+use crate::leader::{LeaderArgs, LEADER_LONG, OBSERVE_LONG};
+use crate::signals::Signals;
+
+const ABOUT_LONG: &str = "\
+Run commands while holding lockcell locks or leading lockcell elections.
+
+lockctl opens a session with a lockcell proxy, acquires a lock (lockctl lock) or
+campaigns until it leads an election (lockctl elect), runs a command while it holds
+that, and gives it up when the command ends. lockctl leader and lockctl observe tell
+who leads an election; lockctl check tells whether a fencing token is still current.
+
+Example:
+  lockctl --proxy 10.0.0.7:7420 lock billing/nightly --timeout 30s -- ./nightly.sh --full
+  lockctl elect db/primary 10.0.0.7:5432 -- ./serve-primary.sh";
+
+/// Command-line interface.
+#[derive(Debug, Parser)]
+#[command(
+    name = "lockctl",
+    version,
+    about = "Run commands while holding lockcell locks or leading lockcell elections",
+    long_about = ABOUT_LONG
+)]
+struct Cli {
+    /// Address of the lockcell proxy (host:port or http://host:port).
+    #[arg(
+        long,
+        env = "LOCKCELL_PROXY",
+        default_value = "127.0.0.1:7420",
+        global = true
+    )]
+    proxy: String,
+
+    /// Session TTL to request (lock, elect), e.g. 500ms, 12s. The session is renewed
+    /// every third of it; a shorter TTL frees the lock or leadership sooner if lockctl
+    /// dies, at the cost of renewals.
+    #[arg(long, default_value = "12s", value_parser = humantime::parse_duration, global = true)]
+    ttl: Duration,
+
+    /// Identity recorded with the grant (lock, elect), for whoever investigates who
+    /// held the lock or led (default: HOSTNAME/PID).
+    #[arg(long, global = true)]
+    identity: Option<String>,
+
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run CMD while holding lock NAME.
+    #[command(long_about = LOCK_LONG)]
+    Lock(LockArgs),
+    /// Run CMD while leading election NAME with VALUE.
+    #[command(long_about = ELECT_LONG)]
+    Elect(ElectArgs),
+    /// Print who leads election NAME.
+    #[command(long_about = LEADER_LONG)]
+    Leader(LeaderArgs),
+    /// Print who leads election NAME, then every change.
+    #[command(long_about = OBSERVE_LONG)]
+    Observe(LeaderArgs),
+    /// Check whether TOKEN is the current exclusive grant of lock NAME.
+    #[command(long_about = CHECK_LONG)]
+    Check(CheckArgs),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    match run(cli).await {
+        Ok(code) => ExitCode::from(code),
+        Err(error) => {
+            eprintln!("lockctl: {error:#}");
+            ExitCode::from(failure_code(&error))
+        }
+    }
+}
+
+/// Diagnostics on stderr (stdout belongs to CMD, or to the answer): warnings by
+/// default, `RUST_LOG` to change.
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .init();
+}
+
+async fn run(cli: Cli) -> anyhow::Result<u8> {
+    let Cli {
+        proxy,
+        ttl,
+        identity,
+        command,
+    } = cli;
+    let mut options = SessionOptions {
+        ttl,
+        ..SessionOptions::default()
+    };
+    if let Some(identity) = identity {
+        options.identity = identity;
+    }
+    match command {
+        Cmd::Lock(args) => {
+            // Installed first: from here on SIGINT/SIGTERM no longer kill lockctl
+            // outright, so it can always release and close before leaving.
+            let mut signals = Signals::new()?;
+            let (want, wait) = (args.want(), args.wait());
+            hold_and_run(&proxy, options, want, wait, &args.command, &mut signals).await
+        }
+        Cmd::Elect(args) => {
+            let mut signals = Signals::new()?;
+            let (want, wait) = (args.want(), args.wait());
+            hold_and_run(&proxy, options, want, wait, &args.command, &mut signals).await
+        }
+        Cmd::Leader(args) => leader::leader(&proxy, &args).await,
+        Cmd::Observe(args) => {
+            let mut signals = Signals::new()?;
+            leader::observe(&proxy, &args, &mut signals).await
+        }
+        Cmd::Check(args) => check::check(&proxy, &args).await,
+    }
+}
+
+/// Writes one line of an answer to stdout at once (an observer acts on each line as it
+/// comes). A closed stdout is an error, not a panic.
+pub(crate) fn print_line(line: &str) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{line}")
+        .and_then(|()| stdout.flush())
+        .context("writing to stdout")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsString;
+
+    use clap::CommandFactory as _;
+    use lockcell_client::{Mode, Wait};
+
+    use super::*;
+    use crate::hold::Want;
+
+    #[test]
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("lockctl").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn parses_the_lock_command() {
+        let cli = parse(&[
+            "--ttl",
+            "500ms",
+            "lock",
+            "jobs/nightly",
+            "--timeout",
+            "2m",
+            "--",
+            "sh",
+            "-c",
+            "exit 3",
+        ])
+        .unwrap();
+        assert_eq!(cli.ttl, Duration::from_millis(500));
+        let Cmd::Lock(args) = cli.command else {
+            panic!("lock")
+        };
+        assert_eq!(args.name, "jobs/nightly");
+        assert_eq!(args.wait(), Wait::Timeout(Duration::from_secs(120)));
+        assert_eq!(
+            args.want(),
+            Want::Lock {
+                name: "jobs/nightly",
+                mode: Mode::Exclusive
+            }
+        );
+        assert_eq!(args.command, ["sh", "-c", "exit 3"].map(OsString::from));
+
+        let cli = parse(&["lock", "x", "--", "true"]).unwrap();
+        assert_eq!(cli.ttl, Duration::from_secs(12));
+        let Cmd::Lock(args) = cli.command else {
+            panic!("lock")
+        };
+        assert_eq!(args.wait(), Wait::Forever);
+
+        let cli = parse(&["lock", "--shared", "--try", "x", "--", "true"]).unwrap();
+        let Cmd::Lock(args) = cli.command else {
+            panic!("lock")
+        };
+        assert_eq!(args.wait(), Wait::Try);
+        assert_eq!(
+            args.want(),
+            Want::Lock {
+                name: "x",
+                mode: Mode::Shared
+            }
+        );
+
+        assert!(parse(&["lock", "x"]).is_err(), "CMD is required");
+        assert!(parse(&["--ttl", "soon", "lock", "x", "--", "true"]).is_err());
+        assert!(
+            parse(&["lock", "--try", "--timeout", "1s", "x", "--", "true"]).is_err(),
+            "--try and --timeout contradict each other"
+        );
+    }
+
+    #[test]
+    fn parses_the_elect_command() {
+        let cli = parse(&[
+            "elect",
+            "db/primary",
+            "10.0.0.7:5432",
+            "--timeout",
+            "30s",
+            "--",
+            "serve",
+            "--primary",
+        ])
+        .unwrap();
+        let Cmd::Elect(args) = cli.command else {
+            panic!("elect")
+        };
+        assert_eq!(
+            args.want(),
+            Want::Leadership {
+                election: "db/primary",
+                value: "10.0.0.7:5432"
+            }
+        );
+        assert_eq!(args.wait(), Wait::Timeout(Duration::from_secs(30)));
+        assert_eq!(args.command, ["serve", "--primary"].map(OsString::from));
+        assert!(
+            parse(&["elect", "db/primary", "--", "true"]).is_err(),
+            "VALUE"
+        );
+    }
+
+    #[test]
+    fn parses_the_query_commands() {
+        let Cmd::Leader(args) = parse(&["leader", "db", "--json"]).unwrap().command else {
+            panic!("leader")
+        };
+        assert_eq!((args.name.as_str(), args.json), ("db", true));
+        let Cmd::Observe(args) = parse(&["observe", "db"]).unwrap().command else {
+            panic!("observe")
+        };
+        assert_eq!((args.name.as_str(), args.json), ("db", false));
+        let Cmd::Check(args) = parse(&["check", "jobs/x", "1:4521"]).unwrap().command else {
+            panic!("check")
+        };
+        assert_eq!(
+            (args.name.as_str(), args.token.as_str()),
+            ("jobs/x", "1:4521")
+        );
+        // A malformed token is lockctl's to report (status 64), not clap's (status 2).
+        assert!(parse(&["check", "jobs/x", "nonsense"]).is_ok());
+    }
+}

@@ -1,0 +1,315 @@
+//! Leader election: campaigning through a session, the [`Leadership`] that holds the
+//! office, and asking or watching who leads.
+//!
+//! An election is an exclusive lock whose holder carries a value, so a leadership obeys
+//! the same timing rule as a lock: it may be acted on only while its session is valid,
+//! and its fencing token goes to every resource the leader changes.
+
+use lockcell_proto::v1::election_client::ElectionClient;
+use lockcell_proto::v1::{
+    CampaignRequest, Leader, LeaderRequest, LeaderResponse, ProclaimRequest, ResignRequest,
+};
+use lockcell_proto::FencingToken;
+use tonic::Streaming;
+use tracing::Instrument as _;
+
+use crate::client::{Client, UNARY_TIMEOUT};
+use crate::error::{Call, Error};
+use crate::lock::Wait;
+use crate::session::Session;
+use crate::validity::SessionState;
+
+impl Session {
+    /// Waits until this session leads `election` with `value`, as `wait` says.
+    /// `Ok(None)`: not elected (tried once, or the wait ran out with another leader).
+    ///
+    /// Like a lock, leadership may be acted on only while the session is valid: check
+    /// [`Leadership::is_valid`] or race the work against [`Session::jeopardy`], and
+    /// pass [`Leadership::token`] to every resource the leader changes.
+    ///
+    /// If this future is dropped while the proxy is deciding, the session may still
+    /// have been elected; it then resigns when the session closes.
+    pub async fn campaign(
+        &self,
+        election: &str,
+        value: &str,
+        wait: Wait,
+    ) -> Result<Option<Leadership>, Error> {
+        let mut request = tonic::Request::new(CampaignRequest {
+            session_id: self.id().to_owned(),
+            election: election.to_owned(),
+            value: value.to_owned(),
+            wait_timeout_ms: wait.wait_timeout_ms(),
+        });
+        if let Some(timeout) = wait.call_timeout() {
+            request.set_timeout(timeout);
+        }
+        let mut client = ElectionClient::new(self.client().channel());
+        let (reply, sent) = self.grant_request(client.campaign(request)).await?;
+        if !reply.elected {
+            return Ok(None);
+        }
+        let token = reply
+            .token
+            .ok_or_else(|| {
+                Error::Protocol(format!("election {election:?} won without a fencing token"))
+            })?
+            .into();
+        // The same rule as an Acquire: the grant counts from when the Campaign was sent.
+        self.shared().grant(sent, reply.valid_for_ms);
+        tracing::debug!(session.id = %self.id(), election.name = election, %token, "elected");
+        Ok(Some(Leadership {
+            session: self.clone(),
+            election: election.to_owned(),
+            token,
+            resigned: false,
+        }))
+    }
+}
+
+/// Leadership of an election, won by [`Session::campaign`]. Keeps its session alive
+/// (renewed) while it lives.
+///
+/// Dropping it without [`resign`](Leadership::resign) resigns in the background (when
+/// a tokio runtime is around); resigning explicitly tells whether it worked.
+#[derive(Debug)]
+#[must_use = "dropping a Leadership resigns it"]
+pub struct Leadership {
+    session: Session,
+    election: String,
+    token: FencingToken,
+    /// Set once resigned, so `Drop` does not resign again.
+    resigned: bool,
+}
+
+impl Leadership {
+    /// The election's name.
+    pub fn election(&self) -> &str {
+        &self.election
+    }
+
+    /// The leadership's fencing token: hand it to every resource the leader changes.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// Whether the application may still act as leader: its session is before its
+    /// deadline and not expired.
+    pub fn is_valid(&self) -> bool {
+        self.session.state() == SessionState::Valid
+    }
+
+    /// The session this leadership was won through.
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// Changes the value observers see for this leader (an address that moved, say).
+    /// [`Error::NotHolder`]: this leadership has ended, and so must the leading.
+    pub async fn proclaim(&self, value: &str) -> Result<(), Error> {
+        if self.session.shared().is_expired() {
+            return Err(self.session.expired_error());
+        }
+        let mut request = tonic::Request::new(ProclaimRequest {
+            session_id: self.session.id().to_owned(),
+            election: self.election.clone(),
+            token: Some(self.token.into()),
+            value: value.to_owned(),
+        });
+        request.set_timeout(UNARY_TIMEOUT);
+        ElectionClient::new(self.session.client().channel())
+            .proclaim(request)
+            .await
+            .map_err(|status| self.session.grant_call_failed(status))?;
+        Ok(())
+    }
+
+    /// Gives up leadership. `Ok(false)`: it had already ended (e.g. the session lost
+    /// it); the proxy may also say so with [`Error::NotHolder`].
+    pub async fn resign(mut self) -> Result<bool, Error> {
+        self.resigned = true;
+        if self.session.shared().is_expired() {
+            return Err(self.session.expired_error());
+        }
+        resign(&self.session, &self.election, self.token).await
+    }
+}
+
+impl Drop for Leadership {
+    fn drop(&mut self) {
+        if self.resigned || self.session.shared().is_expired() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Nothing to send from; the leadership goes when the session does.
+            return;
+        };
+        let session = self.session.clone();
+        let election = std::mem::take(&mut self.election);
+        let token = self.token;
+        // Owned by its own bound: the call answers or times out. It holds the session,
+        // so the session is closed only after the resignation.
+        let span =
+            tracing::debug_span!("resign", session.id = %session.id(), election.name = %election);
+        let task = async move {
+            match resign(&session, &election, token).await {
+                Ok(resigned) => tracing::debug!(resigned, "dropped leadership resigned"),
+                Err(error) => tracing::warn!(%error, "dropped leadership not resigned"),
+            }
+        };
+        runtime.spawn(task.instrument(span));
+    }
+}
+
+async fn resign(session: &Session, election: &str, token: FencingToken) -> Result<bool, Error> {
+    let mut request = tonic::Request::new(ResignRequest {
+        session_id: session.id().to_owned(),
+        election: election.to_owned(),
+        token: Some(token.into()),
+    });
+    request.set_timeout(UNARY_TIMEOUT);
+    let reply = ElectionClient::new(session.client().channel())
+        .resign(request)
+        .await
+        .map_err(|status| session.grant_call_failed(status))?;
+    Ok(reply.into_inner().resigned)
+}
+
+/// Who leads an election, as the proxy saw it when it answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaderInfo {
+    /// The leader's session.
+    pub session_id: String,
+    /// The identity the leader's session gave when it opened.
+    pub identity: String,
+    /// The proxy holding the leader's session.
+    pub proxy_id: String,
+    /// The value the leader campaigned with or last proclaimed.
+    pub value: String,
+    /// The leadership's fencing token.
+    pub token: FencingToken,
+}
+
+/// Turns the wire's leader (absent: nobody leads) into a [`LeaderInfo`].
+fn leader_info(election: &str, leader: Option<Leader>) -> Result<Option<LeaderInfo>, Error> {
+    let Some(leader) = leader else {
+        return Ok(None);
+    };
+    let token = leader.token.ok_or_else(|| {
+        Error::Protocol(format!(
+            "the leader of election {election:?} came without a fencing token"
+        ))
+    })?;
+    Ok(Some(LeaderInfo {
+        session_id: leader.session_id,
+        identity: leader.identity,
+        proxy_id: leader.proxy_id,
+        value: leader.value,
+        token: token.into(),
+    }))
+}
+
+impl Client {
+    /// Who leads `election` now (`None`: nobody). No session needed.
+    pub async fn leader(&self, election: &str) -> Result<Option<LeaderInfo>, Error> {
+        let mut request = tonic::Request::new(LeaderRequest {
+            election: election.to_owned(),
+        });
+        request.set_timeout(UNARY_TIMEOUT);
+        let reply = ElectionClient::new(self.channel())
+            .leader(request)
+            .await
+            .map_err(|status| Error::from_status(status, Call::Unbound))?
+            .into_inner();
+        leader_info(election, reply.leader)
+    }
+
+    /// Watches `election`: the current leader, then every change of leader or value,
+    /// in order (`None`: nobody leads). No session needed.
+    ///
+    /// An observer learns of a change after it happened: to act *as* leader, campaign;
+    /// to act *on* a leader, pass its token along.
+    pub async fn observe(&self, election: &str) -> Result<LeaderStream, Error> {
+        let stream = ElectionClient::new(self.channel())
+            .observe(LeaderRequest {
+                election: election.to_owned(),
+            })
+            .await
+            .map_err(|status| Error::from_status(status, Call::Unbound))?
+            .into_inner();
+        Ok(LeaderStream {
+            election: election.to_owned(),
+            stream: Some(stream),
+        })
+    }
+}
+
+/// The leaders of one election, as [`Client::observe`] reports them.
+#[derive(Debug)]
+pub struct LeaderStream {
+    /// For error messages.
+    election: String,
+    /// `None` once the stream has ended (after its error was handed out).
+    stream: Option<Streaming<LeaderResponse>>,
+}
+
+impl LeaderStream {
+    /// The next leader (`Some(Ok(None))`: nobody leads now). A stream that breaks, or
+    /// that the proxy ends, yields one error and then `None`: changes are no longer
+    /// being reported, so observe again.
+    pub async fn next(&mut self) -> Option<Result<Option<LeaderInfo>, Error>> {
+        let stream = self.stream.as_mut()?;
+        let item = match stream.message().await {
+            Ok(Some(reply)) => return Some(leader_info(&self.election, reply.leader)),
+            Ok(None) => Error::Unavailable(format!(
+                "the proxy stopped reporting the leaders of election {:?}; observe again",
+                self.election
+            )),
+            Err(status) => Error::from_status(status, Call::Unbound),
+        };
+        self.stream = None;
+        Some(Err(item))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_leaders_become_leader_info() {
+        assert_eq!(leader_info("e", None).unwrap(), None);
+        let wire = Leader {
+            session_id: "s1".into(),
+            identity: "host/7".into(),
+            proxy_id: "zone-a".into(),
+            value: "10.0.0.7:5432".into(),
+            token: Some(lockcell_proto::v1::FencingToken {
+                epoch: 1,
+                revision: 4521,
+            }),
+        };
+        assert_eq!(
+            leader_info("e", Some(wire.clone())).unwrap(),
+            Some(LeaderInfo {
+                session_id: "s1".into(),
+                identity: "host/7".into(),
+                proxy_id: "zone-a".into(),
+                value: "10.0.0.7:5432".into(),
+                token: FencingToken {
+                    epoch: 1,
+                    revision: 4521
+                },
+            })
+        );
+        let tokenless = Leader {
+            token: None,
+            ..wire
+        };
+        let err = leader_info("e", Some(tokenless)).unwrap_err();
+        assert!(
+            matches!(err, Error::Protocol(ref m) if m.contains("\"e\"")),
+            "{err:?}"
+        );
+    }
+}

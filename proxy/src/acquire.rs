@@ -1,0 +1,360 @@
+//! Acquiring a lock (or an election) for a session: the class's rules, the wait, and
+//! the grant.
+//!
+//! Two ways to wait, by class:
+//! - **fair**: the session's waiter key joins the line in etcd (`/q/<lock>/…`, ordered
+//!   by create revision); a waiter watches only the waiter just ahead of it, and the head
+//!   waits for the holders; the grant deletes the waiter key in the same transaction;
+//! - **arbitrated**: the proxy's local queue ([`crate::queues`]); on a release only its
+//!   head tries.
+//!
+//! Either way a waiter reads before it tries again (a read is not a proposal through
+//! etcd's log), lock-delay holds back grants of locks whose holder vanished, and the
+//! grant itself runs in a task of its own, so a client that hangs up mid-grant cannot
+//! leave a grant the session does not know about.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lockcell_cell::locklog::{Acquired, Grant, HolderRecord, Place};
+use lockcell_cell::{LockName, Mode};
+use tokio::time::Instant;
+
+use crate::classes::LockClass;
+use crate::errors::ProxyError;
+use crate::metrics as m;
+use crate::sessions::Session;
+use crate::state::ProxyState;
+
+/// A waiter looks again on this period even without an event, so a missed watch event
+/// delays a grant by at most this much (a read each time, never a proposal).
+pub const POLL: Duration = Duration::from_secs(1);
+
+/// One acquire or campaign.
+pub struct Call {
+    pub session_id: String,
+    pub lock: LockName,
+    pub mode: Mode,
+    /// None: wait until granted, the session ends or the caller hangs up.
+    pub wait: Option<Duration>,
+    /// An election leader's value.
+    pub value: String,
+}
+
+/// A grant as the caller sees it.
+pub struct Granted {
+    pub revision: i64,
+    pub valid_for: Duration,
+    /// False for a retried call that found the grant it already had.
+    pub fresh: bool,
+}
+
+/// Acquires per the lock's class; `Ok(None)` when the wait ran out.
+pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Granted>, ProxyError> {
+    let started = Instant::now();
+    let session = live(state, &call.session_id)?;
+    let class = state
+        .classes
+        .current()
+        .class_for(call.lock.as_str())
+        .clone();
+    class
+        .check_mode(call.lock.as_str(), call.mode == Mode::Shared)
+        .map_err(ProxyError::BadArgument)?;
+    class
+        .check_ttl(call.lock.as_str(), session.ttl)
+        .map_err(ProxyError::Refused)?;
+    let give_up = call.wait.map(|d| started + d);
+    metrics::gauge!(m::WAITERS).increment(1.0);
+    let result = if class.fair {
+        fair(state, &call, &class, give_up).await
+    } else {
+        arbitrated(state, &call, &class, give_up).await
+    };
+    metrics::gauge!(m::WAITERS).decrement(1.0);
+    if let Ok(Some(g)) = &result {
+        if g.fresh {
+            metrics::counter!(m::LOCKS_GRANTED).increment(1);
+            metrics::histogram!(m::ACQUIRE_SECONDS).record(started.elapsed().as_secs_f64());
+        }
+    }
+    result
+}
+
+/// Waits in the proxy's local queue; only the head tries when the lock is released.
+async fn arbitrated(
+    state: &Arc<ProxyState>,
+    call: &Call,
+    class: &LockClass,
+    give_up: Option<Instant>,
+) -> Result<Option<Granted>, ProxyError> {
+    let mut ticket = state.queues.join(&call.lock, call.mode);
+    // The first attempt needs no wait; after a failed one, a waiter waits for its turn
+    // and reads before it tries again.
+    let mut tried = false;
+    loop {
+        let session = live(state, &call.session_id)?;
+        if tried || !ticket.may_try() {
+            let Some(patience) = wait_budget(&session, give_up) else {
+                return Ok(None);
+            };
+            ticket.turn(patience).await;
+            if !ticket.may_try() {
+                continue;
+            }
+            if tried && state.locklog.is_held(&call.lock, call.mode).await?.0 {
+                continue;
+            }
+        }
+        if let Some(until) = state.events.delayed_until(&call.lock, class.lock_delay) {
+            if !sleep_until(until, give_up).await {
+                return Ok(None);
+            }
+            continue;
+        }
+        let session = live(state, &call.session_id)?;
+        if let Some(granted) = grant(state, call, &session, None).await? {
+            ticket.granted();
+            return Ok(Some(granted));
+        }
+        tried = true;
+    }
+}
+
+/// Waits in line in etcd: behind the waiter just ahead, then, at the head, for the holders.
+async fn fair(
+    state: &Arc<ProxyState>,
+    call: &Call,
+    class: &LockClass,
+    give_up: Option<Instant>,
+) -> Result<Option<Granted>, ProxyError> {
+    let session = live(state, &call.session_id)?;
+    // A retried call that already holds the lock must not join the line behind the
+    // waiters its own hold keeps out.
+    if state
+        .locklog
+        .held_by(&call.lock, call.mode, &call.session_id, session.lease)
+        .await?
+        .is_some()
+    {
+        if let Some(granted) = grant(state, call, &session, None).await? {
+            return Ok(Some(granted));
+        }
+    }
+    // One key per call: two calls of one session never share (or remove) a place.
+    let id = format!("{}-{:016x}", call.session_id, rand::random::<u64>());
+    let queued = state
+        .locklog
+        .enqueue(&call.lock, call.mode, &id, session.lease)
+        .await?;
+    let waiter = Grant::waiting(&call.lock, call.mode, &id, queued);
+    if !state
+        .sessions
+        .record_grant(&call.session_id, waiter.clone(), None)
+    {
+        state.cleanup.push(session.lease, vec![waiter]);
+        return Err(gone(state, &call.session_id));
+    }
+    // Out of line on every way out but a grant (which deletes the key itself).
+    let mut line = LeaveLine {
+        state: state.clone(),
+        waiter,
+        session: call.session_id.clone(),
+        lease: session.lease,
+        done: false,
+    };
+    loop {
+        let session = live(state, &call.session_id)?;
+        match state.locklog.place(&call.lock, call.mode, queued).await? {
+            Place::Behind { predecessor, .. } => {
+                let mut sub = state.events.subscribe_key(&predecessor);
+                // Look again after subscribing: the predecessor may have left between.
+                if let Place::Behind {
+                    predecessor: again,
+                    seen_at,
+                } = state.locklog.place(&call.lock, call.mode, queued).await?
+                {
+                    let Some(patience) = wait_budget(&session, give_up) else {
+                        return Ok(None);
+                    };
+                    if again == predecessor {
+                        sub.changed_after(seen_at, patience).await;
+                    }
+                }
+            }
+            Place::Head { .. } => {
+                if let Some(until) = state.events.delayed_until(&call.lock, class.lock_delay) {
+                    if !sleep_until(until, give_up).await {
+                        return Ok(None);
+                    }
+                    continue;
+                }
+                let mut sub = state.events.subscribe_lock(&call.lock);
+                // A waiter that just moved up usually finds its predecessor holding:
+                // a read says so without a proposal.
+                let (held, _) = state.locklog.is_held(&call.lock, call.mode).await?;
+                if !held {
+                    if let Some(granted) = grant(state, call, &session, Some((&id, queued))).await?
+                    {
+                        line.done = true;
+                        state
+                            .sessions
+                            .forget_grant(&call.session_id, &line.waiter.key, queued);
+                        return Ok(Some(granted));
+                    }
+                }
+                // Held: wait for a release, reading (not proposing) until it is free.
+                loop {
+                    let (held, seen_at) = state.locklog.is_held(&call.lock, call.mode).await?;
+                    if !held {
+                        break;
+                    }
+                    let session = live(state, &call.session_id)?;
+                    let Some(wait) = wait_budget(&session, give_up) else {
+                        return Ok(None);
+                    };
+                    sub.changed_after(seen_at, wait).await;
+                }
+            }
+        }
+    }
+}
+
+/// Takes a fair waiter's key out of line when its wait ends without a grant.
+struct LeaveLine {
+    state: Arc<ProxyState>,
+    waiter: Grant,
+    session: String,
+    lease: i64,
+    done: bool,
+}
+
+impl Drop for LeaveLine {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let (state, waiter, session, lease) = (
+            self.state.clone(),
+            self.waiter.clone(),
+            self.session.clone(),
+            self.lease,
+        );
+        // Bounded by the etcd timeout; on failure the session's clean-up retries it.
+        tokio::spawn(async move {
+            match state
+                .locklog
+                .delete_guarded(std::slice::from_ref(&waiter), lease, false)
+                .await
+            {
+                Ok(_) => state
+                    .sessions
+                    .forget_grant(&session, &waiter.key, waiter.revision),
+                Err(e) => {
+                    tracing::warn!(error = %e, key = %waiter.key, "could not leave the line; the session's clean-up will")
+                }
+            }
+        });
+    }
+}
+
+/// One grant attempt, run to completion even if the caller hangs up meanwhile, so a
+/// grant etcd made is always recorded in the session (or undone).
+async fn grant(
+    state: &Arc<ProxyState>,
+    call: &Call,
+    session: &Session,
+    queued: Option<(&str, i64)>,
+) -> Result<Option<Granted>, ProxyError> {
+    let record = HolderRecord {
+        session: call.session_id.clone(),
+        proxy: state.proxy_id.clone(),
+        identity: session.identity.clone(),
+        acquired_at_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or_default(),
+        value: call.value.clone(),
+    };
+    let (state, lock, mode, session) =
+        (state.clone(), call.lock.clone(), call.mode, session.clone());
+    let queued = queued.map(|(id, rev)| (id.to_owned(), rev));
+    let attempt = tokio::spawn(async move {
+        metrics::counter!(m::GRANT_ATTEMPTS).increment(1);
+        let queued = queued.as_ref().map(|(id, rev)| (id.as_str(), *rev));
+        let outcome = state
+            .locklog
+            .acquire(&lock, mode, session.lease, &record, queued)
+            .await?;
+        let Acquired::Granted { revision, fresh } = outcome else {
+            return Ok(None);
+        };
+        if *state.shutdown.borrow() {
+            // The proxy's leases are about to be revoked with every key on them.
+            return Err(ProxyError::ShuttingDown);
+        }
+        let now = Instant::now();
+        let valid_for = state
+            .leases
+            .valid_for(session.bucket, session.lease, session.ttl, now);
+        let hold = Grant::hold(&lock, mode, &session.id, revision);
+        if !state
+            .sessions
+            .record_grant(&session.id, hold.clone(), Some(now + valid_for))
+        {
+            // The session ended while the grant was in flight: undo it.
+            state.cleanup.push(session.lease, vec![hold]);
+            return Err(gone(&state, &session.id));
+        }
+        Ok(Some(Granted {
+            revision,
+            valid_for,
+            fresh,
+        }))
+    });
+    attempt
+        .await
+        .map_err(|e| ProxyError::BadArgument(format!("grant attempt failed: {e}")))?
+}
+
+fn live(state: &ProxyState, id: &str) -> Result<Session, ProxyError> {
+    state
+        .sessions
+        .get(id, Instant::now())
+        .map_err(|g| ProxyError::session(id, g))
+}
+
+fn gone(state: &ProxyState, id: &str) -> ProxyError {
+    match state.sessions.get(id, Instant::now()) {
+        Ok(_) => ProxyError::session(id, crate::sessions::Gone::Unknown),
+        Err(g) => ProxyError::session(id, g),
+    }
+}
+
+/// How long to wait before looking again: the poll period, cut to the session's end
+/// and the caller's give-up time. `None` when the give-up time has come.
+fn wait_budget(session: &Session, give_up: Option<Instant>) -> Option<Duration> {
+    let now = Instant::now();
+    let mut patience = POLL.min(session.expires_at().saturating_duration_since(now));
+    if let Some(give_up) = give_up {
+        if now >= give_up {
+            return None;
+        }
+        patience = patience.min(give_up - now);
+    }
+    Some(patience)
+}
+
+/// Sleeps until `until`, or until the caller gives up first; false in that case.
+async fn sleep_until(until: Instant, give_up: Option<Instant>) -> bool {
+    match give_up {
+        Some(g) if g < until => {
+            tokio::time::sleep_until(g).await;
+            false
+        }
+        _ => {
+            tokio::time::sleep_until(until).await;
+            true
+        }
+    }
+}
