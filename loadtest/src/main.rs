@@ -65,6 +65,8 @@ enum Scenario {
     ZoneFailure(scenario::zone_failure::Args),
     /// Uncontended acquire and release from C concurrent clients.
     Acquire(scenario::acquire::Args),
+    /// W waiters on L locks across zones: handover latency and etcd cost per handover.
+    Contention(scenario::contention::Args),
     /// Every scenario against every target: small sizes (a few minutes), or --full.
     Bench {
         /// The seed's sizes: 120,000 sessions for 60 s, zone failure at scale 1.0.
@@ -133,16 +135,20 @@ async fn run(
                     scenario::zone_failure::run(target, cell, args).await
                 }
                 Scenario::Acquire(args) => scenario::acquire::run(target, cell, args).await,
+                Scenario::Contention(args) => scenario::contention::run(target, cell, args).await,
                 Scenario::Bench { .. } => unreachable!("bench expands into scenarios"),
             }
             .with_context(|| format!("{} against {}", name(scenario), target.name()))?;
+            let mut report = report;
+            report.scenario = name(scenario);
             let path = report.write(out)?;
             eprintln!("lockcell-loadtest: wrote {}", path.display());
             reports.push(report);
         }
-        let table = markdown_table(name(scenario), &reports);
+        let table = markdown_table(&name(scenario), &reports);
         std::fs::write(out.join(format!("{}.md", name(scenario))), &table)?;
-        plots(out, name(scenario), &reports)?;
+        plots(out, &name(scenario), &reports)?;
+        let table = format!("### {}\n\n{table}", name(scenario));
         println!("{table}");
         tables.push(table);
     }
@@ -152,18 +158,23 @@ async fn run(
     Ok(())
 }
 
-fn name(scenario: &Scenario) -> &'static str {
+/// The scenario's name in reports and files; runs of one scenario at other sizes than
+/// the seed's carry the size, so a bench plan's runs never overwrite each other.
+fn name(scenario: &Scenario) -> String {
     match scenario {
-        Scenario::Keepalive(_) => "keepalive",
-        Scenario::ZoneFailure(_) => "zone-failure",
-        Scenario::Acquire(_) => "acquire",
-        Scenario::Bench { .. } => "bench",
+        Scenario::Keepalive(_) => "keepalive".into(),
+        Scenario::ZoneFailure(a) if a.scale == 1.0 => "zone-failure".into(),
+        Scenario::ZoneFailure(a) => format!("zone-failure-scale{}", a.scale),
+        Scenario::Acquire(a) if a.clients == 16 => "acquire".into(),
+        Scenario::Acquire(a) => format!("acquire-c{}", a.clients),
+        Scenario::Contention(_) => "contention".into(),
+        Scenario::Bench { .. } => "bench".into(),
     }
 }
 
 /// The scenarios `bench` runs: small enough for a few minutes here, or the seed's sizes.
 fn bench_plan(full: bool) -> Vec<Scenario> {
-    use scenario::{acquire, keepalive, zone_failure};
+    use scenario::{acquire, contention, keepalive, zone_failure};
     if full {
         return vec![
             Scenario::Keepalive(keepalive::Args {
@@ -178,9 +189,23 @@ fn bench_plan(full: bool) -> Vec<Scenario> {
                 ttl: Duration::from_secs(12),
                 connections: 3_000,
             }),
+            Scenario::ZoneFailure(zone_failure::Args {
+                scale: 0.2,
+                ttl: Duration::from_secs(12),
+                connections: 1_000,
+            }),
             Scenario::Acquire(acquire::Args {
                 clients: 16,
                 duration: Duration::from_secs(30),
+            }),
+            Scenario::Acquire(acquire::Args {
+                clients: 2,
+                duration: Duration::from_secs(20),
+            }),
+            Scenario::Contention(contention::Args {
+                waiters: 600,
+                locks: 6,
+                settle: Duration::from_secs(3),
             }),
         ];
     }
@@ -201,27 +226,34 @@ fn bench_plan(full: bool) -> Vec<Scenario> {
             clients: 8,
             duration: Duration::from_secs(8),
         }),
+        Scenario::Contention(contention::Args {
+            waiters: 120,
+            locks: 4,
+            settle: Duration::from_secs(2),
+        }),
     ]
 }
 
 /// One SVG per plotted series, one line per target.
 fn plots(out: &Path, scenario: &str, reports: &[Report]) -> anyhow::Result<()> {
-    let (file, title, x, y, series) = match scenario {
-        "keepalive" => (
-            "keepalive-latency.svg",
+    let (file, title, x, y, series) = if scenario == "keepalive" {
+        (
+            "keepalive-latency.svg".to_owned(),
             "keepalive round trip, p99 per second",
             "seconds",
             "ms",
             "keepalive_p99_ms_per_s",
-        ),
-        "zone-failure" => (
-            "zone-failure-regrants.svg",
+        )
+    } else if scenario.starts_with("zone-failure") {
+        (
+            format!("{scenario}-regrants.svg"),
             "locks of the dead zone re-granted since the kill",
             "seconds since kill",
             "locks",
             "regranted_since_kill",
-        ),
-        _ => return Ok(()),
+        )
+    } else {
+        return Ok(());
     };
     let lines: Vec<Line> = reports
         .iter()
@@ -233,7 +265,7 @@ fn plots(out: &Path, scenario: &str, reports: &[Report]) -> anyhow::Result<()> {
         })
         .collect();
     if !lines.is_empty() {
-        plot::line_plot(&out.join(file), title, x, y, &lines)?;
+        plot::line_plot(&out.join(&file), title, x, y, &lines)?;
     }
     Ok(())
 }

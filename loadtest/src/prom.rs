@@ -189,6 +189,19 @@ const GRPC_COUNTERS: &[(&str, &str, &str, &str)] = &[
         "etcdserverpb.Watch",
         "Watch",
     ),
+    // etcd's own lock service (the bare-etcd baseline of the contention scenario).
+    (
+        "locks",
+        "grpc_server_handled_total",
+        "v3lockpb.Lock",
+        "Lock",
+    ),
+    (
+        "unlocks",
+        "grpc_server_handled_total",
+        "v3lockpb.Lock",
+        "Unlock",
+    ),
 ];
 
 /// etcd's own request counters from one member's /metrics page, keyed: "lease_keepalives" (grpc_server_msg_received_total{grpc_method="LeaseKeepAlive"}), "lease_grants" (grpc_server_handled_total{grpc_method="LeaseGrant"}), "lease_revokes" (grpc_server_handled_total{grpc_method="LeaseRevoke"}), "txns" (grpc_server_handled_total{grpc_method="Txn"}), "ranges" (…{grpc_method="Range"}), "puts" (…"Put"), "watch_streams" (grpc_server_started_total{grpc_method="Watch"}), "proposals_committed" (etcd_server_proposals_committed_total), "proposals_applied" (etcd_server_proposals_applied_total).
@@ -231,9 +244,11 @@ const REQUEST_KEYS: &[&str] = &[
     "ranges",
     "puts",
     "watch_streams",
+    "locks",
+    "unlocks",
 ];
 
-/// Total etcd requests in a Counters delta: lease_keepalives + lease_grants + lease_revokes + txns + ranges + puts + watch_streams.
+/// Total etcd requests in a Counters delta: lease_keepalives + lease_grants + lease_revokes + txns + ranges + puts + watch_streams + locks + unlocks.
 ///
 /// The figure behind `etcd_requests_per_keepalive`: how much etcd work one client
 /// keepalive costs through each target.

@@ -102,6 +102,8 @@ async fn arbitrated(
             if !ticket.may_try() {
                 continue;
             }
+            // Heads on other proxies were woken by the same release: a read (not a
+            // proposal) tells whether one of them already has it.
             if tried && state.locklog.is_held(&call.lock, call.mode).await?.0 {
                 continue;
             }

@@ -1,6 +1,7 @@
 //! The scenarios, each run against one target at a time and turned into a [`Report`].
 
 pub mod acquire;
+pub mod contention;
 pub mod keepalive;
 pub mod zone_failure;
 
