@@ -39,7 +39,6 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use config::ProxyConfig;
 use state::ProxyState;
@@ -163,7 +162,7 @@ pub async fn run(
         .add_service(ElectionServer::new(service::election::ElectionService {
             state: state.clone(),
         }))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
+        .serve_with_incoming_shutdown(incoming(grpc), async move {
             let _ = stop.wait_for(|s| *s).await;
         });
     let mut stop = stop_rx.clone();
@@ -192,6 +191,14 @@ pub async fn run(
     revoke_all(&state).await;
     tracing::info!("lockcell-proxy stopped");
     Ok(())
+}
+
+/// Client connections with Nagle's algorithm off: replies are small and go out at once
+/// (with it on, a reply can wait for the client's delayed ACK, some 40 ms).
+fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(30)))
 }
 
 /// Connects to etcd, retrying until it answers or shutdown, and reads the epoch record.

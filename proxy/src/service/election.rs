@@ -219,12 +219,35 @@ impl ElectionApi for ElectionService {
         request: Request<ResignRequest>,
     ) -> Result<Response<ResignResponse>, Status> {
         let req = request.into_inner();
+        let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
+        let token = token_of(&election, req.token)?;
+        if !self
+            .state
+            .sessions
+            .holds(&req.session_id, &election.exclusive_key(), token.revision)
+        {
+            // Unlike a retried release, resigning what one does not lead is an error: the
+            // caller believed it led.
+            let gone = self
+                .state
+                .sessions
+                .get(&req.session_id, Instant::now())
+                .err();
+            return Err(match gone {
+                Some(gone) => ProxyError::session(&req.session_id, gone),
+                None => ProxyError::Refused(format!(
+                    "session {:?} does not lead election {election:?} with token {token}; only the leader may resign",
+                    req.session_id
+                )),
+            }
+            .into());
+        }
         let resigned = release(
             &self.state,
             &req.session_id,
             &req.election,
             Mode::Exclusive,
-            req.token,
+            Some(token.into()),
         )
         .await?;
         Ok(Response::new(ResignResponse { resigned }))

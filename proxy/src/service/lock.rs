@@ -105,6 +105,16 @@ pub async fn release(
         // A grant of another epoch is not a current grant: nothing of it is ours to delete.
         return Ok(false);
     }
+    if let Some(other) = session
+        .held
+        .iter()
+        .find(|g| !g.waiter && g.revision == token.revision && g.lock != lock)
+    {
+        return Err(ProxyError::Refused(format!(
+            "token {token} is this session's grant of lock {:?}, not of lock {lock:?}",
+            other.lock.as_str()
+        )));
+    }
     let released = state
         .locklog
         .release(&lock, mode, session_id, token.revision, session.lease)

@@ -178,3 +178,73 @@ pub async fn a_leader_whose_session_expires_is_replaced() -> anyhow::Result<()> 
     ensure!(leader.value == "next", "{leader:?}");
     Ok(())
 }
+
+pub async fn sequencer_checks_and_refusals_name_the_rule() -> anyhow::Result<()> {
+    let (_etcd, proxies, _) = classed_cell(CLASSES).await?;
+    let clients = connect_all(&proxies).await?;
+    let a = clients[0]
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let b = clients[1]
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let first = a
+        .acquire("seq/x", Wait::Try)
+        .await?
+        .context("free lock refused")?;
+    let other = a
+        .acquire("seq/y", Wait::Try)
+        .await?
+        .context("free lock refused")?;
+    let old = first.token();
+    let check = clients[2].check_sequencer("seq/x", old).await?;
+    ensure!(check.current && check.holder == Some(old), "{check:?}");
+
+    // A token of another lock of the same session is refused by name.
+    let channel = Channel::from_shared(proxies[0].url())?.connect().await?;
+    let mut locks = lockcell_proto::v1::lock_client::LockClient::new(channel.clone());
+    let wrong = locks
+        .release(lockcell_proto::v1::ReleaseRequest {
+            session_id: a.id().to_owned(),
+            lock: "seq/x".into(),
+            token: Some(other.token().into()),
+            ..Default::default()
+        })
+        .await
+        .expect_err("a token of another lock was accepted");
+    ensure!(
+        wrong.code() == Code::FailedPrecondition && wrong.message().contains("seq/y"),
+        "{wrong:?}"
+    );
+
+    first.release().await?;
+    let next = b
+        .acquire("seq/x", Wait::Try)
+        .await?
+        .context("released lock refused")?;
+    let stale = clients[2].check_sequencer("seq/x", old).await?;
+    ensure!(
+        !stale.current && stale.holder == Some(next.token()),
+        "{stale:?}"
+    );
+
+    // Resigning an election one does not lead is an error, not a quiet success.
+    let led = b
+        .campaign("seq/election", "b", Wait::Try)
+        .await?
+        .context("uncontested campaign lost")?;
+    let refused = ElectionClient::new(channel)
+        .resign(lockcell_proto::v1::ResignRequest {
+            session_id: a.id().to_owned(),
+            election: "seq/election".into(),
+            token: Some(led.token().into()),
+        })
+        .await
+        .expect_err("a non-leader resigned");
+    ensure!(
+        refused.code() == Code::FailedPrecondition && refused.message().contains("does not lead"),
+        "{refused:?}"
+    );
+    ensure!(led.resign().await?);
+    Ok(())
+}

@@ -45,6 +45,7 @@ fn main() {
         modes::lock_delay_holds_back_a_vanished_holders_lock_but_not_a_released_one,
         elections::one_leader_at_a_time_and_observers_see_every_change_in_order,
         elections::a_leader_whose_session_expires_is_replaced,
+        elections::sequencer_checks_and_refusals_name_the_rule,
         faults::killed_proxy_locks_pass_on_after_lease_ttl,
         faults::sigterm_waits_out_holders_validity_then_revokes_its_leases,
         faults::proxy_started_before_etcd_says_so_and_serves_once_it_is_up,
