@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::io::AsyncBufReadExt;
 
 use anyhow::{ensure, Context};
-use lockcell_client::{Client, Error, SessionState, Wait};
+use lockcell_client::{Client, Error, LockGuard, Session, SessionState, Wait};
 use lockcell_proto::v1::{KeepAliveRequest, OpenRequest, SessionState as WireState};
 use lockcell_tests::etcd::reserve_ports;
 use lockcell_tests::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess};
@@ -15,20 +15,29 @@ use nix::sys::signal::Signal;
 use crate::locks::until_not_valid;
 use crate::support::{cell, lease_count, raw, short_session};
 
-pub async fn killed_proxy_locks_pass_on_after_lease_ttl() -> anyhow::Result<()> {
-    let (etcd, mut proxies) = cell(&["a", "b"]).await?;
+/// A session on proxy 0 holding `lock`, and a session on proxy 1 to wait for it.
+async fn holder_and_waiter(
+    proxies: &[ProxyProcess],
+    lock: &str,
+) -> anyhow::Result<(Session, LockGuard, Session)> {
     let a = Client::connect(&proxies[0].url()).await?;
     let b = Client::connect(&proxies[1].url()).await?;
     let holder = a
         .open_session(short_session(Duration::from_secs(10)))
         .await?;
     let held = holder
-        .acquire("deploy/db", Wait::Try)
+        .acquire(lock, Wait::Try)
         .await?
         .context("free lock not granted")?;
     let waiter = b
         .open_session(short_session(Duration::from_secs(10)))
         .await?;
+    Ok((holder, held, waiter))
+}
+
+pub async fn killed_proxy_locks_pass_on_after_lease_ttl() -> anyhow::Result<()> {
+    let (etcd, mut proxies) = cell(&["a", "b"]).await?;
+    let (holder, held, waiter) = holder_and_waiter(&proxies, "deploy/db").await?;
     ensure!(
         waiter.acquire("deploy/db", Wait::Try).await?.is_none(),
         "a held lock was granted twice"
@@ -191,18 +200,7 @@ pub async fn proxy_started_before_etcd_says_so_and_serves_once_it_is_up() -> any
 
 pub async fn sigterm_waits_out_holders_validity_then_revokes_its_leases() -> anyhow::Result<()> {
     let (etcd, mut proxies) = cell(&["a", "b"]).await?;
-    let a = Client::connect(&proxies[0].url()).await?;
-    let b = Client::connect(&proxies[1].url()).await?;
-    let holder = a
-        .open_session(short_session(Duration::from_secs(10)))
-        .await?;
-    let held = holder
-        .acquire("rolling/restart", Wait::Try)
-        .await?
-        .context("free lock not granted")?;
-    let waiter = b
-        .open_session(short_session(Duration::from_secs(10)))
-        .await?;
+    let (holder, held, waiter) = holder_and_waiter(&proxies, "rolling/restart").await?;
 
     proxies[0].signal(Signal::SIGTERM)?;
     let taken = waiter
