@@ -108,9 +108,12 @@ impl LockLog {
             ));
             then.push(TxnOp::delete(waiter.as_bytes(), None));
         }
-        // Read back in the same transaction: a shared session that already held the
-        // lock rewrote its own key, which keeps its create revision (its token).
-        then.push(TxnOp::get(key.as_bytes(), None));
+        // A shared session that already held the lock rewrites its own key, which keeps
+        // its create revision (its token): read it back in the same transaction. An
+        // exclusive grant always creates its key, at the transaction's revision.
+        if mode == Mode::Shared {
+            then.push(TxnOp::get(key.as_bytes(), None));
+        }
         let txn = Txn::new()
             .when(when)
             .and_then(then)
@@ -120,6 +123,12 @@ impl LockLog {
         let mine = first_kv(&resp.op_responses())
             .map(|kv| decode(&key, kv.value()).map(|r| (r, kv.create_revision(), kv.lease())))
             .transpose()?;
+        if resp.succeeded() && mode == Mode::Exclusive {
+            return Ok(Acquired::Granted {
+                revision: seen_at,
+                fresh: true,
+            });
+        }
         match mine {
             Some((_, revision, _)) if resp.succeeded() => Ok(Acquired::Granted {
                 revision,
@@ -310,7 +319,9 @@ impl LockLog {
     }
 
     /// Releases `session`'s `mode` hold of `lock` if it is still the grant made at
-    /// `revision` on `lease`, marking the release clean. Returns whether it deleted it.
+    /// `revision` on `lease`. `marked` writes the release marker that tells lock-delay a
+    /// clean release from a vanished holder (only classes with a lock-delay need it).
+    /// Returns whether it deleted the hold.
     pub async fn release(
         &self,
         lock: &LockName,
@@ -318,8 +329,15 @@ impl LockLog {
         session: &str,
         revision: i64,
         lease: i64,
+        marked: bool,
     ) -> Result<bool, CellError> {
-        let txn = guarded_delete(lock, &lock.holder_key(mode, session), revision, lease, true);
+        let txn = guarded_delete(
+            lock,
+            &lock.holder_key(mode, session),
+            revision,
+            lease,
+            marked,
+        );
         let resp = with_timeout("release txn", self.timeout, self.kv.clone().txn(txn)).await?;
         Ok(resp.succeeded())
     }

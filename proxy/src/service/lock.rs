@@ -115,9 +115,23 @@ pub async fn release(
             other.lock.as_str()
         )));
     }
+    // Only a lock-delay needs to tell a clean release from a vanished holder.
+    let marked = !state
+        .classes
+        .current()
+        .class_for(lock.as_str())
+        .lock_delay
+        .is_zero();
     let released = state
         .locklog
-        .release(&lock, mode, session_id, token.revision, session.lease)
+        .release(
+            &lock,
+            mode,
+            session_id,
+            token.revision,
+            session.lease,
+            marked,
+        )
         .await?;
     state.sessions.forget_grant(
         session_id,
