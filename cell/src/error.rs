@@ -18,6 +18,9 @@ pub enum CellError {
     /// etcd did not answer in time.
     #[error("etcd did not answer {op} within {after:?}")]
     Timeout { op: &'static str, after: Duration },
+    /// A small key's name broke a rule (the reason names it).
+    #[error("{reason}")]
+    BadKey { key: String, reason: String },
     /// A record in etcd could not be read; someone wrote it by hand or a newer version did.
     #[error("record at {key} is not readable: {reason}")]
     CorruptRecord { key: String, reason: String },

@@ -26,6 +26,7 @@ pub const RESERVED: char = '!';
 const EPOCH_KEY: &str = "/sys/epoch";
 const LOCKS_ROOT: &str = "/l/";
 const QUEUES_ROOT: &str = "/q/";
+const KV_ROOT: &str = "/k/";
 const MARK: &str = "/!";
 
 /// Why a lock name was refused. The message names the rule the name broke.
@@ -196,6 +197,31 @@ pub fn epoch_key() -> &'static str {
 /// The prefix of every lock's holder and marker keys (for the proxy's one watch).
 pub fn locks_root() -> &'static str {
     LOCKS_ROOT
+}
+
+/// The etcd key of small key `name` (names follow the lock-name rules).
+pub fn kv_key(name: &LockName) -> String {
+    format!("{KV_ROOT}{}", name.as_str())
+}
+
+/// The etcd prefix of small keys starting with `prefix` (a valid name, possibly
+/// followed by '/'), or of all small keys for "".
+pub fn kv_prefix(prefix: &str) -> Result<String, NameError> {
+    let trimmed = prefix.strip_suffix('/').unwrap_or(prefix);
+    if trimmed.is_empty() {
+        return Ok(KV_ROOT.to_owned());
+    }
+    let name = LockName::parse(trimmed)?;
+    Ok(format!(
+        "{KV_ROOT}{}{}",
+        name.as_str(),
+        if prefix.ends_with('/') { "/" } else { "" }
+    ))
+}
+
+/// The name of a small key from its etcd key.
+pub fn kv_name(key: &[u8]) -> Option<&str> {
+    std::str::from_utf8(key).ok()?.strip_prefix(KV_ROOT)
 }
 
 /// The prefix of every fair-class waiter key (for the proxy's one watch).

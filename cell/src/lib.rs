@@ -11,6 +11,7 @@ pub mod arbiter;
 pub mod epoch;
 pub mod error;
 pub mod keyspace;
+pub mod kv;
 pub mod locklog;
 
 pub use error::CellError;

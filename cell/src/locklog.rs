@@ -403,15 +403,28 @@ impl LockLog {
     }
 }
 
-/// A key a session has in the log: a holder key (a grant) or a waiter key of a fair
-/// class, with its create revision.
+/// A key a session has in etcd: a holder key (a grant), a waiter key of a fair class,
+/// or an ephemeral key, with its create revision.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
+    /// The lock (or, for an ephemeral key, the key's name).
     pub lock: LockName,
     pub key: String,
     pub revision: i64,
-    /// A waiter key, not a hold: deleting it releases nothing.
+    /// Not a hold (a waiter key or an ephemeral key): deleting it releases nothing.
     pub waiter: bool,
+}
+
+impl Grant {
+    /// An ephemeral key `name` created at `revision`.
+    pub fn ephemeral(name: &LockName, revision: i64) -> Grant {
+        Grant {
+            lock: name.clone(),
+            key: crate::keyspace::kv_key(name),
+            revision,
+            waiter: true,
+        }
+    }
 }
 
 impl Grant {

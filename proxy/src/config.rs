@@ -77,6 +77,10 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_ETCD_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub etcd_timeout: Duration,
 
+    /// Largest value a small key (Kv Put) may hold, in bytes.
+    #[arg(long, env = "LOCKCELL_MAX_VALUE_BYTES", default_value_t = 64 * 1024)]
+    pub max_value_bytes: usize,
+
     /// Lock classes file (TOML; see deploy/config/classes.toml). Reloaded on SIGHUP and
     /// when it changes; a bad file is refused and the last good one stays in force.
     /// Without it every lock has one built-in class: both modes, fenced, not fair.

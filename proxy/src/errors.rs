@@ -57,6 +57,7 @@ impl From<ProxyError> for Status {
                 Status::failed_precondition(message)
             }
             ProxyError::NoLease | ProxyError::ShuttingDown => Status::unavailable(message),
+            ProxyError::Store(CellError::BadKey { .. }) => Status::invalid_argument(message),
             ProxyError::Store(ref c) | ProxyError::StoreDuring { source: ref c, .. } => {
                 if c.is_retriable() {
                     Status::unavailable(message)

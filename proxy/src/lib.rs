@@ -33,6 +33,7 @@ use etcd_client::ConnectOptions;
 use lockcell_cell::locklog::LockLog;
 use lockcell_cell::{epoch, keyspace};
 use lockcell_proto::v1::election_server::ElectionServer;
+use lockcell_proto::v1::kv_server::KvServer;
 use lockcell_proto::v1::lock_server::LockServer;
 use lockcell_proto::v1::session_server::SessionServer;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -100,6 +101,7 @@ pub async fn run(
             Instant::now(),
         ),
         locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout),
+        kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
         queues: events.queues().clone(),
         events,
         classes: Arc::new(classes),
@@ -160,6 +162,9 @@ pub async fn run(
             state: state.clone(),
         }))
         .add_service(ElectionServer::new(service::election::ElectionService {
+            state: state.clone(),
+        }))
+        .add_service(KvServer::new(service::kv::KvService {
             state: state.clone(),
         }))
         .serve_with_incoming_shutdown(incoming(grpc), async move {

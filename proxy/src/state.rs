@@ -25,6 +25,8 @@ pub struct ProxyState {
     pub sessions: SessionTable,
     pub leases: LeaseBook,
     pub locklog: LockLog,
+    /// Small keys under `/k/`.
+    pub kv: lockcell_cell::kv::Kv,
     /// What the proxy's watch over the lock log tells waiters and observers.
     pub events: Arc<LockEvents>,
     /// Local wait queues of classes that are not fair.

@@ -1,6 +1,7 @@
 //! The lockcell.v1 gRPC services: one file per service.
 
 pub mod election;
+pub mod kv;
 pub mod lock;
 pub mod session;
 

@@ -8,6 +8,7 @@ mod contention;
 mod dev;
 mod elections;
 mod faults;
+mod kv;
 mod locks;
 mod modes;
 mod sessions;
@@ -51,6 +52,9 @@ fn main() {
         faults::proxy_started_before_etcd_says_so_and_serves_once_it_is_up,
         faults::etcd_away_acquire_unavailable_sessions_end_at_lower_bound,
         faults::lockctl_stops_its_command_when_the_session_passes_its_deadline,
+        kv::conditional_writes_and_linearizable_reads_across_proxies,
+        kv::ephemeral_keys_vanish_with_their_session_and_their_proxy,
+        kv::bad_keys_and_values_are_refused_and_write_nothing,
         bad_input::bad_lock_names_are_refused_with_the_rule,
         bad_input::unknown_and_expired_sessions_are_told_apart,
         dev::make_dev_cell_runs_the_lockctl_example_and_stops_cleanly,

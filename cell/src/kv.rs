@@ -1,0 +1,193 @@
+//! Small keys under `/k/`: configuration, and ephemeral keys that live on a session's
+//! proxy lease. Conditional writes are single transactions, so a refused condition
+//! writes nothing.
+
+use std::time::Duration;
+
+use etcd_client::{
+    Compare, CompareOp, GetOptions, KvClient, PutOptions, Txn, TxnOp, TxnOpResponse,
+};
+
+use crate::error::{with_timeout, CellError};
+use crate::keyspace::{self, prefix_end, LockName};
+
+/// When a conditional write applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Condition {
+    Always,
+    /// The key does not exist.
+    Absent,
+    /// The key's last write was at this revision.
+    ModRevision(i64),
+    /// The key has been written this many times since it was created.
+    Version(i64),
+}
+
+/// A small key as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// The key's name (without the `/k/` root).
+    pub name: String,
+    pub value: Vec<u8>,
+    pub create_revision: i64,
+    pub mod_revision: i64,
+    pub version: i64,
+    pub lease: i64,
+}
+
+/// What a conditional write did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    pub succeeded: bool,
+    pub revision: i64,
+    /// The key after the write, or as it was when the condition failed.
+    pub current: Option<Entry>,
+}
+
+/// What a read found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read {
+    pub entries: Vec<Entry>,
+    pub revision: i64,
+    pub more: bool,
+}
+
+/// Runs small-key calls against one etcd cluster.
+#[derive(Clone)]
+pub struct Kv {
+    kv: KvClient,
+    timeout: Duration,
+}
+
+impl Kv {
+    pub fn new(kv: KvClient, timeout: Duration) -> Self {
+        Kv { kv, timeout }
+    }
+
+    /// One key, or every key under `prefix` (see [`keyspace::kv_prefix`]).
+    pub async fn get(
+        &self,
+        key: &str,
+        prefix: bool,
+        limit: i64,
+        revision: i64,
+        serializable: bool,
+    ) -> Result<Read, CellError> {
+        let (start, mut options) = if prefix {
+            let start = keyspace::kv_prefix(key).map_err(|e| bad(key, e))?;
+            let end = prefix_end(start.as_bytes());
+            (start, GetOptions::new().with_range(end))
+        } else {
+            let name = LockName::parse(key).map_err(|e| bad(key, e))?;
+            (keyspace::kv_key(&name), GetOptions::new())
+        };
+        options = options.with_limit(limit).with_revision(revision);
+        if serializable {
+            options = options.with_serializable();
+        }
+        let resp = with_timeout(
+            "kv read",
+            self.timeout,
+            self.kv.clone().get(start.as_bytes(), Some(options)),
+        )
+        .await?;
+        Ok(Read {
+            entries: resp.kvs().iter().filter_map(entry).collect(),
+            revision: resp.header().map(|h| h.revision()).unwrap_or_default(),
+            more: resp.more(),
+        })
+    }
+
+    /// Writes `name` if `condition` holds; on `lease` (ephemeral) when given.
+    pub async fn put(
+        &self,
+        name: &LockName,
+        value: Vec<u8>,
+        lease: Option<i64>,
+        condition: Condition,
+    ) -> Result<Written, CellError> {
+        let key = keyspace::kv_key(name);
+        let options = lease.map(|l| PutOptions::new().with_lease(l));
+        let txn = Txn::new()
+            .when(compares(&key, condition))
+            .and_then([
+                TxnOp::put(key.as_bytes(), value, options),
+                TxnOp::get(key.as_bytes(), None),
+            ])
+            .or_else([TxnOp::get(key.as_bytes(), None)]);
+        let resp = with_timeout("kv write", self.timeout, self.kv.clone().txn(txn)).await?;
+        Ok(Written {
+            succeeded: resp.succeeded(),
+            revision: resp.header().map(|h| h.revision()).unwrap_or_default(),
+            current: read_back(&resp.op_responses()),
+        })
+    }
+
+    /// Deletes `name` if `condition` holds. Returns what was there.
+    pub async fn delete(
+        &self,
+        name: &LockName,
+        condition: Condition,
+    ) -> Result<(Written, i64), CellError> {
+        let key = keyspace::kv_key(name);
+        let txn = Txn::new()
+            .when(compares(&key, condition))
+            .and_then([TxnOp::delete(key.as_bytes(), None)])
+            .or_else([TxnOp::get(key.as_bytes(), None)]);
+        let resp = with_timeout("kv delete", self.timeout, self.kv.clone().txn(txn)).await?;
+        let deleted = resp
+            .op_responses()
+            .iter()
+            .map(|op| match op {
+                TxnOpResponse::Delete(d) => d.deleted(),
+                _ => 0,
+            })
+            .sum();
+        let written = Written {
+            succeeded: resp.succeeded(),
+            revision: resp.header().map(|h| h.revision()).unwrap_or_default(),
+            current: read_back(&resp.op_responses()),
+        };
+        Ok((written, deleted))
+    }
+}
+
+fn compares(key: &str, condition: Condition) -> Vec<Compare> {
+    match condition {
+        Condition::Always => Vec::new(),
+        Condition::Absent => vec![Compare::create_revision(
+            key.as_bytes(),
+            CompareOp::Equal,
+            0,
+        )],
+        Condition::ModRevision(r) => {
+            vec![Compare::mod_revision(key.as_bytes(), CompareOp::Equal, r)]
+        }
+        Condition::Version(v) => vec![Compare::version(key.as_bytes(), CompareOp::Equal, v)],
+    }
+}
+
+fn read_back(ops: &[TxnOpResponse]) -> Option<Entry> {
+    ops.iter().find_map(|op| match op {
+        TxnOpResponse::Get(get) => get.kvs().first().and_then(entry),
+        _ => None,
+    })
+}
+
+fn entry(kv: &etcd_client::KeyValue) -> Option<Entry> {
+    Some(Entry {
+        name: keyspace::kv_name(kv.key())?.to_owned(),
+        value: kv.value().to_vec(),
+        create_revision: kv.create_revision(),
+        mod_revision: kv.mod_revision(),
+        version: kv.version(),
+        lease: kv.lease(),
+    })
+}
+
+fn bad(key: &str, e: crate::keyspace::NameError) -> CellError {
+    CellError::BadKey {
+        key: key.to_owned(),
+        reason: e.to_string().replacen("lock name", "key", 1),
+    }
+}

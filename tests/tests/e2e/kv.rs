@@ -1,0 +1,299 @@
+//! Small keys: conditional writes, reads through another proxy, ephemeral keys that go
+//! with their session or their proxy, bad keys and values refused.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use lockcell_proto::v1::condition::When;
+use lockcell_proto::v1::kv_client::KvClient;
+use lockcell_proto::v1::{Condition, DeleteRequest, GetRequest, OpenRequest, PutRequest};
+use lockcell_tests::eventually;
+use nix::sys::signal::Signal;
+use tonic::transport::Channel;
+use tonic::Code;
+
+use crate::support::{cell, raw};
+
+async fn kv(proxy: &lockcell_tests::ProxyProcess) -> anyhow::Result<KvClient<Channel>> {
+    Ok(KvClient::new(
+        Channel::from_shared(proxy.url())?.connect().await?,
+    ))
+}
+
+fn when(w: When) -> Option<Condition> {
+    Some(Condition { when: Some(w) })
+}
+
+pub async fn conditional_writes_and_linearizable_reads_across_proxies() -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a", "b", "c"]).await?;
+    let mut clients = Vec::new();
+    for p in &proxies {
+        clients.push(kv(p).await?);
+    }
+    // A write through one proxy is seen by a read through another issued after it.
+    for i in 0..60u64 {
+        let (w, r) = ((i * 7 + 1) % 3, (i * 5 + 2) % 3);
+        let value = format!("v{i}").into_bytes();
+        let put = PutRequest {
+            key: "config/route".into(),
+            value: value.clone(),
+            ..Default::default()
+        };
+        let written = clients[w as usize].put(put).await?.into_inner();
+        let read = clients[r as usize]
+            .get(GetRequest {
+                key: "config/route".into(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        ensure!(
+            read.revision >= written.revision,
+            "read at {} after a write at {}",
+            read.revision,
+            written.revision
+        );
+        ensure!(
+            read.kvs.first().map(|kv| &kv.value) == Some(&value),
+            "round {i}: read {:?}",
+            read.kvs.first()
+        );
+    }
+    let c = &mut clients[0];
+    let first = c
+        .put(PutRequest {
+            key: "once".into(),
+            value: b"1".to_vec(),
+            condition: when(When::Absent(true)),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(first.succeeded);
+    let again = c
+        .put(PutRequest {
+            key: "once".into(),
+            value: b"2".to_vec(),
+            condition: when(When::Absent(true)),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        !again.succeeded
+            && again.current.as_ref().map(|kv| kv.value.as_slice()) == Some(b"1".as_slice()),
+        "{again:?}"
+    );
+    let rev = first.current.context("current")?.mod_revision;
+    let cas = c
+        .put(PutRequest {
+            key: "once".into(),
+            value: b"3".to_vec(),
+            condition: when(When::ModRevision(rev)),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        cas.succeeded,
+        "a compare-and-swap at the current revision failed"
+    );
+    let stale = c
+        .put(PutRequest {
+            key: "once".into(),
+            value: b"4".to_vec(),
+            condition: when(When::ModRevision(rev)),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        !stale.succeeded,
+        "a compare-and-swap at a stale revision succeeded"
+    );
+    let gone = c
+        .delete(DeleteRequest {
+            key: "once".into(),
+            condition: when(When::Version(2)),
+        })
+        .await?
+        .into_inner();
+    ensure!(gone.succeeded && gone.deleted == 1, "{gone:?}");
+    // A prefix read sees the keys under it and not a sibling with the same start.
+    for key in ["svc/a/1", "svc/a/2", "svc/ab"] {
+        c.put(PutRequest {
+            key: key.into(),
+            value: b"x".to_vec(),
+            ..Default::default()
+        })
+        .await?;
+    }
+    let under = c
+        .get(GetRequest {
+            key: "svc/a/".into(),
+            prefix: true,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let names: Vec<&str> = under.kvs.iter().map(|kv| kv.key.as_str()).collect();
+    ensure!(
+        names == ["svc/a/1", "svc/a/2"],
+        "prefix read gave {names:?}"
+    );
+    Ok(())
+}
+
+pub async fn ephemeral_keys_vanish_with_their_session_and_their_proxy() -> anyhow::Result<()> {
+    let (_etcd, mut proxies) = cell(&["a", "b"]).await?;
+    let mut reader = kv(&proxies[0]).await?;
+    // A session that stops renewing: its key goes when it expires.
+    let (mut sessions, _) = raw(&proxies[0]).await?;
+    let short = sessions
+        .open(OpenRequest {
+            ttl_ms: 1_000,
+            identity: "member".into(),
+        })
+        .await?
+        .into_inner();
+    let put = PutRequest {
+        key: "members/svc/1".into(),
+        value: b"10.0.0.1".to_vec(),
+        session_id: short.session_id.clone(),
+        ..Default::default()
+    };
+    let written = kv(&proxies[0]).await?.put(put).await?.into_inner();
+    ensure!(
+        written.succeeded && written.current.as_ref().is_some_and(|kv| kv.lease != 0),
+        "{written:?}"
+    );
+    eventually(
+        "the expired session's key is deleted",
+        Duration::from_secs(10),
+        || {
+            let mut reader = reader.clone();
+            async move {
+                let read = reader
+                    .get(GetRequest {
+                        key: "members/svc/1".into(),
+                        ..Default::default()
+                    })
+                    .await?
+                    .into_inner();
+                Ok(read.kvs.is_empty().then_some(()))
+            }
+        },
+    )
+    .await?;
+
+    // A session on a proxy that dies: its key goes with the proxy's leases.
+    let (mut sessions_b, _) = raw(&proxies[1]).await?;
+    let long = sessions_b
+        .open(OpenRequest {
+            ttl_ms: 60_000,
+            identity: "member".into(),
+        })
+        .await?
+        .into_inner();
+    let put = PutRequest {
+        key: "members/svc/2".into(),
+        value: b"10.0.0.2".to_vec(),
+        session_id: long.session_id,
+        ..Default::default()
+    };
+    ensure!(
+        kv(&proxies[1])
+            .await?
+            .put(put)
+            .await?
+            .into_inner()
+            .succeeded
+    );
+    proxies[1].signal(Signal::SIGKILL)?;
+    eventually(
+        "the dead proxy's session's key is deleted",
+        Duration::from_secs(15),
+        || {
+            let mut reader = reader.clone();
+            async move {
+                let read = reader
+                    .get(GetRequest {
+                        key: "members/svc/2".into(),
+                        ..Default::default()
+                    })
+                    .await?
+                    .into_inner();
+                Ok(read.kvs.is_empty().then_some(()))
+            }
+        },
+    )
+    .await?;
+    proxies[1].process.kill();
+    let read = reader
+        .get(GetRequest {
+            key: "members/".into(),
+            prefix: true,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(read.kvs.is_empty(), "left over: {:?}", read.kvs);
+    Ok(())
+}
+
+pub async fn bad_keys_and_values_are_refused_and_write_nothing() -> anyhow::Result<()> {
+    let (etcd, proxies) = cell(&["a"]).await?;
+    let mut c = kv(&proxies[0]).await?;
+    let before = etcd.revision().await?;
+    let big = vec![0u8; 64 * 1024 + 1];
+    let cases: [(&str, Vec<u8>, &str); 4] = [
+        ("", b"x".to_vec(), "empty"),
+        ("a/../b", b"x".to_vec(), "'..'"),
+        ("a\u{1}b", b"x".to_vec(), "control character"),
+        ("fine", big, "over the limit of 65536 bytes"),
+    ];
+    for (key, value, rule) in cases {
+        let status = c
+            .put(PutRequest {
+                key: key.into(),
+                value,
+                ..Default::default()
+            })
+            .await
+            .expect_err("a bad write was accepted");
+        ensure!(
+            status.code() == Code::InvalidArgument,
+            "{key:?}: {status:?}"
+        );
+        ensure!(
+            status.message().contains(rule) && status.message().contains("key"),
+            "{key:?}: {:?} does not name the rule",
+            status.message()
+        );
+    }
+    let status = c
+        .put(PutRequest {
+            key: "x".into(),
+            value: b"1".to_vec(),
+            condition: when(When::ModRevision(-1)),
+            ..Default::default()
+        })
+        .await
+        .expect_err("a negative revision was accepted");
+    ensure!(status.code() == Code::InvalidArgument, "{status:?}");
+    let status = c
+        .put(PutRequest {
+            key: "x".into(),
+            value: b"1".to_vec(),
+            session_id: "no-such-session".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("an unknown session was accepted");
+    ensure!(status.code() == Code::NotFound, "{status:?}");
+    ensure!(
+        etcd.revision().await? == before,
+        "refused writes wrote to etcd"
+    );
+    Ok(())
+}
