@@ -297,3 +297,46 @@ pub async fn bad_keys_and_values_are_refused_and_write_nothing() -> anyhow::Resu
     );
     Ok(())
 }
+
+pub async fn sdk_membership_keys_go_when_the_session_closes() -> anyhow::Result<()> {
+    use lockcell_client::{Client, Condition};
+    let (_etcd, proxies) = cell(&["a", "b"]).await?;
+    let a = Client::connect(&proxies[0].url()).await?;
+    let b = Client::connect(&proxies[1].url()).await?;
+    let member = a
+        .open_session(crate::support::short_session(Duration::from_secs(10)))
+        .await?;
+    let written = member
+        .put_ephemeral("members/api/host-1", b"10.0.0.1:80", Condition::Absent)
+        .await?;
+    ensure!(written.succeeded);
+    let seen = b.get_prefix("members/api/").await?;
+    ensure!(
+        seen.len() == 1 && seen[0].ephemeral && seen[0].value == b"10.0.0.1:80",
+        "{seen:?}"
+    );
+    // Config keys are not ephemeral and survive.
+    ensure!(
+        b.put("config/api/limit", b"100", Condition::Always)
+            .await?
+            .succeeded
+    );
+    member.close().await?;
+    ensure!(
+        b.get_prefix("members/api/").await?.is_empty(),
+        "a closed session's member key is still there"
+    );
+    let limit = b
+        .get("config/api/limit")
+        .await?
+        .context("the config key is gone")?;
+    ensure!(!limit.ephemeral && limit.value == b"100");
+    ensure!(
+        b.delete(
+            "config/api/limit",
+            Condition::ModRevision(limit.mod_revision)
+        )
+        .await?
+    );
+    Ok(())
+}

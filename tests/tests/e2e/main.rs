@@ -55,6 +55,7 @@ fn main() {
         kv::conditional_writes_and_linearizable_reads_across_proxies,
         kv::ephemeral_keys_vanish_with_their_session_and_their_proxy,
         kv::bad_keys_and_values_are_refused_and_write_nothing,
+        kv::sdk_membership_keys_go_when_the_session_closes,
         bad_input::bad_lock_names_are_refused_with_the_rule,
         bad_input::unknown_and_expired_sessions_are_told_apart,
         dev::make_dev_cell_runs_the_lockctl_example_and_stops_cleanly,
