@@ -340,3 +340,81 @@ pub async fn sdk_membership_keys_go_when_the_session_closes() -> anyhow::Result<
     );
     Ok(())
 }
+
+pub async fn lockctl_get_put_del_with_compare_and_swap() -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a"]).await?;
+    let lockctl = lockcell_tests::bins::workspace_bin("lockctl")?;
+    let run = |args: Vec<String>| {
+        let lockctl = lockctl.clone();
+        let proxy = proxies[0].addr.clone();
+        async move {
+            let out = tokio::process::Command::new(lockctl)
+                .arg("--proxy")
+                .arg(proxy)
+                .args(args)
+                .output()
+                .await?;
+            anyhow::Ok((
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+            ))
+        }
+    };
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    ensure!(
+        run(args(&["get", "config/api/limit"])).await?.0 == Some(3),
+        "get of a missing key did not exit 3"
+    );
+    ensure!(
+        run(args(&["put", "--if-absent", "config/api/limit", "100"]))
+            .await?
+            .0
+            == Some(0)
+    );
+    ensure!(
+        run(args(&["put", "--if-absent", "config/api/limit", "999"]))
+            .await?
+            .0
+            == Some(1),
+        "--if-absent overwrote"
+    );
+    let (code, rev) = run(args(&["get", "--revision", "config/api/limit"])).await?;
+    ensure!(
+        code == Some(0) && rev.parse::<i64>().is_ok(),
+        "revision {rev:?}"
+    );
+    ensure!(
+        run(args(&[
+            "put",
+            "--if-revision",
+            &rev,
+            "config/api/limit",
+            "200"
+        ]))
+        .await?
+        .0 == Some(0)
+    );
+    ensure!(
+        run(args(&[
+            "put",
+            "--if-revision",
+            &rev,
+            "config/api/limit",
+            "300"
+        ]))
+        .await?
+        .0 == Some(1),
+        "a stale CAS won"
+    );
+    ensure!(run(args(&["get", "config/api/limit"])).await? == (Some(0), "200".to_owned()));
+    ensure!(
+        run(args(&["get", "--prefix", "config/"])).await?
+            == (Some(0), "config/api/limit=200".to_owned())
+    );
+    ensure!(run(args(&["del", "config/api/limit"])).await?.0 == Some(0));
+    ensure!(
+        run(args(&["put", "config/../x", "1"])).await?.0 == Some(64),
+        "a bad key did not exit 64"
+    );
+    Ok(())
+}

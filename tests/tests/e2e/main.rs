@@ -56,6 +56,7 @@ fn main() {
         kv::ephemeral_keys_vanish_with_their_session_and_their_proxy,
         kv::bad_keys_and_values_are_refused_and_write_nothing,
         kv::sdk_membership_keys_go_when_the_session_closes,
+        kv::lockctl_get_put_del_with_compare_and_swap,
         bad_input::bad_lock_names_are_refused_with_the_rule,
         bad_input::unknown_and_expired_sessions_are_told_apart,
         dev::make_dev_cell_runs_the_lockctl_example_and_stops_cleanly,

@@ -6,6 +6,7 @@
 mod check;
 mod exit;
 mod hold;
+mod kv;
 mod leader;
 mod signals;
 
@@ -20,6 +21,7 @@ use lockcell_client::SessionOptions;
 use crate::check::{CheckArgs, CHECK_LONG};
 use crate::exit::failure_code;
 use crate::hold::{hold_and_run, ElectArgs, LockArgs, ELECT_LONG, LOCK_LONG};
+use crate::kv::{DelArgs, GetArgs, PutArgs, KV_LONG};
 use crate::leader::{LeaderArgs, LEADER_LONG, OBSERVE_LONG};
 use crate::signals::Signals;
 
@@ -85,6 +87,15 @@ enum Cmd {
     /// Check whether TOKEN is the current exclusive grant of lock NAME.
     #[command(long_about = CHECK_LONG)]
     Check(CheckArgs),
+    /// Print a small key's value (or every key under a prefix).
+    #[command(long_about = KV_LONG)]
+    Get(GetArgs),
+    /// Write a small key, optionally only if absent or at a revision.
+    #[command(long_about = KV_LONG)]
+    Put(PutArgs),
+    /// Delete a small key, optionally only at a revision.
+    #[command(long_about = KV_LONG)]
+    Del(DelArgs),
 }
 
 #[tokio::main]
@@ -144,6 +155,9 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             leader::observe(&proxy, &args, &mut signals).await
         }
         Cmd::Check(args) => check::check(&proxy, &args).await,
+        Cmd::Get(args) => kv::get(&proxy, &args).await,
+        Cmd::Put(args) => kv::put(&proxy, &args).await,
+        Cmd::Del(args) => kv::del(&proxy, &args).await,
     }
 }
 

@@ -1,0 +1,120 @@
+//! `lockctl get`, `put`, `del`: small keys (configuration) from scripts.
+
+use lockcell_client::{Client, Condition};
+
+use crate::print_line;
+
+/// Status of a conditional put or delete whose condition did not hold.
+pub(crate) const CONDITION_FAILED: u8 = 1;
+/// Status of `get` for a key that does not exist.
+pub(crate) const MISSING: u8 = 3;
+
+pub(crate) const KV_LONG: &str = "\
+Small keys (configuration, routing tables) kept by lockcell under its key space.
+
+get KEY prints the value (exit 3 if there is no such key); get --prefix P prints
+KEY=VALUE lines for every key under P. put KEY VALUE writes it; with --if-absent only
+when the key does not exist, with --if-revision R only when its last write was at
+revision R (compare-and-swap); a condition that does not hold writes nothing and exits 1
+printing the current revision. del KEY deletes (also with --if-revision).
+
+Exit statuses: 0 done, 1 the condition did not hold, 3 no such key (get), 64 a bad key
+or value, 69 the proxy is unreachable.
+
+Example:
+  rev=$(lockctl get --revision config/api/limit) && lockctl put --if-revision \"$rev\" config/api/limit 200";
+
+/// Arguments of `lockctl get`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct GetArgs {
+    /// The key, or with --prefix the start of the keys (e.g. config/api/).
+    pub(crate) key: String,
+    /// Every key under KEY, as KEY=VALUE lines.
+    #[arg(long)]
+    pub(crate) prefix: bool,
+    /// Print the key's last-write revision instead of its value (for --if-revision).
+    #[arg(long, conflicts_with = "prefix")]
+    pub(crate) revision: bool,
+}
+
+/// Arguments of `lockctl put`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct PutArgs {
+    pub(crate) key: String,
+    pub(crate) value: String,
+    /// Write only if the key does not exist.
+    #[arg(long, conflicts_with = "if_revision")]
+    pub(crate) if_absent: bool,
+    /// Write only if the key's last write was at this revision.
+    #[arg(long, value_name = "REVISION")]
+    pub(crate) if_revision: Option<i64>,
+}
+
+/// Arguments of `lockctl del`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct DelArgs {
+    pub(crate) key: String,
+    /// Delete only if the key's last write was at this revision.
+    #[arg(long, value_name = "REVISION")]
+    pub(crate) if_revision: Option<i64>,
+}
+
+pub(crate) async fn get(proxy: &str, args: &GetArgs) -> anyhow::Result<u8> {
+    let client = Client::connect(proxy).await?;
+    if args.prefix {
+        for entry in client.get_prefix(&args.key).await? {
+            print_line(&format!(
+                "{}={}",
+                entry.key,
+                String::from_utf8_lossy(&entry.value)
+            ))?;
+        }
+        return Ok(0);
+    }
+    match client.get(&args.key).await? {
+        Some(entry) if args.revision => print_line(&entry.mod_revision.to_string()).map(|()| 0),
+        Some(entry) => print_line(&String::from_utf8_lossy(&entry.value)).map(|()| 0),
+        None => {
+            eprintln!("lockctl: no key {:?}", args.key);
+            Ok(MISSING)
+        }
+    }
+}
+
+pub(crate) async fn put(proxy: &str, args: &PutArgs) -> anyhow::Result<u8> {
+    let condition = match (args.if_absent, args.if_revision) {
+        (true, _) => Condition::Absent,
+        (false, Some(r)) => Condition::ModRevision(r),
+        (false, None) => Condition::Always,
+    };
+    let client = Client::connect(proxy).await?;
+    let written = client
+        .put(&args.key, args.value.as_bytes(), condition)
+        .await?;
+    if written.succeeded {
+        return Ok(0);
+    }
+    match written.current {
+        Some(current) => eprintln!(
+            "lockctl: {:?} was last written at revision {}; not written",
+            args.key, current.mod_revision
+        ),
+        None => eprintln!("lockctl: {:?} does not exist; not written", args.key),
+    }
+    Ok(CONDITION_FAILED)
+}
+
+pub(crate) async fn del(proxy: &str, args: &DelArgs) -> anyhow::Result<u8> {
+    let condition = args
+        .if_revision
+        .map_or(Condition::Always, Condition::ModRevision);
+    let client = Client::connect(proxy).await?;
+    if client.delete(&args.key, condition).await? {
+        return Ok(0);
+    }
+    eprintln!(
+        "lockctl: {:?} not deleted (no such key, or not at that revision)",
+        args.key
+    );
+    Ok(CONDITION_FAILED)
+}
