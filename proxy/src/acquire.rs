@@ -67,9 +67,9 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
     let give_up = call.wait.map(|d| started + d);
     metrics::gauge!(m::WAITERS).increment(1.0);
     let result = if class.fair {
-        fair(state, &call, &class, give_up).await
+        fair(state, &call, &class, give_up, session).await
     } else {
-        arbitrated(state, &call, &class, give_up).await
+        arbitrated(state, &call, &class, give_up, session).await
     };
     metrics::gauge!(m::WAITERS).decrement(1.0);
     if let Ok(Some(g)) = &result {
@@ -87,13 +87,19 @@ async fn arbitrated(
     call: &Call,
     class: &LockClass,
     give_up: Option<Instant>,
+    session: Session,
 ) -> Result<Option<Granted>, ProxyError> {
     let mut ticket = state.queues.join(&call.lock, call.mode);
     // The first attempt needs no wait; after a failed one, a waiter waits for its turn
     // and reads before it tries again.
     let mut tried = false;
+    // Read once per turn of the loop; the first turn uses the caller's read.
+    let mut first = Some(session);
     loop {
-        let session = live(state, &call.session_id)?;
+        let session = match first.take() {
+            Some(s) => s,
+            None => live(state, &call.session_id)?,
+        };
         if tried || !ticket.may_try() {
             let Some(patience) = wait_budget(&session, give_up) else {
                 return Ok(None);
@@ -114,7 +120,8 @@ async fn arbitrated(
             }
             continue;
         }
-        let session = live(state, &call.session_id)?;
+        // A session that ended while this waiter waited is caught when the grant is
+        // recorded (and the grant undone).
         if let Some(granted) = grant(state, call, &session, None).await? {
             ticket.granted();
             return Ok(Some(granted));
@@ -129,8 +136,8 @@ async fn fair(
     call: &Call,
     class: &LockClass,
     give_up: Option<Instant>,
+    session: Session,
 ) -> Result<Option<Granted>, ProxyError> {
-    let session = live(state, &call.session_id)?;
     // A retried call that already holds the lock must not join the line behind the
     // waiters its own hold keeps out.
     if state

@@ -3,7 +3,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use nix::sys::signal::{kill, Signal};
@@ -102,17 +102,20 @@ impl Managed {
         let Some(mut child) = self.child.take() else {
             return true;
         };
-        let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-        let deadline = Instant::now() + grace;
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = child.try_wait() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let pid = Pid::from_raw(child.id() as i32);
+        let _ = kill(pid, Signal::SIGTERM);
+        // A thread waits for the exit; this one waits for its word, up to `grace`.
+        let (exited_tx, exited) = std::sync::mpsc::channel();
+        let reaper = std::thread::spawn(move || {
+            let _ = child.wait();
+            let _ = exited_tx.send(());
+        });
+        let by_itself = exited.recv_timeout(grace).is_ok();
+        if !by_itself {
+            let _ = kill(pid, Signal::SIGKILL);
         }
-        let _ = child.kill();
-        let _ = child.wait();
-        false
+        let _ = reaper.join();
+        by_itself
     }
 
     /// The last lines of the log, for error messages.

@@ -72,7 +72,7 @@ impl LockApi for LockService {
     ) -> Result<Response<CheckSequencerResponse>, Status> {
         let req = request.into_inner();
         let lock = LockName::parse(&req.lock).map_err(ProxyError::from)?;
-        let token = token(&lock, req.token)?;
+        let token = token_of(&lock, req.token)?;
         let (holder, _) = self
             .state
             .locklog
@@ -152,13 +152,6 @@ pub fn mode(wire: i32) -> Result<Mode, ProxyError> {
             "lock mode {wire} is not one of EXCLUSIVE (0) or SHARED (1)"
         ))),
     }
-}
-
-fn token(
-    lock: &LockName,
-    token: Option<lockcell_proto::v1::FencingToken>,
-) -> Result<FencingToken, Status> {
-    Ok(token_of(lock, token)?)
 }
 
 /// The fencing token a call about `lock` must carry.

@@ -20,6 +20,30 @@ async fn kv(proxy: &lockcell_tests::ProxyProcess) -> anyhow::Result<KvClient<Cha
     ))
 }
 
+/// Waits until `key` no longer exists.
+async fn until_gone(
+    reader: &KvClient<Channel>,
+    key: &str,
+    what: &str,
+    within: Duration,
+) -> anyhow::Result<()> {
+    eventually(what, within, || {
+        let mut reader = reader.clone();
+        let key = key.to_owned();
+        async move {
+            let read = reader
+                .get(GetRequest {
+                    key,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            Ok(read.kvs.is_empty().then_some(()))
+        }
+    })
+    .await
+}
+
 fn when(w: When) -> Option<Condition> {
     Some(Condition { when: Some(w) })
 }
@@ -146,7 +170,7 @@ pub async fn conditional_writes_and_linearizable_reads_across_proxies() -> anyho
 
 pub async fn ephemeral_keys_vanish_with_their_session_and_their_proxy() -> anyhow::Result<()> {
     let (_etcd, mut proxies) = cell(&["a", "b"]).await?;
-    let mut reader = kv(&proxies[0]).await?;
+    let reader = kv(&proxies[0]).await?;
     // A session that stops renewing: its key goes when it expires.
     let (mut sessions, _) = raw(&proxies[0]).await?;
     let short = sessions
@@ -167,22 +191,11 @@ pub async fn ephemeral_keys_vanish_with_their_session_and_their_proxy() -> anyho
         written.succeeded && written.current.as_ref().is_some_and(|kv| kv.lease != 0),
         "{written:?}"
     );
-    eventually(
+    until_gone(
+        &reader,
+        "members/svc/1",
         "the expired session's key is deleted",
         Duration::from_secs(10),
-        || {
-            let mut reader = reader.clone();
-            async move {
-                let read = reader
-                    .get(GetRequest {
-                        key: "members/svc/1".into(),
-                        ..Default::default()
-                    })
-                    .await?
-                    .into_inner();
-                Ok(read.kvs.is_empty().then_some(()))
-            }
-        },
     )
     .await?;
 
@@ -210,26 +223,16 @@ pub async fn ephemeral_keys_vanish_with_their_session_and_their_proxy() -> anyho
             .succeeded
     );
     proxies[1].signal(Signal::SIGKILL)?;
-    eventually(
+    until_gone(
+        &reader,
+        "members/svc/2",
         "the dead proxy's session's key is deleted",
         Duration::from_secs(15),
-        || {
-            let mut reader = reader.clone();
-            async move {
-                let read = reader
-                    .get(GetRequest {
-                        key: "members/svc/2".into(),
-                        ..Default::default()
-                    })
-                    .await?
-                    .into_inner();
-                Ok(read.kvs.is_empty().then_some(()))
-            }
-        },
     )
     .await?;
     proxies[1].process.kill();
     let read = reader
+        .clone()
         .get(GetRequest {
             key: "members/".into(),
             prefix: true,

@@ -88,6 +88,13 @@ pub(crate) struct LockArgs {
     #[arg(long, value_parser = humantime::parse_duration)]
     pub(crate) timeout: Option<Duration>,
 
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
+}
+
+/// The command `lock` and `elect` run, shared by both.
+#[derive(Debug, clap::Args)]
+pub(crate) struct RunArgs {
     /// The command to run and its arguments (after `--`).
     #[arg(
         value_name = "CMD",
@@ -135,15 +142,8 @@ pub(crate) struct ElectArgs {
     #[arg(long, value_parser = humantime::parse_duration)]
     pub(crate) timeout: Option<Duration>,
 
-    /// The command to run and its arguments (after `--`).
-    #[arg(
-        value_name = "CMD",
-        required = true,
-        num_args = 1..,
-        trailing_var_arg = true,
-        allow_hyphen_values = true
-    )]
-    pub(crate) command: Vec<OsString>,
+    #[command(flatten)]
+    pub(crate) run: RunArgs,
 }
 
 impl ElectArgs {

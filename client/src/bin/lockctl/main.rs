@@ -142,12 +142,12 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             // outright, so it can always release and close before leaving.
             let mut signals = Signals::new()?;
             let (want, wait) = (args.want(), args.wait());
-            hold_and_run(&proxy, options, want, wait, &args.command, &mut signals).await
+            hold_and_run(&proxy, options, want, wait, &args.run.command, &mut signals).await
         }
         Cmd::Elect(args) => {
             let mut signals = Signals::new()?;
             let (want, wait) = (args.want(), args.wait());
-            hold_and_run(&proxy, options, want, wait, &args.command, &mut signals).await
+            hold_and_run(&proxy, options, want, wait, &args.run.command, &mut signals).await
         }
         Cmd::Leader(args) => leader::leader(&proxy, &args).await,
         Cmd::Observe(args) => {
@@ -217,7 +217,7 @@ mod tests {
                 mode: Mode::Exclusive
             }
         );
-        assert_eq!(args.command, ["sh", "-c", "exit 3"].map(OsString::from));
+        assert_eq!(args.run.command, ["sh", "-c", "exit 3"].map(OsString::from));
 
         let cli = parse(&["lock", "x", "--", "true"]).unwrap();
         assert_eq!(cli.ttl, Duration::from_secs(12));
@@ -271,7 +271,7 @@ mod tests {
             }
         );
         assert_eq!(args.wait(), Wait::Timeout(Duration::from_secs(30)));
-        assert_eq!(args.command, ["serve", "--primary"].map(OsString::from));
+        assert_eq!(args.run.command, ["serve", "--primary"].map(OsString::from));
         assert!(
             parse(&["elect", "db/primary", "--", "true"]).is_err(),
             "VALUE"
