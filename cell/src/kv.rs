@@ -1,6 +1,6 @@
 //! Small keys under `/k/`: configuration, and ephemeral keys that live on a session's
-//! proxy lease. Conditional writes are single transactions, so a refused condition
-//! writes nothing.
+//! proxy lease. Conditional writes, single or multi-key ([`Kv::txn`]), are single
+//! transactions, so a refused condition writes nothing.
 
 use std::time::Duration;
 
@@ -50,6 +50,34 @@ pub struct Read {
     pub entries: Vec<Entry>,
     pub revision: i64,
     pub more: bool,
+}
+
+/// One write of a multi-key transaction. Never on a lease: a transaction changes
+/// configuration, and an ephemeral key is written with [`Kv::put`] by its session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Write {
+    Put(LockName, Vec<u8>),
+    Delete(LockName),
+}
+
+impl Write {
+    /// The key written.
+    pub fn name(&self) -> &LockName {
+        match self {
+            Write::Put(name, _) | Write::Delete(name) => name,
+        }
+    }
+}
+
+/// What a multi-key transaction did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TxnOutcome {
+    /// False when a compare did not hold; nothing was written.
+    pub succeeded: bool,
+    pub revision: i64,
+    /// When a compare failed: the compared keys that exist, as they are now, so the
+    /// caller can retry without another read.
+    pub current: Vec<Entry>,
 }
 
 /// Runs small-key calls against one etcd cluster.
@@ -150,6 +178,63 @@ impl Kv {
         };
         Ok((written, deleted))
     }
+
+    /// When every key in `when` meets its condition, does every write, in one etcd
+    /// transaction; otherwise reads the compared keys. The caller makes sure each key
+    /// is written once (etcd refuses the transaction otherwise) and that the
+    /// transaction fits etcd's limits on operations and request size.
+    pub async fn txn(
+        &self,
+        when: &[(LockName, Condition)],
+        writes: Vec<Write>,
+    ) -> Result<TxnOutcome, CellError> {
+        let checks: Vec<Compare> = when
+            .iter()
+            .flat_map(|(name, condition)| compares(&keyspace::kv_key(name), *condition))
+            .collect();
+        let ops: Vec<TxnOp> = writes
+            .into_iter()
+            .map(|write| match write {
+                Write::Put(name, value) => TxnOp::put(keyspace::kv_key(&name), value, None),
+                Write::Delete(name) => TxnOp::delete(keyspace::kv_key(&name), None),
+            })
+            .collect();
+        let reads: Vec<TxnOp> = read_back_keys(when)
+            .into_iter()
+            .map(|key| TxnOp::get(key, None))
+            .collect();
+        let txn = Txn::new().when(checks).and_then(ops).or_else(reads);
+        let resp = with_timeout("kv txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        let current = if resp.succeeded() {
+            Vec::new()
+        } else {
+            resp.op_responses()
+                .iter()
+                .filter_map(|op| match op {
+                    TxnOpResponse::Get(get) => get.kvs().first().and_then(entry),
+                    _ => None,
+                })
+                .collect()
+        };
+        Ok(TxnOutcome {
+            succeeded: resp.succeeded(),
+            revision: resp.header().map(|h| h.revision()).unwrap_or_default(),
+            current,
+        })
+    }
+}
+
+/// The etcd keys a failed transaction reads back: each compared key once, in the order
+/// of its first compare.
+fn read_back_keys(when: &[(LockName, Condition)]) -> Vec<String> {
+    let mut keys: Vec<String> = Vec::with_capacity(when.len());
+    for (name, _) in when {
+        let key = keyspace::kv_key(name);
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    keys
 }
 
 fn compares(key: &str, condition: Condition) -> Vec<Compare> {
@@ -189,5 +274,43 @@ fn bad(key: &str, e: crate::keyspace::NameError) -> CellError {
     CellError::BadKey {
         key: key.to_owned(),
         reason: e.to_string().replacen("lock name", "key", 1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(s: &str) -> LockName {
+        LockName::parse(s).unwrap()
+    }
+
+    #[test]
+    fn a_failed_txn_reads_each_compared_key_once_in_order() {
+        let when = [
+            (name("acct/b"), Condition::ModRevision(4)),
+            (name("acct/a"), Condition::Absent),
+            (name("acct/b"), Condition::Version(2)),
+        ];
+        assert_eq!(read_back_keys(&when), ["/k/acct/b", "/k/acct/a"]);
+        assert!(read_back_keys(&[]).is_empty());
+    }
+
+    #[test]
+    fn each_condition_is_one_compare_and_always_is_none() {
+        assert!(compares("/k/a", Condition::Always).is_empty());
+        for condition in [
+            Condition::Absent,
+            Condition::ModRevision(3),
+            Condition::Version(1),
+        ] {
+            assert_eq!(compares("/k/a", condition).len(), 1, "{condition:?}");
+        }
+    }
+
+    #[test]
+    fn a_write_names_its_key() {
+        assert_eq!(Write::Put(name("a/b"), b"1".to_vec()).name(), &name("a/b"));
+        assert_eq!(Write::Delete(name("c")).name(), &name("c"));
     }
 }

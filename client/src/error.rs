@@ -39,6 +39,32 @@ pub enum Error {
     /// The proxy (or its etcd) cannot serve right now; retrying later may succeed.
     #[error("lockcell proxy unavailable: {0}")]
     Unavailable(String),
+    /// A watch fell too far behind the events it was sent, and the proxy cut it off
+    /// rather than buffer without bound. Nothing is lost: the [`Watcher`](crate::Watcher)
+    /// that reported it resumes from `resume_from` at its next call, with no gap and no
+    /// duplicate. It is reported (once per cut-off) because it means the application
+    /// consumes events more slowly than they come.
+    #[error(
+        "the watch on {key:?} fell too far behind and the proxy cut it off; it resumes from revision {resume_from}"
+    )]
+    WatchCutOff {
+        /// The key or prefix watched.
+        key: String,
+        /// The revision the watch goes on from.
+        resume_from: i64,
+    },
+    /// A watch asked for revisions that etcd has compacted away, so the events it would
+    /// have seen are lost. This is the end of that watch: read the key (or prefix) again
+    /// and watch from that read's revision + 1.
+    #[error(
+        "cannot watch {key:?} from the revision asked: etcd compacted the revisions before {compact_revision} (read it again and watch from the read's revision + 1)"
+    )]
+    Compacted {
+        /// The key or prefix watched.
+        key: String,
+        /// The oldest revision still available.
+        compact_revision: i64,
+    },
     /// The proxy's reply broke the protocol (a bug on one side or the other).
     #[error("protocol violation by the proxy: {0}")]
     Protocol(String),
@@ -57,7 +83,16 @@ pub(crate) enum Call<'a> {
     Session(&'a str),
     /// A session's call about a grant it holds: Release, Proclaim, Resign.
     Grant(&'a str),
+    /// A Watch of this key or prefix: OUT_OF_RANGE and RESOURCE_EXHAUSTED end it with the
+    /// revision to go on from in the status's metadata.
+    Watch(&'a str),
 }
+
+/// Metadata of an OUT_OF_RANGE that ends a Watch: the oldest revision still available.
+pub(crate) const COMPACT_REVISION: &str = "lockcell-compact-revision";
+/// Metadata of a RESOURCE_EXHAUSTED that ends a Watch: where to watch from to go on with
+/// no gap and no duplicate.
+pub(crate) const RESUME_REVISION: &str = "lockcell-resume-revision";
 
 impl Error {
     /// Maps a gRPC status to an [`Error`], given what the call was for.
@@ -67,11 +102,32 @@ impl Error {
     /// session is gone. On a call about a held grant, any other FAILED_PRECONDITION (or
     /// NOT_FOUND) means the grant is no longer current, which is [`Error::NotHolder`]
     /// with the proxy's text.
+    ///
+    /// A Watch that ends with OUT_OF_RANGE is [`Error::Compacted`], one that ends with
+    /// RESOURCE_EXHAUSTED is [`Error::WatchCutOff`], each with the revision the proxy put
+    /// in the metadata. Without it, the status did not come from the proxy's watch
+    /// (tonic says the same codes about oversized messages) and stays a plain status.
     pub(crate) fn from_status(status: Status, call: Call<'_>) -> Error {
         let gone = |id: &str| Error::SessionExpired {
             session: id.to_owned(),
         };
         match (status.code(), call) {
+            (Code::OutOfRange, Call::Watch(key)) => match revision_in(&status, COMPACT_REVISION) {
+                Some(compact_revision) => Error::Compacted {
+                    key: key.to_owned(),
+                    compact_revision,
+                },
+                None => Error::Status(status),
+            },
+            (Code::ResourceExhausted, Call::Watch(key)) => {
+                match revision_in(&status, RESUME_REVISION) {
+                    Some(resume_from) => Error::WatchCutOff {
+                        key: key.to_owned(),
+                        resume_from,
+                    },
+                    None => Error::Status(status),
+                }
+            }
             (Code::InvalidArgument, _) => Error::InvalidArgument(status.message().to_owned()),
             (Code::Unavailable, _) => Error::Unavailable(status.message().to_owned()),
             (Code::NotFound | Code::FailedPrecondition, Call::Session(id) | Call::Grant(id))
@@ -106,6 +162,18 @@ impl Error {
             reason,
         }
     }
+}
+
+/// The revision in metadata entry `name` of `status`, if there is a well-formed one.
+fn revision_in(status: &Status, name: &str) -> Option<i64> {
+    status
+        .metadata()
+        .get(name)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Whether the proxy's message says the session itself is gone (expired, or unknown to
@@ -173,6 +241,68 @@ mod tests {
         // ...but NOT_FOUND on one is the proxy not knowing the session.
         let e = Error::from_status(Status::not_found("x"), Call::Session("s1"));
         assert!(is_expired(&e), "{e:?}");
+    }
+
+    /// A status as the proxy ends a watch with: `code`, and `revision` under `name`.
+    fn watch_end(code: Code, name: &'static str, revision: &str) -> Status {
+        let mut status = Status::new(code, "watch ended");
+        status
+            .metadata_mut()
+            .insert(name, revision.parse().expect("ascii"));
+        status
+    }
+
+    #[test]
+    fn a_watch_ended_for_compaction_or_for_falling_behind_names_the_revision() {
+        let e = Error::from_status(
+            watch_end(Code::OutOfRange, COMPACT_REVISION, "4200"),
+            Call::Watch("config/"),
+        );
+        assert!(
+            matches!(e, Error::Compacted { ref key, compact_revision: 4200 } if key == "config/"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("4200"), "{e}");
+        let e = Error::from_status(
+            watch_end(Code::ResourceExhausted, RESUME_REVISION, "4321"),
+            Call::Watch("config/"),
+        );
+        assert!(
+            matches!(e, Error::WatchCutOff { ref key, resume_from: 4321 } if key == "config/"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("4321"), "{e}");
+    }
+
+    #[test]
+    fn watch_codes_without_the_proxys_metadata_stay_plain_statuses() {
+        for status in [
+            // No metadata: tonic's own complaint about an oversized message, say.
+            Status::out_of_range("message too large"),
+            Status::resource_exhausted("message too large"),
+            // Metadata under the other code's name, or not a number.
+            watch_end(Code::OutOfRange, RESUME_REVISION, "7"),
+            watch_end(Code::ResourceExhausted, RESUME_REVISION, "soon"),
+        ] {
+            let code = status.code();
+            let e = Error::from_status(status, Call::Watch("k"));
+            assert!(
+                matches!(e, Error::Status(ref s) if s.code() == code),
+                "{e:?}"
+            );
+        }
+        // The same codes from other calls mean nothing watch-specific.
+        let e = Error::from_status(
+            watch_end(Code::OutOfRange, COMPACT_REVISION, "7"),
+            Call::Unbound,
+        );
+        assert!(matches!(e, Error::Status(_)), "{e:?}");
+        // The other codes map as for any call.
+        let e = Error::from_status(Status::unavailable("stopping"), Call::Watch("k"));
+        assert!(
+            matches!(e, Error::Unavailable(ref m) if m == "stopping"),
+            "{e:?}"
+        );
     }
 
     #[test]

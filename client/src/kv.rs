@@ -1,10 +1,13 @@
-//! Small keys: read, conditional write, delete; and ephemeral keys that live as long as
-//! the session that wrote them (membership: "this process is alive").
+//! Small keys: read, conditional write, delete, multi-key compare-and-swap ([`Txn`]);
+//! and ephemeral keys that live as long as the session that wrote them (membership:
+//! "this process is alive").
 
 use lockcell_proto::v1::condition::When;
 use lockcell_proto::v1::kv_client::KvClient;
+use lockcell_proto::v1::txn_write::Op;
 use lockcell_proto::v1::{
-    Condition as WireCondition, DeleteRequest, GetRequest, KeyValue, PutRequest,
+    Compare, Condition as WireCondition, DeleteRequest, GetRequest, KeyValue, PutRequest,
+    TxnRequest, TxnWrite,
 };
 
 use crate::client::{Client, UNARY_TIMEOUT};
@@ -47,7 +50,106 @@ pub struct Written {
     pub current: Option<Entry>,
 }
 
+/// A small multi-key compare-and-swap, sent with [`Client::commit`]: when every
+/// condition holds, every write is done at one revision; otherwise nothing is written.
+/// It moves a value between keys, or updates keys that must agree, with no lock.
+///
+/// The proxy refuses (as [`Error::InvalidArgument`], naming the key or the limit) a
+/// transaction with no write, a key written twice, a condition of
+/// [`Condition::Always`] (it compares nothing), a value over its size limit, or more
+/// than 64 conditions and writes together.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::{Condition, Txn};
+///
+/// let from = client.get("acct/a").await?.expect("acct/a exists");
+/// let to = client.get("acct/b").await?.expect("acct/b exists");
+/// let txn = Txn::new()
+///     .when("acct/a", Condition::ModRevision(from.mod_revision))
+///     .when("acct/b", Condition::ModRevision(to.mod_revision))
+///     .put("acct/a", b"0")
+///     .put("acct/b", b"100");
+/// let outcome = client.commit(txn).await?;
+/// if !outcome.succeeded {
+///     // Someone else moved first: `outcome.current` is where things stand now.
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug, Default, PartialEq)]
+#[must_use = "a transaction does nothing until it is committed"]
+pub struct Txn {
+    request: TxnRequest,
+}
+
+impl Txn {
+    /// An empty transaction.
+    pub fn new() -> Self {
+        Txn::default()
+    }
+
+    /// Makes the writes depend on `key` meeting `condition`.
+    pub fn when(mut self, key: &str, condition: Condition) -> Self {
+        self.request.compares.push(Compare {
+            key: key.to_owned(),
+            condition: wire(condition),
+        });
+        self
+    }
+
+    /// Writes `value` to `key` (never ephemeral).
+    pub fn put(self, key: &str, value: &[u8]) -> Self {
+        self.write(key, Op::Put(value.to_vec()))
+    }
+
+    /// Deletes `key` (nothing happens to a key that does not exist).
+    pub fn delete(self, key: &str) -> Self {
+        self.write(key, Op::Delete(true))
+    }
+
+    fn write(mut self, key: &str, op: Op) -> Self {
+        self.request.writes.push(TxnWrite {
+            key: key.to_owned(),
+            op: Some(op),
+        });
+        self
+    }
+}
+
+/// What a [`Txn`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TxnOutcome {
+    /// False when a condition did not hold; nothing was written.
+    pub succeeded: bool,
+    /// The store revision after the call (every write of a transaction that succeeded
+    /// has it as its `mod_revision`).
+    pub revision: i64,
+    /// When a condition failed: the compared keys that exist, as they are now, ready
+    /// for the next attempt without another read. Empty on success.
+    pub current: Vec<Entry>,
+}
+
 impl Client {
+    /// Runs `txn`: all of its writes or none.
+    ///
+    /// After [`Error::Unavailable`] the transaction may or may not have been applied;
+    /// with conditions on revisions, a retry that finds it applied fails its condition
+    /// and shows the keys as they are.
+    pub async fn commit(&self, txn: Txn) -> Result<TxnOutcome, Error> {
+        let mut request = tonic::Request::new(txn.request);
+        request.set_timeout(UNARY_TIMEOUT);
+        let reply = KvClient::new(self.channel())
+            .txn(request)
+            .await
+            .map_err(|s| Error::from_status(s, Call::Unbound))?
+            .into_inner();
+        Ok(TxnOutcome {
+            succeeded: reply.succeeded,
+            revision: reply.revision,
+            current: reply.current.into_iter().map(entry).collect(),
+        })
+    }
+
     /// One key, as of now (linearizable).
     pub async fn get(&self, key: &str) -> Result<Option<Entry>, Error> {
         Ok(self.read(key, false).await?.into_iter().next())
@@ -188,5 +290,47 @@ mod tests {
             wire(Condition::Version(2)).and_then(|c| c.when),
             Some(When::Version(2))
         );
+    }
+
+    #[test]
+    fn a_txn_sends_its_compares_and_writes_in_order() {
+        let txn = Txn::new()
+            .when("acct/a", Condition::ModRevision(7))
+            .put("acct/a", b"9")
+            .when("acct/b", Condition::Absent)
+            .delete("acct/c")
+            .put("acct/b", b"1");
+        let compares: Vec<(&str, Option<When>)> = txn
+            .request
+            .compares
+            .iter()
+            .map(|c| (c.key.as_str(), c.condition.and_then(|c| c.when)))
+            .collect();
+        assert_eq!(
+            compares,
+            [
+                ("acct/a", Some(When::ModRevision(7))),
+                ("acct/b", Some(When::Absent(true)))
+            ]
+        );
+        let writes: Vec<(&str, Option<&Op>)> = txn
+            .request
+            .writes
+            .iter()
+            .map(|w| (w.key.as_str(), w.op.as_ref()))
+            .collect();
+        assert_eq!(
+            writes,
+            [
+                ("acct/a", Some(&Op::Put(b"9".to_vec()))),
+                ("acct/c", Some(&Op::Delete(true))),
+                ("acct/b", Some(&Op::Put(b"1".to_vec()))),
+            ]
+        );
+        // Always compares nothing: it goes out without a condition, for the proxy to
+        // refuse with the key's name rather than be dropped here unseen.
+        let txn = Txn::new().when("x", Condition::Always);
+        assert_eq!(txn.request.compares[0].condition, None);
+        assert_eq!(Txn::new(), Txn::default());
     }
 }

@@ -1,4 +1,5 @@
-//! The lockcell Rust SDK: sessions, locks and leader elections served by a zone proxy.
+//! The lockcell Rust SDK: sessions, locks, leader elections, small keys, watches and
+//! group membership, served by a zone proxy.
 //!
 //! A [`Client`] holds one connection to a proxy and one keep-alive stream that renews
 //! every [`Session`] opened through it. Locks ([exclusive](Session::acquire) or
@@ -6,6 +7,13 @@
 //! [`LockGuard`], which carries the grant's [`FencingToken`]. Leadership of an election
 //! is won the same way ([`Session::campaign`]) and held by a [`Leadership`]; anyone can
 //! ask who leads ([`Client::leader`]) or follow the changes ([`Client::observe`]).
+//!
+//! Small keys (configuration) are read and written through the client
+//! ([`Client::get`], [`Client::put`]) and followed with a [`Watcher`]
+//! ([`Client::watch`]), which resumes across a restarted proxy or a broken connection
+//! with no event missed or repeated. Membership builds on them: a process
+//! [announces](Session::announce) itself in a group for as long as its session lives, and
+//! anyone can list the group and follow who joins and leaves ([`Client::members`]).
 //!
 //! # The one rule
 //!
@@ -42,16 +50,20 @@ mod error;
 mod keepalive;
 mod kv;
 mod lock;
+mod members;
 mod renewals;
 mod session;
 mod shared;
 mod validity;
+mod watch;
 
 pub use client::Client;
 pub use election::{LeaderInfo, LeaderStream, Leadership};
 pub use error::Error;
-pub use kv::{Condition, Entry, Written};
+pub use kv::{Condition, Entry, Txn, TxnOutcome, Written};
 pub use lock::{LockGuard, Mode, Sequencer, Wait};
 pub use lockcell_proto::FencingToken;
+pub use members::{MemberChange, Members};
 pub use session::{Session, SessionOptions};
 pub use validity::SessionState;
+pub use watch::{EventKind, WatchBatch, WatchEvent, WatchOptions, Watcher};

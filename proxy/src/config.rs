@@ -87,6 +87,11 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_CLASSES")]
     pub classes: Option<std::path::PathBuf>,
 
+    /// How many batches of events a watcher may fall behind before it is cut off (told
+    /// the revision to resume from), so one slow watcher never slows the others.
+    #[arg(long, env = "LOCKCELL_WATCH_BACKLOG", default_value_t = 1024)]
+    pub watch_backlog: usize,
+
     /// How long a shutdown waits for clients to disconnect before it cuts them off.
     #[arg(long, env = "LOCKCELL_SHUTDOWN_GRACE", default_value = "5s", value_parser = humantime::parse_duration)]
     pub shutdown_grace: Duration,

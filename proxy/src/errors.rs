@@ -23,6 +23,12 @@ pub enum ProxyError {
     NoLease,
     #[error("this proxy is shutting down; use another proxy")]
     ShuttingDown,
+    /// etcd did not answer (the text says which call and why).
+    #[error("etcd is unavailable: {0}")]
+    EtcdUnavailable(String),
+    /// The revision asked for is no longer kept.
+    #[error("{0}")]
+    OutOfRange(String),
     #[error("{0}")]
     Store(#[from] CellError),
     #[error("{context}: {source}")]
@@ -56,7 +62,10 @@ impl From<ProxyError> for Status {
             ProxyError::ExpiredSession { .. } | ProxyError::Refused(_) => {
                 Status::failed_precondition(message)
             }
-            ProxyError::NoLease | ProxyError::ShuttingDown => Status::unavailable(message),
+            ProxyError::NoLease | ProxyError::ShuttingDown | ProxyError::EtcdUnavailable(_) => {
+                Status::unavailable(message)
+            }
+            ProxyError::OutOfRange(_) => Status::out_of_range(message),
             ProxyError::Store(CellError::BadKey { .. }) => Status::invalid_argument(message),
             ProxyError::Store(ref c) | ProxyError::StoreDuring { source: ref c, .. } => {
                 if c.is_retriable() {

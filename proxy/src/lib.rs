@@ -10,15 +10,20 @@
 
 pub mod acquire;
 pub mod admin;
+pub mod barrier;
 pub mod classes;
 pub mod cleanup;
 pub mod config;
 pub mod errors;
 pub mod events;
+pub mod fanout;
+pub mod feed;
 pub mod lease_keeper;
 pub mod leases;
 pub mod metrics;
+pub mod mirror;
 pub mod queues;
+pub mod reads;
 pub mod reaper;
 pub mod service;
 pub mod sessions;
@@ -36,6 +41,7 @@ use lockcell_proto::v1::election_server::ElectionServer;
 use lockcell_proto::v1::kv_server::KvServer;
 use lockcell_proto::v1::lock_server::LockServer;
 use lockcell_proto::v1::session_server::SessionServer;
+use lockcell_proto::v1::watch_server::WatchServer;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -91,6 +97,13 @@ pub async fn run(
         .with_context(|| format!("binding the admin address {}", config.admin_listen))?;
 
     let events = Arc::new(events::LockEvents::new());
+    let feed = Arc::new(feed::Feed::new(config.watch_backlog));
+    let reads = reads::Reads::new(
+        feed.clone(),
+        barrier::Barrier::start(etcd.kv_client(), config.etcd_timeout),
+        lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
+        config.etcd_timeout,
+    );
     let state = Arc::new(ProxyState {
         proxy_id: proxy_id.clone(),
         epoch: epoch.epoch,
@@ -102,6 +115,7 @@ pub async fn run(
         ),
         locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout),
         kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
+        reads,
         queues: events.queues().clone(),
         events,
         classes: Arc::new(classes),
@@ -124,6 +138,12 @@ pub async fn run(
             .follow(Duration::from_secs(1), stop_rx.clone()),
     );
     let follow = [
+        tokio::spawn(feed::run(
+            feed,
+            etcd.kv_client(),
+            etcd.watch_client(),
+            state.config.etcd_timeout,
+        )),
         tokio::spawn(events::follow(
             etcd.watch_client(),
             state.events.clone(),
@@ -165,6 +185,9 @@ pub async fn run(
             state: state.clone(),
         }))
         .add_service(KvServer::new(service::kv::KvService {
+            state: state.clone(),
+        }))
+        .add_service(WatchServer::new(service::watch::WatchService {
             state: state.clone(),
         }))
         .serve_with_incoming_shutdown(incoming(grpc), async move {

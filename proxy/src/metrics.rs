@@ -17,6 +17,15 @@ pub const CLASSES_RELOADS: &str = "lockcell_classes_reloads_total";
 pub const CLASSES_RELOAD_FAILURES: &str = "lockcell_classes_reload_failures_total";
 pub const WAITERS: &str = "lockcell_waiters";
 pub const GRANT_ATTEMPTS: &str = "lockcell_grant_attempts_total";
+pub const WATCHERS: &str = "lockcell_watchers";
+pub const WATCH_EVENTS_SENT: &str = "lockcell_watch_events_sent_total";
+pub const WATCH_BATCHES_SENT: &str = "lockcell_watch_batches_fanned_out_total";
+pub const WATCHERS_CUT_OFF: &str = "lockcell_watchers_cut_off_total";
+pub const WATCH_CATCH_UPS: &str = "lockcell_watch_catch_ups_total";
+pub const FEED_RELOADS: &str = "lockcell_feed_reloads_total";
+pub const READ_BARRIERS: &str = "lockcell_read_barriers_total";
+pub const READ_BARRIER_BATCH: &str = "lockcell_read_barrier_batch_size";
+pub const KV_READS: &str = "lockcell_kv_reads_total";
 
 /// Histogram buckets for acquire latency, in seconds: 1 ms to 30 s.
 pub const ACQUIRE_BUCKETS: &[f64] = &[
@@ -53,6 +62,39 @@ pub fn describe() {
         "Locks granted (retried acquires that found their own grant not counted)."
     );
     describe_counter!(LOCKS_RELEASED, "Locks released by their holder.");
+    describe_gauge!(WATCHERS, "Watch streams open on this proxy.");
+    describe_counter!(
+        WATCH_EVENTS_SENT,
+        "Watch events sent to clients (fanned out from the proxy's one watch, or caught up)."
+    );
+    describe_counter!(
+        WATCH_BATCHES_SENT,
+        "Batches of events the fan-out handed to watchers."
+    );
+    describe_counter!(
+        WATCHERS_CUT_OFF,
+        "Watchers cut off because they fell more than the backlog behind."
+    );
+    describe_counter!(
+        WATCH_CATCH_UPS,
+        "Watchers that started from an older revision and caught up on a watch of their own."
+    );
+    describe_counter!(
+        FEED_RELOADS,
+        "Times the proxy reloaded its view of the small keys (a compaction passed it while etcd was away)."
+    );
+    describe_counter!(
+        READ_BARRIERS,
+        "Linearizable etcd requests made to fix a revision for a batch of reads."
+    );
+    describe_histogram!(
+        READ_BARRIER_BATCH,
+        "Reads served by one read barrier request."
+    );
+    describe_counter!(
+        KV_READS,
+        "Small-key reads, by how they were served: barrier (linearizable, from the mirror), mirror (serializable), etcd (directly)."
+    );
     describe_gauge!(
         CLEANUPS_PENDING,
         "Key clean-ups of ended sessions still waiting for etcd."

@@ -27,6 +27,8 @@ pub struct ProxyState {
     pub locklog: LockLog,
     /// Small keys under `/k/`.
     pub kv: lockcell_cell::kv::Kv,
+    /// Small-key reads (read barrier and mirror) and the watch fan-out behind them.
+    pub reads: crate::reads::Reads,
     /// What the proxy's watch over the lock log tells waiters and observers.
     pub events: Arc<LockEvents>,
     /// Local wait queues of classes that are not fair.

@@ -27,6 +27,9 @@ pub struct ProxyOptions {
     /// Whole seconds (etcd's unit).
     pub lease_ttl: Duration,
     pub session_ttl_min: Duration,
+    /// The gRPC address to listen on (`127.0.0.1:PORT`); a free port when unset. A
+    /// restarted proxy takes its predecessor's address, so clients reconnect to it.
+    pub listen: Option<String>,
     /// More `--flag value` arguments.
     pub extra_args: Vec<String>,
 }
@@ -39,6 +42,7 @@ impl ProxyOptions {
             leases: 4,
             lease_ttl: Duration::from_secs(3),
             session_ttl_min: Duration::from_millis(500),
+            listen: None,
             extra_args: Vec::new(),
         }
     }
@@ -65,8 +69,12 @@ impl ProxyProcess {
     /// Starts a proxy process without waiting for it to serve.
     pub fn spawn(options: &ProxyOptions, log_dir: &Path) -> anyhow::Result<Self> {
         let bin = bins::workspace_bin("lockcell-proxy")?;
-        let (port, admin_port) = (free_port(), free_port());
-        let addr = format!("127.0.0.1:{port}");
+        let admin_port = free_port();
+        let addr = options
+            .listen
+            .clone()
+            .unwrap_or_else(|| format!("127.0.0.1:{}", free_port()));
+        let port = addr.rsplit(':').next().unwrap_or_default().to_owned();
         let admin_addr = format!("127.0.0.1:{admin_port}");
         let log = log_dir.join(format!("proxy-{}-{port}.log", options.zone));
         let mut cmd = Command::new(bin);

@@ -4,16 +4,19 @@
 #![allow(dead_code)] // each test file uses part of it
 
 mod election;
+mod kv;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockcell_proto::v1::election_server::ElectionServer;
+use lockcell_proto::v1::kv_server::KvServer;
 use lockcell_proto::v1::lock_server::{Lock, LockServer};
 use lockcell_proto::v1::session_server::{Session as SessionApi, SessionServer};
+use lockcell_proto::v1::watch_server::WatchServer;
 use lockcell_proto::v1::{
     AcquireRequest, AcquireResponse, CheckSequencerRequest, CheckSequencerResponse, CloseRequest,
     CloseResponse, FencingToken, KeepAliveRequest, KeepAliveResponse, Leader, LockMode,
@@ -22,6 +25,8 @@ use lockcell_proto::v1::{
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
+
+pub use kv::{Store, WatchFault};
 
 /// Every wait in these tests is for a condition, bounded by this.
 pub const PATIENCE: Duration = Duration::from_secs(10);
@@ -55,6 +60,14 @@ pub struct Fake {
     pub resigned: watch::Sender<Vec<String>>,
     /// Set to end every Observe stream.
     pub cut_observers: watch::Sender<Cut>,
+    /// The small keys, with their history; watchers wake on every change.
+    pub store: watch::Sender<Store>,
+    /// Revisions before this one are compacted: a watch from them is refused.
+    pub compacted: AtomicI64,
+    /// How the coming Watch streams misbehave, one entry per stream.
+    pub watch_plan: Mutex<VecDeque<WatchFault>>,
+    /// The `start_revision` of every Watch call, in order.
+    pub watch_starts: watch::Sender<Vec<i64>>,
 }
 
 /// How the test ends Observe streams.
@@ -173,6 +186,7 @@ impl SessionApi for FakeProxy {
             leaders.retain(|_, leader| leader.session_id != id);
             leaders.len() != before
         });
+        self.0.drop_ephemeral(&id);
         self.0.closed.send_modify(|c| c.push(id));
         Ok(Response::new(CloseResponse { released }))
     }
@@ -310,7 +324,9 @@ pub async fn start(valid_for_ms: u64) -> Running {
         tonic::transport::Server::builder()
             .add_service(SessionServer::new(proxy.clone()))
             .add_service(LockServer::new(proxy.clone()))
-            .add_service(ElectionServer::new(proxy))
+            .add_service(ElectionServer::new(proxy.clone()))
+            .add_service(KvServer::new(proxy.clone()))
+            .add_service(WatchServer::new(proxy))
             .serve_with_incoming(TcpListenerStream::new(listener))
             .await
             .unwrap();

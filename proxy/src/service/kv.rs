@@ -1,21 +1,35 @@
 //! The Kv service: small keys under `/k/` with conditional writes; a write with a
 //! session is ephemeral (on the session's proxy lease, deleted when the session ends).
+//! Txn is a small multi-key compare-and-swap, checked whole before etcd sees it.
 
 use std::sync::Arc;
 
-use lockcell_cell::kv::{Condition, Entry};
+use lockcell_cell::kv::{Condition, Entry, Write};
 use lockcell_cell::locklog::Grant;
 use lockcell_cell::LockName;
 use lockcell_proto::v1::condition::When;
 use lockcell_proto::v1::kv_server::Kv as KvApi;
+use lockcell_proto::v1::txn_write::Op;
 use lockcell_proto::v1::{
     DeleteRequest, DeleteResponse, GetRequest, GetResponse, KeyValue, PutRequest, PutResponse,
+    TxnRequest, TxnResponse,
 };
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use crate::errors::ProxyError;
 use crate::state::ProxyState;
+
+/// Most compares and writes, together, in one Txn. etcd refuses a transaction whose
+/// compares, success ops or failure ops outnumber its `--max-txn-ops` (default 128),
+/// and ours has one failure op (a get) per compared key on top of the compares and the
+/// writes; 64 in all keeps every list at most half the default, and the call small.
+const MAX_TXN_OPS: usize = 64;
+
+/// Most bytes of keys and put values in one Txn. Each value is within
+/// `--max-value-bytes`, but 64 of them could pass etcd's `--max-request-bytes`
+/// (default 1.5 MiB), which etcd would refuse as a store error instead of a bad request.
+const MAX_TXN_BYTES: usize = 1024 * 1024;
 
 pub struct KvService {
     pub state: Arc<ProxyState>,
@@ -35,7 +49,7 @@ impl KvApi for KvService {
         }
         let read = self
             .state
-            .kv
+            .reads
             .get(
                 &req.key,
                 req.prefix,
@@ -43,8 +57,7 @@ impl KvApi for KvService {
                 req.revision,
                 req.serializable,
             )
-            .await
-            .map_err(ProxyError::from)?;
+            .await?;
         Ok(Response::new(GetResponse {
             kvs: read.entries.into_iter().map(wire).collect(),
             revision: read.revision,
@@ -57,15 +70,7 @@ impl KvApi for KvService {
         let req = request.into_inner();
         let state = &self.state;
         let name = key_name(&req.key)?;
-        let limit = state.config.max_value_bytes;
-        if req.value.len() > limit {
-            return Err(ProxyError::BadArgument(format!(
-                "the value for key {:?} is {} bytes, over the limit of {limit} bytes",
-                req.key,
-                req.value.len()
-            ))
-            .into());
-        }
+        value_within(&req.key, &req.value, state.config.max_value_bytes)?;
         let condition = condition(&req.key, req.condition)?;
         let session = if req.session_id.is_empty() {
             None
@@ -128,6 +133,117 @@ impl KvApi for KvService {
             revision: written.revision,
         }))
     }
+
+    #[tracing::instrument(skip_all, fields(
+        kv.compares = request.get_ref().compares.len(),
+        kv.writes = request.get_ref().writes.len(),
+    ))]
+    async fn txn(&self, request: Request<TxnRequest>) -> Result<Response<TxnResponse>, Status> {
+        let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;
+        let outcome = self
+            .state
+            .kv
+            .txn(&checked.when, checked.writes)
+            .await
+            .map_err(ProxyError::from)?;
+        Ok(Response::new(TxnResponse {
+            succeeded: outcome.succeeded,
+            revision: outcome.revision,
+            current: outcome.current.into_iter().map(wire).collect(),
+        }))
+    }
+}
+
+/// A Txn request that passed every check.
+#[derive(Debug)]
+struct CheckedTxn {
+    /// Each compared key with its condition, never [`Condition::Always`].
+    when: Vec<(LockName, Condition)>,
+    /// At least one; each key once.
+    writes: Vec<Write>,
+}
+
+/// Checks a Txn request whole, so that etcd never sees one it would refuse and a bad
+/// one writes nothing: its compares (each with a condition) and its writes (at least
+/// one, each key once, values within `max_value_bytes`).
+fn check_txn(req: TxnRequest, max_value_bytes: usize) -> Result<CheckedTxn, ProxyError> {
+    let ops = req.compares.len() + req.writes.len();
+    if ops > MAX_TXN_OPS {
+        return Err(ProxyError::BadArgument(format!(
+            "transaction has {} compares and {} writes, over the limit of {MAX_TXN_OPS} in all",
+            req.compares.len(),
+            req.writes.len()
+        )));
+    }
+    if req.writes.is_empty() {
+        return Err(ProxyError::BadArgument(
+            "transaction has no writes; it needs at least one (to read keys, use Get)".into(),
+        ));
+    }
+    let at = |place: String, e: ProxyError| ProxyError::BadArgument(format!("{place}: {e}"));
+    let mut when = Vec::with_capacity(req.compares.len());
+    for (i, compare) in req.compares.into_iter().enumerate() {
+        let place = || format!("compares[{i}]");
+        let name = key_name(&compare.key).map_err(|e| at(place(), e))?;
+        match condition(&compare.key, compare.condition).map_err(|e| at(place(), e))? {
+            Condition::Always => {
+                return Err(ProxyError::BadArgument(format!(
+                    "{}: the compare on key {:?} has no condition, so it would compare \
+                     nothing; set absent, mod_revision or version",
+                    place(),
+                    compare.key
+                )))
+            }
+            condition => when.push((name, condition)),
+        }
+    }
+    let mut writes: Vec<Write> = Vec::with_capacity(req.writes.len());
+    let mut bytes = 0;
+    for (i, write) in req.writes.into_iter().enumerate() {
+        let place = || format!("writes[{i}]");
+        let name = key_name(&write.key).map_err(|e| at(place(), e))?;
+        if let Some(first) = writes.iter().position(|w| w.name() == &name) {
+            return Err(ProxyError::BadArgument(format!(
+                "key {:?} is written twice (writes[{first}] and writes[{i}]); a transaction \
+                 may write each key once",
+                write.key
+            )));
+        }
+        bytes += write.key.len();
+        writes.push(match write.op {
+            Some(Op::Put(value)) => {
+                value_within(&write.key, &value, max_value_bytes).map_err(|e| at(place(), e))?;
+                bytes += value.len();
+                Write::Put(name, value)
+            }
+            Some(Op::Delete(true)) => Write::Delete(name),
+            None | Some(Op::Delete(false)) => {
+                return Err(ProxyError::BadArgument(format!(
+                    "{}: the write to key {:?} is neither a put nor a delete",
+                    place(),
+                    write.key
+                )))
+            }
+        });
+    }
+    if bytes > MAX_TXN_BYTES {
+        return Err(ProxyError::BadArgument(format!(
+            "transaction writes {bytes} bytes of keys and values, over the limit of \
+             {MAX_TXN_BYTES} bytes per transaction"
+        )));
+    }
+    Ok(CheckedTxn { when, writes })
+}
+
+/// Refuses a value over `limit`, naming the key and the limit.
+fn value_within(key: &str, value: &[u8], limit: usize) -> Result<(), ProxyError> {
+    if value.len() > limit {
+        return Err(ProxyError::BadArgument(format!(
+            "the value for key {key:?} is {} bytes, over the limit of {limit} bytes",
+            value.len()
+        )));
+    }
+    Ok(())
 }
 
 /// A small key's name: the lock-name rules, with errors that say "key".
@@ -155,7 +271,7 @@ fn condition(
     })
 }
 
-fn wire(e: Entry) -> KeyValue {
+pub(crate) fn wire(e: Entry) -> KeyValue {
     KeyValue {
         key: e.name,
         value: e.value,
@@ -163,5 +279,183 @@ fn wire(e: Entry) -> KeyValue {
         mod_revision: e.mod_revision,
         version: e.version,
         lease: e.lease,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lockcell_proto::v1::{Compare, TxnWrite};
+
+    use super::*;
+
+    const LIMIT: usize = 16;
+
+    fn compare(key: &str, when: Option<When>) -> Compare {
+        Compare {
+            key: key.into(),
+            condition: when.map(|w| lockcell_proto::v1::Condition { when: Some(w) }),
+        }
+    }
+
+    fn put(key: &str, value: &[u8]) -> TxnWrite {
+        TxnWrite {
+            key: key.into(),
+            op: Some(Op::Put(value.to_vec())),
+        }
+    }
+
+    fn delete(key: &str) -> TxnWrite {
+        TxnWrite {
+            key: key.into(),
+            op: Some(Op::Delete(true)),
+        }
+    }
+
+    fn refusal(compares: Vec<Compare>, writes: Vec<TxnWrite>) -> String {
+        match check_txn(TxnRequest { compares, writes }, LIMIT) {
+            Err(ProxyError::BadArgument(message)) => message,
+            other => panic!("not refused as a bad argument: {other:?}"),
+        }
+    }
+
+    fn name(s: &str) -> LockName {
+        LockName::parse(s).unwrap()
+    }
+
+    #[test]
+    fn a_good_txn_keeps_its_compares_and_writes_in_order() {
+        let CheckedTxn { when, writes } = check_txn(
+            TxnRequest {
+                compares: vec![
+                    compare("acct/a", Some(When::ModRevision(7))),
+                    compare("acct/b", Some(When::Absent(true))),
+                    compare("acct/c", Some(When::Version(2))),
+                ],
+                writes: vec![put("acct/a", b"9"), delete("acct/c"), put("acct/b", b"1")],
+            },
+            LIMIT,
+        )
+        .unwrap();
+        assert_eq!(
+            when,
+            [
+                (name("acct/a"), Condition::ModRevision(7)),
+                (name("acct/b"), Condition::Absent),
+                (name("acct/c"), Condition::Version(2)),
+            ]
+        );
+        assert_eq!(
+            writes,
+            [
+                Write::Put(name("acct/a"), b"9".to_vec()),
+                Write::Delete(name("acct/c")),
+                Write::Put(name("acct/b"), b"1".to_vec()),
+            ]
+        );
+        // No compares at all: an unconditional batch of writes.
+        let CheckedTxn { when, .. } = check_txn(
+            TxnRequest {
+                compares: vec![],
+                writes: vec![put("a", b"")],
+            },
+            LIMIT,
+        )
+        .unwrap();
+        assert!(when.is_empty());
+    }
+
+    #[test]
+    fn each_refusal_names_the_key_and_the_rule() {
+        let ok = || compare("a", Some(When::Absent(true)));
+        let cases = [
+            (vec![ok()], vec![], vec!["no writes"]),
+            (
+                vec![ok()],
+                vec![put("a/../b", b"1")],
+                vec!["writes[0]", "a/../b", "'..'"],
+            ),
+            (
+                vec![compare("", Some(When::Absent(true)))],
+                vec![put("a", b"1")],
+                vec!["compares[0]", "key is empty"],
+            ),
+            (
+                vec![ok(), compare("b", None)],
+                vec![put("a", b"1")],
+                vec!["compares[1]", "\"b\"", "no condition"],
+            ),
+            (
+                vec![compare("b", Some(When::Absent(false)))],
+                vec![put("a", b"1")],
+                vec!["compares[0]", "\"b\"", "no condition"],
+            ),
+            (
+                vec![compare("b", Some(When::ModRevision(0)))],
+                vec![put("a", b"1")],
+                vec!["compares[0]", "\"b\"", "must be positive"],
+            ),
+            (
+                vec![ok()],
+                vec![put("a", b"1"), put("b", b"2"), delete("a")],
+                vec!["\"a\"", "written twice", "writes[0] and writes[2]"],
+            ),
+            (
+                vec![ok()],
+                vec![put("b", b"1"), put("a", &[0; LIMIT + 1])],
+                vec!["writes[1]", "\"a\"", "17 bytes", "limit of 16 bytes"],
+            ),
+            (
+                vec![ok()],
+                vec![TxnWrite {
+                    key: "a".into(),
+                    op: None,
+                }],
+                vec!["writes[0]", "\"a\"", "neither a put nor a delete"],
+            ),
+        ];
+        for (compares, writes, words) in cases {
+            let message = refusal(compares, writes);
+            for word in words {
+                assert!(message.contains(word), "{message:?} lacks {word:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn size_limits_count_the_whole_txn() {
+        let keys: Vec<String> = (0..MAX_TXN_OPS).map(|i| format!("k{i}")).collect();
+        let writes = |n: usize| keys[..n].iter().map(|k| put(k, b"v")).collect::<Vec<_>>();
+        assert!(check_txn(
+            TxnRequest {
+                compares: vec![],
+                writes: writes(MAX_TXN_OPS),
+            },
+            LIMIT
+        )
+        .is_ok());
+        let message = refusal(
+            vec![compare("x", Some(When::Version(1)))],
+            writes(MAX_TXN_OPS),
+        );
+        assert!(
+            message.contains("1 compares and 64 writes") && message.contains("limit of 64"),
+            "{message}"
+        );
+        // Values each within the per-value limit, together over the per-call one.
+        let big = vec![0u8; MAX_TXN_BYTES / 2];
+        let message = match check_txn(
+            TxnRequest {
+                compares: vec![],
+                writes: vec![put("a", &big), put("b", &big), put("c", b"1")],
+            },
+            MAX_TXN_BYTES,
+        ) {
+            Err(ProxyError::BadArgument(message)) => message,
+            other => panic!("{other:?}"),
+        };
+        assert!(
+            message.contains(&format!("limit of {MAX_TXN_BYTES} bytes")),
+            "{message}"
+        );
     }
 }

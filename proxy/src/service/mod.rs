@@ -4,6 +4,7 @@ pub mod election;
 pub mod kv;
 pub mod lock;
 pub mod session;
+pub mod watch;
 
 use std::time::Duration;
 

@@ -1,12 +1,16 @@
 //! Small keys: conditional writes, reads through another proxy, ephemeral keys that go
-//! with their session or their proxy, bad keys and values refused.
+//! with their session or their proxy, bad keys and values refused, multi-key
+//! transactions raced through two proxies.
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use lockcell_proto::v1::condition::When;
 use lockcell_proto::v1::kv_client::KvClient;
-use lockcell_proto::v1::{Condition, DeleteRequest, GetRequest, OpenRequest, PutRequest};
+use lockcell_proto::v1::txn_write::Op;
+use lockcell_proto::v1::{
+    Compare, Condition, DeleteRequest, GetRequest, OpenRequest, PutRequest, TxnRequest, TxnWrite,
+};
 use lockcell_tests::eventually;
 use nix::sys::signal::Signal;
 use tonic::transport::Channel;
@@ -418,6 +422,211 @@ pub async fn lockctl_get_put_del_with_compare_and_swap() -> anyhow::Result<()> {
     ensure!(
         run(args(&["put", "config/../x", "1"])).await?.0 == Some(64),
         "a bad key did not exit 64"
+    );
+    Ok(())
+}
+
+/// A balance kept as a key's decimal value.
+fn balance(entry: &lockcell_client::Entry) -> anyhow::Result<i64> {
+    Ok(std::str::from_utf8(&entry.value)?.parse()?)
+}
+
+pub async fn a_raced_two_key_move_has_one_winner_and_is_never_half_done() -> anyhow::Result<()> {
+    use lockcell_client::{Client, Condition, Entry, Txn};
+    const ROUNDS: i64 = 10;
+    const PER_PROXY: usize = 3;
+    let (_etcd, proxies) = cell(&["a", "b"]).await?;
+    let mut clients = Vec::new();
+    for proxy in &proxies {
+        for _ in 0..PER_PROXY {
+            clients.push(Client::connect(&proxy.url()).await?);
+        }
+    }
+    let opened = clients[0]
+        .commit(
+            Txn::new()
+                .when("acct/a", Condition::Absent)
+                .when("acct/b", Condition::Absent)
+                .put("acct/a", ROUNDS.to_string().as_bytes())
+                .put("acct/b", b"0"),
+        )
+        .await?;
+    ensure!(opened.succeeded && opened.current.is_empty(), "{opened:?}");
+    for round in 0..ROUNDS {
+        // Every client reads both keys through its own proxy; nothing is being written,
+        // so all of them must see the last round's move, whole.
+        let mut reads = tokio::task::JoinSet::new();
+        for client in &clients {
+            let client = client.clone();
+            reads.spawn(async move {
+                let a = client.get("acct/a").await?.context("acct/a is gone")?;
+                let b = client.get("acct/b").await?.context("acct/b is gone")?;
+                anyhow::Ok((client, a, b))
+            });
+        }
+        let mut racers = Vec::new();
+        while let Some(read) = reads.join_next().await {
+            let (client, a, b) = read??;
+            ensure!(
+                (balance(&a)?, balance(&b)?) == (ROUNDS - round, round),
+                "round {round}: read a={a:?} b={b:?}"
+            );
+            ensure!(
+                a.mod_revision == b.mod_revision,
+                "round {round}: half a move: a={a:?} b={b:?}"
+            );
+            racers.push((client, a, b));
+        }
+        // Then all of them try the same move at once: one from a to b.
+        let mut moves = tokio::task::JoinSet::new();
+        for (client, a, b) in racers {
+            moves.spawn(async move {
+                let txn = Txn::new()
+                    .when("acct/a", Condition::ModRevision(a.mod_revision))
+                    .when("acct/b", Condition::ModRevision(b.mod_revision))
+                    .put("acct/a", (balance(&a)? - 1).to_string().as_bytes())
+                    .put("acct/b", (balance(&b)? + 1).to_string().as_bytes());
+                anyhow::Ok(client.commit(txn).await?)
+            });
+        }
+        let mut outcomes = Vec::new();
+        while let Some(outcome) = moves.join_next().await {
+            outcomes.push(outcome??);
+        }
+        let (won, lost): (Vec<_>, Vec<_>) = outcomes.into_iter().partition(|o| o.succeeded);
+        ensure!(
+            won.len() == 1 && won[0].current.is_empty(),
+            "round {round}: winners {won:?}"
+        );
+        let at = won[0].revision;
+        // A loser failed because the winner's move was in: it sees exactly that.
+        let after = |key: &str, value: i64, e: &Entry| {
+            e.key == key && balance(e).ok() == Some(value) && e.mod_revision == at
+        };
+        for loser in &lost {
+            let c = &loser.current;
+            ensure!(
+                c.len() == 2
+                    && after("acct/a", ROUNDS - round - 1, &c[0])
+                    && after("acct/b", round + 1, &c[1])
+                    && loser.revision >= at,
+                "round {round}: the winner wrote at {at}, a loser saw {loser:?}"
+            );
+        }
+    }
+    // Through the other proxy: every unit moved, both keys written by the last move.
+    let reader = &clients[PER_PROXY];
+    let a = reader.get("acct/a").await?.context("acct/a is gone")?;
+    let b = reader.get("acct/b").await?.context("acct/b is gone")?;
+    ensure!(
+        (balance(&a)?, balance(&b)?) == (0, ROUNDS)
+            && a.mod_revision == b.mod_revision
+            && b.version == ROUNDS + 1,
+        "after {ROUNDS} rounds: a={a:?} b={b:?}"
+    );
+    // Deletes and a put in one go; a stale retry then sees that the keys are gone.
+    let close = Txn::new()
+        .when("acct/a", Condition::ModRevision(a.mod_revision))
+        .when("acct/b", Condition::Version(b.version))
+        .delete("acct/a")
+        .delete("acct/b")
+        .put("acct/closed", b"yes");
+    let closed = clients[0].commit(close.clone()).await?;
+    ensure!(closed.succeeded, "{closed:?}");
+    let again = reader.commit(close).await?;
+    ensure!(
+        !again.succeeded && again.current.is_empty() && again.revision == closed.revision,
+        "a stale retry: {again:?}"
+    );
+    ensure!(reader.get_prefix("acct/").await?.len() == 1);
+    Ok(())
+}
+
+pub async fn bad_transactions_are_refused_by_name_and_write_nothing() -> anyhow::Result<()> {
+    use lockcell_client::{Client, Condition, Error, Txn};
+    let (etcd, proxies) = cell(&["a"]).await?;
+    let mut c = kv(&proxies[0]).await?;
+    let put = |key: &str, value: Vec<u8>| TxnWrite {
+        key: key.into(),
+        op: Some(Op::Put(value)),
+    };
+    let absent = |key: &str| Compare {
+        key: key.into(),
+        condition: when(When::Absent(true)),
+    };
+    let before = etcd.revision().await?;
+    let many: Vec<TxnWrite> = (0..65).map(|i| put(&format!("k/{i}"), vec![])).collect();
+    let cases: [(Vec<Compare>, Vec<TxnWrite>, &[&str]); 7] = [
+        (
+            vec![absent("dup/x")],
+            vec![
+                put("dup/x", b"1".to_vec()),
+                put("fine", b"1".to_vec()),
+                TxnWrite {
+                    key: "dup/x".into(),
+                    op: Some(Op::Delete(true)),
+                },
+            ],
+            &["\"dup/x\"", "written twice"],
+        ),
+        (
+            vec![],
+            vec![
+                put("fine", b"1".to_vec()),
+                put("big", vec![0; 64 * 1024 + 1]),
+            ],
+            &["\"big\"", "over the limit of 65536 bytes"],
+        ),
+        (
+            vec![],
+            vec![put("fine", b"1".to_vec()), put("a/../b", b"1".to_vec())],
+            &["writes[1]", "a/../b", "'..'"],
+        ),
+        (
+            vec![absent("a\u{1}b")],
+            vec![put("fine", b"1".to_vec())],
+            &["compares[0]", "control character"],
+        ),
+        (vec![absent("fine")], vec![], &["no writes"]),
+        (
+            vec![
+                absent("fine"),
+                Compare {
+                    key: "loose".into(),
+                    condition: None,
+                },
+            ],
+            vec![put("fine", b"1".to_vec())],
+            &["compares[1]", "\"loose\"", "no condition"],
+        ),
+        (vec![], many, &["65 writes", "limit of 64"]),
+    ];
+    for (compares, writes, words) in cases {
+        let status = c
+            .txn(TxnRequest { compares, writes })
+            .await
+            .expect_err("a bad transaction was accepted");
+        ensure!(status.code() == Code::InvalidArgument, "{status:?}");
+        for word in words {
+            ensure!(
+                status.message().contains(word),
+                "{:?} does not name {word:?}",
+                status.message()
+            );
+        }
+    }
+    // Through the SDK: a condition of Always is refused with the key's name.
+    let sdk = Client::connect(&proxies[0].url()).await?;
+    let txn = Txn::new()
+        .when("loose", Condition::Always)
+        .put("fine", b"1");
+    match sdk.commit(txn).await {
+        Err(Error::InvalidArgument(m)) if m.contains("\"loose\"") => {}
+        other => anyhow::bail!("a compare of nothing: {other:?}"),
+    }
+    ensure!(
+        etcd.revision().await? == before,
+        "refused transactions wrote to etcd"
     );
     Ok(())
 }

@@ -10,9 +10,12 @@ mod elections;
 mod faults;
 mod kv;
 mod locks;
+mod members;
 mod modes;
+mod reads;
 mod sessions;
 mod support;
+mod watches;
 
 use libtest_mimic::{Arguments, Trial};
 
@@ -57,6 +60,14 @@ fn main() {
         kv::bad_keys_and_values_are_refused_and_write_nothing,
         kv::sdk_membership_keys_go_when_the_session_closes,
         kv::lockctl_get_put_del_with_compare_and_swap,
+        kv::a_raced_two_key_move_has_one_winner_and_is_never_half_done,
+        kv::bad_transactions_are_refused_by_name_and_write_nothing,
+        members::members_leave_when_their_session_ends_or_their_proxy_dies,
+        reads::a_linearizable_read_through_any_proxy_sees_every_finished_write,
+        watches::events_arrive_once_in_order_across_a_proxy_restart_and_a_resume,
+        watches::compaction_and_bad_watches_are_reported_by_name,
+        watches::a_slow_watcher_is_cut_off_while_a_fast_one_keeps_receiving,
+        watches::a_thousand_watchers_over_three_proxies_cost_etcd_at_most_three_watchers,
         bad_input::bad_lock_names_are_refused_with_the_rule,
         bad_input::unknown_and_expired_sessions_are_told_apart,
         dev::make_dev_cell_runs_the_lockctl_example_and_stops_cleanly,

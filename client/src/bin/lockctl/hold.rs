@@ -404,7 +404,7 @@ async fn supervise(
 }
 
 /// Sends CMD SIGTERM, unless it has already exited.
-fn terminate(child: &Child) {
+pub(crate) fn terminate(child: &Child) {
     let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok()) else {
         return;
     };

@@ -1,5 +1,8 @@
 //! `lockctl get`, `put`, `del`: small keys (configuration) from scripts.
 
+use std::borrow::Cow;
+use std::fmt::Write as _;
+
 use lockcell_client::{Client, Condition};
 
 use crate::print_line;
@@ -13,7 +16,8 @@ pub(crate) const KV_LONG: &str = "\
 Small keys (configuration, routing tables) kept by lockcell under its key space.
 
 get KEY prints the value (exit 3 if there is no such key); get --prefix P prints
-KEY=VALUE lines for every key under P. put KEY VALUE writes it; with --if-absent only
+KEY=VALUE lines for every key under P. A value that is not UTF-8 text is printed as 0x
+and its bytes in hex. put KEY VALUE writes it; with --if-absent only
 when the key does not exist, with --if-revision R only when its last write was at
 revision R (compare-and-swap); a condition that does not hold writes nothing and exits 1
 printing the current revision. del KEY deletes (also with --if-revision).
@@ -63,22 +67,46 @@ pub(crate) async fn get(proxy: &str, args: &GetArgs) -> anyhow::Result<u8> {
     let client = Client::connect(proxy).await?;
     if args.prefix {
         for entry in client.get_prefix(&args.key).await? {
-            print_line(&format!(
-                "{}={}",
-                entry.key,
-                String::from_utf8_lossy(&entry.value)
-            ))?;
+            print_line(&format!("{}={}", entry.key, value_text(&entry.value)))?;
         }
         return Ok(0);
     }
     match client.get(&args.key).await? {
         Some(entry) if args.revision => print_line(&entry.mod_revision.to_string()).map(|()| 0),
-        Some(entry) => print_line(&String::from_utf8_lossy(&entry.value)).map(|()| 0),
+        Some(entry) => print_line(&value_text(&entry.value)).map(|()| 0),
         None => {
             eprintln!("lockctl: no key {:?}", args.key);
             Ok(MISSING)
         }
     }
+}
+
+/// A value as lockctl prints it: as text when it is UTF-8, else as `0x` and its bytes in
+/// hex (so binary values survive a terminal and a script).
+pub(crate) fn value_text(value: &[u8]) -> Cow<'_, str> {
+    match std::str::from_utf8(value) {
+        Ok(text) => Cow::Borrowed(text),
+        Err(_) => Cow::Owned(hex(value)),
+    }
+}
+
+/// A value as a field of a one-line record (lockctl watch, lockctl members): as
+/// [`value_text`], but in hex also when the text has a control character, so that a
+/// record is always exactly one line.
+pub(crate) fn value_field(value: &[u8]) -> Cow<'_, str> {
+    match value_text(value) {
+        Cow::Borrowed(text) if text.chars().any(char::is_control) => Cow::Owned(hex(value)),
+        shown => shown,
+    }
+}
+
+fn hex(value: &[u8]) -> String {
+    let mut out = String::with_capacity(2 + 2 * value.len());
+    out.push_str("0x");
+    for byte in value {
+        let _ = write!(out, "{byte:02x}");
+    }
+    out
 }
 
 pub(crate) async fn put(proxy: &str, args: &PutArgs) -> anyhow::Result<u8> {
@@ -117,4 +145,22 @@ pub(crate) async fn del(proxy: &str, args: &DelArgs) -> anyhow::Result<u8> {
         args.key
     );
     Ok(CONDITION_FAILED)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_print_as_text_or_hex() {
+        assert_eq!(value_text(b"10.0.0.7:5432"), "10.0.0.7:5432");
+        assert_eq!(value_text("héllo wörld".as_bytes()), "héllo wörld");
+        assert_eq!(value_text(b"two\nlines"), "two\nlines");
+        assert_eq!(value_text(&[0xff, 0x00, 0x1a]), "0xff001a");
+        assert_eq!(value_text(b""), "");
+        // One record, one line: control characters make a field hex.
+        assert_eq!(value_field(b"a b"), "a b");
+        assert_eq!(value_field(b"two\nlines"), "0x74776f0a6c696e6573");
+        assert_eq!(value_field(&[0xff]), "0xff");
+    }
 }

@@ -1,14 +1,17 @@
 //! `lockctl`: runs a command while holding a lockcell lock or leading an election, and
 //! stops it (SIGTERM) the moment that can no longer be trusted; also asks who leads an
-//! election and whether a fencing token is still current.
+//! election and whether a fencing token is still current; reads, writes and watches
+//! small keys; and announces or follows the members of a group.
 #![forbid(unsafe_code)]
 
+mod announce;
 mod check;
 mod exit;
 mod hold;
 mod kv;
 mod leader;
 mod signals;
+mod watch;
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -18,12 +21,14 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use lockcell_client::SessionOptions;
 
+use crate::announce::{AnnounceArgs, ANNOUNCE_LONG};
 use crate::check::{CheckArgs, CHECK_LONG};
 use crate::exit::failure_code;
 use crate::hold::{hold_and_run, ElectArgs, LockArgs, ELECT_LONG, LOCK_LONG};
 use crate::kv::{DelArgs, GetArgs, PutArgs, KV_LONG};
 use crate::leader::{LeaderArgs, LEADER_LONG, OBSERVE_LONG};
 use crate::signals::Signals;
+use crate::watch::{MembersArgs, WatchArgs, MEMBERS_LONG, WATCH_LONG};
 
 const ABOUT_LONG: &str = "\
 Run commands while holding lockcell locks or leading lockcell elections.
@@ -32,10 +37,14 @@ lockctl opens a session with a lockcell proxy, acquires a lock (lockctl lock) or
 campaigns until it leads an election (lockctl elect), runs a command while it holds
 that, and gives it up when the command ends. lockctl leader and lockctl observe tell
 who leads an election; lockctl check tells whether a fencing token is still current.
+lockctl get, put, del and watch read, write and follow small keys (configuration);
+lockctl announce makes this host a member of a group while it runs, and lockctl members
+lists or follows a group's members.
 
 Example:
   lockctl --proxy 10.0.0.7:7420 lock billing/nightly --timeout 30s -- ./nightly.sh --full
-  lockctl elect db/primary 10.0.0.7:5432 -- ./serve-primary.sh";
+  lockctl elect db/primary 10.0.0.7:5432 -- ./serve-primary.sh
+  lockctl announce web \"$(hostname)\" 10.0.0.7:8080 -- ./serve.sh";
 
 /// Command-line interface.
 #[derive(Debug, Parser)]
@@ -55,13 +64,13 @@ struct Cli {
     )]
     proxy: String,
 
-    /// Session TTL to request (lock, elect), e.g. 500ms, 12s. The session is renewed
-    /// every third of it; a shorter TTL frees the lock or leadership sooner if lockctl
-    /// dies, at the cost of renewals.
+    /// Session TTL to request (lock, elect, announce), e.g. 500ms, 12s. The session is renewed
+    /// every third of it; a shorter TTL frees the lock, leadership or membership sooner
+    /// if lockctl dies, at the cost of renewals.
     #[arg(long, default_value = "12s", value_parser = humantime::parse_duration, global = true)]
     ttl: Duration,
 
-    /// Identity recorded with the grant (lock, elect), for whoever investigates who
+    /// Identity recorded with the session (lock, elect, announce), for whoever investigates who
     /// held the lock or led (default: HOSTNAME/PID).
     #[arg(long, global = true)]
     identity: Option<String>,
@@ -96,6 +105,15 @@ enum Cmd {
     /// Delete a small key, optionally only at a revision.
     #[command(long_about = KV_LONG)]
     Del(DelArgs),
+    /// Print every change of a small key (or of every key under a prefix).
+    #[command(long_about = WATCH_LONG)]
+    Watch(WatchArgs),
+    /// Print the members of a group, or follow who joins and leaves.
+    #[command(long_about = MEMBERS_LONG)]
+    Members(MembersArgs),
+    /// Be a member of a group while lockctl (or CMD) runs.
+    #[command(long_about = ANNOUNCE_LONG)]
+    Announce(AnnounceArgs),
 }
 
 #[tokio::main]
@@ -158,6 +176,19 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Get(args) => kv::get(&proxy, &args).await,
         Cmd::Put(args) => kv::put(&proxy, &args).await,
         Cmd::Del(args) => kv::del(&proxy, &args).await,
+        Cmd::Watch(args) => {
+            let mut signals = Signals::new()?;
+            watch::watch(&proxy, &args, &mut signals).await
+        }
+        Cmd::Members(args) => {
+            let mut signals = Signals::new()?;
+            watch::members(&proxy, &args, &mut signals).await
+        }
+        Cmd::Announce(args) => {
+            // Installed first, as for lock: the session is always closed before leaving.
+            let mut signals = Signals::new()?;
+            announce::announce(&proxy, options, &args, &mut signals).await
+        }
     }
 }
 
@@ -297,5 +328,80 @@ mod tests {
         );
         // A malformed token is lockctl's to report (status 64), not clap's (status 2).
         assert!(parse(&["check", "jobs/x", "nonsense"]).is_ok());
+    }
+
+    #[test]
+    fn parses_the_watch_command() {
+        let watch = |args: &[&str]| match parse(args).map(|cli| cli.command) {
+            Ok(Cmd::Watch(args)) => Ok(args),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        };
+        let args = watch(&["watch", "config/a"]).unwrap();
+        let (key, opts) = args.target();
+        assert_eq!(
+            (key, opts.prefix, opts.start_revision),
+            ("config/a", false, 0)
+        );
+        let args = watch(&["watch", "--prefix", "config/", "--from", "42", "--prev"]).unwrap();
+        let (key, opts) = args.target();
+        assert_eq!(
+            (
+                key,
+                opts.prefix,
+                opts.start_revision,
+                opts.prev_kv,
+                opts.all_keys
+            ),
+            ("config/", true, 42, true, false)
+        );
+        let args = watch(&["watch", "--all"]).unwrap();
+        let (key, opts) = args.target();
+        assert_eq!((key, opts.prefix, opts.all_keys), ("", true, true));
+        let args = watch(&["watch", "--prefix", "", "--all"]).unwrap();
+        assert_eq!(args.target().0, "");
+        assert!(watch(&["watch"]).is_err(), "KEY, --prefix or --all");
+        assert!(watch(&["watch", "a", "--prefix", "b"]).is_err());
+        assert!(watch(&["watch", "a", "--all"]).is_err());
+        assert!(
+            watch(&["watch", "a", "--from", "0"]).is_err(),
+            "revisions start at 1"
+        );
+    }
+
+    #[test]
+    fn parses_the_membership_commands() {
+        let Cmd::Members(args) = parse(&["members", "web", "--watch"]).unwrap().command else {
+            panic!("members")
+        };
+        assert_eq!((args.group.as_str(), args.watch), ("web", true));
+        let cli = parse(&["--ttl", "3s", "announce", "web", "host-a", "10.0.0.7:80"]).unwrap();
+        assert_eq!(cli.ttl, Duration::from_secs(3));
+        let Cmd::Announce(args) = cli.command else {
+            panic!("announce")
+        };
+        assert_eq!(
+            (
+                args.group.as_str(),
+                args.member.as_str(),
+                args.value.as_str()
+            ),
+            ("web", "host-a", "10.0.0.7:80")
+        );
+        assert!(args.command.is_empty());
+        let cli = parse(&[
+            "announce", "web", "a", "v", "--ttl", "2s", "--", "serve", "-p", "80",
+        ])
+        .unwrap();
+        assert_eq!(cli.ttl, Duration::from_secs(2));
+        let Cmd::Announce(args) = cli.command else {
+            panic!("announce")
+        };
+        assert_eq!(args.command, ["serve", "-p", "80"].map(OsString::from));
+        assert!(parse(&["announce", "web", "a"]).is_err(), "VALUE");
+        assert!(
+            parse(&["announce", "web", "a", "v", "serve"]).is_err(),
+            "CMD only after --"
+        );
     }
 }

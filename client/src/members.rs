@@ -1,0 +1,373 @@
+//! Group membership on ephemeral small keys: a process [announces](Session::announce)
+//! itself in a group for as long as its session lives, and anyone can follow who is in
+//! the group ([`Client::members`]).
+//!
+//! Key layout (the only place it is built): member `<member>` of group `<group>` is the
+//! small key `members/<group>/<member>`, its value whatever the member announced (an
+//! address, say). Group names follow the key-name rules (`/`-separated segments, checked
+//! by the proxy), so groups nest: `svc` and `svc/web` are different groups. A member
+//! name is one segment: not empty, no `/`.
+
+use std::collections::BTreeMap;
+
+use lockcell_proto::v1::kv_client::KvClient;
+use lockcell_proto::v1::GetRequest;
+
+use crate::client::{Client, UNARY_TIMEOUT};
+use crate::error::{Call, Error};
+use crate::kv::{Condition, Entry, Written};
+use crate::session::Session;
+use crate::watch::{entry_from_wire, EventKind, WatchEvent, WatchOptions, Watcher};
+
+/// Where every group's members live.
+const MEMBERS_ROOT: &str = "members/";
+
+/// The key of `member` in `group`, once `member` is known to be one segment.
+fn member_key(group: &str, member: &str) -> Result<String, Error> {
+    if member.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "member name in group {group:?} is empty"
+        )));
+    }
+    if member.contains('/') {
+        return Err(Error::InvalidArgument(format!(
+            "member name {member:?} in group {group:?} contains '/'; a member name is one segment"
+        )));
+    }
+    Ok(format!("{}{member}", group_prefix(group)))
+}
+
+/// The prefix under which `group`'s members live.
+fn group_prefix(group: &str) -> String {
+    format!("{MEMBERS_ROOT}{group}/")
+}
+
+/// The member a key of the group under `prefix` stands for; `None` for a key of a
+/// nested group (`members/svc/web/a` is not a member of `svc`).
+fn member_of<'k>(prefix: &str, key: &'k str) -> Option<&'k str> {
+    key.strip_prefix(prefix)
+        .filter(|m| !m.is_empty() && !m.contains('/'))
+}
+
+impl Session {
+    /// Makes `member` a member of `group` with `value` for as long as this session
+    /// lives: the key is ephemeral, so the member leaves when the session is closed,
+    /// expires, or its proxy goes. Announcing again changes the value. The last session
+    /// to announce a member name owns it.
+    ///
+    /// [`Error::InvalidArgument`]: `member` is empty or contains `/`, or the proxy
+    /// refused the group name.
+    pub async fn announce(
+        &self,
+        group: &str,
+        member: &str,
+        value: &[u8],
+    ) -> Result<Written, Error> {
+        let key = member_key(group, member)?;
+        self.put_ephemeral(&key, value, Condition::Always).await
+    }
+}
+
+/// A change in a group's membership.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MemberChange {
+    /// A member that was not in the group is now.
+    Joined { member: String, value: Vec<u8> },
+    /// A member announced a new value.
+    Updated { member: String, value: Vec<u8> },
+    /// A member left (its session ended, or it was deleted).
+    Left { member: String },
+}
+
+/// A group's members as of a revision, kept up to date by [`changed`](Members::changed).
+/// From [`Client::members`].
+#[derive(Debug)]
+pub struct Members {
+    client: Client,
+    /// `members/<group>/`: events under it but for nested groups are ignored.
+    prefix: String,
+    current: BTreeMap<String, Vec<u8>>,
+    watcher: Watcher,
+}
+
+impl Client {
+    /// The members of `group` now (a linearizable read), followed from there on with no
+    /// change missed: the watch starts right after the read's revision.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::MemberChange;
+    ///
+    /// let mut web = client.members("web").await?;
+    /// println!("{} backends", web.current().len());
+    /// loop {
+    ///     for change in web.changed().await? {
+    ///         if let MemberChange::Left { member } = change {
+    ///             println!("{member} left");
+    ///         }
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub async fn members(&self, group: &str) -> Result<Members, Error> {
+        let prefix = group_prefix(group);
+        let (current, watcher) = self.list_and_watch(&prefix).await?;
+        Ok(Members {
+            client: self.clone(),
+            prefix,
+            current,
+            watcher,
+        })
+    }
+
+    /// Reads the group under `prefix` and watches it from the read's revision + 1.
+    async fn list_and_watch(
+        &self,
+        prefix: &str,
+    ) -> Result<(BTreeMap<String, Vec<u8>>, Watcher), Error> {
+        let (entries, revision) = read_prefix(self, prefix).await?;
+        let current = entries
+            .into_iter()
+            .filter_map(|e| Some((member_of(prefix, &e.key)?.to_owned(), e.value)))
+            .collect();
+        let watcher = self
+            .watch(prefix, WatchOptions::prefix().from_revision(revision + 1))
+            .await?;
+        Ok((current, watcher))
+    }
+}
+
+impl Members {
+    /// Who is in the group, with the values they announced, as of
+    /// [`revision`](Members::revision).
+    pub fn current(&self) -> &BTreeMap<String, Vec<u8>> {
+        &self.current
+    }
+
+    /// The revision [`current`](Members::current) reflects.
+    pub fn revision(&self) -> i64 {
+        self.watcher.revision()
+    }
+
+    /// Waits for the next change of membership, applies it to
+    /// [`current`](Members::current) and returns it (in order; never empty).
+    ///
+    /// Going on needs no help from the application: a watch cut off for falling behind
+    /// resumes where it was, and one whose revisions were compacted away (after a long
+    /// outage) is replaced by a fresh read, whose difference from `current` is returned.
+    /// [`Error::Unavailable`]: the proxy could not be reached for a while; calling
+    /// again goes on from the same place.
+    pub async fn changed(&mut self) -> Result<Vec<MemberChange>, Error> {
+        loop {
+            match self.watcher.next().await {
+                Ok(batch) => {
+                    let changes = apply(&mut self.current, &self.prefix, &batch.events);
+                    if !changes.is_empty() {
+                        return Ok(changes);
+                    }
+                }
+                Err(Error::WatchCutOff { resume_from, .. }) => {
+                    tracing::info!(members.group = %self.prefix, resume_from, "membership watch cut off; resuming");
+                }
+                Err(Error::Compacted {
+                    compact_revision, ..
+                }) => {
+                    tracing::info!(members.group = %self.prefix, compact_revision, "membership watch compacted; reading the group again");
+                    let (fresh, watcher) = self.client.list_and_watch(&self.prefix).await?;
+                    let changes = diff(&self.current, &fresh);
+                    self.current = fresh;
+                    self.watcher = watcher;
+                    if !changes.is_empty() {
+                        return Ok(changes);
+                    }
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+}
+
+/// A linearizable read of every key under `prefix`, with the revision it reflects.
+/// (Here rather than in `kv.rs`, whose reads return only the entries.)
+async fn read_prefix(client: &Client, prefix: &str) -> Result<(Vec<Entry>, i64), Error> {
+    let mut request = tonic::Request::new(GetRequest {
+        key: prefix.to_owned(),
+        prefix: true,
+        ..Default::default()
+    });
+    request.set_timeout(UNARY_TIMEOUT);
+    let reply = KvClient::new(client.channel())
+        .get(request)
+        .await
+        .map_err(|s| Error::from_status(s, Call::Unbound))?
+        .into_inner();
+    if reply.more {
+        return Err(Error::Protocol(format!(
+            "the read of {prefix:?} was cut short although it asked for no limit"
+        )));
+    }
+    Ok((
+        reply.kvs.into_iter().map(entry_from_wire).collect(),
+        reply.revision,
+    ))
+}
+
+/// Applies `events` to `current` and says what changed, in order. A write that leaves
+/// a member's value as it was is no change.
+fn apply(
+    current: &mut BTreeMap<String, Vec<u8>>,
+    prefix: &str,
+    events: &[WatchEvent],
+) -> Vec<MemberChange> {
+    let mut changes = Vec::new();
+    for event in events {
+        let Some(member) = member_of(prefix, &event.entry.key) else {
+            continue;
+        };
+        let member = member.to_owned();
+        match event.kind {
+            EventKind::Put => {
+                let value = event.entry.value.clone();
+                match current.insert(member.clone(), value.clone()) {
+                    None => changes.push(MemberChange::Joined { member, value }),
+                    Some(old) if old != value => {
+                        changes.push(MemberChange::Updated { member, value })
+                    }
+                    Some(_) => {}
+                }
+            }
+            EventKind::Delete => {
+                if current.remove(&member).is_some() {
+                    changes.push(MemberChange::Left { member });
+                }
+            }
+        }
+    }
+    changes
+}
+
+/// What turns membership `old` into `new`: the members that left, then those that
+/// joined or changed value, each in name order.
+fn diff(old: &BTreeMap<String, Vec<u8>>, new: &BTreeMap<String, Vec<u8>>) -> Vec<MemberChange> {
+    let left = old
+        .keys()
+        .filter(|m| !new.contains_key(*m))
+        .map(|m| MemberChange::Left { member: m.clone() });
+    let arrived = new
+        .iter()
+        .filter_map(|(member, value)| match old.get(member) {
+            None => Some(MemberChange::Joined {
+                member: member.clone(),
+                value: value.clone(),
+            }),
+            Some(was) if was != value => Some(MemberChange::Updated {
+                member: member.clone(),
+                value: value.clone(),
+            }),
+            Some(_) => None,
+        });
+    left.chain(arrived).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WEB: &str = "members/web/";
+
+    fn event(kind: EventKind, key: &str, value: &str, revision: i64) -> WatchEvent {
+        WatchEvent {
+            kind,
+            entry: Entry {
+                key: key.into(),
+                value: value.into(),
+                create_revision: revision,
+                mod_revision: revision,
+                version: 1,
+                ephemeral: kind == EventKind::Put,
+            },
+            prev: None,
+        }
+    }
+
+    fn joined(member: &str, value: &str) -> MemberChange {
+        MemberChange::Joined {
+            member: member.into(),
+            value: value.into(),
+        }
+    }
+
+    fn group(members: &[(&str, &str)]) -> BTreeMap<String, Vec<u8>> {
+        members
+            .iter()
+            .map(|(m, v)| ((*m).to_owned(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn keys_are_members_of_one_group() {
+        assert_eq!(member_key("web", "a").unwrap(), "members/web/a");
+        assert_eq!(
+            member_key("svc/web", "host-1:80").unwrap(),
+            "members/svc/web/host-1:80"
+        );
+        for bad in ["", "a/b", "/"] {
+            let err = member_key("web", bad).unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidArgument(ref m) if m.contains("\"web\"")),
+                "{bad:?}: {err:?}"
+            );
+        }
+        assert_eq!(member_of(WEB, "members/web/a"), Some("a"));
+        assert_eq!(member_of(WEB, "members/web/api/a"), None, "a nested group");
+        assert_eq!(member_of(WEB, "members/web/"), None);
+        assert_eq!(member_of(WEB, "members/webx/a"), None);
+    }
+
+    #[test]
+    fn events_become_joins_updates_and_departures() {
+        let mut current = group(&[("a", "10.0.0.1")]);
+        let events = [
+            event(EventKind::Put, "members/web/b", "10.0.0.2", 5),
+            event(EventKind::Put, "members/web/a", "10.0.0.9", 6),
+            // Announced again with the same value: nothing changed.
+            event(EventKind::Put, "members/web/a", "10.0.0.9", 7),
+            event(EventKind::Delete, "members/web/b", "", 8),
+            // Someone else's business: a nested group, an unknown member leaving.
+            event(EventKind::Put, "members/web/api/x", "1", 9),
+            event(EventKind::Delete, "members/web/zz", "", 10),
+        ];
+        let changes = apply(&mut current, WEB, &events);
+        assert_eq!(
+            changes,
+            [
+                joined("b", "10.0.0.2"),
+                MemberChange::Updated {
+                    member: "a".into(),
+                    value: "10.0.0.9".into()
+                },
+                MemberChange::Left { member: "b".into() },
+            ]
+        );
+        assert_eq!(current, group(&[("a", "10.0.0.9")]));
+        assert!(apply(&mut current, WEB, &[]).is_empty());
+    }
+
+    #[test]
+    fn a_fresh_read_is_told_as_the_difference() {
+        let old = group(&[("a", "1"), ("b", "2"), ("c", "3")]);
+        let new = group(&[("b", "2"), ("c", "30"), ("d", "4")]);
+        assert_eq!(
+            diff(&old, &new),
+            [
+                MemberChange::Left { member: "a".into() },
+                MemberChange::Updated {
+                    member: "c".into(),
+                    value: "30".into()
+                },
+                joined("d", "4"),
+            ]
+        );
+        assert!(diff(&new, &new).is_empty());
+    }
+}

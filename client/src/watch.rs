@@ -1,0 +1,489 @@
+//! Watches on small keys: a [`Watcher`] follows a key or a prefix through the proxy's
+//! fan-out and resumes across broken streams (a restarted proxy, a lost connection) so
+//! the application sees every revision once, in order.
+//!
+//! The bookkeeping is `position::Position`, a pure data structure: what the application
+//! has been given, and what a response adds to it. [`Watcher`] only moves bytes and
+//! retries.
+
+mod position;
+
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use lockcell_proto::v1::watch_client::WatchClient;
+use lockcell_proto::v1::{WatchRequest, WatchResponse};
+use tokio::time::Instant;
+use tonic::{Code, Status, Streaming};
+
+use crate::client::{Client, UNARY_TIMEOUT};
+use crate::error::{Call, Error};
+use crate::kv::Entry;
+
+pub(crate) use self::position::entry_from_wire;
+use self::position::Position;
+
+/// Reconnection pace after a broken stream: quick at first (a restarted proxy is back
+/// within a second), never slower than every two seconds.
+const RECONNECT_MIN: Duration = Duration::from_millis(50);
+const RECONNECT_MAX: Duration = Duration::from_secs(2);
+/// How long a (re)opened watch may take to say it is set up. The proxy answers at once
+/// unless it cannot serve, so this only bounds a proxy that hangs.
+const CREATED_TIMEOUT: Duration = UNARY_TIMEOUT;
+
+/// What to watch and how.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WatchOptions {
+    /// Watch every key starting with the given key rather than that one key.
+    pub prefix: bool,
+    /// Deliver every event from this revision on (0: from now). Pass the revision of a
+    /// read + 1 to follow on from that read with nothing missed.
+    pub start_revision: i64,
+    /// Deliver each event's previous value as well ([`WatchEvent::prev`]).
+    pub prev_kv: bool,
+    /// Ask for an empty [`WatchBatch`] after this long without events, so a quiet watch
+    /// still shows it is alive and up to date.
+    pub progress_interval: Option<Duration>,
+    /// Required to watch the empty prefix, i.e. every small key (a guard against doing
+    /// so by accident).
+    pub all_keys: bool,
+    /// For how long after a stream breaks the watcher keeps trying to resume it before
+    /// [`Watcher::next`] gives up with [`Error::Unavailable`].
+    pub reconnect_for: Duration,
+}
+
+impl Default for WatchOptions {
+    /// One key, from now, no previous values, no progress, resumed for up to 30 s.
+    fn default() -> Self {
+        WatchOptions {
+            prefix: false,
+            start_revision: 0,
+            prev_kv: false,
+            progress_interval: None,
+            all_keys: false,
+            reconnect_for: Duration::from_secs(30),
+        }
+    }
+}
+
+impl WatchOptions {
+    /// Watch every key under the given prefix: `client.watch("config/",
+    /// WatchOptions::prefix())`.
+    pub fn prefix() -> Self {
+        WatchOptions {
+            prefix: true,
+            ..WatchOptions::default()
+        }
+    }
+
+    /// Deliver every event from `revision` on.
+    pub fn from_revision(self, revision: i64) -> Self {
+        WatchOptions {
+            start_revision: revision,
+            ..self
+        }
+    }
+
+    /// Deliver each event's previous value as well.
+    pub fn with_prev_kv(self) -> Self {
+        WatchOptions {
+            prev_kv: true,
+            ..self
+        }
+    }
+
+    /// Ask for a progress batch after `every` without events.
+    pub fn with_progress(self, every: Duration) -> Self {
+        WatchOptions {
+            progress_interval: Some(every),
+            ..self
+        }
+    }
+
+    /// Allow watching the empty prefix (every small key).
+    pub fn allow_all_keys(self) -> Self {
+        WatchOptions {
+            all_keys: true,
+            ..self
+        }
+    }
+
+    /// Keep resuming a broken stream for up to `d`.
+    pub fn reconnecting_for(self, d: Duration) -> Self {
+        WatchOptions {
+            reconnect_for: d,
+            ..self
+        }
+    }
+}
+
+/// What happened to a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// Written (created or changed).
+    Put,
+    /// Deleted (explicitly, or an ephemeral key whose session ended).
+    Delete,
+}
+
+/// One change of one key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WatchEvent {
+    pub kind: EventKind,
+    /// The key after the event; for a delete, the key with an empty value and the
+    /// delete's revision as `mod_revision`.
+    pub entry: Entry,
+    /// The key before the event, when [`WatchOptions::prev_kv`] was asked for and it
+    /// existed.
+    pub prev: Option<Entry>,
+}
+
+/// What one [`Watcher::next`] delivers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WatchBatch {
+    /// Every event at or before this revision has now been delivered.
+    pub revision: i64,
+    /// The events, in revision order, every revision whole. Empty: a progress report
+    /// (nothing happened to the watched keys up to `revision`).
+    pub events: Vec<WatchEvent>,
+}
+
+/// A watch of a key or prefix, from [`Client::watch`].
+///
+/// It remembers the last revision it delivered. When the stream breaks (the proxy
+/// stops or loses etcd, the connection drops, the stream just ends), the next call to
+/// [`next`](Watcher::next) watches again from that revision + 1, with backoff, for up to
+/// [`WatchOptions::reconnect_for`]; events at or below what was already delivered are
+/// dropped, so the application sees no gap and no duplicate.
+#[derive(Debug)]
+pub struct Watcher {
+    client: Client,
+    /// The watch as first asked for; each reopening changes only `start_revision`.
+    request: WatchRequest,
+    reconnect_for: Duration,
+    position: Position,
+    /// `None` between a break and the reopening.
+    stream: Option<Streaming<WatchResponse>>,
+    /// Where the next reopening starts when not at `position` + 1: after a cut-off,
+    /// where the proxy said; after a failed reopening, where that one was to start.
+    resume_from: Option<i64>,
+    /// Set once the watched revisions were compacted away: the watch cannot go on.
+    compacted: Option<i64>,
+    backoff: ExponentialBackoff,
+    /// Whether the current stream has delivered something since it was set up, which
+    /// proves the path works: then a break is retried at once with a fresh backoff.
+    proven: bool,
+}
+
+impl Client {
+    /// Watches `key` (or, with [`WatchOptions::prefix`], every key under it). Returns
+    /// once the proxy has set the watch up; [`Watcher::revision`] then says after which
+    /// revision events are delivered.
+    ///
+    /// [`Error::Compacted`]: `start_revision` is older than etcd keeps; read the keys
+    /// and watch from the read's revision + 1.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::{Error, EventKind, WatchOptions};
+    ///
+    /// let mut watcher = client.watch("config/api/", WatchOptions::prefix()).await?;
+    /// loop {
+    ///     let batch = match watcher.next().await {
+    ///         Ok(batch) => batch,
+    ///         // Too slow for the proxy's buffers; the next call goes on with no gap.
+    ///         Err(Error::WatchCutOff { .. }) => continue,
+    ///         Err(error) => return Err(error),
+    ///     };
+    ///     for event in batch.events {
+    ///         match event.kind {
+    ///             EventKind::Put => println!("{} = {:?}", event.entry.key, event.entry.value),
+    ///             EventKind::Delete => println!("{} deleted", event.entry.key),
+    ///         }
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub async fn watch(&self, key: &str, opts: WatchOptions) -> Result<Watcher, Error> {
+        let request = WatchRequest {
+            key: key.to_owned(),
+            prefix: opts.prefix,
+            start_revision: opts.start_revision,
+            prev_kv: opts.prev_kv,
+            progress_interval_ms: opts.progress_interval.map_or(0, |d| {
+                u32::try_from(d.as_millis()).unwrap_or(u32::MAX).max(1)
+            }),
+            all_keys: opts.all_keys,
+        };
+        let (stream, created) = match open(self, request.clone()).await {
+            Ok(opened) => opened,
+            Err(Broken::Transient(reason)) => {
+                return Err(Error::Unavailable(format!(
+                    "cannot watch {key:?}: {reason}"
+                )))
+            }
+            Err(Broken::Fatal(error)) => return Err(error),
+        };
+        tracing::debug!(watch.key = key, watch.revision = created, "watch created");
+        Ok(Watcher {
+            client: self.clone(),
+            position: Position::created(opts.start_revision, created),
+            request,
+            reconnect_for: opts.reconnect_for,
+            stream: Some(stream),
+            resume_from: None,
+            compacted: None,
+            backoff: backoff(),
+            proven: false,
+        })
+    }
+}
+
+impl Watcher {
+    /// The key or prefix watched.
+    pub fn key(&self) -> &str {
+        &self.request.key
+    }
+
+    /// Every event at or before this revision has been delivered (at first: the
+    /// revision after which the watch delivers events).
+    pub fn revision(&self) -> i64 {
+        self.position.revision
+    }
+
+    /// The next batch of events, or a progress report (empty `events`).
+    ///
+    /// Errors: [`Error::WatchCutOff`] once when the proxy cut this watcher off for
+    /// falling behind (the next call goes on from where it says); [`Error::Compacted`]
+    /// when the revisions to resume from are gone (final: every later call says so too);
+    /// [`Error::Unavailable`] when a broken stream could not be resumed within
+    /// [`WatchOptions::reconnect_for`] (a later call tries again from the same place).
+    ///
+    /// Cancel-safe: a call dropped before it returns (in a `select!`, say) loses no
+    /// event; the next call goes on from the same place.
+    pub async fn next(&mut self) -> Result<WatchBatch, Error> {
+        if let Some(compact_revision) = self.compacted {
+            return Err(Error::Compacted {
+                key: self.request.key.clone(),
+                compact_revision,
+            });
+        }
+        loop {
+            let Some(stream) = self.stream.as_mut() else {
+                self.reopen().await?;
+                continue;
+            };
+            let broken = match stream.message().await {
+                Ok(Some(response)) => {
+                    if !self.proven {
+                        self.proven = true;
+                        self.backoff = backoff();
+                    }
+                    match self.position.accept(response) {
+                        Ok(Some(batch)) => return Ok(batch),
+                        Ok(None) => continue,
+                        Err(error) => Broken::Fatal(error),
+                    }
+                }
+                Ok(None) => Broken::Transient("the proxy ended the stream".to_owned()),
+                Err(status) => classify(status, &self.request.key),
+            };
+            self.stream = None;
+            match broken {
+                Broken::Transient(reason) => {
+                    tracing::debug!(watch.key = %self.request.key, %reason, "watch broke; resuming");
+                }
+                Broken::Fatal(error) => return Err(self.noted(error)),
+            }
+        }
+    }
+
+    /// Watches again from where the last stream left off, retrying transient failures
+    /// with backoff for up to `reconnect_for` (always at least once).
+    async fn reopen(&mut self) -> Result<(), Error> {
+        // Left in place until the watch is set up, in case this call is dropped.
+        let from = self.resume_from.unwrap_or(self.position.revision + 1);
+        let give_up_at = Instant::now() + self.reconnect_for;
+        let mut delay = if self.proven {
+            Duration::ZERO
+        } else {
+            self.next_delay()
+        };
+        self.proven = false;
+        loop {
+            tokio::time::sleep(delay).await;
+            let request = WatchRequest {
+                start_revision: from,
+                ..self.request.clone()
+            };
+            let reason = match open(&self.client, request).await {
+                Ok((stream, created)) => {
+                    self.resume_from = None;
+                    self.position.resumed(from, created);
+                    self.stream = Some(stream);
+                    tracing::debug!(watch.key = %self.request.key, watch.from = from, "watch resumed");
+                    return Ok(());
+                }
+                Err(Broken::Transient(reason)) => reason,
+                Err(Broken::Fatal(error)) => {
+                    self.resume_from = Some(from);
+                    return Err(self.noted(error));
+                }
+            };
+            delay = self.next_delay();
+            if Instant::now() + delay > give_up_at {
+                self.resume_from = Some(from);
+                // A later call starts over: quickly, and with a whole `reconnect_for`.
+                self.backoff = backoff();
+                return Err(Error::Unavailable(format!(
+                    "the watch on {:?} broke and could not be resumed from revision {from} \
+                     within {}: {reason}",
+                    self.request.key,
+                    humantime::format_duration(self.reconnect_for)
+                )));
+            }
+        }
+    }
+
+    fn next_delay(&mut self) -> Duration {
+        self.backoff.next().unwrap_or(RECONNECT_MAX)
+    }
+
+    /// Remembers what an error that ends a stream means for the next call.
+    fn noted(&mut self, error: Error) -> Error {
+        match error {
+            Error::WatchCutOff { resume_from, .. } => self.resume_from = Some(resume_from),
+            Error::Compacted {
+                compact_revision, ..
+            } => self.compacted = Some(compact_revision),
+            _ => {}
+        }
+        error
+    }
+}
+
+/// Why a stream (or an attempt to open one) stopped.
+enum Broken {
+    /// Worth resuming from where it stopped: the proxy is stopping or lost etcd, the
+    /// connection broke, the stream ended.
+    Transient(String),
+    /// To report: the proxy said something definite.
+    Fatal(Error),
+}
+
+/// UNAVAILABLE is the proxy's word for "resume elsewhere or later". A broken connection
+/// surfaces as UNKNOWN, INTERNAL or CANCELLED (tonic's codes for transport errors), and
+/// a timed-out one as DEADLINE_EXCEEDED. Every other code is the proxy's answer.
+fn classify(status: Status, key: &str) -> Broken {
+    match status.code() {
+        Code::Unavailable
+        | Code::Unknown
+        | Code::Internal
+        | Code::Cancelled
+        | Code::DeadlineExceeded
+        | Code::Aborted => Broken::Transient(format!("{:?}: {}", status.code(), status.message())),
+        _ => Broken::Fatal(Error::from_status(status, Call::Watch(key))),
+    }
+}
+
+/// Opens a watch and waits for its `created` response; returns the stream and that
+/// response's revision.
+async fn open(
+    client: &Client,
+    request: WatchRequest,
+) -> Result<(Streaming<WatchResponse>, i64), Broken> {
+    let key = request.key.clone();
+    let opening = async {
+        let mut stream = WatchClient::new(client.channel())
+            .watch(request)
+            .await
+            .map_err(|status| classify(status, &key))?
+            .into_inner();
+        match stream.message().await {
+            Ok(Some(first)) if first.created => Ok((stream, first.revision)),
+            Ok(Some(_)) => Err(Broken::Fatal(Error::Protocol(format!(
+                "the watch on {key:?} did not start with a created response"
+            )))),
+            Ok(None) => Err(Broken::Transient(
+                "the proxy ended the stream before setting the watch up".to_owned(),
+            )),
+            Err(status) => Err(classify(status, &key)),
+        }
+    };
+    match tokio::time::timeout(CREATED_TIMEOUT, opening).await {
+        Ok(opened) => opened,
+        Err(_) => Err(Broken::Transient(format!(
+            "the proxy did not set the watch up within {}",
+            humantime::format_duration(CREATED_TIMEOUT)
+        ))),
+    }
+}
+
+fn backoff() -> ExponentialBackoff {
+    ExponentialBuilder::default()
+        .with_min_delay(RECONNECT_MIN)
+        .with_max_delay(RECONNECT_MAX)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_failures_are_resumed_and_the_proxys_answers_reported() {
+        for status in [
+            Status::unavailable("stopping"),
+            Status::unknown("transport error"),
+            Status::internal("h2 protocol error"),
+            Status::cancelled("reset"),
+        ] {
+            assert!(
+                matches!(classify(status, "k"), Broken::Transient(_)),
+                "resumed"
+            );
+        }
+        assert!(matches!(
+            classify(Status::invalid_argument("bad key"), "k"),
+            Broken::Fatal(Error::InvalidArgument(_))
+        ));
+        let mut compacted = Status::out_of_range("compacted");
+        compacted
+            .metadata_mut()
+            .insert("lockcell-compact-revision", "7".parse().unwrap());
+        assert!(matches!(
+            classify(compacted, "k"),
+            Broken::Fatal(Error::Compacted {
+                compact_revision: 7,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn options_read_as_built() {
+        let opts = WatchOptions::prefix()
+            .from_revision(42)
+            .with_prev_kv()
+            .with_progress(Duration::from_secs(5))
+            .reconnecting_for(Duration::from_secs(3));
+        assert_eq!(
+            opts,
+            WatchOptions {
+                prefix: true,
+                start_revision: 42,
+                prev_kv: true,
+                progress_interval: Some(Duration::from_secs(5)),
+                all_keys: false,
+                reconnect_for: Duration::from_secs(3),
+            }
+        );
+        assert!(WatchOptions::prefix().allow_all_keys().all_keys);
+        assert_eq!(
+            WatchOptions::default().reconnect_for,
+            Duration::from_secs(30)
+        );
+    }
+}

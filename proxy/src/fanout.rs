@@ -1,0 +1,362 @@
+//! Watch fan-out: every local watcher of a key or prefix gets the events of the proxy's
+//! one watch over the cell, without asking etcd for anything.
+//!
+//! Watchers of the same key or prefix share one topic; an event is matched to topics by
+//! looking up its key and each of the key's prefixes, so the cost of an event does not
+//! grow with the number of topics. Delivery never waits: each watcher has a bounded
+//! backlog, and a watcher whose backlog is full is cut off (told the revision to resume
+//! from) instead of slowing the others.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use tokio::sync::mpsc;
+
+use crate::mirror::{KeyEvent, Topic};
+
+/// Events of whole revisions for one topic; `revision` is the last revision they cover.
+#[derive(Debug)]
+pub struct Batch {
+    pub revision: i64,
+    pub events: Vec<KeyEvent>,
+}
+
+impl Batch {
+    /// The first revision in the batch.
+    pub fn first_revision(&self) -> i64 {
+        self.events
+            .first()
+            .map(KeyEvent::revision)
+            .unwrap_or(self.revision)
+    }
+}
+
+/// Why a watcher's deliveries stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    /// Its backlog overflowed; every event before `resume` was delivered.
+    CutOff { resume: i64 },
+    /// The proxy's view of the cell broke (a compaction while etcd was away, or the
+    /// proxy is stopping); the watcher resumes from its last revision + 1.
+    FeedLost,
+}
+
+/// A watcher's end of the fan-out. Dropping it leaves the topic.
+pub struct Subscription {
+    /// The revision the fan-out had delivered when the watcher joined: it receives every
+    /// batch after it.
+    pub joined_at: i64,
+    pub batches: mpsc::Receiver<Arc<Batch>>,
+    /// Set before the sender is dropped, when deliveries stop for a reason.
+    pub end: Arc<OnceLock<End>>,
+    fanout: Arc<Fanout>,
+    topic: Topic,
+    id: u64,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.fanout.leave(&self.topic, self.id);
+    }
+}
+
+struct Watcher {
+    id: u64,
+    tx: mpsc::Sender<Arc<Batch>>,
+    end: Arc<OnceLock<End>>,
+}
+
+#[derive(Default)]
+struct Topics {
+    /// False until the first [`Fanout::open`] and after [`Fanout::end_all`]: the events
+    /// since the last publish may never come, so nobody may join.
+    open: bool,
+    /// The last revision published.
+    revision: i64,
+    exact: HashMap<String, Vec<Watcher>>,
+    prefixes: HashMap<String, Vec<Watcher>>,
+    next_id: u64,
+    watchers: usize,
+}
+
+impl Topics {
+    fn of(&mut self, prefix: bool) -> &mut HashMap<String, Vec<Watcher>> {
+        if prefix {
+            &mut self.prefixes
+        } else {
+            &mut self.exact
+        }
+    }
+}
+
+/// What a publish did, for metrics.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Published {
+    /// Batches handed to watchers.
+    pub delivered: u64,
+    /// Watchers cut off for a full backlog.
+    pub cut_off: u64,
+}
+
+/// The proxy's watchers, by topic.
+#[derive(Default)]
+pub struct Fanout {
+    topics: Mutex<Topics>,
+}
+
+impl Fanout {
+    /// Starts (or restarts) delivering, from a view of the cell at `revision`.
+    pub fn open(&self, revision: i64) {
+        let mut topics = self.topics.lock().expect("fan-out lock");
+        topics.open = true;
+        topics.revision = revision;
+    }
+
+    /// Joins `topic` with a backlog of `backlog` batches. While the fan-out is not open
+    /// the subscription comes back already ended ([`End::FeedLost`]).
+    pub fn subscribe(self: &Arc<Self>, topic: Topic, backlog: usize) -> Subscription {
+        let (tx, rx) = mpsc::channel(backlog.max(1));
+        let end = Arc::new(OnceLock::new());
+        let mut topics = self.topics.lock().expect("fan-out lock");
+        if !topics.open {
+            let _ = end.set(End::FeedLost);
+            return Subscription {
+                joined_at: topics.revision,
+                batches: rx,
+                end,
+                fanout: self.clone(),
+                topic,
+                id: u64::MAX,
+            };
+        }
+        let id = topics.next_id;
+        topics.next_id += 1;
+        topics.watchers += 1;
+        let joined_at = topics.revision;
+        topics
+            .of(topic.prefix)
+            .entry(topic.name.clone())
+            .or_default()
+            .push(Watcher {
+                id,
+                tx,
+                end: end.clone(),
+            });
+        Subscription {
+            joined_at,
+            batches: rx,
+            end,
+            fanout: self.clone(),
+            topic,
+            id,
+        }
+    }
+
+    /// The last revision published.
+    pub fn revision(&self) -> i64 {
+        self.topics.lock().expect("fan-out lock").revision
+    }
+
+    /// Watchers and distinct topics now.
+    pub fn counts(&self) -> (usize, usize) {
+        let topics = self.topics.lock().expect("fan-out lock");
+        (topics.watchers, topics.exact.len() + topics.prefixes.len())
+    }
+
+    /// Hands the events of the revisions up to `revision` to every watcher they match.
+    pub fn publish(&self, revision: i64, events: &[KeyEvent]) -> Published {
+        let mut topics = self.topics.lock().expect("fan-out lock");
+        topics.revision = topics.revision.max(revision);
+        let mut done = Published::default();
+        if events.is_empty() || topics.watchers == 0 {
+            return done;
+        }
+        let mut matched: HashMap<(bool, &str), Vec<KeyEvent>> = HashMap::new();
+        for event in events {
+            let name = event.entry.name.as_str();
+            if topics.exact.contains_key(name) {
+                matched
+                    .entry((false, name))
+                    .or_default()
+                    .push(event.clone());
+            }
+            let cuts = name.char_indices().map(|(i, _)| i).chain([name.len()]);
+            for cut in cuts {
+                if topics.prefixes.contains_key(&name[..cut]) {
+                    matched
+                        .entry((true, &name[..cut]))
+                        .or_default()
+                        .push(event.clone());
+                }
+            }
+        }
+        let matched: Vec<(bool, String, Arc<Batch>)> = matched
+            .into_iter()
+            .map(|((prefix, name), events)| {
+                (
+                    prefix,
+                    name.to_owned(),
+                    Arc::new(Batch { revision, events }),
+                )
+            })
+            .collect();
+        let mut gone = 0;
+        for (prefix, name, batch) in matched {
+            let Some(watchers) = topics.of(prefix).get_mut(&name) else {
+                continue;
+            };
+            watchers.retain(|w| match w.tx.try_send(batch.clone()) {
+                Ok(()) => {
+                    done.delivered += 1;
+                    true
+                }
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    let _ = w.end.set(End::CutOff {
+                        resume: batch.first_revision(),
+                    });
+                    done.cut_off += 1;
+                    gone += 1;
+                    false
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    gone += 1;
+                    false
+                }
+            });
+            if watchers.is_empty() {
+                topics.of(prefix).remove(&name);
+            }
+        }
+        topics.watchers -= gone;
+        done
+    }
+
+    /// Ends every watcher: the proxy can no longer promise them every event.
+    pub fn end_all(&self, why: End) {
+        let mut topics = self.topics.lock().expect("fan-out lock");
+        topics.open = false;
+        for watcher in topics
+            .exact
+            .values()
+            .chain(topics.prefixes.values())
+            .flatten()
+        {
+            let _ = watcher.end.set(why);
+        }
+        topics.exact.clear();
+        topics.prefixes.clear();
+        topics.watchers = 0;
+    }
+
+    fn leave(&self, topic: &Topic, id: u64) {
+        let mut topics = self.topics.lock().expect("fan-out lock");
+        let map = topics.of(topic.prefix);
+        let Some(watchers) = map.get_mut(&topic.name) else {
+            return;
+        };
+        let before = watchers.len();
+        watchers.retain(|w| w.id != id);
+        let left = before - watchers.len();
+        if watchers.is_empty() {
+            map.remove(&topic.name);
+        }
+        topics.watchers -= left;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mirror::EventKind;
+    use lockcell_cell::kv::Entry;
+
+    fn put(name: &str, rev: i64) -> KeyEvent {
+        KeyEvent {
+            kind: EventKind::Put,
+            entry: Entry {
+                name: name.into(),
+                value: Vec::new(),
+                create_revision: rev,
+                mod_revision: rev,
+                version: 1,
+                lease: 0,
+            },
+            prev: None,
+        }
+    }
+
+    fn topic(name: &str, prefix: bool) -> Topic {
+        Topic {
+            name: name.into(),
+            prefix,
+        }
+    }
+
+    #[test]
+    fn events_reach_exactly_the_topics_they_match() {
+        let fanout = Arc::new(Fanout::default());
+        fanout.open(0);
+        let mut group = fanout.subscribe(topic("members/a/", true), 8);
+        let mut loose = fanout.subscribe(topic("members/a", true), 8);
+        let mut key = fanout.subscribe(topic("members/a/1", false), 8);
+        let mut other = fanout.subscribe(topic("members/b/", true), 8);
+        let mut all = fanout.subscribe(topic("", true), 8);
+        assert_eq!(fanout.counts(), (5, 5));
+        fanout.publish(10, &[put("members/a/1", 9), put("members/ab", 10)]);
+        let names = |b: Arc<Batch>| -> Vec<String> {
+            b.events.iter().map(|e| e.entry.name.clone()).collect()
+        };
+        assert_eq!(names(group.batches.try_recv().unwrap()), ["members/a/1"]);
+        assert_eq!(
+            names(loose.batches.try_recv().unwrap()),
+            ["members/a/1", "members/ab"]
+        );
+        assert_eq!(names(key.batches.try_recv().unwrap()), ["members/a/1"]);
+        assert_eq!(all.batches.try_recv().unwrap().revision, 10);
+        assert!(other.batches.try_recv().is_err());
+        assert_eq!(fanout.revision(), 10);
+    }
+
+    #[test]
+    fn a_full_backlog_cuts_off_only_that_watcher_with_its_resume_revision() {
+        let fanout = Arc::new(Fanout::default());
+        fanout.open(0);
+        let mut slow = fanout.subscribe(topic("k", false), 2);
+        let mut fast = fanout.subscribe(topic("k", false), 2);
+        for rev in 1..=5 {
+            let done = fanout.publish(rev, &[put("k", rev)]);
+            let _ = fast.batches.try_recv().unwrap();
+            if rev == 3 {
+                assert_eq!(done.cut_off, 1);
+            }
+        }
+        assert_eq!(slow.end.get(), Some(&End::CutOff { resume: 3 }));
+        let got: Vec<i64> = std::iter::from_fn(|| slow.batches.try_recv().ok())
+            .map(|b| b.revision)
+            .collect();
+        assert_eq!(got, [1, 2], "everything before the resume revision");
+        assert_eq!(fanout.counts(), (1, 1));
+    }
+
+    #[test]
+    fn leaving_forgets_the_topic_and_joining_reports_the_position() {
+        let fanout = Arc::new(Fanout::default());
+        fanout.open(0);
+        fanout.publish(7, &[]);
+        let one = fanout.subscribe(topic("p/", true), 4);
+        assert_eq!(one.joined_at, 7);
+        drop(one);
+        assert_eq!(fanout.counts(), (0, 0));
+        let two = fanout.subscribe(topic("p/", true), 4);
+        fanout.end_all(End::FeedLost);
+        assert_eq!(two.end.get(), Some(&End::FeedLost));
+        drop(two);
+        assert_eq!(fanout.counts(), (0, 0));
+        let three = fanout.subscribe(topic("p/", true), 4);
+        assert_eq!(
+            three.end.get(),
+            Some(&End::FeedLost),
+            "nobody joins a fan-out that may have missed events"
+        );
+    }
+}

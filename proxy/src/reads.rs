@@ -1,0 +1,127 @@
+//! Small-key reads: linearizable ones through the read barrier and the mirror,
+//! serializable ones from the mirror alone, historical ones from etcd.
+//!
+//! When the mirror is not live (loading, or reloading after a compaction) or lags the
+//! barrier by more than the etcd timeout, reads go to etcd directly: slower, never
+//! staler.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockcell_cell::keyspace::{self, LockName};
+use lockcell_cell::kv::{Kv, Read};
+
+use crate::barrier::Barrier;
+use crate::errors::ProxyError;
+use crate::feed::Feed;
+use crate::metrics;
+use crate::mirror::Topic;
+
+/// The proxy's small-key reads.
+pub struct Reads {
+    pub feed: Arc<Feed>,
+    pub barrier: Barrier,
+    kv: Kv,
+    timeout: Duration,
+}
+
+/// A key's or prefix's topic, with the key rules checked (errors say "key").
+pub fn topic(key: &str, prefix: bool) -> Result<Topic, ProxyError> {
+    let bad = |e: keyspace::NameError| {
+        ProxyError::BadArgument(e.to_string().replacen("lock name", "key", 1))
+    };
+    let name = if prefix {
+        let full = keyspace::kv_prefix(key).map_err(bad)?;
+        keyspace::kv_name(full.as_bytes())
+            .expect("kv_prefix starts at the small-key root")
+            .to_owned()
+    } else {
+        LockName::parse(key).map_err(bad)?.as_str().to_owned()
+    };
+    Ok(Topic { name, prefix })
+}
+
+impl Reads {
+    pub fn new(feed: Arc<Feed>, barrier: Barrier, kv: Kv, timeout: Duration) -> Reads {
+        Reads {
+            feed,
+            barrier,
+            kv,
+            timeout,
+        }
+    }
+
+    /// A revision no older than every write that finished before the call.
+    pub async fn barrier(&self) -> Result<i64, ProxyError> {
+        self.barrier
+            .revision()
+            .await
+            .map_err(ProxyError::EtcdUnavailable)
+    }
+
+    /// One key or a prefix, as of now (or as of `revision` when it is not 0).
+    pub async fn get(
+        &self,
+        key: &str,
+        prefix: bool,
+        limit: i64,
+        revision: i64,
+        serializable: bool,
+    ) -> Result<Read, ProxyError> {
+        let topic = topic(key, prefix)?;
+        if revision > 0 {
+            let now = self.barrier().await?;
+            if revision > now {
+                return Err(ProxyError::BadArgument(format!(
+                    "read of {key:?} at revision {revision}: that revision is in the future (the store is at {now})"
+                )));
+            }
+            return self.direct(key, prefix, limit, revision, false).await;
+        }
+        if serializable {
+            if self.feed.is_live() {
+                return Ok(self.mirror_read(&topic, limit, "mirror"));
+            }
+            return self.direct(key, prefix, limit, 0, true).await;
+        }
+        if self.feed.is_live() {
+            let at = self.barrier().await?;
+            if self.feed.applied_through(at, self.timeout).await {
+                return Ok(self.mirror_read(&topic, limit, "barrier"));
+            }
+        }
+        self.direct(key, prefix, limit, 0, false).await
+    }
+
+    fn mirror_read(&self, topic: &Topic, limit: i64, path: &'static str) -> Read {
+        ::metrics::counter!(metrics::KV_READS, "path" => path).increment(1);
+        self.feed.with_mirror(|m| {
+            let (entries, more) = m.read(topic, limit);
+            Read {
+                entries,
+                revision: m.revision(),
+                more,
+            }
+        })
+    }
+
+    async fn direct(
+        &self,
+        key: &str,
+        prefix: bool,
+        limit: i64,
+        revision: i64,
+        serializable: bool,
+    ) -> Result<Read, ProxyError> {
+        ::metrics::counter!(metrics::KV_READS, "path" => "etcd").increment(1);
+        self.kv
+            .get(key, prefix, limit, revision, serializable)
+            .await
+            .map_err(|e| match e {
+                e if e.to_string().contains("compacted") => ProxyError::OutOfRange(format!(
+                    "read of {key:?} at revision {revision}: that revision is compacted (etcd keeps history only since its last compaction)"
+                )),
+                e => ProxyError::from(e),
+            })
+    }
+}

@@ -1,0 +1,383 @@
+//! The Watch service: watchers of small keys, fanned out from the proxy's one watch over
+//! the cell (see [`crate::feed`]).
+//!
+//! A watcher from now joins the fan-out at once. A watcher from an older revision first
+//! catches up on a watch of its own (over every key, so it sees every revision and knows
+//! exactly when it has reached the fan-out's position), while the fan-out queues what
+//! comes after; then it goes on from the queue, with no gap and no duplicate.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{WatchClient, WatchOptions};
+use lockcell_cell::keyspace;
+use lockcell_proto::v1::watch_event::Kind;
+use lockcell_proto::v1::watch_server::Watch as WatchApi;
+use lockcell_proto::v1::{WatchEvent, WatchRequest, WatchResponse};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataValue;
+use tonic::{Request, Response, Status};
+
+use crate::errors::ProxyError;
+use crate::fanout::{Batch, End, Subscription};
+use crate::feed::{self, MAX_WATCH_MESSAGE_BYTES};
+use crate::metrics;
+use crate::mirror::{EventKind, KeyEvent, Topic};
+use crate::service::kv::wire;
+use crate::state::ProxyState;
+
+/// Responses a watcher's stream holds before the fan-out backlog takes over.
+const STREAM_BUFFER: usize = 8;
+
+pub struct WatchService {
+    pub state: Arc<ProxyState>,
+}
+
+type Sent = Result<WatchResponse, Status>;
+
+#[tonic::async_trait]
+impl WatchApi for WatchService {
+    type WatchStream = ReceiverStream<Sent>;
+
+    #[tracing::instrument(skip_all, fields(watch.key = %request.get_ref().key, watch.prefix = request.get_ref().prefix))]
+    async fn watch(
+        &self,
+        request: Request<WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let req = request.into_inner();
+        let state = &self.state;
+        if req.start_revision < 0 {
+            return Err(ProxyError::BadArgument(format!(
+                "watch of {:?}: start revision {} is negative",
+                req.key, req.start_revision
+            ))
+            .into());
+        }
+        if req.prefix && req.key.trim_end_matches('/').is_empty() && !req.all_keys {
+            return Err(ProxyError::BadArgument(
+                "a watch on the empty prefix watches every small key; set all_keys to mean it"
+                    .to_owned(),
+            )
+            .into());
+        }
+        let topic = crate::reads::topic(&req.key, req.prefix)?;
+        let feed = &state.reads.feed;
+        if !feed.live_within(state.config.etcd_timeout).await {
+            return Err(ProxyError::EtcdUnavailable(
+                "the proxy is still loading the cell's small keys".to_owned(),
+            )
+            .into());
+        }
+        let sub = feed.fanout.subscribe(topic.clone(), feed.backlog());
+        if sub.end.get().is_some() {
+            return Err(ProxyError::EtcdUnavailable(
+                "the proxy is reloading the cell's small keys".to_owned(),
+            )
+            .into());
+        }
+        let joined = sub.joined_at;
+        let start = match req.start_revision {
+            0 => joined + 1,
+            r if r > joined + 1 => {
+                let now = state.reads.barrier().await?;
+                if r > now + 1 {
+                    return Err(ProxyError::BadArgument(format!(
+                        "watch of {:?} from revision {r}: that revision is in the future (the store is at {now})",
+                        req.key
+                    ))
+                    .into());
+                }
+                r
+            }
+            r => r,
+        };
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        let pump = Pump {
+            tx,
+            what: describe(&req),
+            topic,
+            start,
+            prev_kv: req.prev_kv,
+            progress: (req.progress_interval_ms > 0)
+                .then(|| Duration::from_millis(req.progress_interval_ms.into())),
+            applied: feed.subscribe_applied(),
+            shutdown: state.shutdown.clone(),
+            backlog: feed.backlog(),
+        };
+        let catch_up = (start <= joined).then(|| (state.etcd.watch_client(), joined));
+        tokio::spawn(pump.run(sub, catch_up));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+fn describe(req: &WatchRequest) -> String {
+    if req.prefix {
+        format!("prefix {:?}", req.key)
+    } else {
+        format!("key {:?}", req.key)
+    }
+}
+
+/// One watcher's delivery: catch-up, then the fan-out's queue.
+struct Pump {
+    tx: mpsc::Sender<Sent>,
+    what: String,
+    topic: Topic,
+    /// The first revision the watcher wants.
+    start: i64,
+    prev_kv: bool,
+    progress: Option<Duration>,
+    applied: watch::Receiver<i64>,
+    shutdown: watch::Receiver<bool>,
+    backlog: usize,
+}
+
+/// Why a catch-up stopped short.
+enum CatchUpError {
+    Compacted(i64),
+    Etcd(String),
+    ClientGone,
+}
+
+impl Pump {
+    async fn run(mut self, mut sub: Subscription, catch_up: Option<(WatchClient, i64)>) {
+        ::metrics::gauge!(metrics::WATCHERS).increment(1.0);
+        self.deliver(&mut sub, catch_up).await;
+        ::metrics::gauge!(metrics::WATCHERS).decrement(1.0);
+    }
+
+    async fn deliver(&mut self, sub: &mut Subscription, catch_up: Option<(WatchClient, i64)>) {
+        let mut last = self.start - 1;
+        if !self.send(response(true, last, Vec::new())).await {
+            return;
+        }
+        if let Some((client, through)) = catch_up {
+            match self.catch_up(client, through).await {
+                Ok(()) => last = through,
+                Err(CatchUpError::ClientGone) => return,
+                Err(CatchUpError::Compacted(compacted)) => {
+                    let mut status = Status::out_of_range(format!(
+                        "watch of {} from revision {}: history before revision {compacted} is compacted; read the keys again and watch from the read's revision",
+                        self.what, self.start
+                    ));
+                    insert(&mut status, "lockcell-compact-revision", compacted);
+                    let _ = self.tx.send(Err(status)).await;
+                    return;
+                }
+                Err(CatchUpError::Etcd(why)) => {
+                    let status = Status::unavailable(format!(
+                        "watch of {} could not catch up from revision {}: {why}; resume from the revision after the last one received",
+                        self.what, self.start
+                    ));
+                    let _ = self.tx.send(Err(status)).await;
+                    return;
+                }
+            }
+        }
+        let mut shutdown = self.shutdown.clone();
+        loop {
+            let quiet = async {
+                match self.progress {
+                    Some(every) => tokio::time::sleep(every).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                batch = sub.batches.recv() => match batch {
+                    Some(batch) => {
+                        if let Some(r) = self.batch(&batch, last) {
+                            last = batch.revision;
+                            if !self.send(r).await {
+                                return;
+                            }
+                        }
+                    }
+                    None => {
+                        let _ = self.tx.send(Err(self.ended(sub.end.get().copied(), last))).await;
+                        return;
+                    }
+                },
+                _ = quiet => {
+                    // Everything published up to `applied` is in the queue already.
+                    // Read before draining: a batch this watcher was cut off at was
+                    // dropped before `applied` reached it, so the drain then finds the
+                    // queue closed and no progress past it is claimed.
+                    let applied = *self.applied.borrow();
+                    loop {
+                        match sub.batches.try_recv() {
+                            Ok(batch) => {
+                                if let Some(r) = self.batch(&batch, last) {
+                                    last = batch.revision;
+                                    if !self.send(r).await {
+                                        return;
+                                    }
+                                }
+                            }
+                            Err(mpsc::error::TryRecvError::Empty) => break,
+                            Err(mpsc::error::TryRecvError::Disconnected) => {
+                                let _ = self.tx.send(Err(self.ended(sub.end.get().copied(), last))).await;
+                                return;
+                            }
+                        }
+                    }
+                    last = last.max(applied);
+                    if !self.send(response(false, last, Vec::new())).await {
+                        return;
+                    }
+                }
+                _ = self.tx.closed() => return,
+                _ = async { let _ = shutdown.wait_for(|s| *s).await; } => {
+                    let status = Status::unavailable(format!(
+                        "this proxy is shutting down; resume the watch of {} from revision {} on another proxy",
+                        self.what, last + 1
+                    ));
+                    let _ = self.tx.send(Err(status)).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The response for a fan-out batch: its events from the watcher's start on.
+    fn batch(&self, batch: &Batch, last: i64) -> Option<WatchResponse> {
+        if batch.revision <= last {
+            return None;
+        }
+        let events: Vec<WatchEvent> = batch
+            .events
+            .iter()
+            .filter(|e| e.revision() >= self.start && e.revision() > last)
+            .map(|e| self.event(e))
+            .collect();
+        (!events.is_empty()).then(|| response(false, batch.revision, events))
+    }
+
+    fn event(&self, e: &KeyEvent) -> WatchEvent {
+        WatchEvent {
+            kind: match e.kind {
+                EventKind::Put => Kind::Put,
+                EventKind::Delete => Kind::Delete,
+            } as i32,
+            kv: Some(wire(e.entry.clone())),
+            prev_kv: if self.prev_kv {
+                e.prev.clone().map(wire)
+            } else {
+                None
+            },
+        }
+    }
+
+    async fn send(&self, response: WatchResponse) -> bool {
+        if !response.events.is_empty() {
+            ::metrics::counter!(metrics::WATCH_EVENTS_SENT).increment(response.events.len() as u64);
+        }
+        self.tx.send(Ok(response)).await.is_ok()
+    }
+
+    fn ended(&self, end: Option<End>, last: i64) -> Status {
+        match end {
+            Some(End::CutOff { resume }) => {
+                let mut status = Status::resource_exhausted(format!(
+                    "watch of {} cut off: the watcher fell more than {} batches of events behind; resume from revision {resume}",
+                    self.what, self.backlog
+                ));
+                insert(&mut status, "lockcell-resume-revision", resume);
+                status
+            }
+            Some(End::FeedLost) | None => Status::unavailable(format!(
+                "watch of {} ended: the proxy lost its view of the cell and is reloading it; resume from revision {}",
+                self.what,
+                last + 1
+            )),
+        }
+    }
+
+    /// Sends the watcher's events from its start through `through` from a watch of its
+    /// own over every key: every revision has an event there, so reaching `through` is
+    /// certain and seen.
+    async fn catch_up(&self, client: WatchClient, through: i64) -> Result<(), CatchUpError> {
+        let mut options = WatchOptions::new()
+            .with_all_keys()
+            .with_start_revision(self.start);
+        if self.prev_kv {
+            options = options.with_prev_key();
+        }
+        let mut client = client.max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES);
+        let mut stream = client
+            .watch(vec![0u8], Some(options))
+            .await
+            .map_err(|e| CatchUpError::Etcd(e.to_string()))?;
+        ::metrics::counter!(metrics::WATCH_CATCH_UPS).increment(1);
+        loop {
+            let resp = match stream.message().await {
+                Ok(Some(resp)) => resp,
+                Ok(None) => return Err(CatchUpError::Etcd("etcd ended the watch".into())),
+                Err(e) => return Err(CatchUpError::Etcd(e.to_string())),
+            };
+            if resp.compact_revision() > 0 {
+                return Err(CatchUpError::Compacted(resp.compact_revision()));
+            }
+            if resp.canceled() {
+                return Err(CatchUpError::Etcd(resp.cancel_reason().to_owned()));
+            }
+            let Some(reached) = resp
+                .events()
+                .iter()
+                .filter_map(|e| e.kv())
+                .map(|kv| kv.mod_revision())
+                .max()
+            else {
+                continue;
+            };
+            let events: Vec<WatchEvent> = resp
+                .events()
+                .iter()
+                .filter_map(|e| self.caught_up_event(e, through))
+                .collect();
+            if !events.is_empty()
+                && !self
+                    .send(response(false, reached.min(through), events))
+                    .await
+            {
+                return Err(CatchUpError::ClientGone);
+            }
+            if reached >= through {
+                return Ok(());
+            }
+        }
+    }
+
+    fn caught_up_event(&self, e: &etcd_client::Event, through: i64) -> Option<WatchEvent> {
+        let (name, revision, put) = feed::change(e)?;
+        if revision > through || !self.topic.matches(&name) {
+            return None;
+        }
+        let prev = e
+            .prev_kv()
+            .and_then(|kv| Some(feed::entry(keyspace::kv_name(kv.key())?, kv)));
+        let event = match put {
+            Some(entry) => KeyEvent {
+                kind: EventKind::Put,
+                entry,
+                prev,
+            },
+            None => KeyEvent::deleted(name, revision, prev),
+        };
+        Some(self.event(&event))
+    }
+}
+
+fn response(created: bool, revision: i64, events: Vec<WatchEvent>) -> WatchResponse {
+    WatchResponse {
+        created,
+        revision,
+        events,
+    }
+}
+
+fn insert(status: &mut Status, key: &'static str, revision: i64) {
+    if let Ok(value) = MetadataValue::try_from(revision.to_string()) {
+        status.metadata_mut().insert(key, value);
+    }
+}

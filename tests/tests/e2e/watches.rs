@@ -1,0 +1,464 @@
+//! Watches on small keys: every event once, in revision order, across a proxy restart
+//! and a resume; compaction reported with its revision; a slow watcher cut off while a
+//! fast one keeps receiving; a thousand watchers that cost etcd nothing more.
+
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context};
+use lockcell_proto::v1::kv_client::KvClient;
+use lockcell_proto::v1::watch_client::WatchClient;
+use lockcell_proto::v1::watch_event::Kind;
+use lockcell_proto::v1::{DeleteRequest, GetRequest, PutRequest, WatchRequest, WatchResponse};
+use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess};
+use rand::Rng;
+use tonic::transport::Channel;
+use tonic::{Code, Status, Streaming};
+
+use crate::support::cell;
+
+/// An event as the tests compare them: revision, key, put or delete.
+type Seen = (i64, String, bool);
+
+async fn channel(proxy: &ProxyProcess) -> anyhow::Result<Channel> {
+    Ok(Channel::from_shared(proxy.url())?.connect().await?)
+}
+
+fn prefix_from(prefix: &str, start_revision: i64) -> WatchRequest {
+    WatchRequest {
+        key: prefix.to_owned(),
+        prefix: true,
+        start_revision,
+        ..Default::default()
+    }
+}
+
+/// Opens a watch and checks its first response says it is set up.
+async fn open(
+    channel: &Channel,
+    request: WatchRequest,
+) -> anyhow::Result<Streaming<WatchResponse>> {
+    let mut stream = WatchClient::new(channel.clone())
+        .watch(request)
+        .await?
+        .into_inner();
+    let first = stream
+        .message()
+        .await?
+        .context("watch ended before it was set up")?;
+    ensure!(
+        first.created,
+        "the first response is not the created one: {first:?}"
+    );
+    Ok(stream)
+}
+
+fn seen_in(response: &WatchResponse) -> Vec<Seen> {
+    response
+        .events
+        .iter()
+        .map(|e| {
+            let kv = e.kv.as_ref().expect("every event carries its key");
+            (kv.mod_revision, kv.key.clone(), e.kind == Kind::Put as i32)
+        })
+        .collect()
+}
+
+/// Reads events until `count` of them arrived, the stream ends, or `within` passes.
+async fn take(
+    stream: &mut Streaming<WatchResponse>,
+    count: usize,
+    within: Duration,
+) -> anyhow::Result<(Vec<Seen>, Option<Status>)> {
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + within;
+    while got.len() < count {
+        match tokio::time::timeout_at(deadline, stream.message()).await {
+            Err(_) => bail!("only {} of {count} events within {within:?}", got.len()),
+            Ok(Ok(Some(r))) => got.extend(seen_in(&r)),
+            Ok(Ok(None)) => bail!("the watch ended after {} events", got.len()),
+            Ok(Err(status)) => return Ok((got, Some(status))),
+        }
+    }
+    Ok((got, None))
+}
+
+/// Puts and deletes under `prefix` through `kv`, one at a time; returns every change as
+/// etcd recorded it.
+async fn write(
+    mut kv: KvClient<Channel>,
+    prefix: String,
+    ops: usize,
+    value_bytes: usize,
+) -> anyhow::Result<Vec<Seen>> {
+    let mut done = Vec::new();
+    for i in 0..ops {
+        let (key, delete) = {
+            let mut rng = rand::rng();
+            (
+                format!("{prefix}{}", rng.random_range(0..8)),
+                rng.random_bool(0.2),
+            )
+        };
+        if delete {
+            let reply = kv
+                .delete(DeleteRequest {
+                    key: key.clone(),
+                    condition: None,
+                })
+                .await?
+                .into_inner();
+            if reply.deleted > 0 {
+                done.push((reply.revision, key, false));
+            }
+        } else {
+            let mut value = format!("{i}-").into_bytes();
+            value.resize(value_bytes.max(value.len()), b'.');
+            let reply = kv
+                .put(PutRequest {
+                    key: key.clone(),
+                    value,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            done.push((reply.revision, key, true));
+        }
+    }
+    Ok(done)
+}
+
+fn first_difference(got: &[Seen], want: &[Seen]) -> String {
+    match got.iter().zip(want).position(|(g, w)| g != w) {
+        Some(i) => format!("event {i}: got {:?}, want {:?}", got[i], want[i]),
+        None => format!("got {} events, want {}", got.len(), want.len()),
+    }
+}
+
+pub async fn events_arrive_once_in_order_across_a_proxy_restart_and_a_resume() -> anyhow::Result<()>
+{
+    let (etcd, mut proxies) = cell(&["a", "b"]).await?;
+    let (a, b) = (channel(&proxies[0]).await?, channel(&proxies[1]).await?);
+    let start = etcd.revision().await? + 1;
+
+    // Two watchers of everything the writer will do: one through b, one through a.
+    let mut through_b = open(&b, prefix_from("w/", start)).await?;
+    let mut through_a = open(&a, prefix_from("w/", start)).await?;
+    let writer = tokio::spawn(write(KvClient::new(a.clone()), "w/".into(), 600, 16));
+
+    // b dies mid-stream; its watcher goes on through a new proxy from its last revision.
+    let (mut b_seen, _) = take(&mut through_b, 150, Duration::from_secs(30)).await?;
+    proxies[1].process.kill();
+    let b2 = ProxyProcess::start(&ProxyOptions::new("b", etcd.endpoints()), &etcd.dir).await?;
+    // a's watcher stops reading after 50 events and resumes once the writer is done,
+    // so its resume has to catch up on history.
+    let (mut a_seen, _) = take(&mut through_a, 50, Duration::from_secs(30)).await?;
+    drop(through_a);
+
+    let want = writer.await??;
+    let last = want.last().context("the writer wrote")?.0;
+    let resume_b = b_seen.last().unwrap().0 + 1;
+    let mut through_b2 = open(&channel(&b2).await?, prefix_from("w/", resume_b)).await?;
+    let rest = want.iter().filter(|e| e.0 >= resume_b).count();
+    b_seen.extend(
+        take(&mut through_b2, rest, Duration::from_secs(30))
+            .await?
+            .0,
+    );
+    let resume_a = a_seen.last().unwrap().0 + 1;
+    let mut again = open(&a, prefix_from("w/", resume_a)).await?;
+    let rest = want.iter().filter(|e| e.0 >= resume_a).count();
+    a_seen.extend(take(&mut again, rest, Duration::from_secs(30)).await?.0);
+
+    ensure!(
+        b_seen == want,
+        "through b and its replacement: {}",
+        first_difference(&b_seen, &want)
+    );
+    ensure!(
+        a_seen == want,
+        "through a with a resume: {}",
+        first_difference(&a_seen, &want)
+    );
+    ensure!(
+        proxies[0].metric("lockcell_watch_catch_ups_total").await? >= 1.0,
+        "a's resume was served by a catch-up"
+    );
+    // Nothing more comes: a put after the last revision is the next event.
+    KvClient::new(a.clone())
+        .put(PutRequest {
+            key: "w/after".into(),
+            value: b"x".to_vec(),
+            ..Default::default()
+        })
+        .await?;
+    let (next, _) = take(&mut again, 1, Duration::from_secs(10)).await?;
+    ensure!(next[0].0 > last && next[0].1 == "w/after", "then {next:?}");
+    Ok(())
+}
+
+pub async fn compaction_and_bad_watches_are_reported_by_name() -> anyhow::Result<()> {
+    let (etcd, proxies) = cell(&["a"]).await?;
+    let a = channel(&proxies[0]).await?;
+    let writes = write(KvClient::new(a.clone()), "c/".into(), 20, 8).await?;
+    let old = writes[2].0;
+    let compact_at = writes.last().unwrap().0;
+    etcd.client().await?.compact(compact_at, None).await?;
+
+    let mut stream = WatchClient::new(a.clone())
+        .watch(prefix_from("c/", old))
+        .await?
+        .into_inner();
+    let status = loop {
+        match stream.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => bail!("the watch from a compacted revision ended without an error"),
+            Err(status) => break status,
+        }
+    };
+    ensure!(status.code() == Code::OutOfRange, "compaction: {status:?}");
+    let reported = status
+        .metadata()
+        .get("lockcell-compact-revision")
+        .context("the compact revision is in the metadata")?
+        .to_str()?
+        .parse::<i64>()?;
+    ensure!(
+        reported == compact_at,
+        "compact revision {reported}, want {compact_at}"
+    );
+    ensure!(
+        status.message().contains(&compact_at.to_string()),
+        "{status:?}"
+    );
+
+    // A read at a compacted revision says so too.
+    let read = KvClient::new(a.clone())
+        .get(GetRequest {
+            key: "c/".into(),
+            prefix: true,
+            revision: old,
+            ..Default::default()
+        })
+        .await
+        .expect_err("compacted read");
+    ensure!(read.code() == Code::OutOfRange, "{read:?}");
+
+    let now = etcd.revision().await?;
+    let bad: Vec<(WatchRequest, &str)> = vec![
+        (prefix_from("", 0), "all_keys"),
+        (prefix_from("/", 0), "all_keys"),
+        (prefix_from("c/", now + 100), "in the future"),
+        (prefix_from("c/", -1), "negative"),
+        (prefix_from("a//b", 0), "empty segment"),
+        (
+            WatchRequest {
+                key: "../x".into(),
+                ..Default::default()
+            },
+            "..",
+        ),
+    ];
+    for (request, says) in bad {
+        let what = format!("{request:?}");
+        let status = match WatchClient::new(a.clone()).watch(request).await {
+            Ok(_) => bail!("{what} was accepted"),
+            Err(status) => status,
+        };
+        ensure!(
+            status.code() == Code::InvalidArgument && status.message().contains(says),
+            "{what}: {status:?} (want InvalidArgument saying {says:?})"
+        );
+    }
+    let future_read = KvClient::new(a.clone())
+        .get(GetRequest {
+            key: "c/1".into(),
+            revision: now + 100,
+            ..Default::default()
+        })
+        .await
+        .expect_err("a read in the future");
+    ensure!(
+        future_read.code() == Code::InvalidArgument && future_read.message().contains("future"),
+        "{future_read:?}"
+    );
+    ensure!(
+        etcd.revision().await? == now,
+        "bad watches and reads wrote nothing"
+    );
+    // With the flag, the whole space may be watched.
+    open(
+        &a,
+        WatchRequest {
+            all_keys: true,
+            ..prefix_from("", 0)
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+pub async fn a_slow_watcher_is_cut_off_while_a_fast_one_keeps_receiving() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec!["--watch-backlog".into(), "16".into()];
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    // Each watcher on a connection of its own, as two client processes would be.
+    let (fast_channel, slow_channel) = (channel(&proxy).await?, channel(&proxy).await?);
+    let mut slow = open(&slow_channel, prefix_from("s/", 0)).await?;
+    let mut fast = open(&fast_channel, prefix_from("s/", 0)).await?;
+    // The fast watcher reads as events come; the slow one reads nothing for now.
+    let fast_reader = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), fast.message()).await {
+                Ok(Ok(Some(r))) => seen.extend(seen_in(&r)),
+                Ok(Ok(None)) => return Ok(seen),
+                Ok(Err(status)) => return Err(status),
+                Err(_) => return Ok(seen),
+            }
+        }
+    });
+
+    let kv = KvClient::new(channel(&proxy).await?);
+    let writers: Vec<_> = (0..4)
+        .map(|w| tokio::spawn(write(kv.clone(), format!("s/{w}/"), 500, 2048)))
+        .collect();
+    let mut want = Vec::new();
+    for w in writers {
+        want.extend(w.await??);
+    }
+    want.sort();
+    let fast_seen = fast_reader
+        .await?
+        .map_err(|status| anyhow::anyhow!("the fast watcher was cut off: {status:?}"))?;
+    ensure!(
+        fast_seen == want,
+        "fast watcher: {}",
+        first_difference(&fast_seen, &want)
+    );
+    ensure!(
+        proxy.metric("lockcell_watchers_cut_off_total").await? >= 1.0,
+        "the slow watcher was cut off"
+    );
+
+    // The slow watcher gets what was queued for it, then the cut-off with the revision
+    // to resume from; resuming there leaves no gap and no duplicate.
+    let (mut slow_seen, ended) = take(&mut slow, want.len(), Duration::from_secs(60)).await?;
+    let status = ended.context("the slow watcher got every event without reading")?;
+    ensure!(status.code() == Code::ResourceExhausted, "{status:?}");
+    ensure!(
+        status.message().contains("resume from revision"),
+        "{status:?}"
+    );
+    let resume = status
+        .metadata()
+        .get("lockcell-resume-revision")
+        .context("the resume revision is in the metadata")?
+        .to_str()?
+        .parse::<i64>()?;
+    let delivered = slow_seen.len();
+    ensure!(
+        want.get(delivered).map(|e| e.0) == Some(resume),
+        "resume at {resume} after {delivered} events, want the next one: {:?}",
+        want.get(delivered)
+    );
+    let mut resumed = open(&slow_channel, prefix_from("s/", resume)).await?;
+    slow_seen.extend(
+        take(
+            &mut resumed,
+            want.len() - delivered,
+            Duration::from_secs(60),
+        )
+        .await?
+        .0,
+    );
+    ensure!(
+        slow_seen == want,
+        "slow watcher with its resume: {}",
+        first_difference(&slow_seen, &want)
+    );
+    println!(
+        "slow watcher cut off after {delivered} of {} events; resumed from revision {resume}",
+        want.len()
+    );
+    Ok(())
+}
+
+/// A gauge of etcd's own metrics, summed over members.
+async fn etcd_gauge(etcd: &EtcdCluster, name: &str) -> anyhow::Result<f64> {
+    let mut total = 0.0;
+    for endpoint in etcd.endpoints() {
+        let page = lockcell_tests::proxy::http_get(&endpoint, "/metrics").await?;
+        let value = page
+            .lines()
+            .find(|l| l.split(' ').next() == Some(name))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .with_context(|| format!("etcd at {endpoint} has no metric {name}"))?;
+        total += value;
+    }
+    Ok(total)
+}
+
+pub async fn a_thousand_watchers_over_three_proxies_cost_etcd_at_most_three_watchers(
+) -> anyhow::Result<()> {
+    let (etcd, proxies) = cell(&["a", "b", "c"]).await?;
+    let before = etcd_gauge(&etcd, "etcd_debugging_mvcc_watcher_total").await?;
+    // Ten connections to each proxy, taken in turn: proxy i % 3 serves watcher i.
+    let mut channels = Vec::new();
+    for _ in 0..10 {
+        for p in &proxies {
+            channels.push(channel(p).await?);
+        }
+    }
+    let mut streams = Vec::new();
+    for i in 0..1000 {
+        streams.push(open(&channels[i % channels.len()], prefix_from("m/", 0)).await?);
+    }
+    let after = etcd_gauge(&etcd, "etcd_debugging_mvcc_watcher_total").await?;
+    println!("etcd watchers: {before} before, {after} with 1,000 lockcell watchers on 3 proxies");
+    ensure!(
+        after - before <= 3.0,
+        "1,000 watchers cost etcd {} watchers",
+        after - before
+    );
+    for p in &proxies {
+        let local = p.metric("lockcell_watchers").await?;
+        ensure!(
+            (333.0..=334.0).contains(&local),
+            "proxy {} serves {local} watchers",
+            p.zone
+        );
+    }
+    let reply = KvClient::new(channels[0].clone())
+        .put(PutRequest {
+            key: "m/announce".into(),
+            value: b"here".to_vec(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut readers = tokio::task::JoinSet::new();
+    for mut stream in streams {
+        readers.spawn(async move { take(&mut stream, 1, Duration::from_secs(30)).await });
+    }
+    let mut told = 0;
+    while let Some(done) = readers.join_next().await {
+        let (got, _) = done??;
+        ensure!(
+            got == [(reply.revision, "m/announce".into(), true)],
+            "{got:?}"
+        );
+        told += 1;
+    }
+    ensure!(told == 1000);
+    eventually(
+        "etcd still has no more watchers",
+        Duration::from_secs(5),
+        || async {
+            let now = etcd_gauge(&etcd, "etcd_debugging_mvcc_watcher_total").await?;
+            Ok((now - before <= 3.0).then_some(()))
+        },
+    )
+    .await?;
+    Ok(())
+}
