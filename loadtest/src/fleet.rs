@@ -188,6 +188,16 @@ impl Fleet {
         self.connections[c].1.clone()
     }
 
+    /// Every connection's channel with the members that renew on it, so other calls of
+    /// those members (membership) share the connection as a process's client would.
+    pub fn connections(&self) -> impl Iterator<Item = (&Channel, std::ops::Range<usize>)> {
+        let (n, c) = (self.members.len(), self.connections.len());
+        self.connections
+            .iter()
+            .enumerate()
+            .map(move |(i, (_, channel))| (channel, share(n, c, i)))
+    }
+
     /// A channel of `zone` for lock calls (lockcell).
     pub fn channel(&self, zone: usize, hint: usize) -> Channel {
         let in_zone: Vec<&Channel> = self

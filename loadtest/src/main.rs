@@ -6,6 +6,7 @@ mod cluster;
 mod etcdpb;
 mod fleet;
 mod locks;
+mod members;
 mod progress;
 mod scenario;
 
@@ -61,12 +62,15 @@ struct Cli {
 enum Scenario {
     /// N sessions kept alive at TTL/renewals-per-TTL for a duration.
     Keepalive(scenario::keepalive::Args),
-    /// The seed's fleet; zone a dies; survivors wait on its locks.
+    /// The seed's fleet; zone a dies; survivors wait on its locks and see its members leave.
     ZoneFailure(scenario::zone_failure::Args),
     /// Uncontended acquire and release from C concurrent clients.
     Acquire(scenario::acquire::Args),
     /// W waiters on L locks across zones: handover latency and etcd cost per handover.
     Contention(scenario::contention::Args),
+    /// Linearizable reads of configuration keys by C concurrent clients: lockcell's read
+    /// barrier against etcd's linearizable range requests.
+    Reads(scenario::reads::Args),
     /// Every scenario against every target: small sizes (a few minutes), or --full.
     Bench {
         /// The seed's sizes: 120,000 sessions for 60 s, zone failure at scale 1.0.
@@ -136,6 +140,7 @@ async fn run(
                 }
                 Scenario::Acquire(args) => scenario::acquire::run(target, cell, args).await,
                 Scenario::Contention(args) => scenario::contention::run(target, cell, args).await,
+                Scenario::Reads(args) => scenario::reads::run(target, cell, args).await,
                 Scenario::Bench { .. } => unreachable!("bench expands into scenarios"),
             }
             .with_context(|| format!("{} against {}", name(scenario), target.name()))?;
@@ -168,13 +173,15 @@ fn name(scenario: &Scenario) -> String {
         Scenario::Acquire(a) if a.clients == 16 => "acquire".into(),
         Scenario::Acquire(a) => format!("acquire-c{}", a.clients),
         Scenario::Contention(_) => "contention".into(),
+        Scenario::Reads(a) if a.clients == 64 => "reads".into(),
+        Scenario::Reads(a) => format!("reads-c{}", a.clients),
         Scenario::Bench { .. } => "bench".into(),
     }
 }
 
 /// The scenarios `bench` runs: small enough for a few minutes here, or the seed's sizes.
 fn bench_plan(full: bool) -> Vec<Scenario> {
-    use scenario::{acquire, contention, keepalive, zone_failure};
+    use scenario::{acquire, contention, keepalive, reads, zone_failure};
     if full {
         return vec![
             Scenario::Keepalive(keepalive::Args {
@@ -188,11 +195,13 @@ fn bench_plan(full: bool) -> Vec<Scenario> {
                 scale: 1.0,
                 ttl: Duration::from_secs(12),
                 connections: 3_000,
+                no_membership: false,
             }),
             Scenario::ZoneFailure(zone_failure::Args {
                 scale: 0.2,
                 ttl: Duration::from_secs(12),
                 connections: 1_000,
+                no_membership: false,
             }),
             Scenario::Acquire(acquire::Args {
                 clients: 16,
@@ -206,6 +215,11 @@ fn bench_plan(full: bool) -> Vec<Scenario> {
                 waiters: 600,
                 locks: 6,
                 settle: Duration::from_secs(3),
+            }),
+            Scenario::Reads(reads::Args {
+                clients: 64,
+                keys: 1_000,
+                duration: Duration::from_secs(20),
             }),
         ];
     }
@@ -221,6 +235,7 @@ fn bench_plan(full: bool) -> Vec<Scenario> {
             scale: 0.02,
             ttl: Duration::from_secs(6),
             connections: 150,
+            no_membership: false,
         }),
         Scenario::Acquire(acquire::Args {
             clients: 8,
@@ -231,41 +246,58 @@ fn bench_plan(full: bool) -> Vec<Scenario> {
             locks: 4,
             settle: Duration::from_secs(2),
         }),
+        Scenario::Reads(reads::Args {
+            clients: 32,
+            keys: 200,
+            duration: Duration::from_secs(8),
+        }),
     ]
 }
 
 /// One SVG per plotted series, one line per target.
 fn plots(out: &Path, scenario: &str, reports: &[Report]) -> anyhow::Result<()> {
-    let (file, title, x, y, series) = if scenario == "keepalive" {
-        (
+    // (file, title, x axis, y axis, series)
+    let wanted: Vec<(String, &str, &str, &str, &str)> = if scenario == "keepalive" {
+        vec![(
             "keepalive-latency.svg".to_owned(),
             "keepalive round trip, p99 per second",
             "seconds",
             "ms",
             "keepalive_p99_ms_per_s",
-        )
+        )]
     } else if scenario.starts_with("zone-failure") {
-        (
-            format!("{scenario}-regrants.svg"),
-            "locks of the dead zone re-granted since the kill",
-            "seconds since kill",
-            "locks",
-            "regranted_since_kill",
-        )
+        vec![
+            (
+                format!("{scenario}-regrants.svg"),
+                "locks of the dead zone re-granted since the kill",
+                "seconds since kill",
+                "locks",
+                "regranted_since_kill",
+            ),
+            (
+                format!("{scenario}-departures.svg"),
+                "departures of the dead zone seen by survivors since the kill",
+                "seconds since kill",
+                "delete events",
+                "departures_seen_since_kill",
+            ),
+        ]
     } else {
-        return Ok(());
+        Vec::new()
     };
-    let lines: Vec<Line> = reports
-        .iter()
-        .filter_map(|r| {
-            r.series.get(series).map(|points| Line {
-                label: r.target.clone(),
-                points: points.clone(),
+    for (file, title, x, y, series) in wanted {
+        let lines: Vec<Line> = reports
+            .iter()
+            .filter_map(|r| {
+                r.series.get(series).map(|points| Line {
+                    label: r.target.clone(),
+                    points: points.clone(),
+                })
             })
-        })
-        .collect();
-    if !lines.is_empty() {
-        plot::line_plot(&out.join(&file), title, x, y, &lines)?;
+            .collect();
+        if !lines.is_empty() {
+            plot::line_plot(&out.join(&file), title, x, y, &lines)?;
+        }
     }
     Ok(())
 }

@@ -204,7 +204,22 @@ const GRPC_COUNTERS: &[(&str, &str, &str, &str)] = &[
     ),
 ];
 
-/// etcd's own request counters from one member's /metrics page, keyed: "lease_keepalives" (grpc_server_msg_received_total{grpc_method="LeaseKeepAlive"}), "lease_grants" (grpc_server_handled_total{grpc_method="LeaseGrant"}), "lease_revokes" (grpc_server_handled_total{grpc_method="LeaseRevoke"}), "txns" (grpc_server_handled_total{grpc_method="Txn"}), "ranges" (…{grpc_method="Range"}), "puts" (…"Put"), "watch_streams" (grpc_server_started_total{grpc_method="Watch"}), "proposals_committed" (etcd_server_proposals_committed_total), "proposals_applied" (etcd_server_proposals_applied_total).
+/// etcd's watch figures, (key, metric name). The first two are gauges (what is open
+/// now), to be read as they are, never as a delta; the third is a counter.
+const WATCH_FIGURES: &[(&str, &str)] = &[
+    // Open gRPC watch streams on the member (etcd 3.4: one per client `Watch` call).
+    (
+        "watch_streams_open",
+        "etcd_debugging_mvcc_watch_stream_total",
+    ),
+    // Open watchers (key ranges watched) on the member, over all its streams.
+    ("watchers_open", "etcd_debugging_mvcc_watcher_total"),
+    // Events the member handed to its watch streams to send: one per event per watcher
+    // it matched (two watchers of a prefix count a put under it twice).
+    ("watch_events_sent", "etcd_debugging_mvcc_events_total"),
+];
+
+/// etcd's own request counters from one member's /metrics page, keyed: "lease_keepalives" (grpc_server_msg_received_total{grpc_method="LeaseKeepAlive"}), "lease_grants" (grpc_server_handled_total{grpc_method="LeaseGrant"}), "lease_revokes" (grpc_server_handled_total{grpc_method="LeaseRevoke"}), "txns" (grpc_server_handled_total{grpc_method="Txn"}), "ranges" (…{grpc_method="Range"}), "puts" (…"Put"), "watch_streams" (grpc_server_started_total{grpc_method="Watch"}), "proposals_committed" (etcd_server_proposals_committed_total), "proposals_applied" (etcd_server_proposals_applied_total), and the watch figures "watch_streams_open", "watchers_open" (gauges) and "watch_events_sent" (counter).
 ///
 /// Per member, and the caller decides how to combine members. The gRPC counters count
 /// requests a member received from clients; each client request reaches one member
@@ -232,6 +247,9 @@ pub fn etcd_counters(page: &str) -> Counters {
         "proposals_applied".to_string(),
         sum(&samples, "etcd_server_proposals_applied_total", &[]),
     );
+    for (key, metric) in WATCH_FIGURES {
+        c.insert(key.to_string(), sum(&samples, metric, &[]));
+    }
     Counters(c)
 }
 
@@ -270,6 +288,15 @@ etcd_server_proposals_applied_total 104523
 # HELP etcd_server_proposals_committed_total The total number of consensus proposals committed.
 # TYPE etcd_server_proposals_committed_total gauge
 etcd_server_proposals_committed_total 104525
+# HELP etcd_debugging_mvcc_events_total Total number of events sent by this member.
+# TYPE etcd_debugging_mvcc_events_total counter
+etcd_debugging_mvcc_events_total 1600
+# HELP etcd_debugging_mvcc_watch_stream_total Total number of watch streams.
+# TYPE etcd_debugging_mvcc_watch_stream_total gauge
+etcd_debugging_mvcc_watch_stream_total 80
+# HELP etcd_debugging_mvcc_watcher_total Total number of watchers.
+# TYPE etcd_debugging_mvcc_watcher_total gauge
+etcd_debugging_mvcc_watcher_total 81
 # HELP grpc_server_handled_total Total number of RPCs completed on the server, regardless of success or failure.
 # TYPE grpc_server_handled_total counter
 grpc_server_handled_total{grpc_code="OK",grpc_method="LeaseGrant",grpc_service="etcdserverpb.Lease",grpc_type="unary"} 2000
@@ -377,6 +404,9 @@ etcd_disk_wal_fsync_duration_seconds_count 104530
         assert_eq!(c.get("watch_streams"), 4.0);
         assert_eq!(c.get("proposals_committed"), 104525.0);
         assert_eq!(c.get("proposals_applied"), 104523.0);
+        assert_eq!(c.get("watch_streams_open"), 80.0);
+        assert_eq!(c.get("watchers_open"), 81.0);
+        assert_eq!(c.get("watch_events_sent"), 1600.0);
         assert_eq!(
             etcd_requests(&c),
             123456.0 + 2003.0 + 10.0 + 5007.0 + 40.0 + 1.0 + 4.0

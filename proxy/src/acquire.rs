@@ -29,6 +29,8 @@ use crate::state::ProxyState;
 /// A waiter looks again on this period even without an event, so a missed watch event
 /// delays a grant by at most this much (a read each time, never a proposal).
 pub const POLL: Duration = Duration::from_secs(1);
+/// Pause of a fair waiter after etcd failed its turn.
+const RETRY_PAUSE: Duration = Duration::from_millis(250);
 
 /// One acquire or campaign.
 pub struct Call {
@@ -95,6 +97,12 @@ async fn arbitrated(
     let mut tried = false;
     // Read once per turn of the loop; the first turn uses the caller's read.
     let mut first = Some(session);
+    // The last time etcd failed this waiter; said if the wait runs out.
+    let mut trouble = None;
+    // A grant attempt failed midway: its transaction may have been applied, so the
+    // lock may be this session's own. Only another grant attempt (which finds its own
+    // key) tells; a read would see the lock held and wait on it forever.
+    let mut unsettled = false;
     loop {
         let session = match first.take() {
             Some(s) => s,
@@ -102,7 +110,14 @@ async fn arbitrated(
         };
         if tried || !ticket.may_try() {
             let Some(patience) = wait_budget(&session, give_up) else {
-                return Ok(None);
+                if unsettled {
+                    let settled = grant(state, call, &session, None).await?;
+                    if settled.is_some() {
+                        ticket.granted();
+                    }
+                    return Ok(settled);
+                }
+                return trouble.map_or(Ok(None), Err);
             };
             ticket.turn(patience).await;
             if !ticket.may_try() {
@@ -110,8 +125,18 @@ async fn arbitrated(
             }
             // Heads on other proxies were woken by the same release: a read (not a
             // proposal) tells whether one of them already has it.
-            if tried && state.locklog.is_held(&call.lock, call.mode).await?.0 {
-                continue;
+            if tried && !unsettled {
+                match state.locklog.is_held(&call.lock, call.mode).await {
+                    Ok((true, _)) => {
+                        trouble = None;
+                        continue;
+                    }
+                    Ok((false, _)) => trouble = None,
+                    Err(e) => {
+                        trouble = Some(ride_out(e.into(), &call.lock)?);
+                        continue;
+                    }
+                }
             }
         }
         if let Some(until) = state.events.delayed_until(&call.lock, class.lock_delay) {
@@ -122,11 +147,36 @@ async fn arbitrated(
         }
         // A session that ended while this waiter waited is caught when the grant is
         // recorded (and the grant undone).
-        if let Some(granted) = grant(state, call, &session, None).await? {
-            ticket.granted();
-            return Ok(Some(granted));
+        match grant(state, call, &session, None).await {
+            Ok(Some(granted)) => {
+                ticket.granted();
+                return Ok(Some(granted));
+            }
+            Ok(None) => {
+                trouble = None;
+                unsettled = false;
+            }
+            Err(e) => {
+                trouble = Some(ride_out(e, &call.lock)?);
+                unsettled = true;
+            }
         }
         tried = true;
+    }
+}
+
+/// An etcd failure a waiter rides out (etcd slow or away for a moment, as in the storm
+/// of a lost zone): the waiter tries again on its next turn, until its wait runs out.
+/// Retrying is safe: a grant whose reply was lost is found again as the session's own.
+/// Any other error ends the wait.
+fn ride_out(e: ProxyError, lock: &LockName) -> Result<ProxyError, ProxyError> {
+    match &e {
+        ProxyError::Store(c) | ProxyError::StoreDuring { source: c, .. } if c.is_retriable() => {
+            tracing::debug!(lock = %lock, error = %e, "etcd failed a waiter's turn; trying again");
+            metrics::counter!(m::WAIT_RETRIES).increment(1);
+            Ok(e)
+        }
+        _ => Err(e),
     }
 }
 
@@ -173,6 +223,53 @@ async fn fair(
         done: false,
     };
     loop {
+        let turn = fair_turn(state, call, class, give_up, &id, queued, &mut line).await;
+        let trouble = match turn {
+            Ok(Some(outcome)) => return Ok(outcome),
+            Ok(None) => None,
+            Err(e) => {
+                let trouble = ride_out(e, &call.lock)?;
+                let session = live(state, &call.session_id)?;
+                // A grant attempt that failed midway may have been applied: the lock is
+                // then this session's own, and no turn in line would ever find it free.
+                if let Ok(Some(_)) = state
+                    .locklog
+                    .held_by(&call.lock, call.mode, &call.session_id, session.lease)
+                    .await
+                {
+                    if let Some(granted) = grant(state, call, &session, None).await? {
+                        line.done = true;
+                        state
+                            .sessions
+                            .forget_grant(&call.session_id, &line.waiter.key, queued);
+                        return Ok(Some(granted));
+                    }
+                }
+                let Some(pause) = wait_budget(&session, give_up) else {
+                    return Err(trouble);
+                };
+                tokio::time::sleep(pause.min(RETRY_PAUSE)).await;
+                Some(trouble)
+            }
+        };
+        if give_up.is_some_and(|g| Instant::now() >= g) {
+            return trouble.map_or(Ok(None), Err);
+        }
+    }
+}
+
+/// One turn of a fair waiter: `Some(outcome)` when the wait is over (granted, or its
+/// time ran out), `None` to take another turn.
+async fn fair_turn(
+    state: &Arc<ProxyState>,
+    call: &Call,
+    class: &LockClass,
+    give_up: Option<Instant>,
+    id: &str,
+    queued: i64,
+    line: &mut LeaveLine,
+) -> Result<Option<Option<Granted>>, ProxyError> {
+    {
         let session = live(state, &call.session_id)?;
         match state.locklog.place(&call.lock, call.mode, queued).await? {
             Place::Behind { predecessor, .. } => {
@@ -184,7 +281,7 @@ async fn fair(
                 } = state.locklog.place(&call.lock, call.mode, queued).await?
                 {
                     let Some(patience) = wait_budget(&session, give_up) else {
-                        return Ok(None);
+                        return Ok(Some(None));
                     };
                     if again == predecessor {
                         sub.changed_after(seen_at, patience).await;
@@ -194,22 +291,21 @@ async fn fair(
             Place::Head { .. } => {
                 if let Some(until) = state.events.delayed_until(&call.lock, class.lock_delay) {
                     if !sleep_until(until, give_up).await {
-                        return Ok(None);
+                        return Ok(Some(None));
                     }
-                    continue;
+                    return Ok(None);
                 }
                 let mut sub = state.events.subscribe_lock(&call.lock);
                 // A waiter that just moved up usually finds its predecessor holding:
                 // a read says so without a proposal.
                 let (held, _) = state.locklog.is_held(&call.lock, call.mode).await?;
                 if !held {
-                    if let Some(granted) = grant(state, call, &session, Some((&id, queued))).await?
-                    {
+                    if let Some(granted) = grant(state, call, &session, Some((id, queued))).await? {
                         line.done = true;
                         state
                             .sessions
                             .forget_grant(&call.session_id, &line.waiter.key, queued);
-                        return Ok(Some(granted));
+                        return Ok(Some(Some(granted)));
                     }
                 }
                 // Held: wait for a release, reading (not proposing) until it is free.
@@ -220,13 +316,14 @@ async fn fair(
                     }
                     let session = live(state, &call.session_id)?;
                     let Some(wait) = wait_budget(&session, give_up) else {
-                        return Ok(None);
+                        return Ok(Some(None));
                     };
                     sub.changed_after(seen_at, wait).await;
                 }
             }
         }
     }
+    Ok(None)
 }
 
 /// Takes a fair waiter's key out of line when its wait ends without a grant.
@@ -365,5 +462,37 @@ async fn sleep_until(until: Instant, give_up: Option<Instant>) -> bool {
             tokio::time::sleep_until(until).await;
             true
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockcell_cell::CellError;
+
+    #[test]
+    fn a_waiter_rides_out_etcd_being_slow_but_not_other_errors() {
+        let lock = LockName::parse("a").unwrap();
+        let slow = ProxyError::Store(CellError::Timeout {
+            op: "acquire txn",
+            after: Duration::from_secs(2),
+        });
+        assert!(ride_out(slow, &lock).is_ok());
+        let during = ProxyError::StoreDuring {
+            context: "placing a waiter".into(),
+            source: CellError::Timeout {
+                op: "read",
+                after: Duration::from_secs(2),
+            },
+        };
+        assert!(ride_out(during, &lock).is_ok());
+        let corrupt = ProxyError::Store(CellError::CorruptRecord {
+            key: "/l/a/!x".into(),
+            reason: "not json".into(),
+        });
+        assert!(ride_out(corrupt, &lock).is_err());
+        assert!(ride_out(ProxyError::ShuttingDown, &lock).is_err());
+        let gone = ProxyError::session("s", crate::sessions::Gone::Unknown);
+        assert!(ride_out(gone, &lock).is_err());
     }
 }

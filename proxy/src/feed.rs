@@ -18,7 +18,8 @@ use etcd_client::{
 use lockcell_cell::error::with_timeout;
 use lockcell_cell::keyspace::{self, prefix_end};
 use lockcell_cell::kv::Entry;
-use tokio::sync::watch;
+use lockcell_cell::CellError;
+use tokio::sync::{watch, Notify};
 
 use crate::fanout::{End, Fanout};
 use crate::metrics;
@@ -27,8 +28,50 @@ use crate::mirror::Mirror;
 /// Largest watch response the proxy accepts: a proxy lease revoked with tens of
 /// thousands of keys on it arrives as one revision.
 pub const MAX_WATCH_MESSAGE_BYTES: usize = 512 * 1024 * 1024;
+/// Watchers catching up on history at once (each reads the cell's whole history from
+/// its start revision).
+const MAX_CATCH_UPS: usize = 16;
 /// Keys per read while loading the mirror.
 const LOAD_PAGE: i64 = 1_000;
+/// Failed restarts of the cell watch in a row, without an event between them, after
+/// which the proxy stops trusting its view and loads it again.
+const RESTARTS_BEFORE_RELOAD: u32 = 5;
+
+/// A hole in the revisions a watch over every key delivered: etcd lost events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gap {
+    /// The last revision seen whole.
+    pub after: i64,
+    /// The revision that came next.
+    pub got: i64,
+}
+
+impl std::fmt::Display for Gap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "etcd's watch went from revision {} to {}: the revisions between were never delivered",
+            self.after, self.got
+        )
+    }
+}
+
+/// Checks that `revisions` (in delivery order) continue a log seen whole through
+/// `seen` with no hole, and returns the last one. Every revision of the store but the
+/// first (an empty store is at revision 1) changes at least one key, so a watch over
+/// every key shows each of them; a hole means etcd dropped events (etcd 3.4 can, around
+/// compactions), and nothing built on the watch may be trusted past it.
+pub fn contiguous(seen: i64, revisions: impl IntoIterator<Item = i64>) -> Result<i64, Gap> {
+    let mut last = seen;
+    for got in revisions {
+        if got == last || got == last + 1 || (last <= 1 && got == 2) {
+            last = got;
+        } else {
+            return Err(Gap { after: last, got });
+        }
+    }
+    Ok(last)
+}
 
 /// The mirror, the fan-out and how far both have applied the cell's log.
 pub struct Feed {
@@ -37,8 +80,12 @@ pub struct Feed {
     applied: watch::Sender<i64>,
     /// True while the mirror is loaded and followed without a gap.
     live: watch::Sender<bool>,
+    /// Told when a read waited in vain for the mirror: the watch may be stuck.
+    stalled: Notify,
     pub fanout: Arc<Fanout>,
     backlog: usize,
+    /// Catch-ups of watchers from older revisions allowed at once.
+    pub catch_ups: Arc<tokio::sync::Semaphore>,
 }
 
 impl Feed {
@@ -47,8 +94,10 @@ impl Feed {
             mirror: RwLock::default(),
             applied: watch::channel(0).0,
             live: watch::channel(false).0,
+            stalled: Notify::new(),
             fanout: Arc::default(),
             backlog,
+            catch_ups: Arc::new(tokio::sync::Semaphore::new(MAX_CATCH_UPS)),
         }
     }
 
@@ -84,6 +133,15 @@ impl Feed {
         f(&self.mirror.read().expect("mirror lock"))
     }
 
+    /// Says a read waited in vain for the mirror to reach a barrier revision: the watch
+    /// is stuck somewhere (a member without a leader, a response it cannot take), so the
+    /// proxy stops trusting its view and loads it again.
+    pub fn report_stall(&self) {
+        if self.is_live() {
+            self.stalled.notify_one();
+        }
+    }
+
     /// Waits until the mirror has applied `revision`, for at most `patience`.
     pub async fn applied_through(&self, revision: i64, patience: Duration) -> bool {
         let mut rx = self.applied.subscribe();
@@ -100,16 +158,17 @@ impl Feed {
         self.live.send_replace(true);
     }
 
-    /// Applies one watch response: events of whole revisions, in order.
-    fn apply(&self, events: &[etcd_client::Event]) {
-        let Some(revision) = events
+    /// Applies one watch response: events of whole revisions, in order, continuing
+    /// the applied revision with no hole.
+    fn apply(&self, events: &[etcd_client::Event]) -> Result<(), Gap> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let revisions = events
             .iter()
             .filter_map(|e| e.kv())
-            .map(|kv| kv.mod_revision())
-            .max()
-        else {
-            return;
-        };
+            .map(|kv| kv.mod_revision());
+        let revision = contiguous(self.applied(), revisions)?;
         let changes = events.iter().filter_map(change);
         let events = self
             .mirror
@@ -120,6 +179,7 @@ impl Feed {
         self.applied.send_replace(revision);
         ::metrics::counter!(metrics::WATCH_BATCHES_SENT).increment(done.delivered);
         ::metrics::counter!(metrics::WATCHERS_CUT_OFF).increment(done.cut_off);
+        Ok(())
     }
 }
 
@@ -167,17 +227,45 @@ pub async fn run(feed: Arc<Feed>, kv: KvClient, watch: WatchClient, timeout: Dur
             "small keys loaded; following the cell"
         );
         feed.load(mirror);
-        follow(&feed, &mut watch, pause).await;
+        follow(&feed, &mut watch, &mut kv, timeout, pause).await;
         feed.live.send_replace(false);
         feed.fanout.end_all(End::FeedLost);
         ::metrics::counter!(metrics::FEED_RELOADS).increment(1);
     }
 }
 
-/// Follows the cell from the mirror's revision until a compaction leaves a gap.
-async fn follow(feed: &Feed, client: &mut WatchClient, pause: Duration) {
+/// Follows the cell from the mirror's revision until the proxy can no longer trust
+/// what it saw: a compaction passed it, etcd skipped revisions, the store's revision
+/// went back (a restore from backup), the watch stalled, or kept failing.
+async fn follow(
+    feed: &Feed,
+    client: &mut WatchClient,
+    kv: &mut KvClient,
+    timeout: Duration,
+    pause: Duration,
+) {
+    let mut failures = 0;
     loop {
         let from = feed.applied() + 1;
+        if failures > 0 {
+            if failures >= RESTARTS_BEFORE_RELOAD {
+                tracing::warn!(from, failures, "the cell watch keeps failing; reloading");
+                return;
+            }
+            match store_revision(kv, timeout).await {
+                Ok(now) if now < from - 1 => {
+                    tracing::warn!(
+                        applied = from - 1,
+                        store = now,
+                        "the store's revision went back (restored from a backup?); reloading"
+                    );
+                    return;
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot read the store's revision"),
+            }
+        }
+        failures += 1;
         let options = WatchOptions::new()
             .with_all_keys()
             .with_start_revision(from);
@@ -190,7 +278,17 @@ async fn follow(feed: &Feed, client: &mut WatchClient, pause: Duration) {
             }
         };
         loop {
-            match stream.message().await {
+            let message = tokio::select! {
+                message = stream.message() => message,
+                _ = feed.stalled.notified() => {
+                    tracing::warn!(
+                        applied = feed.applied(),
+                        "reads waited in vain for the cell watch; reloading"
+                    );
+                    return;
+                }
+            };
+            match message {
                 Ok(Some(resp)) if resp.compact_revision() > 0 => {
                     tracing::warn!(
                         from,
@@ -206,7 +304,14 @@ async fn follow(feed: &Feed, client: &mut WatchClient, pause: Duration) {
                     );
                     break;
                 }
-                Ok(Some(resp)) => feed.apply(resp.events()),
+                Ok(Some(resp)) => match feed.apply(resp.events()) {
+                    Ok(()) => failures = 0,
+                    Err(gap) => {
+                        tracing::warn!(%gap, "reloading");
+                        ::metrics::counter!(metrics::FEED_GAPS).increment(1);
+                        return;
+                    }
+                },
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "the cell watch broke; restarting");
@@ -218,8 +323,37 @@ async fn follow(feed: &Feed, client: &mut WatchClient, pause: Duration) {
     }
 }
 
+/// The store's revision now (a linearizable read).
+async fn store_revision(kv: &mut KvClient, timeout: Duration) -> Result<i64, CellError> {
+    let resp = with_timeout(
+        "read revision",
+        timeout,
+        kv.get(
+            keyspace::epoch_key(),
+            Some(GetOptions::new().with_count_only()),
+        ),
+    )
+    .await?;
+    header_revision(resp.header(), "read revision")
+}
+
+/// The revision in an etcd reply's header; a reply without one is refused rather than
+/// read as revision 0, which every later revision would pass.
+pub fn header_revision(
+    header: Option<&etcd_client::ResponseHeader>,
+    op: &'static str,
+) -> Result<i64, CellError> {
+    header
+        .map(|h| h.revision())
+        .filter(|r| *r > 0)
+        .ok_or_else(|| CellError::CorruptRecord {
+            key: op.to_owned(),
+            reason: "etcd's reply carries no revision".to_owned(),
+        })
+}
+
 /// Reads every small key at one revision, a page at a time.
-async fn load(kv: &mut KvClient, timeout: Duration) -> Result<Mirror, lockcell_cell::CellError> {
+async fn load(kv: &mut KvClient, timeout: Duration) -> Result<Mirror, CellError> {
     let root = keyspace::kv_prefix("").expect("the root prefix is valid");
     let end = prefix_end(root.as_bytes());
     let mut start = root.into_bytes();
@@ -238,7 +372,7 @@ async fn load(kv: &mut KvClient, timeout: Duration) -> Result<Mirror, lockcell_c
         )
         .await?;
         if revision == 0 {
-            revision = resp.header().map(|h| h.revision()).unwrap_or_default();
+            revision = header_revision(resp.header(), "load small keys")?;
         }
         for kv in resp.kvs() {
             if let Some(name) = keyspace::kv_name(kv.key()) {
@@ -252,5 +386,28 @@ async fn load(kv: &mut KvClient, timeout: Duration) -> Result<Mirror, lockcell_c
             }
             _ => return Ok(Mirror::new(entries, revision)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn revisions_must_follow_on_without_a_hole() {
+        assert_eq!(contiguous(10, [11, 11, 12, 13]), Ok(13));
+        assert_eq!(contiguous(10, []), Ok(10));
+        assert_eq!(
+            contiguous(10, [11, 13]),
+            Err(Gap { after: 11, got: 13 }),
+            "revision 12 went missing"
+        );
+        assert_eq!(contiguous(10, [12]), Err(Gap { after: 10, got: 12 }));
+        assert_eq!(contiguous(10, [9]), Err(Gap { after: 10, got: 9 }));
+        assert_eq!(
+            contiguous(0, [2, 3]),
+            Ok(3),
+            "an empty store is at revision 1, which changed nothing"
+        );
     }
 }

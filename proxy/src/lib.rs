@@ -236,7 +236,10 @@ async fn connect(
 ) -> anyhow::Result<(etcd_client::Client, epoch::EpochRecord, i64)> {
     let options = ConnectOptions::new()
         .with_connect_timeout(config.etcd_timeout)
-        .with_keep_alive(Duration::from_secs(2), config.etcd_timeout);
+        .with_keep_alive(Duration::from_secs(2), config.etcd_timeout)
+        // A member that lost its leader refuses at once instead of serving a watch
+        // that has gone quiet or a read it cannot make linearizable.
+        .with_require_leader(true);
     let mut pause = Duration::from_millis(200);
     loop {
         let attempt = async {

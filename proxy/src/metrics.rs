@@ -18,11 +18,13 @@ pub const CLASSES_RELOAD_FAILURES: &str = "lockcell_classes_reload_failures_tota
 pub const WAITERS: &str = "lockcell_waiters";
 pub const GRANT_ATTEMPTS: &str = "lockcell_grant_attempts_total";
 pub const WATCHERS: &str = "lockcell_watchers";
+pub const WAIT_RETRIES: &str = "lockcell_wait_retries_total";
 pub const WATCH_EVENTS_SENT: &str = "lockcell_watch_events_sent_total";
 pub const WATCH_BATCHES_SENT: &str = "lockcell_watch_batches_fanned_out_total";
 pub const WATCHERS_CUT_OFF: &str = "lockcell_watchers_cut_off_total";
 pub const WATCH_CATCH_UPS: &str = "lockcell_watch_catch_ups_total";
 pub const FEED_RELOADS: &str = "lockcell_feed_reloads_total";
+pub const FEED_GAPS: &str = "lockcell_feed_gaps_total";
 pub const READ_BARRIERS: &str = "lockcell_read_barriers_total";
 pub const READ_BARRIER_BATCH: &str = "lockcell_read_barrier_batch_size";
 pub const KV_READS: &str = "lockcell_kv_reads_total";
@@ -64,6 +66,10 @@ pub fn describe() {
     describe_counter!(LOCKS_RELEASED, "Locks released by their holder.");
     describe_gauge!(WATCHERS, "Watch streams open on this proxy.");
     describe_counter!(
+        WAIT_RETRIES,
+        "Turns of waiting acquires that etcd failed (slow or away); the waiter tried again."
+    );
+    describe_counter!(
         WATCH_EVENTS_SENT,
         "Watch events sent to clients (fanned out from the proxy's one watch, or caught up)."
     );
@@ -81,7 +87,11 @@ pub fn describe() {
     );
     describe_counter!(
         FEED_RELOADS,
-        "Times the proxy reloaded its view of the small keys (a compaction passed it while etcd was away)."
+        "Times the proxy reloaded its view of the small keys (a compaction passed it, etcd lost events, the store went back, or the watch stalled)."
+    );
+    describe_counter!(
+        FEED_GAPS,
+        "Holes in the revisions the proxy's watch delivered (etcd lost events); each one reloads the proxy's view."
     );
     describe_counter!(
         READ_BARRIERS,

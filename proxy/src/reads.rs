@@ -89,6 +89,7 @@ impl Reads {
             if self.feed.applied_through(at, self.timeout).await {
                 return Ok(self.mirror_read(&topic, limit, "barrier"));
             }
+            self.feed.report_stall();
         }
         self.direct(key, prefix, limit, 0, false).await
     }

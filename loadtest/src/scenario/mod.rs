@@ -3,6 +3,7 @@
 pub mod acquire;
 pub mod contention;
 pub mod keepalive;
+pub mod reads;
 pub mod zone_failure;
 
 use std::sync::atomic::Ordering;

@@ -1,13 +1,17 @@
 //! `zone-failure`: the seed's fleet (2,000 services × 60 processes over 3 zones, 5,000
 //! locks, scaled by `--scale`), every process holding a session, lock holders spread
-//! over zones. Zone a dies at once; survivors wait on the locks it held. Measures how
-//! long each lock takes to reach a survivor and what the storm cost etcd.
+//! over zones. Every process announces itself in its service's group and watches the
+//! group. Zone a dies at once; survivors wait on the locks it held and see a third of
+//! each group leave. Measures how long each lock takes to reach a survivor, how long the
+//! departures take to reach every survivor, and what the storm cost etcd.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
+use lockcell_loadtest::membership;
+use lockcell_loadtest::prom::Counters;
 use lockcell_loadtest::report::Report;
 use lockcell_loadtest::stats::{cumulative, Samples};
 use lockcell_proto::v1::lock_client::LockClient;
@@ -19,6 +23,7 @@ use super::{open_fleet, Resources};
 use crate::cluster::{Cell, CellOptions, Target};
 use crate::fleet::{Fleet, FleetSpec};
 use crate::locks::Locker;
+use crate::members::{Membership, Setup};
 use crate::progress;
 use lockcell_tests::eventually;
 
@@ -34,6 +39,9 @@ pub struct Args {
     /// Client connections the sessions are spread over.
     #[arg(long, default_value_t = 3_000)]
     pub connections: usize,
+    /// Leave membership out (no announcements, no group watches): the lock storm alone.
+    #[arg(long)]
+    pub no_membership: bool,
 }
 
 const SERVICES: f64 = 2_000.0;
@@ -114,13 +122,36 @@ pub async fn run(
     bar.finish_and_clear();
     report.metric("locks_not_taken", not_taken as f64);
 
+    // Membership is in place before the storm: every process announced and watching.
+    let patience = args.ttl * 3 + Duration::from_secs(120);
+    let mut membership = if args.no_membership {
+        report.param("membership", "off");
+        None
+    } else {
+        let groups = membership::deal(&by_zone, PROCESSES_PER_SERVICE);
+        match Membership::start(&cell, &fleet, &groups, 0, patience).await? {
+            Setup::Ready(m) => {
+                report.param("membership", "on");
+                Some(m)
+            }
+            Setup::Unsupported(why) => {
+                tracing::warn!(
+                    target = target.name(),
+                    %why,
+                    "membership left out: the target does not implement it"
+                );
+                report.param("membership", format!("unsupported by the target: {why}"));
+                None
+            }
+        }
+    };
+
     // Survivors wait on every lock zone a holds.
     held.sort_unstable();
     let doomed: Vec<usize> = held
         .into_iter()
         .filter(|j| j % by_zone.len() == 0)
         .collect();
-    let patience = args.ttl * 3 + Duration::from_secs(120);
     let regranted = Arc::new(AtomicU64::new(0));
     let placed = cell.etcd_counters().await?;
     let mut waiting = JoinSet::new();
@@ -154,33 +185,71 @@ pub async fn run(
     let before = cell.etcd_counters().await?;
     let mut resources = Resources::start(&cell);
     let killed = Instant::now();
+    if let Some(m) = membership.as_mut() {
+        m.kill(killed);
+    }
     cell.kill_zone(0)?;
     fleet.stop_zone(0);
 
+    // The storm: until every lock is re-granted (or its wait gave up) and every
+    // survivor has seen its group's departures (or the same patience ran out).
     let bar = progress::count("locks re-granted", doomed.len() as u64);
     let mut regrants = Samples::new();
     let mut offsets = Vec::new();
     let mut failed = 0;
+    let mut watch_load = WatchLoad::default();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    loop {
+    let (mut locks_done, mut members_done) = (false, membership.is_none());
+    while !(locks_done && members_done) {
         tokio::select! {
-            done = waiting.join_next() => match done {
+            done = waiting.join_next(), if !locks_done => match done {
                 Some(Ok((Ok(true), at))) => {
                     regrants.record(at - killed);
                     offsets.push((at - killed).as_secs_f64());
                     bar.inc(1);
                 }
-                Some(Ok((Ok(false), _))) | Some(Ok((Err(_), _))) | Some(Err(_)) => {
+                Some(Ok((Ok(false), _))) => {
                     failed += 1;
                     bar.inc(1);
+                    tracing::warn!("a lock of the dead zone was still held when its wait ran out");
                 }
-                None => break,
+                Some(Ok((Err(e), _))) => {
+                    failed += 1;
+                    bar.inc(1);
+                    tracing::warn!(error = %e, "a wait on a lock of the dead zone failed");
+                }
+                Some(Err(e)) => {
+                    failed += 1;
+                    bar.inc(1);
+                    tracing::warn!(error = %e, "a waiter task failed");
+                }
+                None => locks_done = true,
             },
-            _ = tick.tick() => resources.sample(),
+            _ = all_seen(&mut membership), if !members_done => members_done = true,
+            _ = tokio::time::sleep_until(killed + patience), if !members_done => {
+                members_done = true;
+            }
+            _ = tick.tick() => {
+                resources.sample();
+                // From a second after the kill: the dead zone's watches have closed.
+                if killed.elapsed() >= Duration::from_secs(1) {
+                    if let Ok(now) = cell.etcd_counters().await {
+                        watch_load.sample(&now);
+                    }
+                }
+                if let Some(m) = &membership {
+                    let (waiting, seen) = m.progress();
+                    bar.set_message(format!("survivors with every departure: {seen}/{waiting}"));
+                }
+            }
         }
     }
     bar.finish_and_clear();
     let after = cell.etcd_counters().await?;
+    watch_load.sample(&after);
+    if let Some(m) = membership {
+        m.finish(&mut report).await;
+    }
     let workers = fleet.finish().await;
     if regrants.is_empty() && failed > 0 {
         bail!("no lock of the dead zone reached a survivor ({failed} waits failed)");
@@ -210,12 +279,38 @@ pub async fn run(
         "etcd_lease_revokes_during_storm",
         delta.get("lease_revokes"),
     );
+    report.metric("etcd_watch_streams", watch_load.streams);
+    report.metric("etcd_watchers", watch_load.watchers);
+    report.metric("etcd_watch_events_sent", delta.get("watch_events_sent"));
     report.metric("false_expiries", survivors_expired as f64);
     resources.finish(&mut report, sessions);
     report
         .series
         .insert("regranted_since_kill".into(), cumulative(&offsets));
     Ok(report)
+}
+
+/// The most watch streams and watchers etcd had open at once during the storm (etcd's
+/// gauges, summed over members, sampled every second).
+#[derive(Debug, Default)]
+struct WatchLoad {
+    streams: f64,
+    watchers: f64,
+}
+
+impl WatchLoad {
+    fn sample(&mut self, now: &Counters) {
+        self.streams = self.streams.max(now.get("watch_streams_open"));
+        self.watchers = self.watchers.max(now.get("watchers_open"));
+    }
+}
+
+/// Resolves once every survivor has seen its departures; never without membership.
+async fn all_seen(membership: &mut Option<Membership>) {
+    match membership {
+        Some(m) => m.all_seen().await,
+        None => std::future::pending().await,
+    }
 }
 
 fn lock_name(j: usize) -> String {

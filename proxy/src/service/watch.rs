@@ -14,7 +14,7 @@ use lockcell_cell::keyspace;
 use lockcell_proto::v1::watch_event::Kind;
 use lockcell_proto::v1::watch_server::Watch as WatchApi;
 use lockcell_proto::v1::{WatchEvent, WatchRequest, WatchResponse};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
@@ -29,6 +29,8 @@ use crate::state::ProxyState;
 
 /// Responses a watcher's stream holds before the fan-out backlog takes over.
 const STREAM_BUFFER: usize = 8;
+/// Shortest progress interval a watcher may ask for.
+const MIN_PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 
 pub struct WatchService {
     pub state: Arc<ProxyState>,
@@ -99,13 +101,18 @@ impl WatchApi for WatchService {
             topic,
             start,
             prev_kv: req.prev_kv,
-            progress: (req.progress_interval_ms > 0)
-                .then(|| Duration::from_millis(req.progress_interval_ms.into())),
+            progress: (req.progress_interval_ms > 0).then(|| {
+                Duration::from_millis(req.progress_interval_ms.into()).max(MIN_PROGRESS_INTERVAL)
+            }),
             applied: feed.subscribe_applied(),
             shutdown: state.shutdown.clone(),
             backlog: feed.backlog(),
         };
-        let catch_up = (start <= joined).then(|| (state.etcd.watch_client(), joined));
+        let catch_up = (start <= joined).then(|| CatchUp {
+            client: state.etcd.watch_client(),
+            through: joined,
+            slots: feed.catch_ups.clone(),
+        });
         tokio::spawn(pump.run(sub, catch_up));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -133,6 +140,14 @@ struct Pump {
     backlog: usize,
 }
 
+/// A watcher's catch-up: from its start through the fan-out's join position.
+struct CatchUp {
+    client: WatchClient,
+    through: i64,
+    /// Catch-ups allowed at once.
+    slots: Arc<Semaphore>,
+}
+
 /// Why a catch-up stopped short.
 enum CatchUpError {
     Compacted(i64),
@@ -141,19 +156,28 @@ enum CatchUpError {
 }
 
 impl Pump {
-    async fn run(mut self, mut sub: Subscription, catch_up: Option<(WatchClient, i64)>) {
+    async fn run(mut self, mut sub: Subscription, catch_up: Option<CatchUp>) {
         ::metrics::gauge!(metrics::WATCHERS).increment(1.0);
         self.deliver(&mut sub, catch_up).await;
         ::metrics::gauge!(metrics::WATCHERS).decrement(1.0);
     }
 
-    async fn deliver(&mut self, sub: &mut Subscription, catch_up: Option<(WatchClient, i64)>) {
+    async fn deliver(&mut self, sub: &mut Subscription, catch_up: Option<CatchUp>) {
         let mut last = self.start - 1;
         if !self.send(response(true, last, Vec::new())).await {
             return;
         }
-        if let Some((client, through)) = catch_up {
-            match self.catch_up(client, through).await {
+        if let Some(catch_up) = catch_up {
+            let through = catch_up.through;
+            let mut shutdown = self.shutdown.clone();
+            let result = tokio::select! {
+                result = self.catch_up(catch_up) => result,
+                _ = self.tx.closed() => Err(CatchUpError::ClientGone),
+                _ = async { let _ = shutdown.wait_for(|s| *s).await; } => {
+                    Err(CatchUpError::Etcd("this proxy is shutting down".into()))
+                }
+            };
+            match result {
                 Ok(()) => last = through,
                 Err(CatchUpError::ClientGone) => return,
                 Err(CatchUpError::Compacted(compacted)) => {
@@ -278,6 +302,9 @@ impl Pump {
     fn ended(&self, end: Option<End>, last: i64) -> Status {
         match end {
             Some(End::CutOff { resume }) => {
+                // A watcher that asked to start past the join position was queued
+                // batches from before its start; it never resumes before it.
+                let resume = resume.max(self.start);
                 let mut status = Status::resource_exhausted(format!(
                     "watch of {} cut off: the watcher fell more than {} batches of events behind; resume from revision {resume}",
                     self.what, self.backlog
@@ -296,7 +323,18 @@ impl Pump {
     /// Sends the watcher's events from its start through `through` from a watch of its
     /// own over every key: every revision has an event there, so reaching `through` is
     /// certain and seen.
-    async fn catch_up(&self, client: WatchClient, through: i64) -> Result<(), CatchUpError> {
+    async fn catch_up(&self, catch_up: CatchUp) -> Result<(), CatchUpError> {
+        let CatchUp {
+            client,
+            through,
+            slots,
+        } = catch_up;
+        // A catch-up reads the cell's history, not only this watcher's keys: a few at a
+        // time, the others wait their turn.
+        let _slot = slots
+            .acquire_owned()
+            .await
+            .map_err(|_| CatchUpError::Etcd("the proxy is stopping".into()))?;
         let mut options = WatchOptions::new()
             .with_all_keys()
             .with_start_revision(self.start);
@@ -309,6 +347,7 @@ impl Pump {
             .await
             .map_err(|e| CatchUpError::Etcd(e.to_string()))?;
         ::metrics::counter!(metrics::WATCH_CATCH_UPS).increment(1);
+        let mut seen = self.start - 1;
         loop {
             let resp = match stream.message().await {
                 Ok(Some(resp)) => resp,
@@ -321,15 +360,17 @@ impl Pump {
             if resp.canceled() {
                 return Err(CatchUpError::Etcd(resp.cancel_reason().to_owned()));
             }
-            let Some(reached) = resp
+            if resp.events().is_empty() {
+                continue;
+            }
+            let revisions = resp
                 .events()
                 .iter()
                 .filter_map(|e| e.kv())
-                .map(|kv| kv.mod_revision())
-                .max()
-            else {
-                continue;
-            };
+                .map(|kv| kv.mod_revision());
+            let reached = feed::contiguous(seen, revisions)
+                .map_err(|gap| CatchUpError::Etcd(gap.to_string()))?;
+            seen = reached;
             let events: Vec<WatchEvent> = resp
                 .events()
                 .iter()
