@@ -58,7 +58,7 @@ impl WatchApi for WatchService {
         }
         if req.prefix && req.key.trim_end_matches('/').is_empty() && !req.all_keys {
             return Err(ProxyError::BadArgument(
-                "a watch on the empty prefix watches every small key; set all_keys to mean it"
+                "a watch on the empty prefix watches every small key; set all_keys to mean it (lockctl watch --all)"
                     .to_owned(),
             )
             .into());
