@@ -2,7 +2,7 @@
 CARGO ?= cargo
 DEV_DIR ?= .lockcell-dev
 
-.PHONY: setup build dev test lint fmt clean bench bench-full
+.PHONY: setup build dev test lint fmt clean bench bench-full chaos
 
 setup:
 	@sh deploy/setup.sh
@@ -30,6 +30,11 @@ bench: setup
 bench-full: setup
 	$(CARGO) build --release --workspace --bins
 	./target/release/lockcell-loadtest bench --full
+
+# Randomized fault runs (every fault kind per run, safety checker on) for DURATION.
+DURATION ?= 20m
+chaos: build
+	./target/debug/lockcell-chaos --duration $(DURATION)
 
 lint: setup
 	$(CARGO) fmt --all -- --check

@@ -33,7 +33,8 @@ pub struct Session {
     pub bucket: usize,
     pub lease: i64,
     /// When the last renewal (or the open) arrived; the session expires at
-    /// `renewed_at + ttl`.
+    /// `renewed_at + ttl`, or later while a validity granted to it runs (see
+    /// [`Session::expires_at`]).
     pub renewed_at: Instant,
     /// Keys the session has in the log: its holds, and its waiter keys on fair
     /// classes. Deleted (guarded) when the session ends.
@@ -45,8 +46,14 @@ pub struct Session {
 }
 
 impl Session {
+    /// When the session expires: a TTL after its last renewal, but never before the
+    /// latest validity granted to its client has run out. A grant's validity is counted
+    /// from the grant (up to a TTL), and the last renewal may be most of a TTL older, so
+    /// without the second rule a session could expire, and its locks pass on, while its
+    /// client still believes it holds them (the fault runs' checker caught exactly that:
+    /// a client paused right after a grant).
     pub fn expires_at(&self) -> Instant {
-        self.renewed_at + self.ttl
+        (self.renewed_at + self.ttl).max(self.valid_until)
     }
 }
 
@@ -335,6 +342,26 @@ mod tests {
         assert!(table.get("a", t0).unwrap().held.is_empty());
         assert_eq!(table.holders_valid_until(), None);
         assert!(!table.record_grant("nobody", hold, None));
+    }
+
+    #[test]
+    fn a_session_outlives_the_validity_granted_to_it() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        table.insert(session("a", 1, 3 * S, t0));
+        // Renewed at 2 s, then a grant at 2.9 s valid for a full TTL (to 5.9 s); the
+        // client renews no more (paused).
+        table.renew("a", t0 + 2 * S, |_| 3 * S).unwrap();
+        let lock = lockcell_cell::LockName::parse("x").unwrap();
+        let hold = Grant::hold(&lock, lockcell_cell::Mode::Exclusive, "a", 5);
+        let until = t0 + 2 * S + S * 9 / 10 + 3 * S;
+        assert!(table.record_grant("a", hold, Some(until)));
+        assert!(
+            table.take_expired(t0 + 5 * S).is_empty(),
+            "a TTL after the last renewal, the client may still act on its grant"
+        );
+        assert!(table.take_expired(until - S / 10).is_empty());
+        assert_eq!(table.take_expired(until).len(), 1);
     }
 
     #[test]

@@ -5,8 +5,11 @@
 #![forbid(unsafe_code)]
 
 pub mod bins;
+pub mod chaos;
+pub mod checker;
 pub mod etcd;
 pub mod fenced;
+pub mod fenced_server;
 pub mod ports;
 pub mod process;
 pub mod proxy;

@@ -4,6 +4,7 @@
 //! (skipped), never passed.
 
 mod bad_input;
+mod chaos;
 mod contention;
 mod dev;
 mod elections;
@@ -71,6 +72,7 @@ fn main() {
         bad_input::bad_lock_names_are_refused_with_the_rule,
         bad_input::unknown_and_expired_sessions_are_told_apart,
         dev::make_dev_cell_runs_the_lockctl_example_and_stops_cleanly,
+        chaos::a_fault_run_of_every_kind_breaks_no_rule,
     ];
     let trials = trials
         .into_iter()

@@ -1,0 +1,237 @@
+//! A client process of fault runs: it takes locks through the SDK, acts as holder (writes
+//! to the fenced resource) only while its session's deadline has not passed, and records
+//! every grant, act and end of belief for the safety checker (`lockcell_tests::checker`).
+//!
+//! When its proxy dies or its session expires it opens a new session, trying the
+//! proxies in the order given.
+
+use std::fs::File;
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use lockcell_client::{Client, Error, Session, SessionOptions, SessionState, Wait};
+use lockcell_tests::checker::Record;
+use nix::time::{clock_gettime, ClockId};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+#[derive(Parser)]
+#[command(
+    about = "A lockcell client for fault runs: takes locks, acts while valid, records everything"
+)]
+struct Args {
+    /// Proxies to use, in order of preference.
+    #[arg(long, value_delimiter = ',', required = true)]
+    proxies: Vec<String>,
+    /// Locks to contend for.
+    #[arg(long, value_delimiter = ',', required = true)]
+    locks: Vec<String>,
+    /// Where to append the JSON-lines record.
+    #[arg(long)]
+    log: std::path::PathBuf,
+    /// The fenced resource server (`127.0.0.1:PORT`).
+    #[arg(long)]
+    fenced: String,
+    /// This client's name in the records.
+    #[arg(long)]
+    name: String,
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    ttl: Duration,
+    /// Seed of the client's choices.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// Converts instants to nanoseconds of CLOCK_MONOTONIC, comparable across processes.
+struct Clock {
+    base: Instant,
+    base_ns: u64,
+}
+
+impl Clock {
+    fn new() -> anyhow::Result<Clock> {
+        let base = Instant::now();
+        let now = clock_gettime(ClockId::CLOCK_MONOTONIC)?;
+        let base_ns = now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64;
+        Ok(Clock { base, base_ns })
+    }
+
+    fn ns(&self, at: Instant) -> u64 {
+        if at >= self.base {
+            self.base_ns + (at - self.base).as_nanos() as u64
+        } else {
+            self.base_ns
+                .saturating_sub((self.base - at).as_nanos() as u64)
+        }
+    }
+}
+
+struct Recorder {
+    file: File,
+}
+
+impl Recorder {
+    fn write(&mut self, record: &Record) -> anyhow::Result<()> {
+        let mut line = serde_json::to_string(record)?;
+        line.push('\n');
+        self.file.write_all(line.as_bytes())?;
+        Ok(())
+    }
+}
+
+struct Fenced {
+    lines: Lines<BufReader<OwnedReadHalf>>,
+    write: OwnedWriteHalf,
+}
+
+impl Fenced {
+    async fn connect(addr: &str) -> anyhow::Result<Fenced> {
+        let (read, write) = TcpStream::connect(addr).await?.into_split();
+        Ok(Fenced {
+            lines: BufReader::new(read).lines(),
+            write,
+        })
+    }
+
+    async fn write(&mut self, lock: &str, token: &str, writer: &str) -> anyhow::Result<bool> {
+        self.write
+            .write_all(format!("{lock} {token} {writer}\n").as_bytes())
+            .await?;
+        let reply = self
+            .lines
+            .next_line()
+            .await?
+            .context("fenced server hung up")?;
+        Ok(reply == "ok")
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let clock = Clock::new()?;
+    let mut recorder = Recorder {
+        file: std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&args.log)
+            .with_context(|| format!("opening {}", args.log.display()))?,
+    };
+    let mut fenced = Fenced::connect(&args.fenced).await?;
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let mut next_proxy = 0;
+    loop {
+        let addr = &args.proxies[next_proxy % args.proxies.len()];
+        next_proxy += 1;
+        let session = match open(addr, args.ttl, &args.name).await {
+            Ok(session) => session,
+            Err(e) => {
+                eprintln!("{}: {addr}: {e}", args.name);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        hold_locks(
+            &args,
+            &session,
+            &clock,
+            &mut recorder,
+            &mut fenced,
+            &mut rng,
+        )
+        .await?;
+    }
+}
+
+async fn open(addr: &str, ttl: Duration, name: &str) -> Result<Session, Error> {
+    let client = Client::connect(addr).await?;
+    client
+        .open_session(SessionOptions {
+            ttl,
+            identity: name.to_owned(),
+        })
+        .await
+}
+
+/// Takes locks in turn until the session is lost or its proxy stops answering.
+async fn hold_locks(
+    args: &Args,
+    session: &Session,
+    clock: &Clock,
+    recorder: &mut Recorder,
+    fenced: &mut Fenced,
+    rng: &mut StdRng,
+) -> anyhow::Result<()> {
+    loop {
+        if session.state() == SessionState::Expired {
+            return Ok(());
+        }
+        let lock = &args.locks[rng.random_range(0..args.locks.len())];
+        let guard = match session
+            .acquire(lock, Wait::Timeout(Duration::from_secs(1)))
+            .await
+        {
+            Ok(Some(guard)) => guard,
+            Ok(None) => continue,
+            Err(Error::SessionExpired { .. }) => return Ok(()),
+            Err(e) => {
+                eprintln!("{}: acquire {lock}: {e}", args.name);
+                return Ok(());
+            }
+        };
+        let token = guard.token().to_string();
+        let name = args.name.clone();
+        recorder.write(&Record::Grant {
+            client: name.clone(),
+            lock: lock.clone(),
+            token: token.clone(),
+            at_ns: clock.ns(Instant::now()),
+            deadline_ns: clock.ns(session.deadline()),
+        })?;
+        let until = Instant::now() + Duration::from_millis(rng.random_range(50..300));
+        let mut lost = false;
+        while Instant::now() < until {
+            let deadline = session.deadline();
+            let now = Instant::now();
+            if now >= deadline {
+                recorder.write(&Record::End {
+                    client: name.clone(),
+                    lock: lock.clone(),
+                    token: token.clone(),
+                    at_ns: clock.ns(now),
+                    why: "the session's deadline passed".into(),
+                })?;
+                lost = true;
+                break;
+            }
+            let accepted = fenced.write(lock, &token, &name).await?;
+            recorder.write(&Record::Act {
+                client: name.clone(),
+                lock: lock.clone(),
+                token: token.clone(),
+                at_ns: clock.ns(now),
+                deadline_ns: clock.ns(deadline),
+                accepted,
+            })?;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if lost {
+            drop(guard);
+            continue;
+        }
+        recorder.write(&Record::End {
+            client: name,
+            lock: lock.clone(),
+            token,
+            at_ns: clock.ns(Instant::now()),
+            why: "released".into(),
+        })?;
+        let _ = guard.release().await;
+    }
+}

@@ -1,0 +1,185 @@
+//! Fault runs: a cell of real processes (3 etcd members, 3 proxies, client processes
+//! contending for locks), faults injected in a seeded random order, and the safety
+//! checker over what every client recorded.
+//!
+//! Faults: a client paused (SIGSTOP) for longer than its TTL, the "GC pause"; a proxy
+//! SIGKILLed and started again on its address; a proxy cut off from etcd (its link
+//! black-holed) for longer than its lease TTL; the etcd leader SIGKILLed.
+
+use std::path::Path;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::process::Command;
+
+use crate::checker::{self, Verdict};
+use crate::fenced_server::FencedServer;
+use crate::process::Managed;
+use crate::{bins, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
+
+/// The kinds of fault a run injects, each once, in an order the seed picks.
+pub const FAULTS: [&str; 4] = [
+    "pause-client",
+    "kill-proxy",
+    "partition-proxy-from-etcd",
+    "kill-etcd-leader",
+];
+
+/// The size of a run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub seed: u64,
+    pub clients: usize,
+    pub locks: usize,
+    /// Client session TTL.
+    pub ttl: Duration,
+    /// Quiet time before, between and after faults.
+    pub settle: Duration,
+}
+
+impl RunOptions {
+    pub fn new(seed: u64) -> Self {
+        RunOptions {
+            seed,
+            clients: 4,
+            locks: 2,
+            ttl: Duration::from_secs(2),
+            settle: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What a run did and what the checker found.
+#[derive(Debug)]
+pub struct RunReport {
+    pub seed: u64,
+    pub faults: Vec<&'static str>,
+    pub verdict: Verdict,
+    /// Writes the fenced resources accepted.
+    pub accepted: usize,
+}
+
+/// Runs one fault run with its files under `dir`.
+pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> {
+    let mut rng = StdRng::seed_from_u64(options.seed);
+    let mut etcd = EtcdCluster::start_in(dir, 3).await?;
+    let relay = Relay::start(&etcd.endpoints()[0]).await?;
+    let mut proxies = Vec::new();
+    for zone in ["a", "b", "c"] {
+        // Proxy c reaches etcd only through the relay, which a fault black-holes.
+        let endpoints = if zone == "c" {
+            vec![relay.addr.clone()]
+        } else {
+            etcd.endpoints()
+        };
+        proxies.push(ProxyProcess::start(&ProxyOptions::new(zone, endpoints), dir).await?);
+    }
+    let fenced = FencedServer::start().await?;
+    let locks: Vec<String> = (0..options.locks).map(|l| format!("chaos/l{l}")).collect();
+    let client_bin = bins::workspace_bin("lockcell-chaos-client")?;
+    let mut clients = Vec::new();
+    for c in 0..options.clients {
+        let mut order: Vec<String> = proxies.iter().map(|p| p.url()).collect();
+        order.rotate_left(c % proxies.len());
+        let mut cmd = Command::new(&client_bin);
+        cmd.arg("--proxies")
+            .arg(order.join(","))
+            .arg("--locks")
+            .arg(locks.join(","))
+            .arg("--log")
+            .arg(dir.join(format!("client-{c}.jsonl")))
+            .arg("--fenced")
+            .arg(&fenced.addr)
+            .arg("--name")
+            .arg(format!("client-{c}"))
+            .arg("--ttl")
+            .arg(format!("{}ms", options.ttl.as_millis()))
+            .arg("--seed")
+            .arg((options.seed * 1000 + c as u64).to_string());
+        let log = dir.join(format!("client-{c}.log"));
+        clients.push(Managed::spawn(format!("client {c}"), cmd, &log)?);
+    }
+
+    let mut faults = FAULTS.to_vec();
+    faults.shuffle(&mut rng);
+    tokio::time::sleep(options.settle).await;
+    for fault in &faults {
+        match *fault {
+            "pause-client" => {
+                let c = rng.random_range(0..clients.len());
+                clients[c].signal(Signal::SIGSTOP)?;
+                tokio::time::sleep(options.ttl * 3).await;
+                clients[c].signal(Signal::SIGCONT)?;
+            }
+            "kill-proxy" => {
+                // a or b: c's fault is the partition.
+                let p = rng.random_range(0..2);
+                proxies[p].process.kill();
+                let mut again = ProxyOptions::new(&proxies[p].zone.clone(), etcd.endpoints());
+                again.listen = Some(proxies[p].addr.clone());
+                tokio::time::sleep(options.settle).await;
+                proxies[p] = ProxyProcess::start(&again, dir).await?;
+            }
+            "partition-proxy-from-etcd" => {
+                relay.cut_requests(true);
+                relay.cut_replies(true);
+                tokio::time::sleep(Duration::from_secs(6)).await;
+                relay.cut_requests(false);
+                relay.cut_replies(false);
+            }
+            "kill-etcd-leader" => {
+                let leader = leader_of(&etcd).await?;
+                etcd.members[leader].process.kill();
+            }
+            other => anyhow::bail!("unknown fault {other}"),
+        }
+        tokio::time::sleep(options.settle).await;
+    }
+    for client in clients.iter_mut() {
+        client.kill();
+    }
+
+    let mut records = Vec::new();
+    for c in 0..options.clients {
+        let text =
+            std::fs::read_to_string(dir.join(format!("client-{c}.jsonl"))).unwrap_or_default();
+        records.extend(checker::read_records(&text));
+    }
+    let mut verdict = checker::check(&records);
+    for lock in &locks {
+        if let Some(resource) = fenced.resource(lock) {
+            let accepted = resource.accepted();
+            if accepted.windows(2).any(|w| w[1].1 < w[0].1) {
+                verdict.violations.push(format!(
+                    "{lock}: the fenced resource accepted a lower token"
+                ));
+            }
+        }
+    }
+    Ok(RunReport {
+        seed: options.seed,
+        faults,
+        verdict,
+        accepted: fenced.accepted(),
+    })
+}
+
+/// The index of the member that leads now.
+async fn leader_of(etcd: &EtcdCluster) -> anyhow::Result<usize> {
+    for (i, member) in etcd.members.iter().enumerate() {
+        let Ok(mut client) = etcd_client::Client::connect([&member.client_addr], None).await else {
+            continue;
+        };
+        let Ok(status) = client.status().await else {
+            continue;
+        };
+        let me = status.header().map(|h| h.member_id());
+        if me == Some(status.leader()) {
+            return Ok(i);
+        }
+    }
+    anyhow::bail!("no etcd member says it leads")
+}

@@ -1,0 +1,285 @@
+//! The safety checker of fault runs: every client process records what it believed and
+//! did, and the checker looks for the one thing a lock service must never allow — two
+//! clients acting as holder of one lock at once.
+//!
+//! Times are nanoseconds of the machine's monotonic clock (`CLOCK_MONOTONIC`), the same
+//! for every process on the machine, so records of different clients compare.
+
+use std::collections::{BTreeMap, HashMap};
+
+use lockcell_proto::FencingToken;
+use serde::{Deserialize, Serialize};
+
+/// One line of a client's record (JSON lines).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Record {
+    /// A grant arrived; the client believes it holds `lock` until `deadline_ns` (its
+    /// session's deadline, which renewals may extend: see the acts).
+    Grant {
+        client: String,
+        lock: String,
+        token: String,
+        at_ns: u64,
+        deadline_ns: u64,
+    },
+    /// The client acted as holder (wrote to the fenced resource), believing its session
+    /// valid until `deadline_ns`.
+    Act {
+        client: String,
+        lock: String,
+        token: String,
+        at_ns: u64,
+        deadline_ns: u64,
+        /// Whether the fenced resource took the write.
+        accepted: bool,
+    },
+    /// The client stopped believing it holds the lock (before sending a release, or on
+    /// seeing its deadline pass).
+    End {
+        client: String,
+        lock: String,
+        token: String,
+        at_ns: u64,
+        why: String,
+    },
+}
+
+/// What a check found.
+#[derive(Debug, Default)]
+pub struct Verdict {
+    pub grants: usize,
+    pub acts: usize,
+    /// Acts the fenced resource refused: a holder that decided to act before its
+    /// deadline but whose write arrived after a newer holder's (a pause between the
+    /// check and the write). Fencing at work, not a violation.
+    pub refused: usize,
+    /// Every broken rule, in words; empty when the run was safe.
+    pub violations: Vec<String>,
+}
+
+/// One grant as the client believed it.
+#[derive(Debug)]
+struct Hold {
+    client: String,
+    token: FencingToken,
+    start: u64,
+    /// When the client stopped believing: its end record, or else the latest deadline
+    /// it saw, whichever is earlier.
+    end: u64,
+}
+
+/// Checks the records of every client of a run.
+///
+/// - no two clients' holds of one lock overlap (a hold lasts from the grant's arrival
+///   until the client stopped believing, never past the latest deadline it saw);
+/// - every act was decided before the deadline the client believed at the time;
+/// - a lock's tokens rise with every grant, in the order the grants arrived.
+pub fn check(records: &[Record]) -> Verdict {
+    let mut verdict = Verdict::default();
+    // (lock, client, token) -> hold under construction
+    let mut holds: HashMap<(String, String, String), Hold> = HashMap::new();
+    let mut ends: HashMap<(String, String, String), u64> = HashMap::new();
+    let token_of = |t: &str, v: &mut Verdict| -> Option<FencingToken> {
+        match t.parse() {
+            Ok(t) => Some(t),
+            Err(_) => {
+                v.violations.push(format!("unreadable token {t:?}"));
+                None
+            }
+        }
+    };
+    for record in records {
+        match record {
+            Record::Grant {
+                client,
+                lock,
+                token,
+                at_ns,
+                deadline_ns,
+            } => {
+                verdict.grants += 1;
+                let Some(t) = token_of(token, &mut verdict) else {
+                    continue;
+                };
+                holds
+                    .entry((lock.clone(), client.clone(), token.clone()))
+                    .and_modify(|h| h.end = h.end.max(*deadline_ns))
+                    .or_insert(Hold {
+                        client: client.clone(),
+                        token: t,
+                        start: *at_ns,
+                        end: *deadline_ns,
+                    });
+            }
+            Record::Act {
+                client,
+                lock,
+                token,
+                at_ns,
+                deadline_ns,
+                accepted,
+            } => {
+                verdict.acts += 1;
+                if at_ns >= deadline_ns {
+                    verdict.violations.push(format!(
+                        "{client} acted on {lock} with token {token} at {at_ns} ns, past its deadline {deadline_ns} ns"
+                    ));
+                }
+                if !accepted {
+                    verdict.refused += 1;
+                }
+                match holds.get_mut(&(lock.clone(), client.clone(), token.clone())) {
+                    Some(h) => h.end = h.end.max(*deadline_ns),
+                    None => verdict.violations.push(format!(
+                        "{client} acted on {lock} with token {token} without a grant"
+                    )),
+                }
+            }
+            Record::End {
+                client,
+                lock,
+                token,
+                at_ns,
+                ..
+            } => {
+                ends.insert((lock.clone(), client.clone(), token.clone()), *at_ns);
+            }
+        }
+    }
+    let mut by_lock: BTreeMap<String, Vec<Hold>> = BTreeMap::new();
+    for (key, mut hold) in holds {
+        if let Some(end) = ends.get(&key) {
+            hold.end = hold.end.min(*end);
+        }
+        by_lock.entry(key.0).or_default().push(hold);
+    }
+    for (lock, mut holds) in by_lock {
+        holds.sort_by_key(|h| (h.start, h.token));
+        for pair in holds.windows(2) {
+            if pair[1].token <= pair[0].token {
+                verdict.violations.push(format!(
+                    "{lock}: token {} (to {}) arrived after token {} (to {})",
+                    pair[1].token, pair[1].client, pair[0].token, pair[0].client
+                ));
+            }
+        }
+        let mut latest: Option<&Hold> = None;
+        for hold in &holds {
+            if let Some(prev) = latest {
+                if hold.start < prev.end {
+                    verdict.violations.push(format!(
+                        "{lock}: {} held it with token {} until {} ns, {} held it with token {} from {} ns",
+                        prev.client, prev.token, prev.end, hold.client, hold.token, hold.start
+                    ));
+                }
+            }
+            if latest.is_none_or(|p| hold.end > p.end) {
+                latest = Some(hold);
+            }
+        }
+    }
+    verdict
+}
+
+/// Reads a client's JSON-lines record; a torn last line (the client was killed while
+/// writing it) is skipped.
+pub fn read_records(text: &str) -> Vec<Record> {
+    text.lines()
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(client: &str, token: &str, at: u64, deadline: u64) -> Record {
+        Record::Grant {
+            client: client.into(),
+            lock: "l".into(),
+            token: token.into(),
+            at_ns: at,
+            deadline_ns: deadline,
+        }
+    }
+
+    fn act(client: &str, token: &str, at: u64, deadline: u64, accepted: bool) -> Record {
+        Record::Act {
+            client: client.into(),
+            lock: "l".into(),
+            token: token.into(),
+            at_ns: at,
+            deadline_ns: deadline,
+            accepted,
+        }
+    }
+
+    fn end(client: &str, token: &str, at: u64) -> Record {
+        Record::End {
+            client: client.into(),
+            lock: "l".into(),
+            token: token.into(),
+            at_ns: at,
+            why: "released".into(),
+        }
+    }
+
+    #[test]
+    fn a_clean_handover_passes() {
+        let v = check(&[
+            grant("a", "1:5", 100, 1_000),
+            act("a", "1:5", 150, 1_000, true),
+            end("a", "1:5", 200),
+            grant("b", "1:9", 300, 2_000),
+            act("b", "1:9", 350, 2_000, true),
+        ]);
+        assert_eq!((v.grants, v.acts), (2, 2));
+        assert!(v.violations.is_empty(), "{:?}", v.violations);
+    }
+
+    #[test]
+    fn overlapping_belief_is_caught_even_without_acts() {
+        // a never released and its deadline ran to 1,000; b was granted at 500.
+        let v = check(&[grant("a", "1:5", 100, 1_000), grant("b", "1:9", 500, 2_000)]);
+        assert_eq!(v.violations.len(), 1, "{:?}", v.violations);
+        assert!(v.violations[0].contains("held it"));
+    }
+
+    #[test]
+    fn a_paused_holder_past_its_deadline_is_fine_if_it_did_not_act() {
+        let v = check(&[
+            grant("a", "1:5", 100, 1_000),
+            grant("b", "1:9", 1_500, 3_000),
+            end("a", "1:5", 2_000),
+        ]);
+        assert!(v.violations.is_empty(), "{:?}", v.violations);
+        let v = check(&[
+            grant("a", "1:5", 100, 1_000),
+            grant("b", "1:9", 1_500, 3_000),
+            act("a", "1:5", 2_000, 1_000, false),
+        ]);
+        assert_eq!(v.violations.len(), 1, "acted late: {:?}", v.violations);
+        assert_eq!(v.refused, 1, "and the fenced resource refused it");
+    }
+
+    #[test]
+    fn falling_tokens_and_acts_without_grants_are_caught() {
+        let v = check(&[
+            grant("a", "1:9", 100, 200),
+            grant("b", "1:5", 300, 400),
+            act("c", "1:7", 350, 400, true),
+        ]);
+        assert_eq!(v.violations.len(), 2, "{:?}", v.violations);
+    }
+
+    #[test]
+    fn records_round_trip_and_a_torn_line_is_skipped() {
+        let r = grant("a", "1:5", 1, 2);
+        let text = format!(
+            "{}\n{{\"kind\":\"act\",\"cli",
+            serde_json::to_string(&r).unwrap()
+        );
+        assert_eq!(read_records(&text), vec![r]);
+    }
+}
