@@ -400,9 +400,13 @@ async fn grant(
             return Err(ProxyError::ShuttingDown);
         }
         let now = Instant::now();
+        // Never past the session's own end: the client counts this validity from its
+        // request, and the session may expire a TTL after its last renewal, which can
+        // be most of a TTL before this grant. (A grant does not renew the session.)
         let valid_for = state
             .leases
-            .valid_for(session.bucket, session.lease, session.ttl, now);
+            .valid_for(session.bucket, session.lease, session.ttl, now)
+            .min(session.lapses_at().saturating_duration_since(now));
         let hold = Grant::hold(&lock, mode, &session.id, revision);
         if !state
             .sessions

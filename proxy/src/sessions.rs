@@ -46,14 +46,19 @@ pub struct Session {
 }
 
 impl Session {
-    /// When the session expires: a TTL after its last renewal, but never before the
-    /// latest validity granted to its client has run out. A grant's validity is counted
-    /// from the grant (up to a TTL), and the last renewal may be most of a TTL older, so
-    /// without the second rule a session could expire, and its locks pass on, while its
-    /// client still believes it holds them (the fault runs' checker caught exactly that:
-    /// a client paused right after a grant).
+    /// A TTL after the last renewal: no validity may be granted past it.
+    pub fn lapses_at(&self) -> Instant {
+        self.renewed_at + self.ttl
+    }
+
+    /// When the session expires: when it lapses, but never before the latest validity
+    /// granted to its client has run out. Grants are capped at the lapse time, so the
+    /// second rule only guards against a grant that was not: without it a session could
+    /// expire, and its locks pass on, while its client still believes it holds them (the
+    /// fault runs' checker caught exactly that, a client paused right after a grant
+    /// whose validity was counted from the grant rather than from the last renewal).
     pub fn expires_at(&self) -> Instant {
-        (self.renewed_at + self.ttl).max(self.valid_until)
+        self.lapses_at().max(self.valid_until)
     }
 }
 
