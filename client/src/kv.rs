@@ -260,7 +260,8 @@ fn wire(condition: Condition) -> Option<WireCondition> {
     Some(WireCondition { when: Some(when) })
 }
 
-fn entry(kv: KeyValue) -> Entry {
+/// A small key off the wire.
+pub(crate) fn entry(kv: KeyValue) -> Entry {
     Entry {
         key: kv.key,
         value: kv.value,

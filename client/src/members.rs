@@ -15,9 +15,10 @@ use lockcell_proto::v1::GetRequest;
 
 use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
+use crate::kv::entry;
 use crate::kv::{Condition, Entry, Written};
 use crate::session::Session;
-use crate::watch::{entry_from_wire, EventKind, WatchEvent, WatchOptions, Watcher};
+use crate::watch::{EventKind, WatchEvent, WatchOptions, Watcher};
 
 /// Where every group's members live.
 const MEMBERS_ROOT: &str = "members/";
@@ -206,10 +207,7 @@ async fn read_prefix(client: &Client, prefix: &str) -> Result<(Vec<Entry>, i64),
             "the read of {prefix:?} was cut short although it asked for no limit"
         )));
     }
-    Ok((
-        reply.kvs.into_iter().map(entry_from_wire).collect(),
-        reply.revision,
-    ))
+    Ok((reply.kvs.into_iter().map(entry).collect(), reply.revision))
 }
 
 /// Applies `events` to `current` and says what changed, in order. A write that leaves

@@ -20,7 +20,6 @@ use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
 use crate::kv::Entry;
 
-pub(crate) use self::position::entry_from_wire;
 use self::position::Position;
 
 /// Reconnection pace after a broken stream: quick at first (a restarted proxy is back

@@ -2,11 +2,11 @@
 //! what a response adds to it, and events off the wire. No I/O.
 
 use lockcell_proto::v1::watch_event::Kind;
-use lockcell_proto::v1::{KeyValue, WatchEvent as WireEvent, WatchResponse};
+use lockcell_proto::v1::{WatchEvent as WireEvent, WatchResponse};
 
 use super::{EventKind, WatchBatch, WatchEvent};
 use crate::error::Error;
-use crate::kv::Entry;
+use crate::kv::entry;
 
 /// How far a watch has been delivered: the pure core of a [`Watcher`].
 ///
@@ -86,26 +86,15 @@ fn event_from_wire(event: WireEvent) -> Result<WatchEvent, Error> {
         .ok_or_else(|| Error::Protocol("a watch event without its key".to_owned()))?;
     Ok(WatchEvent {
         kind,
-        entry: entry_from_wire(kv),
-        prev: event.prev_kv.map(entry_from_wire),
+        entry: entry(kv),
+        prev: event.prev_kv.map(entry),
     })
-}
-
-/// A small key off the wire (as `kv.rs` does for reads).
-pub(crate) fn entry_from_wire(kv: KeyValue) -> Entry {
-    Entry {
-        key: kv.key,
-        value: kv.value,
-        create_revision: kv.create_revision,
-        mod_revision: kv.mod_revision,
-        version: kv.version,
-        ephemeral: kv.lease != 0,
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lockcell_proto::v1::KeyValue;
 
     fn kv(key: &str, value: &str, revision: i64) -> KeyValue {
         KeyValue {
