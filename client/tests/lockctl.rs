@@ -2,46 +2,18 @@
 //! statuses, stopping CMD on jeopardy and on signals, elections, leader queries,
 //! sequencer checks, and the help text.
 
+mod cli;
 mod fake;
 
-use std::process::Stdio;
-
+use cli::{assert_help, lockctl, run};
 use fake::{start, Cut, Running, PATIENCE};
 use lockcell_client::{Client, Session, SessionOptions, Wait};
 use lockcell_proto::v1::LockMode;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
-use tokio::process::{Child, ChildStderr, Command};
+use tokio::process::{Child, ChildStderr};
 use tokio::time::timeout;
-
-fn lockctl(proxy: &str, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockctl"));
-    cmd.arg("--proxy")
-        .arg(proxy)
-        .args(args)
-        .env_remove("LOCKCELL_PROXY")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    cmd
-}
-
-/// Runs lockctl to the end: (exit code, stdout, stderr).
-async fn run(proxy: &str, args: &[&str]) -> (i32, String, String) {
-    let out = timeout(PATIENCE, lockctl(proxy, args).output())
-        .await
-        .expect("lockctl ended")
-        .unwrap();
-    let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
-    (
-        out.status.code().expect("exited"),
-        text(out.stdout),
-        text(out.stderr),
-    )
-}
 
 /// Starts lockctl with a long-running CMD and waits until it says it holds the lock.
 async fn start_holding(proxy: &Running, lock: &str) -> (Child, BufReader<ChildStderr>) {
@@ -243,16 +215,7 @@ async fn help_explains_every_flag() {
         ("observe", &["--json", "Ctrl-C", "69", "Example"]),
         ("check", &["EPOCH:REVISION", "stale", "64", "Example"]),
     ];
-    for (command, needles) in expected {
-        let (code, help, _) = run(proxy, &[command, "--help"]).await;
-        assert_eq!(code, 0);
-        for needle in needles {
-            assert!(
-                help.contains(needle),
-                "lockctl {command} --help lacks {needle}:\n{help}"
-            );
-        }
-    }
+    assert_help(proxy, &expected).await;
 }
 
 #[tokio::test]

@@ -2,46 +2,18 @@
 //! proxy: the lines they print, resuming after a cut-off, compaction, joining and
 //! leaving a group, CMD's status, a lost session, and the help text.
 
+mod cli;
 mod fake;
 
-use std::process::Stdio;
-
+use cli::{assert_help, lockctl, run};
 use fake::{start, Running, WatchFault, PATIENCE};
 use lockcell_client::{Client, Session, SessionOptions};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
-use tokio::process::{Child, ChildStderr, ChildStdout, Command};
+use tokio::process::{Child, ChildStderr, ChildStdout};
 use tokio::time::timeout;
 use tonic::Code;
-
-fn lockctl(proxy: &str, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lockctl"));
-    cmd.arg("--proxy")
-        .arg(proxy)
-        .args(args)
-        .env_remove("LOCKCELL_PROXY")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    cmd
-}
-
-/// Runs lockctl to the end: (exit code, stdout, stderr).
-async fn run(proxy: &str, args: &[&str]) -> (i32, String, String) {
-    let out = timeout(PATIENCE, lockctl(proxy, args).output())
-        .await
-        .expect("lockctl ended")
-        .unwrap();
-    let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
-    (
-        out.status.code().expect("exited"),
-        text(out.stdout),
-        text(out.stderr),
-    )
-}
 
 /// A running lockctl and its output.
 struct Lockctl {
@@ -339,14 +311,5 @@ async fn help_explains_the_membership_and_watch_commands() {
             ],
         ),
     ];
-    for (command, needles) in expected {
-        let (code, help, _) = run(proxy, &[command, "--help"]).await;
-        assert_eq!(code, 0);
-        for needle in needles {
-            assert!(
-                help.contains(needle),
-                "lockctl {command} --help lacks {needle}:\n{help}"
-            );
-        }
-    }
+    assert_help(proxy, &expected).await;
 }

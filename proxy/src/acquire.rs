@@ -190,15 +190,8 @@ async fn fair(
 ) -> Result<Option<Granted>, ProxyError> {
     // A retried call that already holds the lock must not join the line behind the
     // waiters its own hold keeps out.
-    if state
-        .locklog
-        .held_by(&call.lock, call.mode, &call.session_id, session.lease)
-        .await?
-        .is_some()
-    {
-        if let Some(granted) = grant(state, call, &session, None).await? {
-            return Ok(Some(granted));
-        }
+    if let Some(granted) = own_grant(state, call, &session).await? {
+        return Ok(Some(granted));
     }
     // One key per call: two calls of one session never share (or remove) a place.
     let id = format!("{}-{:016x}", call.session_id, rand::random::<u64>());
@@ -225,25 +218,16 @@ async fn fair(
     loop {
         let turn = fair_turn(state, call, class, give_up, &id, queued, &mut line).await;
         let trouble = match turn {
-            Ok(Some(outcome)) => return Ok(outcome),
-            Ok(None) => None,
+            Ok(Turn::Over(outcome)) => return Ok(outcome),
+            Ok(Turn::Again) => None,
             Err(e) => {
                 let trouble = ride_out(e, &call.lock)?;
                 let session = live(state, &call.session_id)?;
                 // A grant attempt that failed midway may have been applied: the lock is
                 // then this session's own, and no turn in line would ever find it free.
-                if let Ok(Some(_)) = state
-                    .locklog
-                    .held_by(&call.lock, call.mode, &call.session_id, session.lease)
-                    .await
-                {
-                    if let Some(granted) = grant(state, call, &session, None).await? {
-                        line.done = true;
-                        state
-                            .sessions
-                            .forget_grant(&call.session_id, &line.waiter.key, queued);
-                        return Ok(Some(granted));
-                    }
+                if let Ok(Some(granted)) = own_grant(state, call, &session).await {
+                    line.left();
+                    return Ok(Some(granted));
                 }
                 let Some(pause) = wait_budget(&session, give_up) else {
                     return Err(trouble);
@@ -258,8 +242,15 @@ async fn fair(
     }
 }
 
-/// One turn of a fair waiter: `Some(outcome)` when the wait is over (granted, or its
-/// time ran out), `None` to take another turn.
+/// What one turn in line ended with.
+enum Turn {
+    /// Take another turn.
+    Again,
+    /// The wait is over: granted, or its time ran out (`None`).
+    Over(Option<Granted>),
+}
+
+/// One turn of a fair waiter.
 async fn fair_turn(
     state: &Arc<ProxyState>,
     call: &Call,
@@ -268,62 +259,57 @@ async fn fair_turn(
     id: &str,
     queued: i64,
     line: &mut LeaveLine,
-) -> Result<Option<Option<Granted>>, ProxyError> {
-    {
-        let session = live(state, &call.session_id)?;
-        match state.locklog.place(&call.lock, call.mode, queued).await? {
-            Place::Behind { predecessor, .. } => {
-                let mut sub = state.events.subscribe_key(&predecessor);
-                // Look again after subscribing: the predecessor may have left between.
-                if let Place::Behind {
-                    predecessor: again,
-                    seen_at,
-                } = state.locklog.place(&call.lock, call.mode, queued).await?
-                {
-                    let Some(patience) = wait_budget(&session, give_up) else {
-                        return Ok(Some(None));
-                    };
-                    if again == predecessor {
-                        sub.changed_after(seen_at, patience).await;
-                    }
-                }
-            }
-            Place::Head { .. } => {
-                if let Some(until) = state.events.delayed_until(&call.lock, class.lock_delay) {
-                    if !sleep_until(until, give_up).await {
-                        return Ok(Some(None));
-                    }
-                    return Ok(None);
-                }
-                let mut sub = state.events.subscribe_lock(&call.lock);
-                // A waiter that just moved up usually finds its predecessor holding:
-                // a read says so without a proposal.
-                let (held, _) = state.locklog.is_held(&call.lock, call.mode).await?;
-                if !held {
-                    if let Some(granted) = grant(state, call, &session, Some((id, queued))).await? {
-                        line.done = true;
-                        state
-                            .sessions
-                            .forget_grant(&call.session_id, &line.waiter.key, queued);
-                        return Ok(Some(Some(granted)));
-                    }
-                }
-                // Held: wait for a release, reading (not proposing) until it is free.
-                loop {
-                    let (held, seen_at) = state.locklog.is_held(&call.lock, call.mode).await?;
-                    if !held {
-                        break;
-                    }
-                    let session = live(state, &call.session_id)?;
-                    let Some(wait) = wait_budget(&session, give_up) else {
-                        return Ok(Some(None));
-                    };
-                    sub.changed_after(seen_at, wait).await;
+) -> Result<Turn, ProxyError> {
+    let session = live(state, &call.session_id)?;
+    match state.locklog.place(&call.lock, call.mode, queued).await? {
+        Place::Behind { predecessor, .. } => {
+            let mut sub = state.events.subscribe_key(&predecessor);
+            // Look again after subscribing: the predecessor may have left between.
+            if let Place::Behind {
+                predecessor: again,
+                seen_at,
+            } = state.locklog.place(&call.lock, call.mode, queued).await?
+            {
+                let Some(patience) = wait_budget(&session, give_up) else {
+                    return Ok(Turn::Over(None));
+                };
+                if again == predecessor {
+                    sub.changed_after(seen_at, patience).await;
                 }
             }
         }
+        Place::Head { .. } => {
+            if let Some(until) = state.events.delayed_until(&call.lock, class.lock_delay) {
+                if !sleep_until(until, give_up).await {
+                    return Ok(Turn::Over(None));
+                }
+                return Ok(Turn::Again);
+            }
+            let mut sub = state.events.subscribe_lock(&call.lock);
+            // A waiter that just moved up usually finds its predecessor holding:
+            // a read says so without a proposal.
+            let (held, _) = state.locklog.is_held(&call.lock, call.mode).await?;
+            if !held {
+                if let Some(granted) = grant(state, call, &session, Some((id, queued))).await? {
+                    line.left();
+                    return Ok(Turn::Over(Some(granted)));
+                }
+            }
+            // Held: wait for a release, reading (not proposing) until it is free.
+            loop {
+                let (held, seen_at) = state.locklog.is_held(&call.lock, call.mode).await?;
+                if !held {
+                    break;
+                }
+                let session = live(state, &call.session_id)?;
+                let Some(wait) = wait_budget(&session, give_up) else {
+                    return Ok(Turn::Over(None));
+                };
+                sub.changed_after(seen_at, wait).await;
+            }
+        }
     }
-    Ok(None)
+    Ok(Turn::Again)
 }
 
 /// Takes a fair waiter's key out of line when its wait ends without a grant.
@@ -333,6 +319,16 @@ struct LeaveLine {
     session: String,
     lease: i64,
     done: bool,
+}
+
+impl LeaveLine {
+    /// The waiter left the line by its grant (whose transaction deleted its key).
+    fn left(&mut self) {
+        self.done = true;
+        self.state
+            .sessions
+            .forget_grant(&self.session, &self.waiter.key, self.waiter.revision);
+    }
 }
 
 impl Drop for LeaveLine {
@@ -425,6 +421,23 @@ async fn grant(
     attempt
         .await
         .map_err(|e| ProxyError::BadArgument(format!("grant attempt failed: {e}")))?
+}
+
+/// The grant this session already holds on the lock, recorded again: for a retried
+/// call, and for a grant attempt that failed midway but was applied.
+async fn own_grant(
+    state: &Arc<ProxyState>,
+    call: &Call,
+    session: &Session,
+) -> Result<Option<Granted>, ProxyError> {
+    let held = state
+        .locklog
+        .held_by(&call.lock, call.mode, &call.session_id, session.lease)
+        .await?;
+    match held {
+        Some(_) => grant(state, call, session, None).await,
+        None => Ok(None),
+    }
 }
 
 fn live(state: &ProxyState, id: &str) -> Result<Session, ProxyError> {

@@ -77,6 +77,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         };
         proxies.push(ProxyProcess::start(&ProxyOptions::new(zone, endpoints), dir).await?);
     }
+    let lease_ttl = ProxyOptions::new("c", Vec::new()).lease_ttl;
     let fenced = FencedServer::start().await?;
     let locks: Vec<String> = (0..options.locks).map(|l| format!("chaos/l{l}")).collect();
     let client_bin = bins::workspace_bin("lockcell-chaos-client")?;
@@ -126,7 +127,8 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
             "partition-proxy-from-etcd" => {
                 relay.cut_requests(true);
                 relay.cut_replies(true);
-                tokio::time::sleep(Duration::from_secs(6)).await;
+                // Past the proxy's lease TTL: its leases, and its clients' locks, go.
+                tokio::time::sleep(lease_ttl * 2).await;
                 relay.cut_requests(false);
                 relay.cut_replies(false);
             }

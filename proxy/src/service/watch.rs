@@ -208,20 +208,11 @@ impl Pump {
                 }
             };
             tokio::select! {
-                batch = sub.batches.recv() => match batch {
-                    Some(batch) => {
-                        if let Some(r) = self.batch(&batch, last) {
-                            last = batch.revision;
-                            if !self.send(r).await {
-                                return;
-                            }
-                        }
-                    }
-                    None => {
-                        let _ = self.tx.send(Err(self.ended(sub.end.get().copied(), last))).await;
+                queued = sub.batches.recv() => {
+                    if !self.forward(queued, sub.end.get().copied(), &mut last).await {
                         return;
                     }
-                },
+                }
                 _ = quiet => {
                     // Everything published up to `applied` is in the queue already.
                     // Read before draining: a batch this watcher was cut off at was
@@ -229,20 +220,13 @@ impl Pump {
                     // queue closed and no progress past it is claimed.
                     let applied = *self.applied.borrow();
                     loop {
-                        match sub.batches.try_recv() {
-                            Ok(batch) => {
-                                if let Some(r) = self.batch(&batch, last) {
-                                    last = batch.revision;
-                                    if !self.send(r).await {
-                                        return;
-                                    }
-                                }
-                            }
+                        let queued = match sub.batches.try_recv() {
+                            Ok(batch) => Some(batch),
                             Err(mpsc::error::TryRecvError::Empty) => break,
-                            Err(mpsc::error::TryRecvError::Disconnected) => {
-                                let _ = self.tx.send(Err(self.ended(sub.end.get().copied(), last))).await;
-                                return;
-                            }
+                            Err(mpsc::error::TryRecvError::Disconnected) => None,
+                        };
+                        if !self.forward(queued, sub.end.get().copied(), &mut last).await {
+                            return;
                         }
                     }
                     last = last.max(applied);
@@ -260,6 +244,22 @@ impl Pump {
                     return;
                 }
             }
+        }
+    }
+
+    /// Sends a queued batch on, or (`None`: the queue closed) the reason deliveries
+    /// ended. False when the stream is over.
+    async fn forward(&self, queued: Option<Arc<Batch>>, end: Option<End>, last: &mut i64) -> bool {
+        let Some(batch) = queued else {
+            let _ = self.tx.send(Err(self.ended(end, *last))).await;
+            return false;
+        };
+        match self.batch(&batch, *last) {
+            Some(response) => {
+                *last = batch.revision;
+                self.send(response).await
+            }
+            None => true,
         }
     }
 

@@ -21,6 +21,11 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+/// How often a holder acts (writes to the fenced resource).
+const ACT_EVERY: Duration = Duration::from_millis(20);
+/// Why a hold ended when the client let go of it itself.
+const RELEASED: &str = "released";
+
 #[derive(Parser)]
 #[command(
     about = "A lockcell client for fault runs: takes locks, acts while valid, records everything"
@@ -195,20 +200,16 @@ async fn hold_locks(
             deadline_ns: clock.ns(session.deadline()),
         })?;
         let until = Instant::now() + Duration::from_millis(rng.random_range(50..300));
-        let mut lost = false;
-        while Instant::now() < until {
-            let deadline = session.deadline();
+        let mut pace = tokio::time::interval(ACT_EVERY);
+        let why = loop {
+            pace.tick().await;
             let now = Instant::now();
+            if now >= until {
+                break RELEASED;
+            }
+            let deadline = session.deadline();
             if now >= deadline {
-                recorder.write(&Record::End {
-                    client: name.clone(),
-                    lock: lock.clone(),
-                    token: token.clone(),
-                    at_ns: clock.ns(now),
-                    why: "the session's deadline passed".into(),
-                })?;
-                lost = true;
-                break;
+                break "the session's deadline passed";
             }
             let accepted = fenced.write(lock, &token, &name).await?;
             recorder.write(&Record::Act {
@@ -219,19 +220,17 @@ async fn hold_locks(
                 deadline_ns: clock.ns(deadline),
                 accepted,
             })?;
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        if lost {
-            drop(guard);
-            continue;
-        }
+        };
+        // Belief ends before the release is sent.
         recorder.write(&Record::End {
             client: name,
             lock: lock.clone(),
             token,
             at_ns: clock.ns(Instant::now()),
-            why: "released".into(),
+            why: why.into(),
         })?;
-        let _ = guard.release().await;
+        if why == RELEASED {
+            let _ = guard.release().await;
+        }
     }
 }
