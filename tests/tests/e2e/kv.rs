@@ -172,25 +172,35 @@ pub async fn conditional_writes_and_linearizable_reads_across_proxies() -> anyho
     Ok(())
 }
 
-pub async fn ephemeral_keys_vanish_with_their_session_and_their_proxy() -> anyhow::Result<()> {
-    let (_etcd, mut proxies) = cell(&["a", "b"]).await?;
-    let reader = kv(&proxies[0]).await?;
-    // A session that stops renewing: its key goes when it expires.
-    let (mut sessions, _) = raw(&proxies[0]).await?;
-    let short = sessions
+/// Opens a raw session with `ttl_ms` (never renewed) and writes `key` bound to it.
+async fn put_ephemeral(
+    proxy: &lockcell_tests::ProxyProcess,
+    ttl_ms: u64,
+    key: &str,
+    value: &[u8],
+) -> anyhow::Result<lockcell_proto::v1::PutResponse> {
+    let (mut sessions, _) = raw(proxy).await?;
+    let session = sessions
         .open(OpenRequest {
-            ttl_ms: 1_000,
+            ttl_ms,
             identity: "member".into(),
         })
         .await?
         .into_inner();
     let put = PutRequest {
-        key: "members/svc/1".into(),
-        value: b"10.0.0.1".to_vec(),
-        session_id: short.session_id.clone(),
+        key: key.into(),
+        value: value.to_vec(),
+        session_id: session.session_id,
         ..Default::default()
     };
-    let written = kv(&proxies[0]).await?.put(put).await?.into_inner();
+    Ok(kv(proxy).await?.put(put).await?.into_inner())
+}
+
+pub async fn ephemeral_keys_vanish_with_their_session_and_their_proxy() -> anyhow::Result<()> {
+    let (_etcd, mut proxies) = cell(&["a", "b"]).await?;
+    let reader = kv(&proxies[0]).await?;
+    // A session that stops renewing: its key goes when it expires.
+    let written = put_ephemeral(&proxies[0], 1_000, "members/svc/1", b"10.0.0.1").await?;
     ensure!(
         written.succeeded && written.current.as_ref().is_some_and(|kv| kv.lease != 0),
         "{written:?}"
@@ -204,28 +214,8 @@ pub async fn ephemeral_keys_vanish_with_their_session_and_their_proxy() -> anyho
     .await?;
 
     // A session on a proxy that dies: its key goes with the proxy's leases.
-    let (mut sessions_b, _) = raw(&proxies[1]).await?;
-    let long = sessions_b
-        .open(OpenRequest {
-            ttl_ms: 60_000,
-            identity: "member".into(),
-        })
-        .await?
-        .into_inner();
-    let put = PutRequest {
-        key: "members/svc/2".into(),
-        value: b"10.0.0.2".to_vec(),
-        session_id: long.session_id,
-        ..Default::default()
-    };
-    ensure!(
-        kv(&proxies[1])
-            .await?
-            .put(put)
-            .await?
-            .into_inner()
-            .succeeded
-    );
+    let written = put_ephemeral(&proxies[1], 60_000, "members/svc/2", b"10.0.0.2").await?;
+    ensure!(written.succeeded, "{written:?}");
     proxies[1].signal(Signal::SIGKILL)?;
     until_gone(
         &reader,
