@@ -197,7 +197,9 @@ impl LockLog {
 
     /// Puts waiter `waiter`'s key for `mode` in line (fair classes), or finds the one it
     /// already has. `waiter` names one acquire call. Returns the key's create revision:
-    /// the waiter's place in line.
+    /// the waiter's place in line. A key the waiter has on another lease (its session
+    /// moved here from another proxy, and the call was retried) moves onto `lease` and
+    /// keeps its place.
     pub async fn enqueue(
         &self,
         lock: &LockName,
@@ -224,6 +226,17 @@ impl LockLog {
         let resp = with_timeout("enqueue txn", self.timeout, self.kv.clone().txn(txn)).await?;
         match first_kv(&resp.op_responses()) {
             Some(kv) if kv.lease() == lease => Ok(kv.create_revision()),
+            Some(kv) if kv.value() == waiter.as_bytes() => {
+                let place = Grant::waiting(lock, mode, waiter, kv.create_revision());
+                match self
+                    .move_keys(std::slice::from_ref(&place), kv.lease(), lease)
+                    .await?[..]
+                {
+                    [None] => Ok(place.revision),
+                    // Left the line meanwhile (granted, or taken out): queue afresh.
+                    _ => Box::pin(self.enqueue(lock, mode, waiter, lease)).await,
+                }
+            }
             Some(kv) => Err(CellError::CorruptRecord {
                 key,
                 reason: format!(
@@ -367,6 +380,37 @@ impl LockLog {
         Ok(resp.succeeded())
     }
 
+    /// Moves `keys` from lease `from` onto lease `to` (a session resuming on another
+    /// proxy), each under its own guard: its create revision unchanged and its lease
+    /// `from`. A move keeps the key's value and create revision, so fencing tokens do not
+    /// change. A key already on `to` with that create revision counts as moved (a
+    /// retried resume). Returns, per key, `None` when it is on `to` now, or what was
+    /// found instead.
+    pub async fn move_keys(
+        &self,
+        keys: &[Grant],
+        from: i64,
+        to: i64,
+    ) -> Result<Vec<Option<String>>, CellError> {
+        let mut outcomes = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(MAX_DELETES_PER_TXN) {
+            let nested: Vec<TxnOp> = chunk
+                .iter()
+                .map(|g| TxnOp::txn(guarded_move(&g.key, g.revision, from, to)))
+                .collect();
+            let resp = with_timeout(
+                "move txn",
+                self.timeout,
+                self.kv.clone().txn(Txn::new().and_then(nested)),
+            )
+            .await?;
+            for (grant, op) in chunk.iter().zip(resp.op_responses()) {
+                outcomes.push(move_outcome(grant, &op));
+            }
+        }
+        Ok(outcomes)
+    }
+
     /// Deletes every grant still on `lease`, each under its own guard, in as few
     /// transactions as etcd allows. `clean` marks the deletes as releases (a closed
     /// session) rather than a holder that vanished (an expired one), for lock-delay.
@@ -480,6 +524,60 @@ fn guarded_delete(lock: &LockName, key: &str, revision: i64, lease: i64, clean: 
             Compare::lease(key.as_bytes(), CompareOp::Equal, lease),
         ])
         .and_then(then)
+}
+
+/// Already on `to` at `revision`: nothing to do. Otherwise, on `from` at `revision`:
+/// put it on `to`, keeping its value. Otherwise read it, to say what became of it.
+fn guarded_move(key: &str, revision: i64, from: i64, to: i64) -> Txn {
+    let unchanged = |lease| {
+        [
+            Compare::create_revision(key.as_bytes(), CompareOp::Equal, revision),
+            Compare::lease(key.as_bytes(), CompareOp::Equal, lease),
+        ]
+    };
+    let take = Txn::new()
+        .when(unchanged(from))
+        .and_then([TxnOp::put(
+            key.as_bytes(),
+            Vec::new(),
+            Some(PutOptions::new().with_lease(to).with_ignore_value()),
+        )])
+        .or_else([TxnOp::get(key.as_bytes(), None)]);
+    Txn::new().when(unchanged(to)).or_else([TxnOp::txn(take)])
+}
+
+/// What a [`guarded_move`] did, from its response.
+fn move_outcome(grant: &Grant, op: &TxnOpResponse) -> Option<String> {
+    let TxnOpResponse::Txn(outer) = op else {
+        return Some("the move transaction answered out of shape".to_owned());
+    };
+    if outer.succeeded() {
+        return None;
+    }
+    let inner = outer.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Txn(inner) => Some(inner),
+        _ => None,
+    });
+    let Some(inner) = inner else {
+        return Some("the move transaction answered out of shape".to_owned());
+    };
+    if inner.succeeded() {
+        return None;
+    }
+    Some(match first_kv(&inner.op_responses()) {
+        None => format!("{} is gone", grant.key),
+        Some(kv) if kv.create_revision() != grant.revision => format!(
+            "{} was created again at revision {} (held at {})",
+            grant.key,
+            kv.create_revision(),
+            grant.revision
+        ),
+        Some(kv) => format!(
+            "{} is on lease {:x}, not the session's",
+            grant.key,
+            kv.lease()
+        ),
+    })
 }
 
 fn first_kv(ops: &[TxnOpResponse]) -> Option<&etcd_client::KeyValue> {

@@ -1,5 +1,6 @@
-//! The connection to a zone proxy: one gRPC channel and one keep-alive driver, shared by
-//! every session opened through it.
+//! The connection to the proxies: the one in use (its gRPC channel) and one keep-alive
+//! driver, shared by every session opened through it, that moves them all to another
+//! proxy when that one fails.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,25 +8,49 @@ use std::time::Duration;
 use lockcell_proto::v1::session_client::SessionClient;
 use lockcell_proto::v1::OpenRequest;
 use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::error::{Call, Error};
 use crate::keepalive::KeepAlive;
+use crate::proxies::Proxies;
 use crate::session::{Session, SessionOptions};
-use crate::shared::SessionShared;
+use crate::shared::{Home, SessionShared};
 
-/// How long establishing the TCP connection may take before the proxy counts as
-/// unreachable.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// HTTP/2 pings on an otherwise quiet connection, so a dead proxy is noticed even
-/// between renewals.
-const HTTP2_PING_INTERVAL: Duration = Duration::from_secs(10);
-const HTTP2_PING_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bound on unary calls that touch only the proxy's memory or one etcd write (Open,
 /// Close, Release): a hung call must not hang the application.
 pub(crate) const UNARY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A connection to one lockcell proxy. Cheap to clone; all clones share the connection
+/// How a client reaches the service.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Proxy addresses in order of preference: the client's own zone first, then the
+    /// others. The client uses the first that answers and moves its sessions to the next
+    /// when that one dies, stops answering, cannot reach etcd, or drains.
+    pub proxies: Vec<String>,
+    /// How long a session may stay in jeopardy (past its deadline, no proxy reached)
+    /// before the client gives it up as expired. Reaching a proxy within it resumes the
+    /// session with its locks and tokens, unless they were lost meanwhile (each guard
+    /// says so). Default 45 s.
+    pub grace: Duration,
+}
+
+impl ClientOptions {
+    /// `proxies` in order of preference, with the default grace period.
+    pub fn new<S: Into<String>>(proxies: impl IntoIterator<Item = S>) -> Self {
+        ClientOptions {
+            proxies: proxies.into_iter().map(Into::into).collect(),
+            grace: Duration::from_secs(45),
+        }
+    }
+
+    /// Sets the grace period.
+    pub fn grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+}
+
+/// A connection to the lockcell proxies. Cheap to clone; all clones share the connection
 /// and the single keep-alive stream that renews every session opened through them.
 ///
 /// The connection (and its keep-alive task) lives while any clone, [`Session`] or
@@ -37,37 +62,27 @@ pub struct Client {
 
 #[derive(Debug)]
 struct ClientInner {
-    /// The address as given, for error messages.
-    addr: String,
-    channel: Channel,
+    proxies: Arc<Proxies>,
     keepalive: KeepAlive,
 }
 
 impl Client {
     /// Connects to a proxy at `addr` (`"127.0.0.1:7420"` or `"http://127.0.0.1:7420"`).
+    /// Sessions can still resume on that address (a restarted proxy); to move between
+    /// proxies, give them all with [`Client::connect_with`].
     ///
     /// Connects eagerly, so a wrong or unreachable address is reported here, naming the
     /// address, rather than at the first call.
     pub async fn connect(addr: &str) -> Result<Client, Error> {
-        let endpoint = Endpoint::from_shared(endpoint_uri(addr))
-            .map_err(|e| Error::connect(addr, &e))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(HTTP2_PING_INTERVAL)
-            .keep_alive_timeout(HTTP2_PING_TIMEOUT)
-            .keep_alive_while_idle(true);
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|e| Error::connect(addr, &e))?;
-        tracing::debug!(proxy = addr, "connected");
-        let keepalive = KeepAlive::start(channel.clone());
+        Client::connect_with(ClientOptions::new([addr])).await
+    }
+
+    /// Connects to the first proxy of `options` that answers.
+    pub async fn connect_with(options: ClientOptions) -> Result<Client, Error> {
+        let proxies = Arc::new(Proxies::connect(options.proxies).await?);
+        let keepalive = KeepAlive::start(proxies.clone(), options.grace);
         Ok(Client {
-            inner: Arc::new(ClientInner {
-                addr: addr.to_owned(),
-                channel,
-                keepalive,
-            }),
+            inner: Arc::new(ClientInner { proxies, keepalive }),
         })
     }
 
@@ -78,9 +93,10 @@ impl Client {
     pub async fn open_session(&self, opts: SessionOptions) -> Result<Session, Error> {
         let mut request = tonic::Request::new(OpenRequest {
             ttl_ms: u64::try_from(opts.ttl.as_millis()).unwrap_or(u64::MAX),
-            identity: opts.identity,
+            identity: opts.identity.clone(),
         });
         request.set_timeout(UNARY_TIMEOUT);
+        let generation = self.inner.proxies.generation();
         let sent = Instant::now();
         let reply = SessionClient::new(self.channel())
             .open(request)
@@ -91,12 +107,14 @@ impl Client {
             return Err(Error::Protocol("Open answered without a session id".into()));
         }
         let ttl = Duration::from_millis(reply.ttl_ms);
-        let shared = Arc::new(SessionShared::new(
-            reply.session_id,
-            ttl,
-            sent,
-            reply.valid_for_ms,
-        ));
+        let shared = SessionShared::new(reply.session_id, ttl, sent, reply.valid_for_ms)
+            .with_identity(opts.identity);
+        shared.set_home(Home {
+            proxy_id: reply.proxy_id.clone(),
+            lease: reply.lease_id,
+            incarnation: reply.incarnation,
+        });
+        let shared = Arc::new(shared);
         let first_due = sent + shared.renew_interval();
         tracing::debug!(
             session.id = %shared.id,
@@ -105,19 +123,26 @@ impl Client {
             valid_for_ms = reply.valid_for_ms,
             "session opened"
         );
-        let session = Session::new(self.clone(), shared.clone(), reply.proxy_id);
+        let session = Session::new(self.clone(), shared.clone());
         // From here on, dropping `session` unregisters and closes it.
-        self.inner.keepalive.register(shared, first_due).await?;
+        self.inner
+            .keepalive
+            .register(shared, first_due, generation)
+            .await?;
         Ok(session)
     }
 
-    /// The address this client was connected with.
+    /// The address of the proxy in use now.
     pub fn addr(&self) -> &str {
-        &self.inner.addr
+        self.inner.proxies.addr(self.inner.proxies.current())
     }
 
     pub(crate) fn channel(&self) -> Channel {
-        self.inner.channel.clone()
+        self.inner.proxies.channel()
+    }
+
+    pub(crate) fn proxies(&self) -> &Proxies {
+        &self.inner.proxies
     }
 
     pub(crate) fn keepalive(&self) -> &KeepAlive {
@@ -125,18 +150,10 @@ impl Client {
     }
 }
 
-/// Accepts a bare `host:port` by assuming plain HTTP/2.
-fn endpoint_uri(addr: &str) -> String {
-    if addr.contains("://") {
-        addr.to_owned()
-    } else {
-        format!("http://{addr}")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxies::endpoint_uri;
 
     #[test]
     fn bare_addresses_get_a_scheme() {

@@ -15,6 +15,7 @@ use tracing::Instrument as _;
 
 use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
+use crate::holdings::{Held, Holding};
 use crate::lock::Wait;
 use crate::session::Session;
 use crate::validity::SessionState;
@@ -59,6 +60,10 @@ impl Session {
         self.shared().grant(sent, reply.valid_for_ms);
         tracing::debug!(session.id = %self.id(), election.name = election, %token, "elected");
         Ok(Some(Leadership {
+            holding: self.shared().holdings.add(Held::Exclusive {
+                lock: election.to_owned(),
+                token,
+            }),
             session: self.clone(),
             election: election.to_owned(),
             token,
@@ -76,6 +81,8 @@ impl Session {
 #[must_use = "dropping a Leadership resigns it"]
 pub struct Leadership {
     session: Session,
+    /// Registered with the session, so a resume moves the leadership.
+    holding: std::sync::Arc<Holding>,
     election: String,
     token: FencingToken,
     /// Set once resigned, so `Drop` does not resign again.
@@ -94,9 +101,9 @@ impl Leadership {
     }
 
     /// Whether the application may still act as leader: its session is before its
-    /// deadline and not expired.
+    /// deadline and not expired, and the leadership was not lost when the session moved.
     pub fn is_valid(&self) -> bool {
-        self.session.state() == SessionState::Valid
+        self.session.state() == SessionState::Valid && !self.holding.is_lost()
     }
 
     /// The session this leadership was won through.
@@ -128,6 +135,7 @@ impl Leadership {
     /// it); the proxy may also say so with [`Error::NotHolder`].
     pub async fn resign(mut self) -> Result<bool, Error> {
         self.resigned = true;
+        self.session.shared().holdings.remove(&self.holding);
         if self.session.shared().is_expired() {
             return Err(self.session.expired_error());
         }
@@ -137,7 +145,8 @@ impl Leadership {
 
 impl Drop for Leadership {
     fn drop(&mut self) {
-        if self.resigned || self.session.shared().is_expired() {
+        self.session.shared().holdings.remove(&self.holding);
+        if self.resigned || self.session.shared().is_expired() || self.holding.is_lost() {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {

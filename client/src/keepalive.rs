@@ -2,9 +2,14 @@
 //! its sessions over ONE `Session.KeepAlive` bidi stream, pairs each reply with the
 //! instant its request was sent, and moves deadlines (or expires sessions) accordingly.
 //!
-//! When the stream breaks it is reopened with backoff. Meanwhile no deadline moves, so
-//! sessions fall into jeopardy on their own if that takes too long: the driver never has
-//! to decide that a session is in danger, the clock does.
+//! When the stream breaks (or stops answering) the driver moves: it tries the client's
+//! other proxies in order of preference (the one that failed last), resumes every
+//! session on the first that answers (their keys move onto its lease, tokens unchanged)
+//! and renews there. A proxy that asks its clients to go (draining, or unable to renew
+//! its etcd lease) is left the same way while it still answers. Meanwhile no deadline
+//! moves, so sessions fall into jeopardy on their own if that takes too long: the
+//! driver never has to decide that a session is in danger, the clock does. A session
+//! in jeopardy for longer than the grace period with no proxy reached expires.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -14,17 +19,31 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use dashmap::DashMap;
 use lockcell_proto::v1::session_client::SessionClient;
-use lockcell_proto::v1::{KeepAliveRequest, KeepAliveResponse, SessionState as WireState};
+use lockcell_proto::v1::{
+    CloseRequest, KeepAliveRequest, KeepAliveResponse, ResumeRequest, SessionState as WireState,
+};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, Instant};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
-use tonic::{Status, Streaming};
+use tonic::{Code, Status, Streaming};
 
+use crate::client::UNARY_TIMEOUT;
 use crate::error::Error;
+use crate::proxies::Proxies;
 use crate::renewals::Renewals;
-use crate::shared::SessionShared;
+use crate::shared::{Home, SessionShared};
+
+/// How long a Resume may take before the proxy counts as unreachable.
+const RESUME_TIMEOUT: Duration = Duration::from_secs(3);
+/// How often sessions are checked against the grace period.
+const GRACE_SWEEP: Duration = Duration::from_millis(250);
+/// After a proxy asked its clients to go and no other proxy took them, how long before
+/// trying again.
+const MOVE_RETRY: Duration = Duration::from_secs(1);
+/// Resumes in flight at once during a move.
+const RESUMES_AT_ONCE: usize = 32;
 
 /// Registrations waiting for the driver. Opening sessions is rare; a full queue only
 /// makes `open_session` wait a moment.
@@ -42,8 +61,14 @@ const RECONNECT_MAX: Duration = Duration::from_secs(2);
 pub(crate) type SessionTable = DashMap<String, Arc<SessionShared>>;
 
 enum Command {
-    /// Start renewing a session; its first renewal is due at `first_due`.
-    Register { id: String, first_due: Instant },
+    /// Start renewing a session; its first renewal is due at `first_due`. `generation`
+    /// is the client's proxy generation when it was opened: a session opened on a proxy
+    /// the client has left since is resumed on the current one.
+    Register {
+        id: String,
+        first_due: Instant,
+        generation: u64,
+    },
 }
 
 /// The client's handle on its keep-alive driver. Dropping it (with the last
@@ -57,11 +82,12 @@ pub(crate) struct KeepAlive {
 
 impl KeepAlive {
     /// Spawns the driver on the current runtime.
-    pub(crate) fn start(channel: Channel) -> KeepAlive {
+    pub(crate) fn start(proxies: Arc<Proxies>, grace: Duration) -> KeepAlive {
         let sessions = Arc::new(SessionTable::new());
         let (commands, rx) = mpsc::channel(COMMAND_QUEUE);
         let driver = Driver {
-            channel,
+            proxies,
+            grace,
             sessions: sessions.clone(),
             commands: rx,
             book: Renewals::default(),
@@ -69,6 +95,10 @@ impl KeepAlive {
                 retry_at: Instant::now(),
             },
             backoff: backoff(),
+            move_on_retry: false,
+            leave: None,
+            leave_again_at: Instant::now(),
+            orphans: Vec::new(),
         };
         let task = tokio::spawn(driver.run());
         KeepAlive {
@@ -83,6 +113,7 @@ impl KeepAlive {
         &self,
         session: Arc<SessionShared>,
         first_due: Instant,
+        generation: u64,
     ) -> Result<(), Error> {
         let id = session.id.clone();
         self.sessions.insert(id.clone(), session);
@@ -91,6 +122,7 @@ impl KeepAlive {
             .send(Command::Register {
                 id: id.clone(),
                 first_due,
+                generation,
             })
             .await
             .is_err()
@@ -183,33 +215,155 @@ impl Link {
 
 /// The task that owns the stream. Ends when its [`KeepAlive`] is dropped.
 struct Driver {
-    channel: Channel,
+    proxies: Arc<Proxies>,
+    /// How long a session may stay in jeopardy, no proxy reached, before it expires.
+    grace: Duration,
     sessions: Arc<SessionTable>,
     commands: mpsc::Receiver<Command>,
     book: Renewals,
     link: Link,
     backoff: ExponentialBackoff,
+    /// The stream was lost: the next retry moves (the current proxy is tried last).
+    move_on_retry: bool,
+    /// The current proxy asked its clients to go, saying why: move now.
+    leave: Option<String>,
+    /// A proxy that asked to be left is not asked again before this.
+    leave_again_at: Instant,
+    /// Sessions the current proxy does not know (opened before a move, or a proxy that
+    /// restarted on its address): resumed there.
+    orphans: Vec<String>,
 }
 
 impl Driver {
     async fn run(mut self) {
+        let mut sweep = tokio::time::interval(GRACE_SWEEP);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            if let Some(why) = self.leave.take() {
+                self.leave_proxy(&why).await;
+            }
+            if !self.orphans.is_empty() && matches!(self.link, Link::Up { .. }) {
+                self.adopt_orphans().await;
+            }
             let wakeup = self.book.next_wakeup(self.link.tx().is_some());
             tokio::select! {
                 command = self.commands.recv() => match command {
-                    Some(Command::Register { id, first_due }) => self.book.schedule(&id, first_due),
+                    Some(Command::Register { id, first_due, generation }) => {
+                        if generation != self.proxies.generation() {
+                            self.orphans.push(id.clone());
+                        }
+                        self.book.schedule(&id, first_due);
+                    }
                     None => return, // the client is gone
                 },
-                event = self.link.next_event() => self.on_link_event(event),
+                event = self.link.next_event() => self.on_link_event(event).await,
                 _ = sleep_until(wakeup.unwrap_or_else(Instant::now)), if wakeup.is_some() => {
                     self.on_timer();
                 }
+                _ = sweep.tick() => self.expire_past_grace(),
             }
         }
     }
 
-    fn on_link_event(&mut self, event: LinkEvent) {
+    /// Expires every session that has been in jeopardy for longer than the grace
+    /// period: no proxy could be reached to resume it.
+    fn expire_past_grace(&self) {
+        let now = Instant::now();
+        for entry in self.sessions.iter() {
+            let session = entry.value();
+            if !session.is_expired() && session.deadline() + self.grace <= now {
+                session.expire(&format!(
+                    "no proxy renewed or resumed the session within the grace period of {:?} \
+                     after its deadline",
+                    self.grace
+                ));
+            }
+        }
+    }
+
+    /// The sessions to carry along in a move.
+    fn live_sessions(&self) -> Vec<Arc<SessionShared>> {
+        self.sessions
+            .iter()
+            .map(|e| e.value().clone())
+            .filter(|s| !s.is_expired())
+            .collect()
+    }
+
+    /// Moves every session to another proxy: the first, in order of preference, that
+    /// resumes them all. `avoid_current`: the current proxy asked to be left, so it is
+    /// not among the candidates. Returns whether the client moved.
+    async fn relocate(&mut self, avoid_current: bool) -> bool {
+        let sessions = self.live_sessions();
+        let from = self.proxies.current();
+        let old = self.proxies.channel();
+        let left: Vec<(String, u64)> = sessions
+            .iter()
+            .map(|s| (s.id.clone(), s.home().incarnation))
+            .collect();
+        for index in self.proxies.move_order(avoid_current) {
+            let addr = self.proxies.addr(index).to_owned();
+            let channel = match self.proxies.open(index).await {
+                Ok(channel) => channel,
+                Err(e) => {
+                    tracing::warn!(proxy = %addr, error = %e, "cannot move there");
+                    continue;
+                }
+            };
+            if let Err(status) = resume_all(&channel, &sessions).await {
+                tracing::warn!(proxy = %addr, status = %brief(&status), "resume failed there");
+                continue;
+            }
+            tracing::info!(proxy = %addr, sessions = sessions.len(), "sessions resumed");
+            self.proxies.switch(index, channel);
+            self.book.stream_lost();
+            self.backoff = backoff();
+            self.open();
+            if index != from {
+                close_left_behind(old, left);
+            }
+            return true;
+        }
+        false
+    }
+
+    /// The current proxy asked its clients to go: move while it still answers. If no
+    /// other proxy takes the sessions, stay (it still renews them) and ask again later.
+    async fn leave_proxy(&mut self, why: &str) {
+        if Instant::now() < self.leave_again_at {
+            return;
+        }
+        tracing::info!(proxy = %self.proxies.addr(self.proxies.current()), why, "moving");
+        if !self.relocate(true).await {
+            tracing::warn!(why, "no other proxy took the sessions; staying for now");
+            self.leave_again_at = Instant::now() + MOVE_RETRY;
+        }
+    }
+
+    /// Resumes the sessions the current proxy said it does not know.
+    async fn adopt_orphans(&mut self) {
+        let ids = std::mem::take(&mut self.orphans);
+        let sessions: Vec<Arc<SessionShared>> = ids
+            .iter()
+            .filter_map(|id| self.sessions.get(id).map(|s| s.value().clone()))
+            .filter(|s| !s.is_expired())
+            .collect();
+        if let Err(status) = resume_all(&self.proxies.channel(), &sessions).await {
+            self.orphans = ids;
+            self.lost(&format!(
+                "could not resume sessions here: {}",
+                brief(&status)
+            ));
+        }
+    }
+
+    async fn on_link_event(&mut self, event: LinkEvent) {
         match event {
+            LinkEvent::RetryDue if std::mem::take(&mut self.move_on_retry) => {
+                if !self.relocate(false).await {
+                    self.lost("no proxy could take the sessions");
+                }
+            }
             LinkEvent::RetryDue => self.open(),
             LinkEvent::Opened(Ok(inbound)) => {
                 if let Link::Opening { tx, .. } = std::mem::replace(
@@ -241,17 +395,19 @@ impl Driver {
         }
     }
 
-    /// Starts opening a stream. Its request side is fed from a bounded channel.
+    /// Starts opening a stream to the current proxy. Its request side is fed from a
+    /// bounded channel.
     fn open(&mut self) {
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let mut client = SessionClient::new(self.channel.clone());
+        let mut client = SessionClient::new(self.proxies.channel());
         let call: OpenCall =
             Box::pin(async move { client.keep_alive(ReceiverStream::new(rx)).await });
         self.link = Link::Opening { tx, call };
     }
 
-    /// The stream is gone: forget what was in flight and retry after a backoff.
+    /// The stream is gone: forget what was in flight and move after a backoff.
     fn lost(&mut self, why: &str) {
+        self.move_on_retry = true;
         let in_flight = self.book.stream_lost();
         let delay = self.backoff.next().unwrap_or(RECONNECT_MAX);
         tracing::warn!(
@@ -333,8 +489,16 @@ impl Driver {
                 // A shorter grant than before calls for an earlier renewal.
                 self.book
                     .schedule_no_later(&session.id, sent + session.renew_interval());
+                if reply.move_elsewhere && self.leave.is_none() {
+                    self.leave = Some(reply.reason);
+                }
             }
-            Ok(state @ (WireState::NotFound | WireState::Expired)) => {
+            // Not known here (a proxy restarted on its address): resume it here.
+            Ok(WireState::NotFound) => {
+                tracing::info!(session.id = %session.id, "proxy does not know the session; resuming it");
+                self.orphans.push(session.id.clone());
+            }
+            Ok(state @ WireState::Expired) => {
                 let reason = if reply.reason.is_empty() {
                     format!("the proxy answered {}", state.as_str_name())
                 } else {
@@ -352,4 +516,126 @@ impl Driver {
             }
         }
     }
+}
+
+/// Resumes `sessions` on the proxy behind `channel`, at most [`RESUMES_AT_ONCE`] at a
+/// time. Fails (with the first failure) if the proxy did not answer one of them: the
+/// move goes elsewhere. A session the proxy refused outright expires.
+async fn resume_all(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Result<(), Status> {
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut pending = sessions.iter().cloned();
+    let mut failed = None;
+    loop {
+        while tasks.len() < RESUMES_AT_ONCE && failed.is_none() {
+            let Some(session) = pending.next() else { break };
+            tasks.spawn(resume_one(channel.clone(), session));
+        }
+        match tasks.join_next().await {
+            Some(Ok(Ok(()))) => {}
+            Some(Ok(Err(status))) => {
+                failed.get_or_insert(status);
+            }
+            Some(Err(join)) => {
+                failed.get_or_insert(Status::internal(format!("resume task failed: {join}")));
+            }
+            None => break,
+        }
+    }
+    failed.map_or(Ok(()), Err)
+}
+
+/// Resumes one session. A proxy that cannot cover what the session may still do on its
+/// old proxy's word refuses with FAILED_PRECONDITION: the session stops acting
+/// (jeopardy) and asks again, needing nothing.
+async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(), Status> {
+    let mut suspended = false;
+    loop {
+        let sent = Instant::now();
+        let acting_for = if suspended {
+            0
+        } else {
+            // Rounded up: the proxy must cover at least the whole of it.
+            session.acting_for(sent).as_millis() as u64 + 1
+        };
+        let mut request = tonic::Request::new(ResumeRequest {
+            session_id: session.id.clone(),
+            ttl_ms: session.ttl.as_millis() as u64,
+            identity: session.identity.clone(),
+            from_lease_id: session.home().lease,
+            keys: session.holdings.wire(),
+            acting_for_ms: acting_for,
+        });
+        request.set_timeout(RESUME_TIMEOUT);
+        match SessionClient::new(channel.clone()).resume(request).await {
+            Ok(reply) => {
+                let reply = reply.into_inner();
+                for lost in reply.lost {
+                    if let Some(key) = lost.key {
+                        session.holdings.lose(&key, &lost.reason);
+                    }
+                }
+                let home = Home {
+                    proxy_id: reply.proxy_id,
+                    lease: reply.lease_id,
+                    incarnation: reply.incarnation,
+                };
+                session.moved(home, sent, reply.valid_for_ms);
+                return Ok(());
+            }
+            Err(status) if status.code() == Code::FailedPrecondition && !suspended => {
+                tracing::info!(session.id = %session.id, reason = status.message(), "stopping to act until resumed");
+                session.suspend();
+                suspended = true;
+            }
+            Err(status) if unreachable(&status) => return Err(status),
+            Err(status) => {
+                session.expire(&format!("resume refused: {}", status.message()));
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Whether a failed call says the proxy could not be reached or could not do it now
+/// (try another), rather than refusing it.
+fn unreachable(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::Unknown
+            | Code::Cancelled
+            | Code::Internal
+            | Code::ResourceExhausted
+            | Code::FailedPrecondition
+    )
+}
+
+/// Closes the moved sessions on the proxy they left, in the background: it then deletes
+/// what is still on its lease (keys the client never heard of, such as a grant whose
+/// reply was lost) and, draining, sees them gone. What moved is not on its lease.
+///
+/// Each close names the stay it ends, so one that arrives late (after the client came
+/// back to that proxy) closes nothing.
+fn close_left_behind(channel: Channel, left: Vec<(String, u64)>) {
+    tokio::spawn(async move {
+        let mut tasks = tokio::task::JoinSet::new();
+        for (id, incarnation) in left {
+            while tasks.len() >= RESUMES_AT_ONCE {
+                tasks.join_next().await;
+            }
+            let mut request = tonic::Request::new(CloseRequest {
+                session_id: id.clone(),
+                incarnation,
+            });
+            request.set_timeout(UNARY_TIMEOUT);
+            let mut client = SessionClient::new(channel.clone());
+            tasks.spawn(async move {
+                if let Err(status) = client.close(request).await {
+                    tracing::debug!(session.id = %id, status = %brief(&status), "not closed on the proxy left behind");
+                }
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+    });
 }

@@ -231,14 +231,16 @@ impl Client {
 
 impl Session {
     /// Writes an ephemeral `key`: it is deleted when this session ends (closed, expired,
-    /// or its proxy gone), as membership keys should be.
+    /// or its proxy gone), as membership keys should be. It moves with the session when
+    /// the session resumes on another proxy.
     pub async fn put_ephemeral(
         &self,
         key: &str,
         value: &[u8],
         condition: Condition,
     ) -> Result<Written, Error> {
-        self.client()
+        let written = self
+            .client()
             .write(
                 key,
                 value,
@@ -246,7 +248,16 @@ impl Session {
                 self.id().to_owned(),
                 Call::Session(self.id()),
             )
-            .await
+            .await?;
+        if let (true, Some(entry)) = (written.succeeded, &written.current) {
+            self.shared()
+                .holdings
+                .add(crate::holdings::Held::Ephemeral {
+                    key: key.to_owned(),
+                    create_revision: entry.create_revision,
+                });
+        }
+        Ok(written)
     }
 }
 

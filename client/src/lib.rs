@@ -47,19 +47,22 @@
 mod client;
 mod election;
 mod error;
+mod holdings;
 mod keepalive;
 mod kv;
 mod lock;
 mod members;
+mod proxies;
 mod renewals;
 mod session;
 mod shared;
 mod validity;
 mod watch;
 
-pub use client::Client;
+pub use client::{Client, ClientOptions};
 pub use election::{LeaderInfo, LeaderStream, Leadership};
 pub use error::Error;
+pub use holdings::{Held, SessionEvent, SessionEvents};
 pub use kv::{Condition, Entry, Txn, TxnOutcome, Written};
 pub use lock::{LockGuard, Mode, Sequencer, Wait};
 pub use lockcell_proto::FencingToken;

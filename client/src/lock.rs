@@ -8,8 +8,11 @@ use lockcell_proto::v1::{AcquireRequest, CheckSequencerRequest, LockMode, Releas
 use lockcell_proto::FencingToken;
 use tracing::Instrument as _;
 
+use std::sync::Arc;
+
 use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
+use crate::holdings::{Held, Holding};
 use crate::session::Session;
 use crate::validity::SessionState;
 
@@ -38,6 +41,20 @@ impl Wait {
         }
     }
 
+    /// What is left of the wait after `elapsed` of it.
+    pub(crate) fn remaining(self, elapsed: Duration) -> Wait {
+        match self {
+            Wait::Timeout(d) => Wait::Timeout(d.saturating_sub(elapsed)),
+            other => other,
+        }
+    }
+
+    /// Whether a wait of this kind is over after `elapsed` (never for try-once, whose one
+    /// try may be repeated after a move).
+    pub(crate) fn is_over(self, elapsed: Duration) -> bool {
+        matches!(self, Wait::Timeout(d) if elapsed >= d)
+    }
+
     /// The gRPC deadline for the call: the wait plus slack, none when waiting forever.
     pub(crate) fn call_timeout(self) -> Option<Duration> {
         match self {
@@ -46,6 +63,15 @@ impl Wait {
             Wait::Forever => None,
         }
     }
+}
+
+/// A fresh 64-bit id (for call ids, which need only be unique within a session).
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.finish()
 }
 
 /// How a lock is held.
@@ -95,17 +121,34 @@ impl Session {
         mode: Mode,
         wait: Wait,
     ) -> Result<Option<LockGuard>, Error> {
-        let mut request = tonic::Request::new(AcquireRequest {
-            session_id: self.id().to_owned(),
-            lock: lock.to_owned(),
-            wait_timeout_ms: wait.wait_timeout_ms(),
-            mode: mode.wire().into(),
-        });
-        if let Some(timeout) = wait.call_timeout() {
-            request.set_timeout(timeout);
-        }
-        let mut client = LockClient::new(self.client().channel());
-        let (reply, sent) = self.grant_request(client.acquire(request)).await?;
+        // The same id on every retry: a fair waiter keeps its place in line.
+        let call_id = format!("{:016x}", rand_id());
+        let started = tokio::time::Instant::now();
+        let (reply, sent) = loop {
+            let wait = wait.remaining(started.elapsed());
+            let mut request = tonic::Request::new(AcquireRequest {
+                session_id: self.id().to_owned(),
+                lock: lock.to_owned(),
+                wait_timeout_ms: wait.wait_timeout_ms(),
+                mode: mode.wire().into(),
+                call_id: call_id.clone(),
+            });
+            if let Some(timeout) = wait.call_timeout() {
+                request.set_timeout(timeout);
+            }
+            let generation = self.client().proxies().generation();
+            let mut client = LockClient::new(self.client().channel());
+            match self.grant_request(client.acquire(request)).await {
+                // The proxy went away mid-call: once the session has moved, ask the new
+                // one (an acquire is idempotent for its session).
+                Err(Error::Unavailable(why))
+                    if self.moved_since(generation).await && !wait.is_over(started.elapsed()) =>
+                {
+                    tracing::debug!(lock.name = lock, %why, "acquire retried on the session's new proxy");
+                }
+                other => break other?,
+            }
+        };
         if !reply.granted {
             return Ok(None);
         }
@@ -117,7 +160,18 @@ impl Session {
             .into();
         self.shared().grant(sent, reply.valid_for_ms);
         tracing::debug!(session.id = %self.id(), lock.name = lock, ?mode, %token, "lock granted");
+        let held = match mode {
+            Mode::Exclusive => Held::Exclusive {
+                lock: lock.to_owned(),
+                token,
+            },
+            Mode::Shared => Held::Shared {
+                lock: lock.to_owned(),
+                token,
+            },
+        };
         Ok(Some(LockGuard {
+            holding: self.shared().holdings.add(held),
             session: self.clone(),
             lock: lock.to_owned(),
             mode,
@@ -135,6 +189,8 @@ impl Session {
 #[must_use = "dropping a LockGuard releases the lock"]
 pub struct LockGuard {
     session: Session,
+    /// Registered with the session, so a resume moves the lock and reports it lost.
+    holding: Arc<Holding>,
     lock: String,
     /// Sent with the release: the proxy keeps shared and exclusive holders apart.
     mode: Mode,
@@ -165,9 +221,20 @@ impl LockGuard {
     }
 
     /// Whether the application may still act as holder: its session is before its
-    /// deadline and not expired.
+    /// deadline and not expired, and the lock was not lost when the session moved.
     pub fn is_valid(&self) -> bool {
-        self.session.state() == SessionState::Valid
+        self.session.state() == SessionState::Valid && !self.holding.is_lost()
+    }
+
+    /// Resolves, with the reason, once the lock is lost for good: the session expired,
+    /// or the lock was found gone when the session moved to another proxy. (Jeopardy
+    /// comes earlier and may pass: race work against [`Session::jeopardy`] too.)
+    pub async fn lost(&self) -> String {
+        let shared = self.session.shared();
+        tokio::select! {
+            _ = shared.expired() => shared.expired_reason().unwrap_or_default(),
+            reason = self.holding.lost() => reason.to_string(),
+        }
     }
 
     /// Releases the lock. `Ok(false)`: it was no longer held by this grant (e.g. the
@@ -175,6 +242,7 @@ impl LockGuard {
     /// [`Error::NotHolder`].
     pub async fn release(mut self) -> Result<bool, Error> {
         self.released = true;
+        self.session.shared().holdings.remove(&self.holding);
         if self.session.shared().is_expired() {
             return Err(self.session.expired_error());
         }
@@ -185,6 +253,10 @@ impl LockGuard {
 impl Drop for LockGuard {
     fn drop(&mut self) {
         if self.released || self.session.shared().is_expired() {
+            return;
+        }
+        self.session.shared().holdings.remove(&self.holding);
+        if self.holding.is_lost() {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -220,11 +292,30 @@ async fn release(
         mode: mode.wire().into(),
     });
     request.set_timeout(UNARY_TIMEOUT);
-    let reply = LockClient::new(session.client().channel())
-        .release(request)
-        .await
-        .map_err(|status| session.grant_call_failed(status))?;
-    Ok(reply.into_inner().released)
+    // Sent again (it is idempotent) when the session moved to another proxy meanwhile:
+    // the lock moved with it and must be released there.
+    for _ in 0..MOVES_FOLLOWED {
+        let generation = session.client().proxies().generation();
+        let reply = LockClient::new(session.client().channel())
+            .release(clone_request(&request))
+            .await;
+        match reply.map_err(|status| session.grant_call_failed(status)) {
+            Err(Error::Unavailable(_)) if session.moved_since(generation).await => continue,
+            reply => return Ok(reply?.into_inner().released),
+        }
+    }
+    Err(Error::Unavailable(format!(
+        "the release of lock {lock:?} kept meeting proxies the session had left"
+    )))
+}
+
+/// How many moves of its session one call follows before giving up.
+const MOVES_FOLLOWED: usize = 4;
+
+fn clone_request<T: Clone>(request: &tonic::Request<T>) -> tonic::Request<T> {
+    let mut copy = tonic::Request::new(request.get_ref().clone());
+    copy.set_timeout(UNARY_TIMEOUT);
+    copy
 }
 
 /// The answer of a sequencer check.

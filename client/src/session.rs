@@ -13,6 +13,7 @@ use tonic::Status;
 
 use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
+use crate::holdings::SessionEvents;
 use crate::shared::SessionShared;
 use crate::validity::SessionState;
 
@@ -61,20 +62,17 @@ pub struct Session {
 struct SessionInner {
     client: Client,
     shared: Arc<SessionShared>,
-    /// The proxy that holds the session, for diagnostics.
-    proxy_id: String,
     /// Set by [`Session::close`], so that dropping the last handle afterwards does not
     /// close it a second time.
     closed: AtomicBool,
 }
 
 impl Session {
-    pub(crate) fn new(client: Client, shared: Arc<SessionShared>, proxy_id: String) -> Session {
+    pub(crate) fn new(client: Client, shared: Arc<SessionShared>) -> Session {
         Session {
             inner: Arc::new(SessionInner {
                 client,
                 shared,
-                proxy_id,
                 closed: AtomicBool::new(false),
             }),
         }
@@ -90,9 +88,16 @@ impl Session {
         self.inner.shared.ttl
     }
 
-    /// The id of the proxy holding the session.
-    pub fn proxy_id(&self) -> &str {
-        &self.inner.proxy_id
+    /// The id of the proxy holding the session now (it changes when the session moves).
+    pub fn proxy_id(&self) -> String {
+        self.inner.shared.home().proxy_id
+    }
+
+    /// What happens to the session from now on: jeopardy, safe again, moved to another
+    /// proxy, a hold lost, expired (the last). A lock's own fate is also on its guard
+    /// ([`LockGuard::lost`](crate::LockGuard::lost)).
+    pub fn events(&self) -> SessionEvents {
+        self.inner.shared.events()
     }
 
     /// Until when (exclusive) the application may act on what this session holds.
@@ -130,6 +135,7 @@ impl Session {
         inner.shared.expire("closed by the application");
         let mut request = tonic::Request::new(CloseRequest {
             session_id: inner.shared.id.clone(),
+            incarnation: 0,
         });
         request.set_timeout(UNARY_TIMEOUT);
         let reply = SessionClient::new(inner.client.channel())
@@ -171,6 +177,14 @@ impl Session {
         }
     }
 
+    /// Whether the client moves to another proxy (after `generation`) within a TTL, with
+    /// the session still alive: a call that failed because its proxy went away can then
+    /// be asked again.
+    pub(crate) async fn moved_since(&self, generation: u64) -> bool {
+        let proxies = self.client().proxies();
+        proxies.switched_since(generation, self.ttl()).await && !self.shared().is_expired()
+    }
+
     /// Turns a failed request's status (Acquire, Campaign) into an [`Error`]; when the
     /// proxy says the session is gone, the local session expires too, so every handle
     /// and guard learns of it.
@@ -187,6 +201,14 @@ impl Session {
 
     fn failed(&self, status: Status, call: Call<'_>) -> Error {
         let message = status.message().to_owned();
+        if status.code() == tonic::Code::NotFound && !self.shared().is_expired() {
+            // The proxy asked does not know the session: the session has moved on (the
+            // call went to the proxy it left), or that proxy restarted. Not an expiry:
+            // the keep-alive driver resumes the session where the client is now.
+            return Error::Unavailable(format!(
+                "{message}; the session is moving to another proxy, try again"
+            ));
+        }
         let error = Error::from_status(status, call);
         if matches!(error, Error::SessionExpired { .. }) {
             self.inner.shared.expire(&message);
@@ -223,6 +245,7 @@ impl Drop for SessionInner {
         runtime.spawn(async move {
             let mut request = tonic::Request::new(CloseRequest {
                 session_id: id.clone(),
+                incarnation: 0,
             });
             request.set_timeout(UNARY_TIMEOUT);
             match SessionClient::new(channel).close(request).await {

@@ -3,13 +3,24 @@
 //! waiters learn about a new deadline or an expiry the moment it happens).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::time::{sleep_until, Instant};
 
+use crate::holdings::{Holdings, SessionEvent, SessionEvents};
 use crate::validity::{deadline_from, renew_interval, SessionState, Validity};
+
+/// Where a session lives: its proxy, the etcd lease its keys are on (a resume names
+/// the lease they move from) and its stay there (a close of the session left behind
+/// names it).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Home {
+    pub(crate) proxy_id: String,
+    pub(crate) lease: i64,
+    pub(crate) incarnation: u64,
+}
 
 /// One session's shared state. Held by the session's handles and, for reply dispatch,
 /// by the client's keep-alive driver.
@@ -18,6 +29,12 @@ pub(crate) struct SessionShared {
     pub(crate) id: String,
     /// The TTL the proxy granted.
     pub(crate) ttl: Duration,
+    /// As given at open; named again in a resume.
+    pub(crate) identity: String,
+    /// Where the session lives now.
+    home: Mutex<Home>,
+    /// What the session holds, and its events.
+    pub(crate) holdings: Holdings,
     /// The last `seq` used in a renewal; each renewal takes the next one, so a reply
     /// names exactly one request.
     seq: AtomicU64,
@@ -33,6 +50,9 @@ impl SessionShared {
         SessionShared {
             id,
             ttl,
+            identity: String::new(),
+            home: Mutex::default(),
+            holdings: Holdings::default(),
             seq: AtomicU64::new(0),
             last_valid_for_ms: AtomicU64::new(valid_for_ms),
             validity: watch::Sender::new(Validity::new(deadline_from(sent, valid_for_ms))),
@@ -45,6 +65,53 @@ impl SessionShared {
             .store(valid_for_ms, Ordering::Relaxed);
         let candidate = deadline_from(sent, valid_for_ms);
         self.validity.send_if_modified(|v| v.extend(candidate));
+    }
+
+    /// Records where the session lives.
+    pub(crate) fn set_home(&self, home: Home) {
+        *self.home.lock().expect("session home") = home;
+    }
+
+    pub(crate) fn home(&self) -> Home {
+        self.home.lock().expect("session home").clone()
+    }
+
+    pub(crate) fn with_identity(mut self, identity: String) -> Self {
+        self.identity = identity;
+        self
+    }
+
+    /// The session now lives at `home`; `sent` is when the Resume went out and
+    /// `valid_for_ms` what the new proxy granted.
+    pub(crate) fn moved(&self, home: Home, sent: Instant, valid_for_ms: u64) {
+        let changed = self.home().proxy_id != home.proxy_id;
+        let proxy_id = home.proxy_id.clone();
+        self.set_home(home);
+        self.grant(sent, valid_for_ms);
+        if changed {
+            tracing::info!(session.id = %self.id, proxy.id = %proxy_id, "session moved");
+            self.holdings.publish(SessionEvent::Moved { proxy_id });
+        }
+    }
+
+    /// How long from `sent` the application may still act on the current deadline.
+    pub(crate) fn acting_for(&self, sent: Instant) -> Duration {
+        self.deadline().saturating_duration_since(sent)
+    }
+
+    /// Ends the current deadline now (see [`Validity::suspend`]).
+    pub(crate) fn suspend(&self) {
+        let now = Instant::now();
+        self.validity.send_if_modified(|v| v.suspend(now));
+    }
+
+    /// The session's events from now on.
+    pub(crate) fn events(self: &Arc<Self>) -> SessionEvents {
+        SessionEvents::new(
+            self.clone(),
+            self.holdings.subscribe(),
+            self.validity.subscribe(),
+        )
     }
 
     /// Ends the session for good (terminal), remembering why.

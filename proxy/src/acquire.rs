@@ -41,6 +41,22 @@ pub struct Call {
     pub wait: Option<Duration>,
     /// An election leader's value.
     pub value: String,
+    /// The client's id for this acquire, the same on every retry (checked: letters and
+    /// digits): a fair waiter that retries, here or on another proxy, keeps its place.
+    pub call_id: Option<String>,
+}
+
+/// Checks a client's call id: empty (none), or up to 32 ASCII letters and digits.
+pub fn call_id(id: String) -> Result<Option<String>, ProxyError> {
+    if id.is_empty() {
+        return Ok(None);
+    }
+    if id.len() > 32 || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(ProxyError::BadArgument(format!(
+            "call id {id:?} must be 1 to 32 ASCII letters and digits"
+        )));
+    }
+    Ok(Some(id))
 }
 
 /// A grant as the caller sees it.
@@ -193,8 +209,12 @@ async fn fair(
     if let Some(granted) = own_grant(state, call, &session).await? {
         return Ok(Some(granted));
     }
-    // One key per call: two calls of one session never share (or remove) a place.
-    let id = format!("{}-{:016x}", call.session_id, rand::random::<u64>());
+    // One key per call: two calls of one session never share (or remove) a place; a
+    // retried call (same call id) finds its key, also if it was queued elsewhere.
+    let id = match &call.call_id {
+        Some(call_id) => format!("{}-{call_id}", call.session_id),
+        None => format!("{}-{:016x}", call.session_id, rand::random::<u64>()),
+    };
     let queued = state
         .locklog
         .enqueue(&call.lock, call.mode, &id, session.lease)

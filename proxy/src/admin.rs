@@ -1,10 +1,12 @@
-//! The admin HTTP server: `/metrics` for Prometheus and `/healthz`.
+//! The admin HTTP server: `/metrics` for Prometheus, `/healthz`, and `POST /drain`
+//! (what SIGTERM does: ask every client to move to another proxy, wait up to the drain
+//! timeout, then stop).
 
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
@@ -23,6 +25,7 @@ pub async fn serve(listener: TcpListener, metrics: PrometheusHandle, state: Arc<
     let app = Router::new()
         .route("/metrics", get(render_metrics))
         .route("/healthz", get(healthz))
+        .route("/drain", post(drain))
         .with_state(Admin { metrics, state });
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
@@ -38,15 +41,34 @@ async fn render_metrics(State(admin): State<Admin>) -> String {
     admin.metrics.render()
 }
 
-/// Healthy while the proxy holds at least one etcd lease, so it can grant.
+/// Starts the drain that ends with the proxy stopping.
+async fn drain(State(admin): State<Admin>) -> (StatusCode, String) {
+    let started = admin.state.start_drain();
+    let body = format!(
+        "{}; {} sessions here, drain timeout {:?}\n",
+        if started {
+            "draining"
+        } else {
+            "already draining"
+        },
+        admin.state.sessions.len(),
+        admin.state.config.drain_timeout
+    );
+    (StatusCode::ACCEPTED, body)
+}
+
+/// Healthy while the proxy holds at least one etcd lease, so it can grant, and is not
+/// draining (a draining proxy sends new clients away).
 async fn healthz(State(admin): State<Admin>) -> (StatusCode, String) {
     let leases = admin.state.leases.leases().len();
     let total = admin.state.leases.len();
+    let draining = admin.state.is_draining();
     let body = format!(
-        "leases {leases}/{total}\nsessions {}\n",
-        admin.state.sessions.len()
+        "leases {leases}/{total}\nsessions {}\n{}",
+        admin.state.sessions.len(),
+        if draining { "draining\n" } else { "" }
     );
-    if leases > 0 {
+    if leases > 0 && !draining {
         (StatusCode::OK, body)
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, body)

@@ -92,6 +92,13 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_WATCH_BACKLOG", default_value_t = 1024)]
     pub watch_backlog: usize,
 
+    /// How long a stopping proxy (SIGTERM, or POST /drain on the admin address) waits
+    /// for its clients to resume their sessions on other proxies before it shuts down.
+    /// Sessions still here then are ended as before: the proxy waits until no holder can
+    /// still act, then revokes its leases.
+    #[arg(long, env = "LOCKCELL_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
+
     /// How long a shutdown waits for clients to disconnect before it cuts them off.
     #[arg(long, env = "LOCKCELL_SHUTDOWN_GRACE", default_value = "5s", value_parser = humantime::parse_duration)]
     pub shutdown_grace: Duration,

@@ -116,6 +116,26 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
 
 /// Gives up `lease`: its sessions expire, and etcd is asked to revoke it so their keys
 /// go now rather than at the lease's TTL.
+/// Renews `bucket`'s `lease` once, now, outside the keeper's rhythm (a resume needs a
+/// later lower bound than the lease has). Returns whether it renewed.
+pub async fn renew_now(state: &ProxyState, bucket: usize, lease: i64) -> bool {
+    let exchange = async {
+        let (mut keeper, mut replies) = state.etcd.lease_client().keep_alive(lease).await?;
+        let sent = Instant::now();
+        keeper.keep_alive().await?;
+        Ok::<_, etcd_client::Error>((sent, replies.message().await?))
+    };
+    match tokio::time::timeout(state.config.etcd_timeout, exchange).await {
+        Ok(Ok((sent, Some(reply)))) if reply.id() == lease && reply.ttl() > 0 => {
+            metrics::counter!(m::LEASE_RENEWALS).increment(1);
+            let ttl = Duration::from_secs(reply.ttl() as u64);
+            state.leases.renewed(bucket, lease, sent, ttl);
+            true
+        }
+        _ => false,
+    }
+}
+
 fn lose(state: &Arc<ProxyState>, bucket: usize, lease: i64, reason: &'static str) {
     if !state.leases.clear(bucket, lease) {
         return;

@@ -18,6 +18,7 @@ pub mod errors;
 pub mod events;
 pub mod fanout;
 pub mod feed;
+pub mod handover;
 pub mod lease_keeper;
 pub mod leases;
 pub mod metrics;
@@ -63,11 +64,13 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
-/// Runs a proxy until `shutdown` resolves, then stops: stops accepting and granting,
-/// ends client streams, waits up to the shutdown grace for clients to go, waits until
-/// no client can still believe it holds a lock (the latest validity granted to a holder
-/// has run out), and then revokes its leases, so its clients' locks go sooner than the
-/// lease TTL and never while a holder may still act.
+/// Runs a proxy until `shutdown` resolves (or the admin `/drain` is called), then
+/// drains and stops: asks its clients to resume their sessions on other proxies and
+/// waits up to the drain timeout while they do; then stops accepting and granting, ends
+/// client streams, waits up to the shutdown grace for clients to go, waits until no
+/// client can still believe it holds a lock (the latest validity granted to a holder
+/// has run out), and then revokes its (by then usually empty) leases, so what stayed
+/// goes sooner than the lease TTL and never while a holder may still act.
 pub async fn run(
     config: ProxyConfig,
     prometheus: PrometheusHandle,
@@ -79,16 +82,20 @@ pub async fn run(
         .clone()
         .unwrap_or_else(|| format!("{}-{:08x}", config.zone, rand::random::<u32>()));
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stopping = tokio::spawn(async move {
-        shutdown.await;
-        let _ = stop_tx.send(true);
+    let drain = Arc::new(watch::Sender::new(false));
+    let stopping = tokio::spawn({
+        let drain = drain.clone();
+        async move {
+            shutdown.await;
+            drain.send_replace(true);
+        }
     });
 
     let classes = classes::ClassBook::load(
         config.classes.clone(),
         classes::Classes::builtin(config.session_ttl_min, config.session_ttl_max),
     )?;
-    let (etcd, epoch, start_revision) = connect(&config, stop_rx.clone()).await?;
+    let (etcd, epoch, start_revision) = connect(&config, drain.subscribe()).await?;
     let grpc = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the gRPC address {}", config.listen))?;
@@ -122,7 +129,18 @@ pub async fn run(
         cleanup: Default::default(),
         etcd: etcd.clone(),
         shutdown: stop_rx.clone(),
+        drain,
         config,
+    });
+    // Asked to stop: drain, then stop serving.
+    let draining = tokio::spawn({
+        let state = state.clone();
+        async move {
+            let _ = state.drain.subscribe().wait_for(|d| *d).await;
+            ::metrics::gauge!(metrics::DRAINING).set(1.0);
+            handover::drain(&state).await;
+            let _ = stop_tx.send(true);
+        }
     });
 
     let mut tasks = tokio::task::JoinSet::new();
@@ -206,6 +224,7 @@ pub async fn run(
     }
     tasks.shutdown().await;
     stopping.abort();
+    draining.abort();
     if let Some(until) = state.sessions.holders_valid_until() {
         let now = Instant::now();
         if until > now {

@@ -28,6 +28,10 @@ pub const FEED_GAPS: &str = "lockcell_feed_gaps_total";
 pub const READ_BARRIERS: &str = "lockcell_read_barriers_total";
 pub const READ_BARRIER_BATCH: &str = "lockcell_read_barrier_batch_size";
 pub const KV_READS: &str = "lockcell_kv_reads_total";
+pub const SESSIONS_RESUMED: &str = "lockcell_sessions_resumed_total";
+pub const KEYS_MOVED: &str = "lockcell_keys_moved_total";
+pub const KEYS_LOST_ON_RESUME: &str = "lockcell_keys_lost_on_resume_total";
+pub const DRAINING: &str = "lockcell_draining";
 
 /// Histogram buckets for acquire latency, in seconds: 1 ms to 30 s.
 pub const ACQUIRE_BUCKETS: &[f64] = &[
@@ -38,6 +42,22 @@ pub const ACQUIRE_BUCKETS: &[f64] = &[
 pub fn describe() {
     describe_gauge!(SESSIONS_OPEN, "Client sessions held by this proxy now.");
     describe_counter!(SESSIONS_OPENED, "Client sessions opened.");
+    describe_counter!(
+        SESSIONS_RESUMED,
+        "Client sessions taken over from another proxy (Resume)."
+    );
+    describe_counter!(
+        KEYS_MOVED,
+        "Keys moved onto this proxy's leases by resumed sessions (tokens unchanged)."
+    );
+    describe_counter!(
+        KEYS_LOST_ON_RESUME,
+        "Keys a resuming session named that were gone or changed: reported lost to the client."
+    );
+    describe_gauge!(
+        DRAINING,
+        "1 while the proxy is draining (asking its clients to move before it stops)."
+    );
     describe_counter!(
         SESSIONS_EXPIRED,
         "Client sessions expired (no renewal within TTL, or their proxy lease was lost)."

@@ -32,6 +32,8 @@ pub struct Session {
     /// the session is attached to `lease`.
     pub bucket: usize,
     pub lease: i64,
+    /// Random per Open or Resume here, so a stale Close of an earlier stay is told apart.
+    pub incarnation: u64,
     /// When the last renewal (or the open) arrived; the session expires at
     /// `renewed_at + ttl`, or later while a validity granted to it runs (see
     /// [`Session::expires_at`]).
@@ -104,6 +106,17 @@ impl SessionTable {
         let id = session.id.clone();
         self.live.insert(id.clone(), session);
         self.due.lock().expect("due heap").push(Reverse((due, id)));
+    }
+
+    /// Records `session`, replacing (and returning) an entry with the same id: a session
+    /// that resumes here again after it moved away.
+    pub fn replace(&self, session: Session) -> Option<Session> {
+        let due = session.expires_at();
+        let id = session.id.clone();
+        let old = self.live.insert(id.clone(), session);
+        self.tombstones.remove(&id);
+        self.due.lock().expect("due heap").push(Reverse((due, id)));
+        old
     }
 
     /// Renews `id` at `now` and grants it the validity `validity` computes, which it
@@ -182,12 +195,16 @@ impl SessionTable {
         }
     }
 
-    /// Removes a session that its client closed.
-    pub fn close(&self, id: &str) -> Result<Session, Gone> {
-        self.live
-            .remove(id)
-            .map(|(_, s)| s)
-            .ok_or_else(|| self.gone(id))
+    /// Removes a session that its client closed; with `incarnation`, only that stay of
+    /// it (`Ok(None)`: the session is here, but as a later stay).
+    pub fn close(&self, id: &str, incarnation: Option<u64>) -> Result<Option<Session>, Gone> {
+        if !self.live.contains_key(id) {
+            return Err(self.gone(id));
+        }
+        Ok(self
+            .live
+            .remove_if(id, |_, s| incarnation.is_none_or(|i| i == s.incarnation))
+            .map(|(_, s)| s))
     }
 
     /// Removes and returns every session whose deadline is at or before `now`.
@@ -276,6 +293,7 @@ mod tests {
             ttl,
             bucket: 0,
             lease,
+            incarnation: 1,
             renewed_at: now,
             held: Vec::new(),
             valid_until: now,

@@ -40,9 +40,22 @@ pub struct ProxyState {
     pub etcd: etcd_client::Client,
     /// Turns true when the proxy starts shutting down; long-lived calls end on it.
     pub shutdown: watch::Receiver<bool>,
+    /// Turns true when the proxy is asked to stop (SIGTERM, or the admin `/drain`): it
+    /// asks its clients to move, waits for them, then shuts down.
+    pub drain: Arc<watch::Sender<bool>>,
 }
 
 impl ProxyState {
+    pub fn is_draining(&self) -> bool {
+        *self.drain.borrow()
+    }
+
+    /// Starts draining (once); returns whether this call started it.
+    pub fn start_drain(&self) -> bool {
+        self.drain
+            .send_if_modified(|draining| !std::mem::replace(draining, true))
+    }
+
     /// The fencing token of a grant made at `revision` in this cell's epoch.
     pub fn token(&self, revision: i64) -> FencingToken {
         FencingToken {

@@ -2,9 +2,12 @@
 //! contending for locks), faults injected in a seeded random order, and the safety
 //! checker over what every client recorded.
 //!
-//! Faults: a client paused (SIGSTOP) for longer than its TTL, the "GC pause"; a proxy
-//! SIGKILLed and started again on its address; a proxy cut off from etcd (its link
-//! black-holed) for longer than its lease TTL; the etcd leader SIGKILLed.
+//! Faults: a client paused (SIGSTOP) for longer than its TTL, the "GC pause", taken
+//! while it holds a lock; a proxy SIGKILLed and started again on its address; a proxy
+//! paused (SIGSTOP) past its lease TTL; a proxy cut off from etcd (its link black-holed)
+//! past its lease TTL; that link slowed down; a proxy cut off from its clients (their
+//! link black-holed); the etcd leader SIGKILLed. Clients know every proxy and move
+//! their sessions (locks and tokens unchanged) when theirs fails.
 
 use std::path::Path;
 use std::time::Duration;
@@ -21,12 +24,18 @@ use crate::process::Managed;
 use crate::{bins, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
 /// The kinds of fault a run injects, each once, in an order the seed picks.
-pub const FAULTS: [&str; 4] = [
+pub const FAULTS: [&str; 7] = [
     "pause-client",
     "kill-proxy",
+    "pause-proxy",
     "partition-proxy-from-etcd",
+    "delay-proxy-etcd",
+    "cut-clients-from-proxy",
     "kill-etcd-leader",
 ];
+
+/// How much the slowed link holds back every chunk.
+const LINK_DELAY: Duration = Duration::from_millis(150);
 
 /// The size of a run.
 #[derive(Debug, Clone)]
@@ -38,6 +47,8 @@ pub struct RunOptions {
     pub ttl: Duration,
     /// Quiet time before, between and after faults.
     pub settle: Duration,
+    /// The faults to inject (each once, in an order the seed picks).
+    pub faults: Vec<&'static str>,
 }
 
 impl RunOptions {
@@ -48,6 +59,7 @@ impl RunOptions {
             locks: 2,
             ttl: Duration::from_secs(2),
             settle: Duration::from_secs(2),
+            faults: FAULTS.to_vec(),
         }
     }
 }
@@ -60,6 +72,18 @@ pub struct RunReport {
     pub verdict: Verdict,
     /// Writes the fenced resources accepted.
     pub accepted: usize,
+    /// The client paused while holding a lock, and the hold it had then.
+    pub paused: Option<Paused>,
+    /// Every client's record.
+    pub records: Vec<checker::Record>,
+}
+
+/// A client paused while it held a lock.
+#[derive(Debug, Clone)]
+pub struct Paused {
+    pub client: String,
+    pub lock: String,
+    pub token: String,
 }
 
 /// Runs one fault run with its files under `dir`.
@@ -78,12 +102,17 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         proxies.push(ProxyProcess::start(&ProxyOptions::new(zone, endpoints), dir).await?);
     }
     let lease_ttl = ProxyOptions::new("c", Vec::new()).lease_ttl;
+    // Clients reach each proxy through a relay of their own, which a fault black-holes.
+    let mut client_relays = Vec::new();
+    for proxy in &proxies {
+        client_relays.push(Relay::start(&proxy.addr).await?);
+    }
     let fenced = FencedServer::start().await?;
     let locks: Vec<String> = (0..options.locks).map(|l| format!("chaos/l{l}")).collect();
     let client_bin = bins::workspace_bin("lockcell-chaos-client")?;
     let mut clients = Vec::new();
     for c in 0..options.clients {
-        let mut order: Vec<String> = proxies.iter().map(|p| p.url()).collect();
+        let mut order: Vec<String> = client_relays.iter().map(|r| r.url()).collect();
         order.rotate_left(c % proxies.len());
         let mut cmd = Command::new(&client_bin);
         cmd.arg("--proxies")
@@ -104,16 +133,38 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         clients.push(Managed::spawn(format!("client {c}"), cmd, &log)?);
     }
 
-    let mut faults = FAULTS.to_vec();
+    let mut faults = options.faults.clone();
     faults.shuffle(&mut rng);
+    let mut paused = None;
     tokio::time::sleep(options.settle).await;
     for fault in &faults {
         match *fault {
             "pause-client" => {
                 let c = rng.random_range(0..clients.len());
+                let record = dir.join(format!("client-{c}.jsonl"));
+                let hold = holding(&record, Duration::from_secs(20)).await;
                 clients[c].signal(Signal::SIGSTOP)?;
+                paused = hold.ok();
                 tokio::time::sleep(options.ttl * 3).await;
                 clients[c].signal(Signal::SIGCONT)?;
+            }
+            "pause-proxy" => {
+                // a or b: past its lease TTL, so its leases (and what stayed on them) go.
+                let p = rng.random_range(0..2);
+                proxies[p].signal(Signal::SIGSTOP)?;
+                tokio::time::sleep(lease_ttl * 2).await;
+                proxies[p].signal(Signal::SIGCONT)?;
+            }
+            "delay-proxy-etcd" => {
+                relay.delay(LINK_DELAY);
+                tokio::time::sleep(lease_ttl * 2).await;
+                relay.delay(Duration::ZERO);
+            }
+            "cut-clients-from-proxy" => {
+                let p = rng.random_range(0..client_relays.len());
+                client_relays[p].cut(true);
+                tokio::time::sleep(options.ttl * 3).await;
+                client_relays[p].cut(false);
             }
             "kill-proxy" => {
                 // a or b: c's fault is the partition.
@@ -125,12 +176,10 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 proxies[p] = ProxyProcess::start(&again, dir).await?;
             }
             "partition-proxy-from-etcd" => {
-                relay.cut_requests(true);
-                relay.cut_replies(true);
-                // Past the proxy's lease TTL: its leases, and its clients' locks, go.
+                relay.cut(true);
+                // Past the proxy's lease TTL: its leases, and what stayed on them, go.
                 tokio::time::sleep(lease_ttl * 2).await;
-                relay.cut_requests(false);
-                relay.cut_replies(false);
+                relay.cut(false);
             }
             "kill-etcd-leader" => {
                 let leader = leader_of(&etcd).await?;
@@ -166,7 +215,38 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         faults,
         verdict,
         accepted: fenced.accepted(),
+        paused,
+        records,
     })
+}
+
+/// Waits until the client writing `record` holds a lock (its last record is a grant or
+/// an act), and says which.
+async fn holding(record: &Path, within: Duration) -> anyhow::Result<Paused> {
+    crate::eventually("a client holding a lock", within, || async {
+        let text = std::fs::read_to_string(record).unwrap_or_default();
+        let last = checker::read_records(&text).pop();
+        Ok(match last {
+            Some(checker::Record::Grant {
+                client,
+                lock,
+                token,
+                ..
+            })
+            | Some(checker::Record::Act {
+                client,
+                lock,
+                token,
+                ..
+            }) => Some(Paused {
+                client,
+                lock,
+                token,
+            }),
+            _ => None,
+        })
+    })
+    .await
 }
 
 /// The index of the member that leads now.

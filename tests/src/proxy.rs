@@ -30,6 +30,8 @@ pub struct ProxyOptions {
     /// The gRPC address to listen on (`127.0.0.1:PORT`); a free port when unset. A
     /// restarted proxy takes its predecessor's address, so clients reconnect to it.
     pub listen: Option<String>,
+    /// How long a stopping proxy waits for its clients to move (short in tests).
+    pub drain_timeout: Duration,
     /// More `--flag value` arguments.
     pub extra_args: Vec<String>,
 }
@@ -43,6 +45,7 @@ impl ProxyOptions {
             lease_ttl: Duration::from_secs(3),
             session_ttl_min: Duration::from_millis(500),
             listen: None,
+            drain_timeout: Duration::from_secs(3),
             extra_args: Vec::new(),
         }
     }
@@ -94,6 +97,8 @@ impl ProxyProcess {
             .arg(format!("{}s", options.lease_ttl.as_secs()))
             .arg("--session-ttl-min")
             .arg(format!("{}ms", options.session_ttl_min.as_millis()))
+            .arg("--drain-timeout")
+            .arg(format!("{}ms", options.drain_timeout.as_millis()))
             .args(&options.extra_args)
             .env("RUST_LOG", "info");
         let process = Managed::spawn(format!("proxy {}", options.zone), cmd, &log)?;

@@ -1,7 +1,7 @@
 //! A TCP relay between a client and a server on loopback that a test can cut: for
 //! losing a reply after the server acted on the request, or partitioning a proxy.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -16,6 +16,8 @@ pub struct Relay {
     replies_cut: Arc<AtomicBool>,
     /// While set, bytes from the client to the target are dropped.
     requests_cut: Arc<AtomicBool>,
+    /// Milliseconds every chunk waits before it is passed on, both ways.
+    delay_ms: Arc<AtomicU64>,
     accept: JoinHandle<()>,
 }
 
@@ -28,7 +30,8 @@ impl Relay {
             Arc::new(AtomicBool::new(false)),
         );
         let target = target.to_owned();
-        let (rc, qc) = (replies_cut.clone(), requests_cut.clone());
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let (rc, qc, delay) = (replies_cut.clone(), requests_cut.clone(), delay_ms.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(&target).await else {
@@ -36,14 +39,15 @@ impl Relay {
                 };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
-                tokio::spawn(pump(client_read, server_write, qc.clone()));
-                tokio::spawn(pump(server_read, client_write, rc.clone()));
+                tokio::spawn(pump(client_read, server_write, qc.clone(), delay.clone()));
+                tokio::spawn(pump(server_read, client_write, rc.clone(), delay.clone()));
             }
         });
         Ok(Relay {
             addr,
             replies_cut,
             requests_cut,
+            delay_ms,
             accept,
         })
     }
@@ -62,6 +66,18 @@ impl Relay {
     pub fn cut_requests(&self, cut: bool) {
         self.requests_cut.store(cut, Ordering::SeqCst);
     }
+
+    /// Black-holes (true) or restores (false) both directions.
+    pub fn cut(&self, cut: bool) {
+        self.cut_requests(cut);
+        self.cut_replies(cut);
+    }
+
+    /// Holds every chunk back this long before passing it on, both ways (zero: none).
+    pub fn delay(&self, delay: std::time::Duration) {
+        self.delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
 }
 
 impl Drop for Relay {
@@ -74,6 +90,7 @@ async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     cut: Arc<AtomicBool>,
+    delay_ms: Arc<AtomicU64>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -83,6 +100,10 @@ async fn pump(
         };
         if cut.load(Ordering::SeqCst) {
             continue;
+        }
+        let delay = delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;

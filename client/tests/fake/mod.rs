@@ -20,7 +20,8 @@ use lockcell_proto::v1::watch_server::WatchServer;
 use lockcell_proto::v1::{
     AcquireRequest, AcquireResponse, CheckSequencerRequest, CheckSequencerResponse, CloseRequest,
     CloseResponse, FencingToken, KeepAliveRequest, KeepAliveResponse, Leader, LockMode,
-    OpenRequest, OpenResponse, ReleaseRequest, ReleaseResponse, SessionState as Wire,
+    OpenRequest, OpenResponse, ReleaseRequest, ReleaseResponse, ResumeRequest, ResumeResponse,
+    SessionState as Wire,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -116,6 +117,28 @@ impl SessionApi for FakeProxy {
             ttl_ms: request.get_ref().ttl_ms,
             valid_for_ms: self.0.valid_for_ms.load(Ordering::Relaxed),
             proxy_id: "fake".into(),
+            lease_id: 1,
+            incarnation: 1,
+        }))
+    }
+
+    /// Takes back a session it opened (the client reconnected): what it holds stays,
+    /// unless the test killed it.
+    async fn resume(
+        &self,
+        request: Request<ResumeRequest>,
+    ) -> Result<Response<ResumeResponse>, Status> {
+        let req = request.into_inner();
+        if self.0.is_killed(&req.session_id) {
+            return Err(Fake::expired(&req.session_id));
+        }
+        Ok(Response::new(ResumeResponse {
+            ttl_ms: req.ttl_ms,
+            valid_for_ms: self.0.valid_for_ms.load(Ordering::Relaxed),
+            proxy_id: "fake".into(),
+            lease_id: 1,
+            lost: Vec::new(),
+            incarnation: 1,
         }))
     }
 
@@ -155,6 +178,7 @@ impl SessionApi for FakeProxy {
                     },
                     session_id: req.session_id,
                     seq: req.seq,
+                    move_elsewhere: false,
                 };
                 if tx.send(Ok(reply)).await.is_err() {
                     return;

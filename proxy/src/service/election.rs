@@ -50,6 +50,7 @@ impl ElectionApi for ElectionService {
             mode: Mode::Exclusive,
             wait: req.wait_timeout_ms.map(Duration::from_millis),
             value: req.value,
+            call_id: None,
         };
         let reply = match acquire::acquire(&self.state, call).await? {
             Some(granted) => CampaignResponse {

@@ -38,6 +38,7 @@ impl LockApi for LockService {
             session_id: req.session_id,
             wait: req.wait_timeout_ms.map(Duration::from_millis),
             value: String::new(),
+            call_id: acquire::call_id(req.call_id)?,
         };
         let reply = match acquire::acquire(&self.state, call).await? {
             Some(granted) => AcquireResponse {

@@ -8,6 +8,6 @@ pub mod watch;
 
 use std::time::Duration;
 
-fn millis(d: Duration) -> u64 {
+pub(crate) fn millis(d: Duration) -> u64 {
     d.as_millis().min(u64::MAX as u128) as u64
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use lockcell_proto::v1::session_server::Session as SessionApi;
 use lockcell_proto::v1::{
     CloseRequest, CloseResponse, KeepAliveRequest, KeepAliveResponse, OpenRequest, OpenResponse,
-    SessionState,
+    ResumeRequest, ResumeResponse, SessionState,
 };
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -36,6 +36,9 @@ impl SessionApi for SessionService {
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
         let req = request.into_inner();
         let state = &self.state;
+        if state.is_draining() {
+            return Err(ProxyError::ShuttingDown.into());
+        }
         let ttl = state
             .config
             .session_ttl_for(Duration::from_millis(req.ttl_ms));
@@ -44,12 +47,14 @@ impl SessionApi for SessionService {
         tracing::Span::current().record("session.id", &*id);
         let now = Instant::now();
         let valid_for = state.leases.valid_for(bucket, lease, ttl, now);
+        let incarnation = rand::random::<u64>() | 1;
         state.sessions.insert(Session {
             id: id.clone(),
             identity: req.identity,
             ttl,
             bucket,
             lease,
+            incarnation,
             renewed_at: now,
             held: Vec::new(),
             valid_until: now + valid_for,
@@ -62,7 +67,18 @@ impl SessionApi for SessionService {
             ttl_ms: millis(ttl),
             valid_for_ms: millis(valid_for),
             proxy_id: state.proxy_id.clone(),
+            lease_id: lease,
+            incarnation,
         }))
+    }
+
+    #[tracing::instrument(skip_all, fields(session.id = %request.get_ref().session_id))]
+    async fn resume(
+        &self,
+        request: Request<ResumeRequest>,
+    ) -> Result<Response<ResumeResponse>, Status> {
+        let reply = crate::handover::resume(&self.state, request.into_inner()).await?;
+        Ok(Response::new(reply))
     }
 
     type KeepAliveStream = ReplyStream;
@@ -99,12 +115,18 @@ impl SessionApi for SessionService {
         &self,
         request: Request<CloseRequest>,
     ) -> Result<Response<CloseResponse>, Status> {
-        let id = request.into_inner().session_id;
+        let req = request.into_inner();
+        let id = req.session_id;
         let state = &self.state;
-        let session = state
+        let incarnation = (req.incarnation != 0).then_some(req.incarnation);
+        let Some(session) = state
             .sessions
-            .close(&id)
-            .map_err(|gone| ProxyError::session(&id, gone))?;
+            .close(&id, incarnation)
+            .map_err(|gone| ProxyError::session(&id, gone))?
+        else {
+            // A later stay of the session is here: the close was for an earlier one.
+            return Ok(Response::new(CloseResponse { released: 0 }));
+        };
         state.leases.unassign(session.bucket);
         metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
         if session.held.is_empty() {
@@ -146,10 +168,21 @@ fn renew(state: &ProxyState, req: KeepAliveRequest) -> KeepAliveResponse {
         state: SessionState::Alive as i32,
         valid_for_ms: 0,
         reason: String::new(),
+        move_elsewhere: false,
     };
-    let validity = |r: Renewed| state.leases.valid_for(r.bucket, r.lease, r.ttl, now);
+    let mut hint = None;
+    let validity = |r: Renewed| {
+        hint = crate::handover::move_hint(state, r.bucket, r.lease, now);
+        state.leases.valid_for(r.bucket, r.lease, r.ttl, now)
+    };
     match state.sessions.renew(&req.session_id, now, validity) {
-        Ok(valid_for) => reply.valid_for_ms = millis(valid_for),
+        Ok(valid_for) => {
+            reply.valid_for_ms = millis(valid_for);
+            if let Some(why) = hint {
+                reply.move_elsewhere = true;
+                reply.reason = why.to_owned();
+            }
+        }
         Err(gone) => {
             reply.state = match gone {
                 Gone::Unknown => SessionState::NotFound,

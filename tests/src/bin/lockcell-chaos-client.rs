@@ -2,8 +2,9 @@
 //! to the fenced resource) only while its session's deadline has not passed, and records
 //! every grant, act and end of belief for the safety checker (`lockcell_tests::checker`).
 //!
-//! When its proxy dies or its session expires it opens a new session, trying the
-//! proxies in the order given.
+//! It knows every proxy (its own first): when its proxy dies, stops answering, cannot
+//! reach etcd or drains, the SDK resumes its session on another one, locks and tokens
+//! unchanged. When its session expires it opens a new one.
 
 use std::fs::File;
 use std::io::Write;
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use lockcell_client::{Client, Error, Session, SessionOptions, SessionState, Wait};
+use lockcell_client::{Client, ClientOptions, Error, Session, SessionOptions, SessionState, Wait};
 use lockcell_tests::checker::Record;
 use nix::time::{clock_gettime, ClockId};
 use rand::rngs::StdRng;
@@ -48,6 +49,9 @@ struct Args {
     name: String,
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     ttl: Duration,
+    /// How long a session may stay in jeopardy with no proxy reached before it expires.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    grace: Duration,
     /// Seed of the client's choices.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -130,14 +134,21 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut fenced = Fenced::connect(&args.fenced).await?;
     let mut rng = StdRng::seed_from_u64(args.seed);
-    let mut next_proxy = 0;
+    let options = ClientOptions::new(args.proxies.clone()).grace(args.grace);
+    let client = loop {
+        match Client::connect_with(options.clone()).await {
+            Ok(client) => break client,
+            Err(e) => {
+                eprintln!("{}: connect: {e}", args.name);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
     loop {
-        let addr = &args.proxies[next_proxy % args.proxies.len()];
-        next_proxy += 1;
-        let session = match open(addr, args.ttl, &args.name).await {
+        let session = match open(&client, args.ttl, &args.name).await {
             Ok(session) => session,
             Err(e) => {
-                eprintln!("{}: {addr}: {e}", args.name);
+                eprintln!("{}: open: {e}", args.name);
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
@@ -154,8 +165,7 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-async fn open(addr: &str, ttl: Duration, name: &str) -> Result<Session, Error> {
-    let client = Client::connect(addr).await?;
+async fn open(client: &Client, ttl: Duration, name: &str) -> Result<Session, Error> {
     client
         .open_session(SessionOptions {
             ttl,
@@ -164,7 +174,7 @@ async fn open(addr: &str, ttl: Duration, name: &str) -> Result<Session, Error> {
         .await
 }
 
-/// Takes locks in turn until the session is lost or its proxy stops answering.
+/// Takes locks in turn until the session is lost.
 async fn hold_locks(
     args: &Args,
     session: &Session,
@@ -186,8 +196,10 @@ async fn hold_locks(
             Ok(None) => continue,
             Err(Error::SessionExpired { .. }) => return Ok(()),
             Err(e) => {
+                // Its proxy went away mid-call, say: the session moves; try again.
                 eprintln!("{}: acquire {lock}: {e}", args.name);
-                return Ok(());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
             }
         };
         let token = guard.token().to_string();
@@ -210,6 +222,9 @@ async fn hold_locks(
             let deadline = session.deadline();
             if now >= deadline {
                 break "the session's deadline passed";
+            }
+            if !guard.is_valid() {
+                break "the lock was lost when the session moved";
             }
             let accepted = fenced.write(lock, &token, &name).await?;
             recorder.write(&Record::Act {

@@ -1,10 +1,11 @@
-//! A short fault run in `make test`: every fault kind once (a client paused past its
-//! TTL, a proxy killed and restarted, a proxy cut off from etcd past its lease TTL, the
-//! etcd leader killed), with the safety checker over every client's record.
+//! A short fault run in `make test`: every fault kind once (see
+//! `lockcell_tests::chaos`), with the safety checker over every client's record; and a
+//! run that pauses a client holding a lock.
 //! `make chaos` runs many of these for a duration.
 
-use anyhow::ensure;
+use anyhow::{ensure, Context};
 use lockcell_tests::chaos::{self, RunOptions, FAULTS};
+use lockcell_tests::checker::Record;
 
 pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
     let seed = std::env::var("LOCKCELL_CHAOS_SEED")
@@ -38,6 +39,73 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
         v.grants >= 20,
         "the clients kept taking locks through the faults: {} grants",
         v.grants
+    );
+    Ok(())
+}
+
+/// A client paused (SIGSTOP) while it holds a lock, for three times its TTL: another
+/// client is granted the lock meanwhile, and the record of the paused client shows that
+/// after SIGCONT it never acted past the deadline it had when it was paused.
+pub async fn a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline(
+) -> anyhow::Result<()> {
+    let seed = rand::random::<u16>() as u64;
+    println!("seed {seed}");
+    let dir = tempfile::Builder::new()
+        .prefix("lockcell-pause-")
+        .tempdir()?;
+    let mut options = RunOptions::new(seed);
+    options.faults = vec!["pause-client"];
+    let report = chaos::run(dir.path(), &options).await?;
+    let paused = report
+        .paused
+        .clone()
+        .context("no client was holding a lock when the pause came")?;
+    let v = &report.verdict;
+    ensure!(
+        v.violations.is_empty(),
+        "violations:\n{}",
+        v.violations.join("\n")
+    );
+    // The paused hold's grant, and a later grant of the same lock to someone else.
+    let granted_at = |client: &str, token: &str| {
+        report.records.iter().find_map(|r| match r {
+            Record::Grant {
+                client: c,
+                lock,
+                token: t,
+                at_ns,
+                ..
+            } if c == client && t == token && *lock == paused.lock => Some(*at_ns),
+            _ => None,
+        })
+    };
+    let paused_grant =
+        granted_at(&paused.client, &paused.token).context("the paused hold has no grant record")?;
+    let passed_on = report.records.iter().any(|r| {
+        matches!(r, Record::Grant { client, lock, at_ns, .. }
+            if *client != paused.client && *lock == paused.lock && *at_ns > paused_grant)
+    });
+    ensure!(
+        passed_on,
+        "{}'s lock {} (token {}) never passed to another client while it was paused",
+        paused.client,
+        paused.lock,
+        paused.token
+    );
+    // What the paused client did after the pause with its old grant: at most acts
+    // decided before its deadline (the checker's rule), and an end of belief.
+    let late_acts = report
+        .records
+        .iter()
+        .filter(|r| {
+            matches!(r, Record::Act { client, token, at_ns, deadline_ns, .. }
+                if *client == paused.client && *token == paused.token && at_ns >= deadline_ns)
+        })
+        .count();
+    ensure!(late_acts == 0, "{late_acts} acts past the deadline");
+    println!(
+        "{} paused holding {} (token {}); passed on; {} grants, {} acts checked",
+        paused.client, paused.lock, paused.token, v.grants, v.acts
     );
     Ok(())
 }

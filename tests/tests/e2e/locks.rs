@@ -231,6 +231,7 @@ pub async fn a_lost_acquire_reply_and_its_retry_make_one_grant() -> anyhow::Resu
         lock: "lost/reply".into(),
         wait_timeout_ms: Some(wait),
         mode: 0,
+        call_id: String::new(),
     };
     let held = locks
         .acquire(request(&holder.session_id, 0))

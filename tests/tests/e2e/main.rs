@@ -9,6 +9,7 @@ mod contention;
 mod dev;
 mod elections;
 mod faults;
+mod handover;
 mod kv;
 mod locks;
 mod members;
@@ -72,7 +73,11 @@ fn main() {
         bad_input::bad_lock_names_are_refused_with_the_rule,
         bad_input::unknown_and_expired_sessions_are_told_apart,
         dev::make_dev_cell_runs_the_lockctl_example_and_stops_cleanly,
+        handover::a_killed_proxys_clients_resume_elsewhere_with_locks_and_tokens_unchanged,
+        handover::with_every_proxy_unreachable_a_session_expires_and_its_locks_pass_on,
+        handover::a_rolling_restart_of_every_proxy_loses_no_session_and_no_lock,
         chaos::a_fault_run_of_every_kind_breaks_no_rule,
+        chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
     ];
     let trials = trials
         .into_iter()

@@ -150,6 +150,7 @@ pub async fn class_rules_refuse_a_mode_and_a_ttl() -> anyhow::Result<()> {
             lock: "x-only/a".into(),
             wait_timeout_ms: Some(0),
             mode: LockMode::Shared as i32,
+            call_id: String::new(),
         })
         .await
         .expect_err("a shared hold on an exclusive-only class was granted");
@@ -171,6 +172,7 @@ pub async fn class_rules_refuse_a_mode_and_a_ttl() -> anyhow::Result<()> {
             lock: "x-only/a".into(),
             wait_timeout_ms: Some(0),
             mode: LockMode::Exclusive as i32,
+            call_id: String::new(),
         })
         .await
         .expect_err("a session TTL outside the class bounds was accepted");
@@ -286,6 +288,7 @@ pub async fn lock_delay_holds_back_a_vanished_holders_lock_but_not_a_released_on
             lock: "delayed/vanish".into(),
             wait_timeout_ms: Some(0),
             mode: LockMode::Exclusive as i32,
+            call_id: String::new(),
         })
         .await?
         .into_inner();

@@ -1,0 +1,236 @@
+//! What a session holds (locks, leaderships, ephemeral keys), so that a resume on
+//! another proxy can name every key to move, and the events the application follows:
+//! jeopardy, safe again, moved, a hold lost, expired.
+
+use std::sync::{Arc, Mutex};
+
+use lockcell_proto::v1::{HeldKey, HeldKind};
+use lockcell_proto::FencingToken;
+use tokio::sync::{broadcast, watch};
+use tokio::time::{sleep_until, Instant};
+
+use crate::validity::{SessionState, Validity};
+
+/// Events kept for a slow reader of [`SessionEvents`] before the oldest are dropped.
+const EVENT_BACKLOG: usize = 64;
+
+/// A key the session holds, as the application knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// A lock held exclusively, or an election's leadership.
+    Exclusive { lock: String, token: FencingToken },
+    /// A lock held shared.
+    Shared { lock: String, token: FencingToken },
+    /// An ephemeral small key, created at `create_revision`.
+    Ephemeral { key: String, create_revision: i64 },
+}
+
+impl Held {
+    pub(crate) fn wire(&self) -> HeldKey {
+        let (kind, name, revision) = match self {
+            Held::Exclusive { lock, token } => (HeldKind::Exclusive, lock, token.revision),
+            Held::Shared { lock, token } => (HeldKind::Shared, lock, token.revision),
+            Held::Ephemeral {
+                key,
+                create_revision,
+            } => (HeldKind::Ephemeral, key, *create_revision),
+        };
+        HeldKey {
+            kind: kind as i32,
+            name: name.clone(),
+            revision,
+        }
+    }
+}
+
+/// Something that happened to a session; see [`Session::events`](crate::Session::events).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SessionEvent {
+    /// Past the deadline: stop acting as holder of anything the session holds. The SDK
+    /// keeps trying to reach a proxy for the grace period.
+    Jeopardy,
+    /// Valid again after jeopardy: what the session holds is still held (except what a
+    /// [`Lost`](SessionEvent::Lost) event named), with the same tokens.
+    Safe,
+    /// The session now lives on another proxy.
+    Moved { proxy_id: String },
+    /// A key the session held is no longer its own (found gone or granted again when
+    /// the session moved).
+    Lost { held: Held, reason: String },
+    /// The session has ended and everything it held is lost. The last event.
+    Expired { reason: String },
+}
+
+/// One hold registered with its session; its guard watches `lost`.
+#[derive(Debug)]
+pub(crate) struct Holding {
+    pub(crate) held: Held,
+    lost: watch::Sender<Option<Arc<str>>>,
+}
+
+impl Holding {
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.borrow().is_some()
+    }
+
+    /// Resolves with the reason once the hold is reported lost.
+    pub(crate) async fn lost(&self) -> Arc<str> {
+        let mut rx = self.lost.subscribe();
+        let reason = rx.wait_for(Option::is_some).await;
+        match reason {
+            Ok(reason) => reason.clone().expect("waited for Some"),
+            Err(_) => std::future::pending().await,
+        }
+    }
+}
+
+/// The holds of one session and the channel of its discrete events.
+#[derive(Debug)]
+pub(crate) struct Holdings {
+    held: Mutex<Vec<Arc<Holding>>>,
+    events: broadcast::Sender<SessionEvent>,
+}
+
+impl Default for Holdings {
+    fn default() -> Self {
+        Holdings {
+            held: Mutex::default(),
+            events: broadcast::Sender::new(EVENT_BACKLOG),
+        }
+    }
+}
+
+impl Holdings {
+    /// Registers a hold. An ephemeral key replaces an earlier record of the same key.
+    pub(crate) fn add(&self, held: Held) -> Arc<Holding> {
+        let holding = Arc::new(Holding {
+            held,
+            lost: watch::Sender::new(None),
+        });
+        let mut all = self.held.lock().expect("holdings");
+        if let Held::Ephemeral { key, .. } = &holding.held {
+            all.retain(|h| !matches!(&h.held, Held::Ephemeral { key: k, .. } if k == key));
+        }
+        all.push(holding.clone());
+        holding
+    }
+
+    /// Forgets a hold (released, or its guard dropped).
+    pub(crate) fn remove(&self, holding: &Arc<Holding>) {
+        self.held
+            .lock()
+            .expect("holdings")
+            .retain(|h| !Arc::ptr_eq(h, holding));
+    }
+
+    /// Every key to name in a resume.
+    pub(crate) fn wire(&self) -> Vec<HeldKey> {
+        let all = self.held.lock().expect("holdings");
+        all.iter().map(|h| h.held.wire()).collect()
+    }
+
+    /// Marks the hold a proxy reported lost, and says so on the event channel.
+    pub(crate) fn lose(&self, key: &HeldKey, reason: &str) {
+        let lost: Vec<Arc<Holding>> = {
+            let mut all = self.held.lock().expect("holdings");
+            let (lost, kept) = all.drain(..).partition(|h| h.held.wire() == *key);
+            *all = kept;
+            lost
+        };
+        for holding in lost {
+            let reason: Arc<str> = reason.into();
+            holding.lost.send_replace(Some(reason.clone()));
+            tracing::warn!(held = ?holding.held, %reason, "hold lost");
+            self.publish(SessionEvent::Lost {
+                held: holding.held.clone(),
+                reason: reason.to_string(),
+            });
+        }
+    }
+
+    pub(crate) fn publish(&self, event: SessionEvent) {
+        // No receiver is fine: nobody follows the events.
+        let _ = self.events.send(event);
+    }
+
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<SessionEvent> {
+        self.events.subscribe()
+    }
+}
+
+/// The events of one session, in order; see [`Session::events`](crate::Session::events).
+#[derive(Debug)]
+pub struct SessionEvents {
+    /// Keeps the session's channels open while events are followed.
+    _session: Arc<crate::shared::SessionShared>,
+    discrete: broadcast::Receiver<SessionEvent>,
+    validity: watch::Receiver<Validity>,
+    last: SessionState,
+    done: bool,
+}
+
+impl SessionEvents {
+    pub(crate) fn new(
+        session: Arc<crate::shared::SessionShared>,
+        discrete: broadcast::Receiver<SessionEvent>,
+        validity: watch::Receiver<Validity>,
+    ) -> Self {
+        let last = validity.borrow().state_at(Instant::now());
+        SessionEvents {
+            _session: session,
+            discrete,
+            validity,
+            last,
+            done: false,
+        }
+    }
+
+    /// The next event; `None` after [`SessionEvent::Expired`]. Events a slow reader
+    /// missed (more than 64 behind) are skipped; the state changes are never missed,
+    /// since they are read off the session's state.
+    pub async fn next(&mut self) -> Option<SessionEvent> {
+        loop {
+            if self.done {
+                return None;
+            }
+            match self.discrete.try_recv() {
+                Ok(event) => return Some(event),
+                Err(broadcast::error::TryRecvError::Lagged(_)) => continue,
+                Err(_) => {}
+            }
+            let (state, deadline, reason) = {
+                let v = self.validity.borrow_and_update();
+                (v.state_at(Instant::now()), v.deadline, v.expired.clone())
+            };
+            if state == SessionState::Expired
+                && self.last == SessionState::Valid
+                && deadline <= Instant::now()
+            {
+                // The deadline passed before the expiry was read: jeopardy came first.
+                self.last = SessionState::Jeopardy;
+                return Some(SessionEvent::Jeopardy);
+            }
+            if state != self.last {
+                self.last = state;
+                return Some(match state {
+                    SessionState::Valid => SessionEvent::Safe,
+                    SessionState::Jeopardy => SessionEvent::Jeopardy,
+                    SessionState::Expired => {
+                        self.done = true;
+                        SessionEvent::Expired {
+                            reason: reason.as_deref().unwrap_or("expired").to_owned(),
+                        }
+                    }
+                });
+            }
+            tokio::select! {
+                // Lagged: skipped. Closed cannot happen while the session is held.
+                event = self.discrete.recv() => if let Ok(event) = event {
+                    return Some(event);
+                },
+                _ = self.validity.changed() => {}
+                _ = sleep_until(deadline), if state == SessionState::Valid => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! The proxies a client may use, in order of preference (its own zone's first), and
+//! the one it uses now. Every call goes to the current proxy; the keep-alive driver
+//! switches to another when the current one dies, stops answering, cannot reach etcd
+//! or drains, after resuming every session there.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::Error;
+
+/// How long establishing the TCP connection may take before the proxy counts as
+/// unreachable.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// A move tries the next proxy sooner than a first connect gives up: the session's
+/// deadline is running.
+pub(crate) const MOVE_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// HTTP/2 pings on an otherwise quiet connection, so a dead proxy is noticed even
+/// between renewals.
+const HTTP2_PING_INTERVAL: Duration = Duration::from_secs(10);
+const HTTP2_PING_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug)]
+pub(crate) struct Proxies {
+    addrs: Vec<String>,
+    current: Mutex<(usize, Channel)>,
+    /// Bumped on every switch, so calls that failed on the old proxy can wait for the
+    /// new one.
+    generation: watch::Sender<u64>,
+}
+
+impl Proxies {
+    /// Connects to the first of `addrs` that answers, in order.
+    pub(crate) async fn connect(addrs: Vec<String>) -> Result<Proxies, Error> {
+        if addrs.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a client needs at least one proxy address".into(),
+            ));
+        }
+        let mut last = None;
+        for (index, addr) in addrs.iter().enumerate() {
+            match connect(addr, CONNECT_TIMEOUT).await {
+                Ok(channel) => {
+                    tracing::debug!(proxy = addr, "connected");
+                    return Ok(Proxies {
+                        current: Mutex::new((index, channel)),
+                        generation: watch::Sender::new(0),
+                        addrs,
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(proxy = addr, error = %e, "proxy unreachable");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.expect("at least one address was tried"))
+    }
+
+    pub(crate) fn channel(&self) -> Channel {
+        self.current.lock().expect("current proxy").1.clone()
+    }
+
+    pub(crate) fn current(&self) -> usize {
+        self.current.lock().expect("current proxy").0
+    }
+
+    pub(crate) fn addr(&self, index: usize) -> &str {
+        &self.addrs[index]
+    }
+
+    /// The proxies to try when moving: in order of preference, the current one last
+    /// (it just failed), or not at all with `avoid_current` (it asked its clients to go).
+    pub(crate) fn move_order(&self, avoid_current: bool) -> Vec<usize> {
+        let current = self.current();
+        let mut order: Vec<usize> = (0..self.addrs.len()).filter(|&i| i != current).collect();
+        if !avoid_current {
+            order.push(current);
+        }
+        order
+    }
+
+    /// Opens a connection to proxy `index` for a move.
+    pub(crate) async fn open(&self, index: usize) -> Result<Channel, Error> {
+        connect(&self.addrs[index], MOVE_CONNECT_TIMEOUT).await
+    }
+
+    /// Makes proxy `index` (reached over `channel`) the current one.
+    pub(crate) fn switch(&self, index: usize, channel: Channel) {
+        *self.current.lock().expect("current proxy") = (index, channel);
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    pub(crate) fn generation(&self) -> u64 {
+        *self.generation.borrow()
+    }
+
+    /// Resolves once the client has switched proxies since `generation`, or after
+    /// `timeout`. Returns whether it switched.
+    pub(crate) async fn switched_since(&self, generation: u64, timeout: Duration) -> bool {
+        let mut rx = self.generation.subscribe();
+        tokio::time::timeout(timeout, rx.wait_for(|g| *g != generation))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+}
+
+async fn connect(addr: &str, timeout: Duration) -> Result<Channel, Error> {
+    let endpoint = Endpoint::from_shared(endpoint_uri(addr))
+        .map_err(|e| Error::connect(addr, &e))?
+        .connect_timeout(timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(HTTP2_PING_INTERVAL)
+        .keep_alive_timeout(HTTP2_PING_TIMEOUT)
+        .keep_alive_while_idle(true);
+    endpoint
+        .connect()
+        .await
+        .map_err(|e| Error::connect(addr, &e))
+}
+
+/// Accepts a bare `host:port` by assuming plain HTTP/2.
+pub(crate) fn endpoint_uri(addr: &str) -> String {
+    if addr.contains("://") {
+        addr.to_owned()
+    } else {
+        format!("http://{addr}")
+    }
+}

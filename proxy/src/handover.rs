@@ -1,0 +1,270 @@
+//! Sessions moving between proxies (DESIGN.md section 6): taking a session over from
+//! another proxy (Resume), telling clients when to move, and draining before a stop.
+//!
+//! A resumed session keeps its id. Its keys move onto this proxy's lease in
+//! transactions guarded by "create revision unchanged and lease == the lease the client
+//! last held them on", so fencing tokens do not change and a key that was lost meanwhile
+//! (its old proxy expired the session, etcd revoked the old lease, the lock was granted
+//! again) is never taken back: it is reported lost instead.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockcell_cell::locklog::Grant;
+use lockcell_cell::{LockName, Mode};
+use lockcell_proto::v1::{HeldKey, HeldKind, LostKey, ResumeRequest, ResumeResponse};
+use tokio::time::Instant;
+
+use crate::errors::ProxyError;
+use crate::metrics as m;
+use crate::service::millis;
+use crate::sessions::Session;
+use crate::state::ProxyState;
+
+/// Most keys one Resume may name: far above what one session holds, low enough that a
+/// resume is a bounded amount of etcd work.
+pub const MAX_RESUME_KEYS: usize = 4096;
+
+/// Why clients of `bucket` should move to another proxy now, if they should: the proxy
+/// is draining, or its lease in that bucket is overdue for renewal (etcd unreachable),
+/// so the validity it can grant is shrinking towards zero.
+pub fn move_hint(
+    state: &ProxyState,
+    bucket: usize,
+    lease: i64,
+    now: Instant,
+) -> Option<&'static str> {
+    if state.is_draining() {
+        return Some("this proxy is draining; resume the session on another proxy");
+    }
+    let config = &state.config;
+    // A lease renewed on time has at least `lease_ttl - renew_interval` left; two
+    // renewals missed (or half the TTL, if the interval is long) is trouble.
+    let trouble = config
+        .lease_ttl
+        .saturating_sub(2 * config.renew_interval())
+        .min(config.lease_ttl / 2);
+    let left = state.leases.valid_for(bucket, lease, Duration::MAX, now) + config.validity_margin;
+    (left < trouble)
+        .then_some("this proxy cannot renew its etcd lease; resume the session on another proxy")
+}
+
+/// Takes over `req`'s session: records it here, moves its keys onto this proxy's lease,
+/// and grants it validity as an Open would. Keys that did not move are reported lost.
+///
+/// The session is recorded before its keys move, so that if etcd fails midway (some
+/// keys moved, the reply lost) the keys that did move are still deleted when the
+/// session ends here, rather than left on this proxy's lease for good.
+pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResponse, ProxyError> {
+    if state.is_draining() {
+        return Err(ProxyError::ShuttingDown);
+    }
+    check_session_id(&req.session_id)?;
+    if req.keys.len() > MAX_RESUME_KEYS {
+        return Err(ProxyError::BadArgument(format!(
+            "a resume of session {:?} names {} keys, over the limit of {MAX_RESUME_KEYS}",
+            req.session_id,
+            req.keys.len()
+        )));
+    }
+    let grants = req
+        .keys
+        .iter()
+        .map(|key| grant(&req.session_id, key))
+        .collect::<Result<Vec<_>, _>>()?;
+    let ttl = state
+        .config
+        .session_ttl_for(Duration::from_millis(req.ttl_ms));
+    let (bucket, lease) = state.leases.assign().ok_or(ProxyError::NoLease)?;
+    if let Err(e) = cover(state, bucket, lease, req.acting_for_ms).await {
+        state.leases.unassign(bucket);
+        return Err(e);
+    }
+    let id: Arc<str> = req.session_id.as_str().into();
+    let incarnation = rand::random::<u64>() | 1;
+    let now = Instant::now();
+    let replaced = state.sessions.replace(Session {
+        id: id.clone(),
+        identity: req.identity,
+        ttl,
+        bucket,
+        lease,
+        incarnation,
+        renewed_at: now,
+        held: grants.clone(),
+        valid_until: now,
+    });
+    if let Some(old) = replaced {
+        state.leases.unassign(old.bucket);
+    }
+    metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+    let outcomes = state
+        .locklog
+        .move_keys(&grants, req.from_lease_id, lease)
+        .await
+        .map_err(|source| ProxyError::StoreDuring {
+            context: format!("resuming session {:?}", req.session_id),
+            source,
+        })?;
+    let mut lost = Vec::new();
+    for ((key, grant), outcome) in req.keys.into_iter().zip(&grants).zip(outcomes) {
+        if let Some(reason) = outcome {
+            state.sessions.forget_grant(&id, &grant.key, grant.revision);
+            lost.push(LostKey {
+                key: Some(key),
+                reason,
+            });
+        }
+    }
+    metrics::counter!(m::SESSIONS_RESUMED).increment(1);
+    metrics::counter!(m::KEYS_MOVED).increment((grants.len() - lost.len()) as u64);
+    metrics::counter!(m::KEYS_LOST_ON_RESUME).increment(lost.len() as u64);
+    // Counted from now, as for an Open: the session was renewed when it was recorded.
+    let now = Instant::now();
+    let renewed =
+        |r: crate::sessions::Renewed| state.leases.valid_for(r.bucket, r.lease, r.ttl, now);
+    let valid_for = state
+        .sessions
+        .renew(&id, now, renewed)
+        .map_err(|gone| ProxyError::session(&id, gone))?;
+    tracing::info!(
+        session.id = %id,
+        from_lease = format_args!("{:x}", req.from_lease_id),
+        lease = format_args!("{lease:x}"),
+        moved = grants.len() - lost.len(),
+        lost = lost.len(),
+        "session resumed here"
+    );
+    Ok(ResumeResponse {
+        ttl_ms: millis(ttl),
+        valid_for_ms: millis(valid_for),
+        proxy_id: state.proxy_id.clone(),
+        lease_id: lease,
+        lost,
+        incarnation,
+    })
+}
+
+/// Makes sure the lease the keys move onto outlives what the client may still do on its
+/// previous proxy's word (`acting_for_ms` from its send, which was before now): renews
+/// the lease at once if its lower bound is too close, and refuses if that fails.
+async fn cover(
+    state: &ProxyState,
+    bucket: usize,
+    lease: i64,
+    acting_for_ms: u64,
+) -> Result<(), ProxyError> {
+    let needed = Duration::from_millis(acting_for_ms);
+    let left = |now| state.leases.valid_for(bucket, lease, Duration::MAX, now);
+    if left(Instant::now()) >= needed
+        || (crate::lease_keeper::renew_now(state, bucket, lease).await
+            && left(Instant::now()) >= needed)
+    {
+        return Ok(());
+    }
+    Err(ProxyError::Refused(format!(
+        "this proxy's lease cannot outlive the {needed:?} the client may still act on its \
+         previous proxy's word; stop acting and resume again"
+    )))
+}
+
+/// Waits until every session has left (its client resumed it elsewhere and closed it
+/// here) or the drain timeout has passed. Returns how many sessions stayed.
+pub async fn drain(state: &ProxyState) -> usize {
+    let timeout = state.config.drain_timeout;
+    tracing::info!(
+        sessions = state.sessions.len(),
+        timeout = ?timeout,
+        "draining: asking clients to resume their sessions on other proxies"
+    );
+    let give_up = Instant::now() + timeout;
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    while !state.sessions.is_empty() && Instant::now() < give_up {
+        tick.tick().await;
+    }
+    let stayed = state.sessions.len();
+    if stayed > 0 {
+        tracing::warn!(stayed, "drain timeout passed with sessions still here");
+    } else {
+        tracing::info!("drained: every session moved");
+    }
+    stayed
+}
+
+/// A session id as proxies hand them out: hex digits.
+fn check_session_id(id: &str) -> Result<(), ProxyError> {
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ProxyError::BadArgument(format!(
+            "session id {id:?} is not one a proxy hands out (1 to 64 hex digits)"
+        )));
+    }
+    Ok(())
+}
+
+/// The grant a held key names, checked like any lock name or small key.
+fn grant(session: &str, key: &HeldKey) -> Result<Grant, ProxyError> {
+    let bad = |what: &str| {
+        ProxyError::BadArgument(format!(
+            "held key {:?} of session {session:?}: {what}",
+            key.name
+        ))
+    };
+    if key.revision <= 0 {
+        return Err(bad("its revision must be positive"));
+    }
+    let name = LockName::parse(&key.name).map_err(|e| bad(&e.to_string()))?;
+    Ok(match HeldKind::try_from(key.kind) {
+        Ok(HeldKind::Exclusive) => Grant::hold(&name, Mode::Exclusive, session, key.revision),
+        Ok(HeldKind::Shared) => Grant::hold(&name, Mode::Shared, session, key.revision),
+        Ok(HeldKind::Ephemeral) => Grant::ephemeral(&name, key.revision),
+        Err(_) => return Err(bad(&format!("unknown kind {}", key.kind))),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(kind: HeldKind, name: &str, revision: i64) -> HeldKey {
+        HeldKey {
+            kind: kind as i32,
+            name: name.to_owned(),
+            revision,
+        }
+    }
+
+    #[test]
+    fn held_keys_name_the_keys_the_session_has() {
+        let lock = LockName::parse("jobs/a").unwrap();
+        let g = grant("ab12", &held(HeldKind::Exclusive, "jobs/a", 7)).unwrap();
+        assert_eq!(g, Grant::hold(&lock, Mode::Exclusive, "ab12", 7));
+        let g = grant("ab12", &held(HeldKind::Shared, "jobs/a", 8)).unwrap();
+        assert_eq!(g.key, lock.holder_key(Mode::Shared, "ab12"));
+        let g = grant("ab12", &held(HeldKind::Ephemeral, "members/x/1", 9)).unwrap();
+        assert_eq!(
+            g.key,
+            lockcell_cell::keyspace::kv_key(&LockName::parse("members/x/1").unwrap())
+        );
+    }
+
+    #[test]
+    fn bad_held_keys_and_ids_are_refused_by_name() {
+        let e = grant("ab12", &held(HeldKind::Exclusive, "a//b", 7)).unwrap_err();
+        assert!(e.to_string().contains("\"a//b\""), "{e}");
+        let e = grant("ab12", &held(HeldKind::Exclusive, "a", 0)).unwrap_err();
+        assert!(e.to_string().contains("revision must be positive"), "{e}");
+        let e = grant(
+            "ab12",
+            &HeldKey {
+                kind: 9,
+                name: "a".into(),
+                revision: 1,
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("unknown kind 9"), "{e}");
+        assert!(check_session_id("").is_err());
+        assert!(check_session_id("../x").is_err());
+        assert!(check_session_id("0123456789abcdef0123456789abcdef").is_ok());
+    }
+}

@@ -1,0 +1,335 @@
+//! Sessions moving between proxies (DESIGN.md section 6): a killed proxy's clients
+//! resume elsewhere with their locks, tokens and ephemeral keys; with no proxy reachable
+//! a session expires after its grace period and its locks pass on; a rolling restart of
+//! every proxy (SIGTERM drains) under load loses no session and no lock.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use lockcell_client::{
+    Client, ClientOptions, Condition, FencingToken, LockGuard, Session, SessionEvent, SessionState,
+    Wait,
+};
+use lockcell_tests::{eventually, ProxyOptions, ProxyProcess, Relay};
+use nix::sys::signal::Signal;
+
+use crate::support::{cell, lease_count, short_session};
+
+/// Session TTL of these tests; the proxies' lease TTL is 3 s.
+const TTL: Duration = Duration::from_secs(2);
+
+/// The create revision and lease of a key in etcd, if it is there.
+async fn etcd_key(
+    etcd: &lockcell_tests::EtcdCluster,
+    key: &str,
+) -> anyhow::Result<Option<(i64, i64)>> {
+    let mut client = etcd.client().await?;
+    let resp = client.get(key, None).await?;
+    Ok(resp
+        .kvs()
+        .first()
+        .map(|kv| (kv.create_revision(), kv.lease())))
+}
+
+/// Every event the session has had so far.
+async fn events_so_far(events: &mut lockcell_client::SessionEvents) -> Vec<SessionEvent> {
+    let mut seen = Vec::new();
+    while let Ok(Some(event)) = tokio::time::timeout(Duration::from_millis(50), events.next()).await
+    {
+        seen.push(event);
+    }
+    seen
+}
+
+pub async fn a_killed_proxys_clients_resume_elsewhere_with_locks_and_tokens_unchanged(
+) -> anyhow::Result<()> {
+    let (etcd, proxies) = cell(&["a", "b", "c"]).await?;
+    let addrs: Vec<String> = proxies.iter().map(|p| p.url()).collect();
+    let client = Client::connect_with(ClientOptions::new(addrs.clone())).await?;
+    let session = client.open_session(short_session(TTL)).await?;
+    ensure!(
+        session.proxy_id().starts_with("a-"),
+        "own zone first: {}",
+        session.proxy_id()
+    );
+    let mut events = session.events();
+    let lock = session
+        .acquire("handover/x", Wait::Try)
+        .await?
+        .context("free lock not granted")?;
+    let shared = session
+        .acquire_shared("handover/s", Wait::Try)
+        .await?
+        .context("free shared lock not granted")?;
+    let member = session
+        .put_ephemeral("members/handover/1", b"here", Condition::Always)
+        .await?;
+    let member_created = member
+        .current
+        .context("no entry after a put")?
+        .create_revision;
+    let (x_created, a_lease) = etcd_key(&etcd, "/l/handover/x/!x")
+        .await?
+        .context("the holder key is not in etcd")?;
+    ensure!(x_created == lock.token().revision);
+
+    let killed = tokio::time::Instant::now();
+    proxies[0].signal(Signal::SIGKILL)?;
+    let moved_to = eventually(
+        "the session moves to another proxy",
+        Duration::from_secs(15),
+        || async {
+            let id = session.proxy_id();
+            Ok((!id.starts_with("a-") && session.state() == SessionState::Valid).then_some(id))
+        },
+    )
+    .await?;
+    let took = killed.elapsed();
+    // Past the dead proxy's lease TTL, etcd has revoked its leases: what stayed on them
+    // is gone, what moved is not.
+    eventually(
+        "etcd drops the dead proxy's leases",
+        Duration::from_secs(15),
+        || async { Ok((lease_count(&etcd).await? == 8).then_some(())) },
+    )
+    .await?;
+    let (created, lease) = etcd_key(&etcd, "/l/handover/x/!x")
+        .await?
+        .context("the moved lock's holder key is gone")?;
+    ensure!(
+        created == x_created && lease != a_lease,
+        "key moved with its create revision kept"
+    );
+    ensure!(
+        lock.is_valid() && shared.is_valid(),
+        "the guards stay valid after the move"
+    );
+    let check = client.check_sequencer("handover/x", lock.token()).await?;
+    ensure!(
+        check.current,
+        "the token {} is still the lock's current grant",
+        lock.token()
+    );
+    let entry = client
+        .get("members/handover/1")
+        .await?
+        .context("the ephemeral key did not move with the session")?;
+    ensure!(entry.create_revision == member_created && entry.ephemeral);
+    // Another session is still kept out.
+    let other = client.open_session(short_session(TTL)).await?;
+    ensure!(
+        other.acquire("handover/x", Wait::Try).await?.is_none(),
+        "a moved lock was granted twice"
+    );
+    let seen = events_so_far(&mut events).await;
+    ensure!(
+        seen.iter()
+            .any(|e| matches!(e, SessionEvent::Moved { proxy_id } if *proxy_id == moved_to)),
+        "no Moved event: {seen:?}"
+    );
+    ensure!(
+        !seen
+            .iter()
+            .any(|e| matches!(e, SessionEvent::Lost { .. } | SessionEvent::Expired { .. })),
+        "nothing was lost: {seen:?}"
+    );
+    println!(
+        "moved to {moved_to} {took:?} after the kill (lease TTL 3 s); token {} kept",
+        lock.token()
+    );
+    Ok(())
+}
+
+pub async fn with_every_proxy_unreachable_a_session_expires_and_its_locks_pass_on(
+) -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a", "b"]).await?;
+    let relays = [
+        Relay::start(&proxies[0].addr).await?,
+        Relay::start(&proxies[1].addr).await?,
+    ];
+    let grace = Duration::from_secs(2);
+    let client =
+        Client::connect_with(ClientOptions::new(relays.iter().map(Relay::url)).grace(grace))
+            .await?;
+    let session = client.open_session(short_session(TTL)).await?;
+    let mut events = session.events();
+    let lock = session
+        .acquire("unreachable/x", Wait::Try)
+        .await?
+        .context("free lock not granted")?;
+
+    proxies[0].signal(Signal::SIGKILL)?;
+    relays[1].cut(true);
+    let reason = tokio::time::timeout(TTL + grace + Duration::from_secs(10), lock.lost())
+        .await
+        .context("the guard never reported its lock lost")?;
+    ensure!(
+        session.state() == SessionState::Expired,
+        "expired after the grace period"
+    );
+    ensure!(!lock.is_valid());
+    let seen = events_so_far(&mut events).await;
+    let jeopardy = seen.iter().position(|e| *e == SessionEvent::Jeopardy);
+    let expired = seen
+        .iter()
+        .position(|e| matches!(e, SessionEvent::Expired { .. }));
+    ensure!(
+        matches!((jeopardy, expired), (Some(j), Some(x)) if j < x),
+        "jeopardy, then expired: {seen:?}"
+    );
+
+    // Someone who can reach a proxy gets the lock once the dead proxy's lease is gone.
+    let other = Client::connect(&proxies[1].url()).await?;
+    let taker = other.open_session(short_session(TTL)).await?;
+    let taken = taker
+        .acquire("unreachable/x", Wait::Timeout(Duration::from_secs(15)))
+        .await?
+        .context("the expired session's lock never passed on")?;
+    ensure!(taken.token() > lock.token());
+    println!("lost: {reason}");
+    Ok(())
+}
+
+/// One client of the rolling restart: a session holding a lock and an ephemeral key.
+struct Holder {
+    session: Session,
+    guard: LockGuard,
+    token: FencingToken,
+    events: lockcell_client::SessionEvents,
+}
+
+pub async fn a_rolling_restart_of_every_proxy_loses_no_session_and_no_lock() -> anyhow::Result<()> {
+    let (etcd, mut proxies) = cell(&["a", "b", "c"]).await?;
+    let addrs: Vec<String> = proxies.iter().map(|p| p.url()).collect();
+    let mut holders = Vec::new();
+    for i in 0..6 {
+        let mut order = addrs.clone();
+        order.rotate_left(i % 3);
+        let client = Client::connect_with(ClientOptions::new(order)).await?;
+        let session = client.open_session(short_session(TTL)).await?;
+        let events = session.events();
+        let guard = session
+            .acquire(&format!("roll/{i}"), Wait::Try)
+            .await?
+            .context("free lock not granted")?;
+        session
+            .put_ephemeral(&format!("members/roll/{i}"), b"up", Condition::Always)
+            .await?;
+        holders.push(Holder {
+            token: guard.token(),
+            session,
+            guard,
+            events,
+        });
+    }
+    // Load: sessions taking and releasing a few busy locks throughout.
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let grants = Arc::new(AtomicUsize::new(0));
+    let mut load = tokio::task::JoinSet::new();
+    for w in 0..4 {
+        let mut order = addrs.clone();
+        order.rotate_left(w % 3);
+        let client = Client::connect_with(ClientOptions::new(order)).await?;
+        let session = client.open_session(short_session(TTL)).await?;
+        let (stop, grants) = (stop.clone(), grants.clone());
+        load.spawn(async move {
+            let work = async {
+                loop {
+                    let lock = format!("roll/busy/{}", grants.load(Ordering::Relaxed) % 3);
+                    match session
+                        .acquire(&lock, Wait::Timeout(Duration::from_millis(500)))
+                        .await
+                    {
+                        Ok(Some(guard)) => {
+                            grants.fetch_add(1, Ordering::Relaxed);
+                            guard.release().await?;
+                        }
+                        Ok(None) => {}
+                        Err(lockcell_client::Error::SessionExpired { session: id }) => {
+                            anyhow::bail!(
+                                "load session {id} expired: {:?}",
+                                session.expired_reason()
+                            )
+                        }
+                        // A proxy went away mid-call: the session moves; go on.
+                        Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                    }
+                }
+            };
+            tokio::select! {
+                result = work => result,
+                _ = stop.notified() => Ok(session),
+            }
+            .map(|_: Session| ())
+        });
+    }
+
+    for (p, proxy) in proxies.iter_mut().enumerate() {
+        let before = grants.load(Ordering::Relaxed);
+        proxy.signal(Signal::SIGTERM)?;
+        let status = proxy
+            .process
+            .wait_exit(Duration::from_secs(20))
+            .await?;
+        ensure!(
+            status.success(),
+            "proxy {p} exited with {status:?} on SIGTERM"
+        );
+        let log = std::fs::read_to_string(proxy.log_path())?;
+        ensure!(
+            log.contains("drained: every session moved"),
+            "proxy {p} stopped with sessions still on it:\n{log}"
+        );
+        let mut again = ProxyOptions::new(&proxy.zone.clone(), etcd.endpoints());
+        again.listen = Some(proxy.addr.clone());
+        *proxy = ProxyProcess::start(&again, &etcd.dir).await?;
+        eventually("the load goes on", Duration::from_secs(10), || async {
+            Ok((grants.load(Ordering::Relaxed) > before).then_some(()))
+        })
+        .await?;
+    }
+    stop.notify_waiters();
+    while let Some(done) = load.join_next().await {
+        done??;
+    }
+
+    let probe = Client::connect(&addrs[0]).await?;
+    for (i, h) in holders.iter_mut().enumerate() {
+        eventually("the session is valid", Duration::from_secs(10), || async {
+            Ok((h.session.state() == SessionState::Valid).then_some(()))
+        })
+        .await?;
+        ensure!(h.guard.is_valid(), "holder {i}'s lock is valid");
+        let check = probe.check_sequencer(&format!("roll/{i}"), h.token).await?;
+        ensure!(
+            check.current,
+            "holder {i}'s token {} is the current grant",
+            h.token
+        );
+        ensure!(
+            probe.get(&format!("members/roll/{i}")).await?.is_some(),
+            "holder {i}'s ephemeral key survived"
+        );
+        let seen = events_so_far(&mut h.events).await;
+        ensure!(
+            !seen
+                .iter()
+                .any(|e| matches!(e, SessionEvent::Lost { .. } | SessionEvent::Expired { .. })),
+            "holder {i} lost something: {seen:?}"
+        );
+        ensure!(
+            seen.iter()
+                .filter(|e| matches!(e, SessionEvent::Moved { .. }))
+                .count()
+                >= 1,
+            "holder {i} moved at least once: {seen:?}"
+        );
+    }
+    println!(
+        "{} load grants through the restarts",
+        grants.load(Ordering::Relaxed)
+    );
+    Ok(())
+}
