@@ -67,14 +67,17 @@ struct ClientInner {
 }
 
 impl Client {
-    /// Connects to a proxy at `addr` (`"127.0.0.1:7420"` or `"http://127.0.0.1:7420"`).
-    /// Sessions can still resume on that address (a restarted proxy); to move between
-    /// proxies, give them all with [`Client::connect_with`].
+    /// Connects to a proxy at `addr` (`"127.0.0.1:7420"` or `"http://127.0.0.1:7420"`),
+    /// or to the first that answers of several separated by commas, in order of
+    /// preference (`"10.0.1.7:7420,10.0.2.7:7420,10.0.3.7:7420"`), with the default
+    /// grace period. Sessions move between the proxies given; with one address they can
+    /// still resume on it (a restarted proxy).
     ///
     /// Connects eagerly, so a wrong or unreachable address is reported here, naming the
     /// address, rather than at the first call.
     pub async fn connect(addr: &str) -> Result<Client, Error> {
-        Client::connect_with(ClientOptions::new([addr])).await
+        let addrs = addr.split(',').map(str::trim).filter(|a| !a.is_empty());
+        Client::connect_with(ClientOptions::new(addrs)).await
     }
 
     /// Connects to the first proxy of `options` that answers.

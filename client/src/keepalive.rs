@@ -544,54 +544,42 @@ async fn resume_all(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Resul
     failed.map_or(Ok(()), Err)
 }
 
-/// Resumes one session. A proxy that cannot cover what the session may still do on its
-/// old proxy's word refuses with FAILED_PRECONDITION: the session stops acting
-/// (jeopardy) and asks again, needing nothing.
+/// Resumes one session. A proxy whose lease cannot outlive what the session may still
+/// do on its old proxy's word refuses (FAILED_PRECONDITION): the move goes elsewhere, or
+/// is tried again later, when less of the old deadline is left (none, in jeopardy).
 async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(), Status> {
-    let mut suspended = false;
-    loop {
-        let sent = Instant::now();
-        let acting_for = if suspended {
-            0
-        } else {
-            // Rounded up: the proxy must cover at least the whole of it.
-            session.acting_for(sent).as_millis() as u64 + 1
-        };
-        let mut request = tonic::Request::new(ResumeRequest {
-            session_id: session.id.clone(),
-            ttl_ms: session.ttl.as_millis() as u64,
-            identity: session.identity.clone(),
-            from_lease_id: session.home().lease,
-            keys: session.holdings.wire(),
-            acting_for_ms: acting_for,
-        });
-        request.set_timeout(RESUME_TIMEOUT);
-        match SessionClient::new(channel.clone()).resume(request).await {
-            Ok(reply) => {
-                let reply = reply.into_inner();
-                for lost in reply.lost {
-                    if let Some(key) = lost.key {
-                        session.holdings.lose(&key, &lost.reason);
-                    }
+    let sent = Instant::now();
+    // Rounded up: the proxy must cover at least the whole of it.
+    let acting_for = session.acting_for(sent).as_millis() as u64 + 1;
+    let mut request = tonic::Request::new(ResumeRequest {
+        session_id: session.id.clone(),
+        ttl_ms: session.ttl.as_millis() as u64,
+        identity: session.identity.clone(),
+        from_lease_id: session.home().lease,
+        keys: session.holdings.wire(),
+        acting_for_ms: acting_for,
+    });
+    request.set_timeout(RESUME_TIMEOUT);
+    match SessionClient::new(channel).resume(request).await {
+        Ok(reply) => {
+            let reply = reply.into_inner();
+            for lost in reply.lost {
+                if let Some(key) = lost.key {
+                    session.holdings.lose(&key, &lost.reason);
                 }
-                let home = Home {
-                    proxy_id: reply.proxy_id,
-                    lease: reply.lease_id,
-                    incarnation: reply.incarnation,
-                };
-                session.moved(home, sent, reply.valid_for_ms);
-                return Ok(());
             }
-            Err(status) if status.code() == Code::FailedPrecondition && !suspended => {
-                tracing::info!(session.id = %session.id, reason = status.message(), "stopping to act until resumed");
-                session.suspend();
-                suspended = true;
-            }
-            Err(status) if unreachable(&status) => return Err(status),
-            Err(status) => {
-                session.expire(&format!("resume refused: {}", status.message()));
-                return Ok(());
-            }
+            let home = Home {
+                proxy_id: reply.proxy_id,
+                lease: reply.lease_id,
+                incarnation: reply.incarnation,
+            };
+            session.moved(home, sent, reply.valid_for_ms);
+            Ok(())
+        }
+        Err(status) if unreachable(&status) => Err(status),
+        Err(status) => {
+            session.expire(&format!("resume refused: {}", status.message()));
+            Ok(())
         }
     }
 }

@@ -99,12 +99,6 @@ impl SessionShared {
         self.deadline().saturating_duration_since(sent)
     }
 
-    /// Ends the current deadline now (see [`Validity::suspend`]).
-    pub(crate) fn suspend(&self) {
-        let now = Instant::now();
-        self.validity.send_if_modified(|v| v.suspend(now));
-    }
-
     /// The session's events from now on.
     pub(crate) fn events(self: &Arc<Self>) -> SessionEvents {
         SessionEvents::new(

@@ -73,17 +73,6 @@ impl Validity {
         true
     }
 
-    /// Ends the current deadline at `now` at the latest: the keys the session holds are
-    /// about to depend on a lease whose lower bound the client does not know yet (a
-    /// resume its new proxy could not cover). The next grant sets a new one.
-    pub(crate) fn suspend(&mut self, now: Instant) -> bool {
-        if self.deadline <= now {
-            return false;
-        }
-        self.deadline = now;
-        true
-    }
-
     /// Marks the session gone. The first reason wins; returns whether anything changed.
     pub(crate) fn expire(&mut self, reason: Arc<str>) -> bool {
         if self.expired.is_some() {

@@ -164,7 +164,7 @@ async fn cover(
     }
     Err(ProxyError::Refused(format!(
         "this proxy's lease cannot outlive the {needed:?} the client may still act on its \
-         previous proxy's word; stop acting and resume again"
+         previous proxy's word; resume elsewhere, or here later"
     )))
 }
 

@@ -6,8 +6,12 @@
 //! while it holds a lock; a proxy SIGKILLed and started again on its address; a proxy
 //! paused (SIGSTOP) past its lease TTL; a proxy cut off from etcd (its link black-holed)
 //! past its lease TTL; that link slowed down; a proxy cut off from its clients (their
-//! link black-holed); the etcd leader SIGKILLed. Clients know every proxy and move
-//! their sessions (locks and tokens unchanged) when theirs fails.
+//! link black-holed); the etcd leader SIGKILLed (and started again); a whole zone lost
+//! (its etcd member, its proxy and the clients whose own zone it is, all SIGKILLed, then
+//! started again). Clients know every proxy and move their sessions (locks and tokens
+//! unchanged) when theirs fails. Besides the lock checks, every small-key write the
+//! service acknowledged must be in the store's history at the revision it was
+//! acknowledged with.
 
 use std::path::Path;
 use std::time::Duration;
@@ -24,7 +28,7 @@ use crate::process::Managed;
 use crate::{bins, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
 /// The kinds of fault a run injects, each once, in an order the seed picks.
-pub const FAULTS: [&str; 7] = [
+pub const FAULTS: [&str; 8] = [
     "pause-client",
     "kill-proxy",
     "pause-proxy",
@@ -32,6 +36,7 @@ pub const FAULTS: [&str; 7] = [
     "delay-proxy-etcd",
     "cut-clients-from-proxy",
     "kill-etcd-leader",
+    "lose-zone",
 ];
 
 /// How much the slowed link holds back every chunk.
@@ -76,6 +81,8 @@ pub struct RunReport {
     pub paused: Option<Paused>,
     /// Every client's record.
     pub records: Vec<checker::Record>,
+    /// Acknowledged small-key writes checked against the store's history.
+    pub kv_writes: usize,
 }
 
 /// A client paused while it held a lock.
@@ -184,6 +191,27 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
             "kill-etcd-leader" => {
                 let leader = leader_of(&etcd).await?;
                 etcd.members[leader].process.kill();
+                tokio::time::sleep(options.settle).await;
+                etcd.members[leader].process.respawn()?;
+            }
+            "lose-zone" => {
+                // b or c (a's member is proxy c's only way to etcd: losing it would be
+                // two faults at once).
+                let z = rng.random_range(1..3);
+                etcd.members[z].process.kill();
+                proxies[z].process.kill();
+                let own: Vec<usize> = (0..clients.len()).filter(|c| c % 3 == z).collect();
+                for &c in &own {
+                    clients[c].kill();
+                }
+                tokio::time::sleep(lease_ttl * 2).await;
+                etcd.members[z].process.respawn()?;
+                let mut again = ProxyOptions::new(&proxies[z].zone.clone(), etcd.endpoints());
+                again.listen = Some(proxies[z].addr.clone());
+                proxies[z] = ProxyProcess::start(&again, dir).await?;
+                for &c in &own {
+                    clients[c].respawn()?;
+                }
             }
             other => anyhow::bail!("unknown fault {other}"),
         }
@@ -200,6 +228,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         records.extend(checker::read_records(&text));
     }
     let mut verdict = checker::check(&records);
+    let kv_writes = check_writes(&etcd, &records, &mut verdict.violations).await?;
     for lock in &locks {
         if let Some(resource) = fenced.resource(lock) {
             let accepted = resource.accepted();
@@ -217,7 +246,43 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         accepted: fenced.accepted(),
         paused,
         records,
+        kv_writes,
     })
+}
+
+/// Checks that every acknowledged small-key write is in the store's history: the key
+/// had the value written at the revision acknowledged. Returns how many it checked.
+async fn check_writes(
+    etcd: &EtcdCluster,
+    records: &[checker::Record],
+    violations: &mut Vec<String>,
+) -> anyhow::Result<usize> {
+    let mut client = etcd.client().await?;
+    let mut checked = 0;
+    for record in records {
+        let checker::Record::KvWrite {
+            key,
+            value,
+            revision,
+            ..
+        } = record
+        else {
+            continue;
+        };
+        checked += 1;
+        let at = etcd_client::GetOptions::new().with_revision(*revision);
+        let found = client.get(format!("/k/{key}"), Some(at)).await?;
+        let ok = found
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.mod_revision() == *revision && kv.value() == value.as_bytes());
+        if !ok {
+            violations.push(format!(
+                "the acknowledged write of {value:?} to {key} at revision {revision} is not in the store's history"
+            ));
+        }
+    }
+    Ok(checked)
 }
 
 /// Waits until the client writing `record` holds a lock (its last record is a grant or

@@ -43,6 +43,14 @@ pub enum Record {
         at_ns: u64,
         why: String,
     },
+    /// A small-key write the service acknowledged: `key` holds `value` at `revision`.
+    KvWrite {
+        client: String,
+        key: String,
+        value: String,
+        revision: i64,
+        at_ns: u64,
+    },
 }
 
 /// What a check found.
@@ -145,6 +153,8 @@ pub fn check(records: &[Record]) -> Verdict {
             } => {
                 ends.insert((lock.clone(), client.clone(), token.clone()), *at_ns);
             }
+            // Checked against the store's history by the run (see `chaos`).
+            Record::KvWrite { .. } => {}
         }
     }
     let mut by_lock: BTreeMap<String, Vec<Hold>> = BTreeMap::new();
@@ -180,6 +190,63 @@ pub fn check(records: &[Record]) -> Verdict {
         }
     }
     verdict
+}
+
+/// How long after `client`'s hold of `lock` with `token` ended (its end of belief, or
+/// the latest deadline it saw) another client was granted the lock; `None` if nobody was.
+pub fn regranted_after(records: &[Record], client: &str, lock: &str, token: &str) -> Option<u64> {
+    let mine = |c: &str, l: &str, t: &str| c == client && l == lock && t == token;
+    let mut start = None;
+    let mut end = 0;
+    let mut ended = None;
+    for record in records {
+        match record {
+            Record::Grant {
+                client: c,
+                lock: l,
+                token: t,
+                at_ns,
+                deadline_ns,
+            } if mine(c, l, t) => {
+                start = Some(*at_ns);
+                end = end.max(*deadline_ns);
+            }
+            Record::Act {
+                client: c,
+                lock: l,
+                token: t,
+                deadline_ns,
+                ..
+            } if mine(c, l, t) => {
+                end = end.max(*deadline_ns);
+            }
+            Record::End {
+                client: c,
+                lock: l,
+                token: t,
+                at_ns,
+                ..
+            } if mine(c, l, t) => {
+                ended = Some(*at_ns);
+            }
+            _ => {}
+        }
+    }
+    let start = start?;
+    let end = ended.map_or(end, |e| e.min(end));
+    records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Grant {
+                client: c,
+                lock: l,
+                at_ns,
+                ..
+            } if c != client && l == lock && *at_ns > start => Some(*at_ns),
+            _ => None,
+        })
+        .min()
+        .map(|next| next.saturating_sub(end))
 }
 
 /// Reads a client's JSON-lines record; a torn last line (the client was killed while
@@ -223,6 +290,27 @@ mod tests {
             at_ns: at,
             why: "released".into(),
         }
+    }
+
+    #[test]
+    fn regrant_time_counts_from_the_end_of_belief() {
+        let records = [
+            grant("a", "1:5", 100, 1_000),
+            act("a", "1:5", 150, 1_200, true),
+            grant("b", "1:9", 1_700, 3_000),
+            end("b", "1:9", 1_800),
+            grant("c", "1:12", 1_900, 3_000),
+        ];
+        // a's belief ran to 1,200 (its latest deadline); b got it at 1,700.
+        assert_eq!(regranted_after(&records, "a", "l", "1:5"), Some(500));
+        // b released at 1,800 (before its deadline); c got it at 1,900.
+        assert_eq!(regranted_after(&records, "b", "l", "1:9"), Some(100));
+        assert_eq!(regranted_after(&records, "c", "l", "1:12"), None);
+        assert_eq!(
+            regranted_after(&records, "a", "l", "1:6"),
+            None,
+            "no such hold"
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! A child process that is killed when its handle drops, with its output in a log file.
 
+use std::ffi::OsString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -15,6 +16,10 @@ pub struct Managed {
     pub name: String,
     pub log: PathBuf,
     child: Option<Child>,
+    /// How it was started, to start it again.
+    program: OsString,
+    args: Vec<OsString>,
+    envs: Vec<(OsString, Option<OsString>)>,
 }
 
 impl Managed {
@@ -25,6 +30,12 @@ impl Managed {
         log: &Path,
     ) -> anyhow::Result<Self> {
         let name = name.into();
+        let program = command.get_program().to_owned();
+        let args = command.get_args().map(ToOwned::to_owned).collect();
+        let envs = command
+            .get_envs()
+            .map(|(k, v)| (k.to_owned(), v.map(ToOwned::to_owned)))
+            .collect();
         let out = File::options()
             .create(true)
             .append(true)
@@ -41,7 +52,27 @@ impl Managed {
             name,
             log: log.to_path_buf(),
             child: Some(child),
+            program,
+            args,
+            envs,
         })
+    }
+
+    /// Starts the process again as it was first started (killing it first if it still
+    /// runs), its output appended to the same log: a member or client coming back.
+    pub fn respawn(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        let mut command = Command::new(&self.program);
+        command.args(&self.args);
+        for (key, value) in &self.envs {
+            match value {
+                Some(value) => command.env(key, value),
+                None => command.env_remove(key),
+            };
+        }
+        let again = Managed::spawn(self.name.clone(), command, &self.log)?;
+        *self = again;
+        Ok(())
     }
 
     pub fn pid(&self) -> Option<u32> {

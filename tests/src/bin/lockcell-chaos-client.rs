@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use lockcell_client::{Client, ClientOptions, Error, Session, SessionOptions, SessionState, Wait};
+use lockcell_client::{
+    Client, ClientOptions, Condition, Error, Session, SessionOptions, SessionState, Wait,
+};
 use lockcell_tests::checker::Record;
 use nix::time::{clock_gettime, ClockId};
 use rand::rngs::StdRng;
@@ -24,6 +26,9 @@ use tokio::time::Instant;
 
 /// How often a holder acts (writes to the fenced resource).
 const ACT_EVERY: Duration = Duration::from_millis(20);
+/// How often the client writes its small key (acknowledged writes are checked against
+/// the store's history after the run).
+const WRITE_EVERY: Duration = Duration::from_millis(250);
 /// Why a hold ended when the client let go of it itself.
 const RELEASED: &str = "released";
 
@@ -155,6 +160,7 @@ async fn main() -> anyhow::Result<()> {
         };
         hold_locks(
             &args,
+            &client,
             &session,
             &clock,
             &mut recorder,
@@ -162,6 +168,33 @@ async fn main() -> anyhow::Result<()> {
             &mut rng,
         )
         .await?;
+    }
+}
+
+/// Writes the client's small key (`chaos/kv/<name>`) with a value no write before it
+/// had, and records the write if the service acknowledged it.
+async fn write_key(
+    args: &Args,
+    client: &Client,
+    clock: &Clock,
+    recorder: &mut Recorder,
+) -> anyhow::Result<()> {
+    let key = format!("chaos/kv/{}", args.name);
+    let at_ns = clock.ns(Instant::now());
+    let value = format!("{}@{at_ns}", args.name);
+    match client.put(&key, value.as_bytes(), Condition::Always).await {
+        Ok(written) if written.succeeded => recorder.write(&Record::KvWrite {
+            client: args.name.clone(),
+            key,
+            value,
+            revision: written.revision,
+            at_ns,
+        }),
+        Ok(_) => Ok(()),
+        Err(e) => {
+            eprintln!("{}: put {key}: {e}", args.name);
+            Ok(())
+        }
     }
 }
 
@@ -177,15 +210,21 @@ async fn open(client: &Client, ttl: Duration, name: &str) -> Result<Session, Err
 /// Takes locks in turn until the session is lost.
 async fn hold_locks(
     args: &Args,
+    client: &Client,
     session: &Session,
     clock: &Clock,
     recorder: &mut Recorder,
     fenced: &mut Fenced,
     rng: &mut StdRng,
 ) -> anyhow::Result<()> {
+    let mut next_write = Instant::now();
     loop {
         if session.state() == SessionState::Expired {
             return Ok(());
+        }
+        if Instant::now() >= next_write {
+            next_write = Instant::now() + WRITE_EVERY;
+            write_key(args, client, clock, recorder).await?;
         }
         let lock = &args.locks[rng.random_range(0..args.locks.len())];
         let guard = match session

@@ -37,6 +37,7 @@ async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let (mut runs, mut faults, mut grants, mut acts, mut refused, mut violations) =
         (0u64, 0usize, 0usize, 0usize, 0usize, 0usize);
+    let mut kv_writes = 0;
     let mut failing = Vec::new();
     while started.elapsed() < args.duration && args.runs.is_none_or(|n| runs < n) {
         let seed = first + runs;
@@ -46,11 +47,12 @@ async fn main() -> anyhow::Result<()> {
         let report = chaos::run(dir.path(), &RunOptions::new(seed)).await?;
         let v = &report.verdict;
         println!(
-            "run {runs} seed {seed}: faults {:?}, {} grants, {} acts ({} refused by fencing), {} violations",
+            "run {runs} seed {seed}: faults {:?}, {} grants, {} acts ({} refused by fencing), {} acknowledged writes, {} violations",
             report.faults,
             v.grants,
             v.acts,
             v.refused,
+            report.kv_writes,
             v.violations.len()
         );
         for violation in &v.violations {
@@ -61,6 +63,7 @@ async fn main() -> anyhow::Result<()> {
         grants += v.grants;
         acts += v.acts;
         refused += v.refused;
+        kv_writes += report.kv_writes;
         violations += v.violations.len();
         if !v.violations.is_empty() {
             let kept = dir.keep();
@@ -69,7 +72,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     println!(
-        "lockcell-chaos: {runs} runs in {:.0?}, {faults} faults injected, {grants} grants and {acts} acts checked, {refused} acts refused by fencing, {violations} violations",
+        "lockcell-chaos: {runs} runs in {:.0?}, {faults} faults injected, {grants} grants, {acts} acts and {kv_writes} acknowledged writes checked, {refused} acts refused by fencing, {violations} violations",
         started.elapsed()
     );
     if !failing.is_empty() {

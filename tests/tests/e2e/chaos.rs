@@ -3,9 +3,15 @@
 //! run that pauses a client holding a lock.
 //! `make chaos` runs many of these for a duration.
 
+use std::time::Duration;
+
 use anyhow::{ensure, Context};
 use lockcell_tests::chaos::{self, RunOptions, FAULTS};
-use lockcell_tests::checker::Record;
+use lockcell_tests::checker::{regranted_after, Record};
+
+/// What a dead holder's lock may take beyond the session TTL to reach a waiter: the
+/// proxy's reaper, the guarded delete, the waiter's grant.
+const REGRANT_MARGIN: Duration = Duration::from_secs(2);
 
 pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
     let seed = std::env::var("LOCKCELL_CHAOS_SEED")
@@ -19,8 +25,8 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
     let report = chaos::run(dir.path(), &RunOptions::new(seed)).await?;
     let v = &report.verdict;
     println!(
-        "faults {:?}: {} grants, {} acts ({} refused by the fenced resource), {} writes accepted, {} violations",
-        report.faults, v.grants, v.acts, v.refused, report.accepted, v.violations.len()
+        "faults {:?}: {} grants, {} acts ({} refused by the fenced resource), {} writes accepted, {} acknowledged small-key writes checked, {} violations",
+        report.faults, v.grants, v.acts, v.refused, report.accepted, report.kv_writes, v.violations.len()
     );
     ensure!(
         report.faults.len() == FAULTS.len(),
@@ -39,6 +45,11 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
         v.grants >= 20,
         "the clients kept taking locks through the faults: {} grants",
         v.grants
+    );
+    ensure!(
+        report.kv_writes >= 20,
+        "the clients kept writing through the faults: {} acknowledged writes",
+        report.kv_writes
     );
     Ok(())
 }
@@ -92,6 +103,17 @@ pub async fn a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline(
         paused.lock,
         paused.token
     );
+    // A dead holder's lock goes to a waiter within a TTL of the end of its belief
+    // (the proxy expires the session at most a TTL after the client's deadline), plus
+    // a margin for the expiry, the delete and the waiter's grant on this busy machine.
+    let gap = regranted_after(&report.records, &paused.client, &paused.lock, &paused.token)
+        .context("nobody was granted the paused client's lock")?;
+    let bound = options.ttl + REGRANT_MARGIN;
+    ensure!(
+        Duration::from_nanos(gap) <= bound,
+        "the paused client's lock passed on {:?} after its deadline, over TTL + margin ({bound:?})",
+        Duration::from_nanos(gap)
+    );
     // What the paused client did after the pause with its old grant: at most acts
     // decided before its deadline (the checker's rule), and an end of belief.
     let late_acts = report
@@ -104,8 +126,8 @@ pub async fn a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline(
         .count();
     ensure!(late_acts == 0, "{late_acts} acts past the deadline");
     println!(
-        "{} paused holding {} (token {}); passed on; {} grants, {} acts checked",
-        paused.client, paused.lock, paused.token, v.grants, v.acts
+        "{} paused holding {} (token {}); passed on {:?} after its deadline; {} grants, {} acts checked",
+        paused.client, paused.lock, paused.token, Duration::from_nanos(gap), v.grants, v.acts
     );
     Ok(())
 }

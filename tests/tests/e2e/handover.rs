@@ -269,10 +269,7 @@ pub async fn a_rolling_restart_of_every_proxy_loses_no_session_and_no_lock() -> 
     for (p, proxy) in proxies.iter_mut().enumerate() {
         let before = grants.load(Ordering::Relaxed);
         proxy.signal(Signal::SIGTERM)?;
-        let status = proxy
-            .process
-            .wait_exit(Duration::from_secs(20))
-            .await?;
+        let status = proxy.process.wait_exit(Duration::from_secs(20)).await?;
         ensure!(
             status.success(),
             "proxy {p} exited with {status:?} on SIGTERM"
@@ -313,11 +310,14 @@ pub async fn a_rolling_restart_of_every_proxy_loses_no_session_and_no_lock() -> 
             "holder {i}'s ephemeral key survived"
         );
         let seen = events_so_far(&mut h.events).await;
+        // A drain moves sessions while their proxy still answers: none falls into
+        // jeopardy, let alone loses anything.
         ensure!(
-            !seen
-                .iter()
-                .any(|e| matches!(e, SessionEvent::Lost { .. } | SessionEvent::Expired { .. })),
-            "holder {i} lost something: {seen:?}"
+            !seen.iter().any(|e| matches!(
+                e,
+                SessionEvent::Jeopardy | SessionEvent::Lost { .. } | SessionEvent::Expired { .. }
+            )),
+            "holder {i} fell into jeopardy or lost something: {seen:?}"
         );
         ensure!(
             seen.iter()

@@ -55,7 +55,9 @@ Example:
     long_about = ABOUT_LONG
 )]
 struct Cli {
-    /// Address of the lockcell proxy (host:port or http://host:port).
+    /// Address of the lockcell proxy (host:port or http://host:port), or several separated
+    /// by commas, own zone first: the session moves to the next (locks and tokens
+    /// unchanged) when its proxy dies, stops answering or drains.
     #[arg(
         long,
         env = "LOCKCELL_PROXY",
