@@ -1,8 +1,12 @@
 //! The lockcell Rust SDK: sessions, locks, leader elections, small keys, watches and
 //! group membership, served by a zone proxy.
 //!
-//! A [`Client`] holds one connection to a proxy and one keep-alive stream that renews
-//! every [`Session`] opened through it. Locks ([exclusive](Session::acquire) or
+//! A [`Client`] knows the proxies in order of preference ([`ClientOptions`]; its own
+//! zone's first) and holds one connection to the one in use and one keep-alive stream
+//! that renews every [`Session`] opened through it. When that proxy dies, stops
+//! answering, loses etcd or drains, the client resumes every session on another one:
+//! locks, leaderships and ephemeral keys move with their tokens unchanged (what was lost
+//! meanwhile is reported on its guard and in [`Session::events`]). Locks ([exclusive](Session::acquire) or
 //! [shared](Session::acquire_shared)) are acquired through a session and held by a
 //! [`LockGuard`], which carries the grant's [`FencingToken`]. Leadership of an election
 //! is won the same way ([`Session::campaign`]) and held by a [`Leadership`]; anyone can

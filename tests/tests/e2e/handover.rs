@@ -1,7 +1,8 @@
 //! Sessions moving between proxies (DESIGN.md section 6): a killed proxy's clients
 //! resume elsewhere with their locks, tokens and ephemeral keys; with no proxy reachable
 //! a session expires after its grace period and its locks pass on; a rolling restart of
-//! every proxy (SIGTERM drains) under load loses no session and no lock.
+//! every proxy (SIGTERM drains) under load loses no session and no lock; a proxy cut off
+//! from etcd sends its clients away before its lease ends.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -331,5 +332,54 @@ pub async fn a_rolling_restart_of_every_proxy_loses_no_session_and_no_lock() -> 
         "{} load grants through the restarts",
         grants.load(Ordering::Relaxed)
     );
+    Ok(())
+}
+
+pub async fn a_proxy_cut_off_from_etcd_sends_its_clients_elsewhere_before_its_lease_ends(
+) -> anyhow::Result<()> {
+    let etcd = lockcell_tests::EtcdCluster::start(1).await?;
+    // Proxy a reaches etcd through a relay the test cuts; b directly.
+    let link = Relay::start(&etcd.endpoints()[0]).await?;
+    let a =
+        ProxyProcess::start(&ProxyOptions::new("a", vec![link.addr.clone()]), &etcd.dir).await?;
+    let b = ProxyProcess::start(&ProxyOptions::new("b", etcd.endpoints()), &etcd.dir).await?;
+    let client = Client::connect_with(ClientOptions::new([a.url(), b.url()])).await?;
+    let session = client.open_session(short_session(TTL)).await?;
+    let mut events = session.events();
+    let lock = session
+        .acquire("partitioned/x", Wait::Try)
+        .await?
+        .context("free lock not granted")?;
+
+    link.cut(true);
+    eventually(
+        "the session moves off the cut-off proxy",
+        Duration::from_secs(15),
+        || async { Ok(session.proxy_id().starts_with("b-").then_some(())) },
+    )
+    .await?;
+    // Past the cut-off proxy's lease TTL its leases are gone; the lock moved before.
+    eventually(
+        "etcd drops the cut-off proxy's leases",
+        Duration::from_secs(15),
+        || async { Ok((lease_count(&etcd).await? == 4).then_some(())) },
+    )
+    .await?;
+    ensure!(lock.is_valid(), "the lock stays valid on the new proxy");
+    ensure!(
+        client
+            .check_sequencer("partitioned/x", lock.token())
+            .await?
+            .current,
+        "the token is still the lock's current grant"
+    );
+    let seen = events_so_far(&mut events).await;
+    ensure!(
+        !seen
+            .iter()
+            .any(|e| matches!(e, SessionEvent::Lost { .. } | SessionEvent::Expired { .. })),
+        "nothing was lost: {seen:?}"
+    );
+    link.cut(false);
     Ok(())
 }
