@@ -32,6 +32,10 @@ pub struct ClientOptions {
     /// session with its locks and tokens, unless they were lost meanwhile (each guard
     /// says so). Default 45 s.
     pub grace: Duration,
+    /// How long the client stays on a proxy that is not its first choice (after a move)
+    /// before it tries to move back to a more preferred one, so a zone's proxy is not
+    /// left idle once it is back. Default 30 s.
+    pub fail_back_after: Duration,
 }
 
 impl ClientOptions {
@@ -40,12 +44,19 @@ impl ClientOptions {
         ClientOptions {
             proxies: proxies.into_iter().map(Into::into).collect(),
             grace: Duration::from_secs(45),
+            fail_back_after: Duration::from_secs(30),
         }
     }
 
     /// Sets the grace period.
     pub fn grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
+        self
+    }
+
+    /// Sets how long before trying to go back to a more preferred proxy.
+    pub fn fail_back_after(mut self, after: Duration) -> Self {
+        self.fail_back_after = after;
         self
     }
 }
@@ -83,7 +94,7 @@ impl Client {
     /// Connects to the first proxy of `options` that answers.
     pub async fn connect_with(options: ClientOptions) -> Result<Client, Error> {
         let proxies = Arc::new(Proxies::connect(options.proxies).await?);
-        let keepalive = KeepAlive::start(proxies.clone(), options.grace);
+        let keepalive = KeepAlive::start(proxies.clone(), options.grace, options.fail_back_after);
         Ok(Client {
             inner: Arc::new(ClientInner { proxies, keepalive }),
         })

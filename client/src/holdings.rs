@@ -76,9 +76,10 @@ impl Holding {
     /// Resolves with the reason once the hold is reported lost.
     pub(crate) async fn lost(&self) -> Arc<str> {
         let mut rx = self.lost.subscribe();
-        let reason = rx.wait_for(Option::is_some).await;
+        // Cloned out at once: the borrow must not live across an await (Send futures).
+        let reason = rx.wait_for(Option::is_some).await.map(|r| r.clone());
         match reason {
-            Ok(reason) => reason.clone().expect("waited for Some"),
+            Ok(reason) => reason.expect("waited for Some"),
             Err(_) => std::future::pending().await,
         }
     }

@@ -82,7 +82,11 @@ pub(crate) struct KeepAlive {
 
 impl KeepAlive {
     /// Spawns the driver on the current runtime.
-    pub(crate) fn start(proxies: Arc<Proxies>, grace: Duration) -> KeepAlive {
+    pub(crate) fn start(
+        proxies: Arc<Proxies>,
+        grace: Duration,
+        fail_back_after: Duration,
+    ) -> KeepAlive {
         let sessions = Arc::new(SessionTable::new());
         let (commands, rx) = mpsc::channel(COMMAND_QUEUE);
         let driver = Driver {
@@ -98,6 +102,8 @@ impl KeepAlive {
             move_on_retry: false,
             leave: None,
             leave_again_at: Instant::now(),
+            home_again_at: Instant::now() + fail_back_after,
+            fail_back_after,
             orphans: Vec::new(),
         };
         let task = tokio::spawn(driver.run());
@@ -229,6 +235,9 @@ struct Driver {
     leave: Option<String>,
     /// A proxy that asked to be left is not asked again before this.
     leave_again_at: Instant,
+    /// When to try going back to a more preferred proxy (see [`Driver::fail_back`]).
+    home_again_at: Instant,
+    fail_back_after: Duration,
     /// Sessions the current proxy does not know (opened before a move, or a proxy that
     /// restarted on its address): resumed there.
     orphans: Vec<String>,
@@ -244,6 +253,9 @@ impl Driver {
             }
             if !self.orphans.is_empty() && matches!(self.link, Link::Up { .. }) {
                 self.adopt_orphans().await;
+            }
+            if matches!(self.link, Link::Up { .. }) {
+                self.fail_back().await;
             }
             let wakeup = self.book.next_wakeup(self.link.tx().is_some());
             tokio::select! {
@@ -294,6 +306,12 @@ impl Driver {
     /// resumes them all. `avoid_current`: the current proxy asked to be left, so it is
     /// not among the candidates. Returns whether the client moved.
     async fn relocate(&mut self, avoid_current: bool) -> bool {
+        let candidates = self.proxies.move_order(avoid_current);
+        self.relocate_to(candidates).await
+    }
+
+    /// Moves every session to the first of `candidates` that resumes them all.
+    async fn relocate_to(&mut self, candidates: Vec<usize>) -> bool {
         let sessions = self.live_sessions();
         let from = self.proxies.current();
         let old = self.proxies.channel();
@@ -301,7 +319,7 @@ impl Driver {
             .iter()
             .map(|s| (s.id.clone(), s.home().incarnation))
             .collect();
-        for index in self.proxies.move_order(avoid_current) {
+        for index in candidates {
             let addr = self.proxies.addr(index).to_owned();
             let channel = match self.proxies.open(index).await {
                 Ok(channel) => channel,
@@ -322,9 +340,23 @@ impl Driver {
             if index != from {
                 close_left_behind(old, left);
             }
+            self.home_again_at = Instant::now() + self.fail_back_after;
             return true;
         }
         false
+    }
+
+    /// Away from the first proxy of the list (the client's own zone) for a while and
+    /// all is well: try to go back to a more preferred one, so a zone's proxy is not
+    /// left idle after a restart. Staying is fine; it is tried again later.
+    async fn fail_back(&mut self) {
+        let current = self.proxies.current();
+        if current == 0 || Instant::now() < self.home_again_at {
+            return;
+        }
+        if !self.relocate_to((0..current).collect()).await {
+            self.home_again_at = Instant::now() + self.fail_back_after;
+        }
     }
 
     /// The current proxy asked its clients to go: move while it still answers. If no

@@ -383,6 +383,13 @@ mod tests {
         FencingToken { epoch: 1, revision }
     }
 
+    /// Compiles only if waiting for a lost lock can be spawned on a runtime.
+    #[allow(dead_code)]
+    fn lost_can_be_awaited_in_a_spawned_task(guard: LockGuard) {
+        fn send<T: Send>(_: T) {}
+        send(async move { guard.lost().await });
+    }
+
     #[test]
     fn modes_map_to_the_wire() {
         assert_eq!(Mode::Exclusive.wire(), LockMode::Exclusive);

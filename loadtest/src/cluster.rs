@@ -12,6 +12,10 @@ use lockcell_tests::process::Managed;
 use lockcell_tests::proxy::http_get;
 use lockcell_tests::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess};
 use nix::sys::signal::Signal;
+use tokio::time::Instant;
+
+/// How long a restarted proxy may take to reach etcd, get its leases and serve.
+const PROXY_START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What the clients talk to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -46,6 +50,8 @@ pub struct CellOptions {
     pub endpoints: Option<Vec<String>>,
     /// TTL of the lockcell proxies' etcd leases (the sessions' TTL in the scenarios).
     pub lease_ttl: Duration,
+    /// The lockcell proxies' `--drain-timeout` (the test harness's default when unset).
+    pub drain_timeout: Option<Duration>,
 }
 
 /// One zone's way in for clients.
@@ -53,6 +59,8 @@ pub struct Zone {
     /// What this zone's clients connect to (`127.0.0.1:PORT`).
     pub endpoint: String,
     proxy: Option<ProxyProcess>,
+    /// How the lockcell proxy was started, so a restart starts it the same way.
+    proxy_options: Option<ProxyOptions>,
     grpc_proxy: Option<Managed>,
 }
 
@@ -64,7 +72,18 @@ pub struct Cell {
     pub zones: Vec<Zone>,
     etcd: Option<EtcdCluster>,
     /// Data and logs of what the cell started; removed with the cell.
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
+}
+
+/// How long one proxy's restart took.
+#[derive(Debug, Clone, Copy)]
+pub struct Restart {
+    /// From SIGTERM until the old process exited (its drain and shutdown).
+    pub exited: Duration,
+    /// From SIGTERM until the new process answered `/healthz` with 200.
+    pub healthy: Duration,
+    /// The old process did not exit by itself within the deadline and was killed.
+    pub killed: bool,
 }
 
 impl Cell {
@@ -87,17 +106,23 @@ impl Cell {
                 Target::Etcd => Zone {
                     endpoint: member.clone(),
                     proxy: None,
+                    proxy_options: None,
                     grpc_proxy: None,
                 },
                 Target::Lockcell => {
                     let mut opts = ProxyOptions::new(&name, endpoints.clone());
                     opts.lease_ttl = options.lease_ttl;
                     opts.extra_args = vec!["--session-ttl-max".into(), "600s".into()];
+                    if let Some(timeout) = options.drain_timeout {
+                        opts.drain_timeout = timeout;
+                    }
                     let proxy = ProxyProcess::start(&opts, dir.path()).await?;
-                    let endpoint = proxy.addr.clone();
+                    // A restart takes the same address, so clients find it again.
+                    opts.listen = Some(proxy.addr.clone());
                     Zone {
-                        endpoint,
+                        endpoint: proxy.addr.clone(),
                         proxy: Some(proxy),
+                        proxy_options: Some(opts),
                         grpc_proxy: None,
                     }
                 }
@@ -107,6 +132,7 @@ impl Cell {
                     Zone {
                         endpoint,
                         proxy: None,
+                        proxy_options: None,
                         grpc_proxy: Some(process),
                     }
                 }
@@ -118,7 +144,61 @@ impl Cell {
             etcd_endpoints: endpoints,
             zones,
             etcd,
-            _dir: dir,
+            dir,
+        })
+    }
+
+    /// Zone `zone`'s lockcell proxy, if the target has one.
+    pub fn proxy(&self, zone: usize) -> Option<&ProxyProcess> {
+        self.zones[zone].proxy.as_ref()
+    }
+
+    /// Restarts zone `zone`'s lockcell proxy as an operator would: SIGTERM (the proxy
+    /// drains: its clients move elsewhere), wait up to `exit_within` for it to exit (then
+    /// SIGKILL), start it again on the same address, and wait until its `/healthz`
+    /// answers 200.
+    pub async fn restart_proxy(
+        &mut self,
+        zone: usize,
+        exit_within: Duration,
+    ) -> anyhow::Result<Restart> {
+        let z = &mut self.zones[zone];
+        let (Some(proxy), Some(options)) = (z.proxy.as_mut(), z.proxy_options.as_ref()) else {
+            bail!("zone {zone} has no lockcell proxy to restart");
+        };
+        let signalled = Instant::now();
+        proxy.signal(Signal::SIGTERM)?;
+        let killed = match proxy.process.wait_exit(exit_within).await {
+            Ok(status) => {
+                if !status.success() {
+                    tracing::warn!(zone = %proxy.zone, %status, "a draining proxy exited with an error");
+                }
+                false
+            }
+            Err(e) => {
+                tracing::warn!(zone = %proxy.zone, error = %e, "proxy did not exit after SIGTERM; killing it");
+                proxy.process.kill();
+                true
+            }
+        };
+        let exited = signalled.elapsed();
+        let started = ProxyProcess::spawn(options, self.dir.path())?;
+        let admin = started.admin_addr.clone();
+        *proxy = started;
+        eventually(
+            "the restarted proxy answers /healthz",
+            PROXY_START_TIMEOUT,
+            || {
+                let admin = admin.clone();
+                async move { Ok(http_get(&admin, "/healthz").await.ok().map(|_| ())) }
+            },
+        )
+        .await
+        .with_context(|| format!("log:\n{}", proxy.process.log_tail(20)))?;
+        Ok(Restart {
+            exited,
+            healthy: signalled.elapsed(),
+            killed,
         })
     }
 

@@ -350,7 +350,7 @@ impl Worker {
 }
 
 /// Resolves once `stop` turns true (or its sender is gone).
-async fn stopped(stop: &mut watch::Receiver<bool>) {
+pub async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 

@@ -5,8 +5,10 @@
 mod cluster;
 mod etcdpb;
 mod fleet;
+mod holders;
 mod locks;
 mod members;
+mod probe;
 mod progress;
 mod scenario;
 
@@ -71,6 +73,10 @@ enum Scenario {
     /// Linearizable reads of configuration keys by C concurrent clients: lockcell's read
     /// barrier against etcd's linearizable range requests.
     Reads(scenario::reads::Args),
+    /// lockcell only: N SDK sessions holding locks and keys while the proxies restart one
+    /// at a time (drain, exit, start, healthy); what the sessions kept, and keepalive
+    /// round trips before and during the restarts.
+    RollingRestart(scenario::rolling_restart::Args),
     /// Every scenario against every target: small sizes (a few minutes), or --full.
     Bench {
         /// The seed's sizes: 120,000 sessions for 60 s, zone failure at scale 1.0.
@@ -97,6 +103,7 @@ async fn main() -> anyhow::Result<()> {
     let cell = CellOptions {
         endpoints,
         lease_ttl: Duration::from_secs(12),
+        drain_timeout: None,
     };
     let plan: Vec<Scenario> = match scenario {
         Scenario::Bench { full } => bench_plan(full),
@@ -141,6 +148,9 @@ async fn run(
                 Scenario::Acquire(args) => scenario::acquire::run(target, cell, args).await,
                 Scenario::Contention(args) => scenario::contention::run(target, cell, args).await,
                 Scenario::Reads(args) => scenario::reads::run(target, cell, args).await,
+                Scenario::RollingRestart(args) => {
+                    scenario::rolling_restart::run(target, cell, args).await
+                }
                 Scenario::Bench { .. } => unreachable!("bench expands into scenarios"),
             }
             .with_context(|| format!("{} against {}", name(scenario), target.name()))?;
@@ -150,9 +160,18 @@ async fn run(
             eprintln!("lockcell-loadtest: wrote {}", path.display());
             reports.push(report);
         }
-        let table = markdown_table(&name(scenario), &reports);
+        // A target the scenario does not apply to says why, under the table rather than
+        // as a column of dashes.
+        let (skipped, measured): (Vec<Report>, Vec<Report>) = reports
+            .into_iter()
+            .partition(|r| r.params.contains_key("skipped"));
+        let mut table = markdown_table(&name(scenario), &measured);
+        for r in &skipped {
+            let why = r.params["skipped"].as_str().unwrap_or_default();
+            table.push_str(&format!("\n_{} not measured: {why}._\n", r.target));
+        }
         std::fs::write(out.join(format!("{}.md", name(scenario))), &table)?;
-        plots(out, &name(scenario), &reports)?;
+        plots(out, &name(scenario), &measured)?;
         let table = format!("### {}\n\n{table}", name(scenario));
         println!("{table}");
         tables.push(table);
@@ -175,6 +194,7 @@ fn name(scenario: &Scenario) -> String {
         Scenario::Contention(_) => "contention".into(),
         Scenario::Reads(a) if a.clients == 64 => "reads".into(),
         Scenario::Reads(a) => format!("reads-c{}", a.clients),
+        Scenario::RollingRestart(_) => "rolling-restart".into(),
         Scenario::Bench { .. } => "bench".into(),
     }
 }
@@ -262,6 +282,14 @@ fn plots(out: &Path, scenario: &str, reports: &[Report]) -> anyhow::Result<()> {
             "keepalive-latency.svg".to_owned(),
             "keepalive round trip, p99 per second",
             "seconds",
+            "ms",
+            "keepalive_p99_ms_per_s",
+        )]
+    } else if scenario == "rolling-restart" {
+        vec![(
+            "rolling-restart-latency.svg".to_owned(),
+            "keepalive round trip (probes), p99 per second",
+            "seconds since the baseline started",
             "ms",
             "keepalive_p99_ms_per_s",
         )]

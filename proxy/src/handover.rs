@@ -81,19 +81,18 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
         return Err(e);
     }
     let id: Arc<str> = req.session_id.as_str().into();
-    let incarnation = rand::random::<u64>() | 1;
     let now = Instant::now();
-    let replaced = state.sessions.replace(Session {
-        id: id.clone(),
-        identity: req.identity,
+    let session = Session::arriving(
+        id.clone(),
+        req.identity,
         ttl,
-        bucket,
-        lease,
-        incarnation,
-        renewed_at: now,
-        held: grants.clone(),
-        valid_until: now,
-    });
+        (bucket, lease),
+        grants.clone(),
+        now,
+        now,
+    );
+    let incarnation = session.incarnation;
+    let replaced = state.sessions.replace(session);
     if let Some(old) = replaced {
         state.leases.unassign(old.bucket);
     }

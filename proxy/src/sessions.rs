@@ -48,6 +48,31 @@ pub struct Session {
 }
 
 impl Session {
+    /// A session starting its stay here at `now` (opened, or resumed with `held`), on
+    /// `lease` in `bucket`, with a fresh incarnation; its client may act until
+    /// `valid_until`.
+    pub fn arriving(
+        id: SessionId,
+        identity: String,
+        ttl: Duration,
+        (bucket, lease): (usize, i64),
+        held: Vec<Grant>,
+        now: Instant,
+        valid_until: Instant,
+    ) -> Session {
+        Session {
+            id,
+            identity,
+            ttl,
+            bucket,
+            lease,
+            incarnation: rand::random::<u64>() | 1,
+            renewed_at: now,
+            held,
+            valid_until,
+        }
+    }
+
     /// A TTL after the last renewal: no validity may be granted past it.
     pub fn lapses_at(&self) -> Instant {
         self.renewed_at + self.ttl

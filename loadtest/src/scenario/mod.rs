@@ -4,6 +4,7 @@ pub mod acquire;
 pub mod contention;
 pub mod keepalive;
 pub mod reads;
+pub mod rolling_restart;
 pub mod zone_failure;
 
 use std::sync::atomic::Ordering;

@@ -47,18 +47,17 @@ impl SessionApi for SessionService {
         tracing::Span::current().record("session.id", &*id);
         let now = Instant::now();
         let valid_for = state.leases.valid_for(bucket, lease, ttl, now);
-        let incarnation = rand::random::<u64>() | 1;
-        state.sessions.insert(Session {
-            id: id.clone(),
-            identity: req.identity,
+        let session = Session::arriving(
+            id.clone(),
+            req.identity,
             ttl,
-            bucket,
-            lease,
-            incarnation,
-            renewed_at: now,
-            held: Vec::new(),
-            valid_until: now + valid_for,
-        });
+            (bucket, lease),
+            Vec::new(),
+            now,
+            now + valid_for,
+        );
+        let incarnation = session.incarnation;
+        state.sessions.insert(session);
         metrics::counter!(m::SESSIONS_OPENED).increment(1);
         metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
         tracing::debug!(ttl_ms = millis(ttl), bucket, lease, "session opened");

@@ -46,9 +46,10 @@ async fn events_so_far(events: &mut lockcell_client::SessionEvents) -> Vec<Sessi
 
 pub async fn a_killed_proxys_clients_resume_elsewhere_with_locks_and_tokens_unchanged(
 ) -> anyhow::Result<()> {
-    let (etcd, proxies) = cell(&["a", "b", "c"]).await?;
+    let (etcd, mut proxies) = cell(&["a", "b", "c"]).await?;
     let addrs: Vec<String> = proxies.iter().map(|p| p.url()).collect();
-    let client = Client::connect_with(ClientOptions::new(addrs.clone())).await?;
+    let options = ClientOptions::new(addrs.clone()).fail_back_after(Duration::from_secs(1));
+    let client = Client::connect_with(options).await?;
     let session = client.open_session(short_session(TTL)).await?;
     ensure!(
         session.proxy_id().starts_with("a-"),
@@ -136,8 +137,29 @@ pub async fn a_killed_proxys_clients_resume_elsewhere_with_locks_and_tokens_unch
             .any(|e| matches!(e, SessionEvent::Lost { .. } | SessionEvent::Expired { .. })),
         "nothing was lost: {seen:?}"
     );
+    // Proxy a comes back on its address: the session goes home (its own zone first),
+    // still with the same lock.
+    let mut again = ProxyOptions::new("a", etcd.endpoints());
+    again.listen = Some(proxies[0].addr.clone());
+    proxies[0] = ProxyProcess::start(&again, &etcd.dir).await?;
+    eventually(
+        "the session goes back to proxy a",
+        Duration::from_secs(15),
+        || async { Ok(session.proxy_id().starts_with("a-").then_some(())) },
+    )
+    .await?;
+    ensure!(
+        lock.is_valid() && shared.is_valid(),
+        "the guards stay valid after going home"
+    );
+    let check = client.check_sequencer("handover/x", lock.token()).await?;
+    ensure!(
+        check.current,
+        "the token {} is still the current grant",
+        lock.token()
+    );
     println!(
-        "moved to {moved_to} {took:?} after the kill (lease TTL 3 s); token {} kept",
+        "moved to {moved_to} {took:?} after the kill (lease TTL 3 s); token {} kept; back home once a returned",
         lock.token()
     );
     Ok(())
