@@ -27,6 +27,7 @@ const EPOCH_KEY: &str = "/sys/epoch";
 const LOCKS_ROOT: &str = "/l/";
 const QUEUES_ROOT: &str = "/q/";
 const KV_ROOT: &str = "/k/";
+const SESSIONS_ROOT: &str = "/s/";
 const MARK: &str = "/!";
 
 /// Why a lock name was refused. The message names the rule the name broke.
@@ -222,6 +223,14 @@ pub fn kv_prefix(prefix: &str) -> Result<String, NameError> {
 /// The name of a small key from its etcd key.
 pub fn kv_name(key: &[u8]) -> Option<&str> {
     std::str::from_utf8(key).ok()?.strip_prefix(KV_ROOT)
+}
+
+/// The fence of a session that has moved between proxies: `/s/<session>`, on the lease
+/// of the proxy it lives on. Every resume compares its mod revision with the one the
+/// client last heard of and raises it, so a resume the client gave up on can never land
+/// after a later one.
+pub fn session_fence_key(session: &str) -> String {
+    format!("{SESSIONS_ROOT}{session}")
 }
 
 /// The prefix of every fair-class waiter key (for the proxy's one watch).

@@ -106,6 +106,9 @@ impl LockLog {
                 CompareOp::Equal,
                 queued,
             ));
+            // And still on this proxy's lease: a waiter key that moved with its session
+            // to another proxy is that proxy's to grant.
+            when.push(Compare::lease(waiter.as_bytes(), CompareOp::Equal, lease));
             then.push(TxnOp::delete(waiter.as_bytes(), None));
         }
         // A shared session that already held the lock rewrites its own key, which keeps
@@ -229,7 +232,7 @@ impl LockLog {
             Some(kv) if kv.value() == waiter.as_bytes() => {
                 let place = Grant::waiting(lock, mode, waiter, kv.create_revision());
                 match self
-                    .move_keys(std::slice::from_ref(&place), kv.lease(), lease)
+                    .move_keys(&[(place.clone(), kv.lease())], lease)
                     .await?[..]
                 {
                     [None] => Ok(place.revision),
@@ -311,6 +314,28 @@ impl LockLog {
         Ok(None)
     }
 
+    /// Whether waiter `waiter` is still in line at `queued` on `lease`.
+    pub async fn in_line(
+        &self,
+        lock: &LockName,
+        mode: Mode,
+        waiter: &str,
+        queued: i64,
+        lease: i64,
+    ) -> Result<bool, CellError> {
+        let key = lock.waiter_key(mode, waiter);
+        let resp = with_timeout(
+            "queue read",
+            self.timeout,
+            self.kv.clone().get(key.as_bytes(), None),
+        )
+        .await?;
+        Ok(resp
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.create_revision() == queued && kv.lease() == lease))
+    }
+
     /// Takes a waiter out of line (it gave up), if it is still the one queued at `queued`.
     pub async fn dequeue(
         &self,
@@ -380,35 +405,95 @@ impl LockLog {
         Ok(resp.succeeded())
     }
 
-    /// Moves `keys` from lease `from` onto lease `to` (a session resuming on another
-    /// proxy), each under its own guard: its create revision unchanged and its lease
-    /// `from`. A move keeps the key's value and create revision, so fencing tokens do not
-    /// change. A key already on `to` with that create revision counts as moved (a
-    /// retried resume). Returns, per key, `None` when it is on `to` now, or what was
-    /// found instead.
+    /// Moves `keys`, each from the lease it is on (the second of each pair), onto lease
+    /// `to`, each under its own guard: its create revision unchanged and its lease the
+    /// one given. A move keeps the key's value and create revision, so fencing tokens do
+    /// not change. A key already on `to` with that create revision counts as moved.
+    /// Returns, per key, `None` when it is on `to` now, or what was found instead.
     pub async fn move_keys(
         &self,
-        keys: &[Grant],
-        from: i64,
+        keys: &[(Grant, i64)],
         to: i64,
     ) -> Result<Vec<Option<String>>, CellError> {
         let mut outcomes = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(MAX_DELETES_PER_TXN) {
-            let nested: Vec<TxnOp> = chunk
-                .iter()
-                .map(|g| TxnOp::txn(guarded_move(&g.key, g.revision, from, to)))
-                .collect();
-            let resp = with_timeout(
-                "move txn",
-                self.timeout,
-                self.kv.clone().txn(Txn::new().and_then(nested)),
-            )
-            .await?;
-            for (grant, op) in chunk.iter().zip(resp.op_responses()) {
-                outcomes.push(move_outcome(grant, &op));
-            }
+            let txn = Txn::new().and_then(moves(chunk, to));
+            let resp = with_timeout("move txn", self.timeout, self.kv.clone().txn(txn)).await?;
+            outcomes.extend(move_outcomes(chunk, &resp.op_responses()));
         }
         Ok(outcomes)
+    }
+
+    /// Moves a resuming session's `keys` onto lease `to` (as [`move_keys`]), fenced: the
+    /// first transaction compares the session's fence (`/s/<session>`) with `fence`,
+    /// the mod revision the client last heard of (0: none yet), and puts it on `to` at a
+    /// new revision; later transactions (over 64 keys) compare that new revision. So a
+    /// resume the client gave up on (its reply lost) can never land after a later one.
+    ///
+    /// [`move_keys`]: LockLog::move_keys
+    pub async fn resume(
+        &self,
+        session: &LockName,
+        fence: i64,
+        keys: &[(Grant, i64)],
+        to: i64,
+        proxy: &str,
+    ) -> Result<Resume, CellError> {
+        let fence_key = crate::keyspace::session_fence_key(session.as_str());
+        let mut chunks = keys.chunks(MAX_DELETES_PER_TXN);
+        let first = chunks.next().unwrap_or(&[]);
+        let compare = if fence == 0 {
+            Compare::create_revision(fence_key.as_bytes(), CompareOp::Equal, 0)
+        } else {
+            Compare::mod_revision(fence_key.as_bytes(), CompareOp::Equal, fence)
+        };
+        let mut then = vec![
+            TxnOp::put(
+                fence_key.as_bytes(),
+                proxy,
+                Some(PutOptions::new().with_lease(to)),
+            ),
+            TxnOp::get(fence_key.as_bytes(), None),
+        ];
+        then.extend(moves(first, to));
+        let txn = Txn::new()
+            .when([compare])
+            .and_then(then)
+            .or_else([TxnOp::get(fence_key.as_bytes(), None)]);
+        let resp = with_timeout("resume txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        let ops = resp.op_responses();
+        let found = first_kv(&ops).map(|kv| (kv.mod_revision(), kv.create_revision(), kv.lease()));
+        if !resp.succeeded() {
+            let (revision, _, lease) = found.unwrap_or_default();
+            return Ok(Resume::FenceMoved { revision, lease });
+        }
+        let (revision, created, _) = found.ok_or_else(|| CellError::CorruptRecord {
+            key: fence_key.clone(),
+            reason: "the session fence did not read back".to_owned(),
+        })?;
+        let mut outcomes: Vec<Option<String>> = move_outcomes(first, &ops[2..]).collect();
+        for chunk in chunks {
+            let txn = Txn::new()
+                .when([Compare::mod_revision(
+                    fence_key.as_bytes(),
+                    CompareOp::Equal,
+                    revision,
+                )])
+                .and_then(moves(chunk, to))
+                .or_else([TxnOp::get(fence_key.as_bytes(), None)]);
+            let resp = with_timeout("resume txn", self.timeout, self.kv.clone().txn(txn)).await?;
+            if !resp.succeeded() {
+                let now = first_kv(&resp.op_responses()).map(|kv| (kv.mod_revision(), kv.lease()));
+                let (revision, lease) = now.unwrap_or_default();
+                return Ok(Resume::FenceMoved { revision, lease });
+            }
+            outcomes.extend(move_outcomes(chunk, &resp.op_responses()));
+        }
+        Ok(Resume::Moved {
+            fence: Grant::fence(session, created),
+            fence_revision: revision,
+            outcomes,
+        })
     }
 
     /// Deletes every grant still on `lease`, each under its own guard, in as few
@@ -460,6 +545,17 @@ pub struct Grant {
 }
 
 impl Grant {
+    /// The fence of `session` (its id, which follows the name rules), created at
+    /// `revision`: deleted with the session's keys where the session ends.
+    pub fn fence(session: &LockName, revision: i64) -> Grant {
+        Grant {
+            lock: session.clone(),
+            key: crate::keyspace::session_fence_key(session.as_str()),
+            revision,
+            waiter: true,
+        }
+    }
+
     /// An ephemeral key `name` created at `revision`.
     pub fn ephemeral(name: &LockName, revision: i64) -> Grant {
         Grant {
@@ -524,6 +620,39 @@ fn guarded_delete(lock: &LockName, key: &str, revision: i64, lease: i64, clean: 
             Compare::lease(key.as_bytes(), CompareOp::Equal, lease),
         ])
         .and_then(then)
+}
+
+/// What a fenced resume did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resume {
+    /// The fence now has `fence_revision`; per key, `None` when it moved (or was
+    /// there), or what was found instead. `fence` is the fence key as a grant of the
+    /// session (deleted with its keys when the session ends here).
+    Moved {
+        fence: Grant,
+        fence_revision: i64,
+        outcomes: Vec<Option<String>>,
+    },
+    /// The fence is at `revision` on `lease`, not what the client said: a resume it did
+    /// not hear the end of landed. Nothing moved.
+    FenceMoved { revision: i64, lease: i64 },
+}
+
+/// The nested move transactions of `keys` onto `to`.
+fn moves(keys: &[(Grant, i64)], to: i64) -> Vec<TxnOp> {
+    keys.iter()
+        .map(|(g, from)| TxnOp::txn(guarded_move(&g.key, g.revision, *from, to)))
+        .collect()
+}
+
+/// What each move of `keys` did, from the nested transactions' responses.
+fn move_outcomes<'a>(
+    keys: &'a [(Grant, i64)],
+    ops: &'a [TxnOpResponse],
+) -> impl Iterator<Item = Option<String>> + 'a {
+    keys.iter()
+        .zip(ops)
+        .map(|((grant, _), op)| move_outcome(grant, op))
 }
 
 /// Already on `to` at `revision`: nothing to do. Otherwise, on `from` at `revision`:

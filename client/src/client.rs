@@ -127,6 +127,7 @@ impl Client {
             proxy_id: reply.proxy_id.clone(),
             lease: reply.lease_id,
             incarnation: reply.incarnation,
+            fence: 0,
         });
         let shared = Arc::new(shared);
         let first_due = sent + shared.renew_interval();

@@ -56,14 +56,14 @@ impl Session {
                 Error::Protocol(format!("election {election:?} won without a fencing token"))
             })?
             .into();
-        // The same rule as an Acquire: the grant counts from when the Campaign was sent.
-        self.shared().grant(sent, reply.valid_for_ms);
         tracing::debug!(session.id = %self.id(), election.name = election, %token, "elected");
+        // The same rule as an Acquire: the grant counts from when the Campaign was sent.
+        let held = Held::Exclusive {
+            lock: election.to_owned(),
+            token,
+        };
         Ok(Some(Leadership {
-            holding: self.shared().holdings.add(Held::Exclusive {
-                lock: election.to_owned(),
-                token,
-            }),
+            holding: self.accept_grant(&sent, Some(reply.valid_for_ms), held),
             session: self.clone(),
             election: election.to_owned(),
             token,

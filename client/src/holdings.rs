@@ -2,6 +2,7 @@
 //! another proxy can name every key to move, and the events the application follows:
 //! jeopardy, safe again, moved, a hold lost, expired.
 
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lockcell_proto::v1::{HeldKey, HeldKind};
@@ -26,7 +27,8 @@ pub enum Held {
 }
 
 impl Held {
-    pub(crate) fn wire(&self) -> HeldKey {
+    /// On the wire, on `lease` as far as the client knows.
+    pub(crate) fn wire(&self, lease: i64) -> HeldKey {
         let (kind, name, revision) = match self {
             Held::Exclusive { lock, token } => (HeldKind::Exclusive, lock, token.revision),
             Held::Shared { lock, token } => (HeldKind::Shared, lock, token.revision),
@@ -39,6 +41,7 @@ impl Held {
             kind: kind as i32,
             name: name.clone(),
             revision,
+            lease_id: lease,
         }
     }
 }
@@ -65,10 +68,17 @@ pub enum SessionEvent {
 #[derive(Debug)]
 pub(crate) struct Holding {
     pub(crate) held: Held,
+    /// The lease its key is on as far as the client knows: the lease of the proxy that
+    /// granted it, then of each proxy it moved to.
+    lease: AtomicI64,
     lost: watch::Sender<Option<Arc<str>>>,
 }
 
 impl Holding {
+    fn wire(&self) -> HeldKey {
+        self.held.wire(self.lease.load(Ordering::Relaxed))
+    }
+
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.borrow().is_some()
     }
@@ -102,10 +112,12 @@ impl Default for Holdings {
 }
 
 impl Holdings {
-    /// Registers a hold. An ephemeral key replaces an earlier record of the same key.
-    pub(crate) fn add(&self, held: Held) -> Arc<Holding> {
+    /// Registers a hold whose key is on `lease`. An ephemeral key replaces an earlier
+    /// record of the same key.
+    pub(crate) fn add(&self, held: Held, lease: i64) -> Arc<Holding> {
         let holding = Arc::new(Holding {
             held,
+            lease: AtomicI64::new(lease),
             lost: watch::Sender::new(None),
         });
         let mut all = self.held.lock().expect("holdings");
@@ -124,17 +136,37 @@ impl Holdings {
             .retain(|h| !Arc::ptr_eq(h, holding));
     }
 
-    /// Every key to name in a resume.
+    /// Every key to name in a resume, each once (two guards of one grant name one key).
     pub(crate) fn wire(&self) -> Vec<HeldKey> {
         let all = self.held.lock().expect("holdings");
-        all.iter().map(|h| h.held.wire()).collect()
+        let mut keys: Vec<HeldKey> = Vec::with_capacity(all.len());
+        for key in all.iter().map(|h| h.wire()) {
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+        keys
+    }
+
+    /// Every hold still held is on `lease` now (a resume moved them, or a resume the
+    /// client did not hear the end of did).
+    pub(crate) fn moved_to(&self, lease: i64) {
+        for h in self.held.lock().expect("holdings").iter() {
+            h.lease.store(lease, Ordering::Relaxed);
+        }
     }
 
     /// Marks the hold a proxy reported lost, and says so on the event channel.
     pub(crate) fn lose(&self, key: &HeldKey, reason: &str) {
         let lost: Vec<Arc<Holding>> = {
             let mut all = self.held.lock().expect("holdings");
-            let (lost, kept) = all.drain(..).partition(|h| h.held.wire() == *key);
+            let (lost, kept) = all.drain(..).partition(|h| {
+                h.held.wire(0)
+                    == HeldKey {
+                        lease_id: 0,
+                        ..key.clone()
+                    }
+            });
             *all = kept;
             lost
         };

@@ -272,17 +272,24 @@ impl Driver {
                 _ = sleep_until(wakeup.unwrap_or_else(Instant::now)), if wakeup.is_some() => {
                     self.on_timer();
                 }
-                _ = sweep.tick() => self.expire_past_grace(),
+                _ = sweep.tick() => self.sweep(),
             }
         }
     }
 
     /// Expires every session that has been in jeopardy for longer than the grace
-    /// period: no proxy could be reached to resume it.
-    fn expire_past_grace(&self) {
+    /// period (no proxy could be reached to resume it), and queues every unsettled
+    /// session for a resume where the client is now.
+    fn sweep(&mut self) {
         let now = Instant::now();
         for entry in self.sessions.iter() {
             let session = entry.value();
+            if session.is_unsettled()
+                && !session.is_expired()
+                && !self.orphans.contains(&session.id)
+            {
+                self.orphans.push(session.id.clone());
+            }
             if !session.is_expired() && session.deadline() + self.grace <= now {
                 session.expire(&format!(
                     "no proxy renewed or resumed the session within the grace period of {:?} \
@@ -342,6 +349,14 @@ impl Driver {
             }
             self.home_again_at = Instant::now() + self.fail_back_after;
             return true;
+        }
+        // No candidate took them all; the client stays where it is. A session that one
+        // of them did take lives there now, not here: renewals from here must not count
+        // for it until it is resumed here again.
+        for (session, (_, before)) in sessions.iter().zip(&left) {
+            if session.home().incarnation != *before {
+                session.unsettle();
+            }
         }
         false
     }
@@ -554,6 +569,11 @@ impl Driver {
 /// time. Fails (with the first failure) if the proxy did not answer one of them: the
 /// move goes elsewhere. A session the proxy refused outright expires.
 async fn resume_all(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Result<(), Status> {
+    // From here a grant whose request went out earlier may be missing from the keys the
+    // resumes name: such a grant unsettles its session (see `Session::accept_grant`).
+    for session in sessions {
+        session.begin_move();
+    }
     let mut tasks = tokio::task::JoinSet::new();
     let mut pending = sessions.iter().cloned();
     let mut failed = None;
@@ -579,57 +599,88 @@ async fn resume_all(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Resul
 /// Resumes one session. A proxy whose lease cannot outlive what the session may still
 /// do on its old proxy's word refuses (FAILED_PRECONDITION): the move goes elsewhere, or
 /// is tried again later, when less of the old deadline is left (none, in jeopardy).
+///
+/// A resume whose outcome is unknown (no answer, or etcd failed midway) may have moved
+/// the keys all the same: the session is unsettled (stops acting, takes no renewal)
+/// until a resume settles it. A proxy that finds the session's fence moved past what
+/// the client knows (such a resume did land) says where to: the resume is asked again
+/// from there.
 async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(), Status> {
-    let sent = Instant::now();
-    // Rounded up: the proxy must cover at least the whole of it.
-    let acting_for = session.acting_for(sent).as_millis() as u64 + 1;
-    let mut request = tonic::Request::new(ResumeRequest {
-        session_id: session.id.clone(),
-        ttl_ms: session.ttl.as_millis() as u64,
-        identity: session.identity.clone(),
-        from_lease_id: session.home().lease,
-        keys: session.holdings.wire(),
-        acting_for_ms: acting_for,
-    });
-    request.set_timeout(RESUME_TIMEOUT);
-    match SessionClient::new(channel).resume(request).await {
-        Ok(reply) => {
-            let reply = reply.into_inner();
-            for lost in reply.lost {
-                if let Some(key) = lost.key {
-                    session.holdings.lose(&key, &lost.reason);
+    let mut fenced_out_once = false;
+    loop {
+        let sent = Instant::now();
+        let home = session.home();
+        // Rounded up: the proxy must cover at least the whole of it.
+        let acting_for = session.acting_for(sent).as_millis() as u64 + 1;
+        let mut request = tonic::Request::new(ResumeRequest {
+            session_id: session.id.clone(),
+            ttl_ms: session.ttl.as_millis() as u64,
+            identity: session.identity.clone(),
+            from_lease_id: home.lease,
+            keys: session.holdings.wire(),
+            acting_for_ms: acting_for,
+            fence_revision: home.fence,
+        });
+        request.set_timeout(RESUME_TIMEOUT);
+        let status = match SessionClient::new(channel.clone()).resume(request).await {
+            Ok(reply) => {
+                let reply = reply.into_inner();
+                for lost in reply.lost {
+                    if let Some(key) = lost.key {
+                        session.holdings.lose(&key, &lost.reason);
+                    }
                 }
+                let home = Home {
+                    proxy_id: reply.proxy_id,
+                    lease: reply.lease_id,
+                    incarnation: reply.incarnation,
+                    fence: reply.fence_revision,
+                };
+                session.moved(home, sent, reply.valid_for_ms);
+                return Ok(());
             }
-            let home = Home {
-                proxy_id: reply.proxy_id,
-                lease: reply.lease_id,
-                incarnation: reply.incarnation,
-            };
-            session.moved(home, sent, reply.valid_for_ms);
-            Ok(())
+            Err(status) => status,
+        };
+        if let Some((fence, lease)) = fenced_out(&status) {
+            if fenced_out_once {
+                return Err(status);
+            }
+            fenced_out_once = true;
+            tracing::info!(session.id = %session.id, fence, "an earlier resume landed; resuming from there");
+            session.unsettle();
+            session.holdings.moved_to(lease);
+            session.set_home(Home {
+                lease,
+                fence,
+                ..home
+            });
+            continue;
         }
-        Err(status) if unreachable(&status) => Err(status),
-        Err(status) => {
-            session.expire(&format!("resume refused: {}", status.message()));
-            Ok(())
-        }
+        return match status.code() {
+            // Refused before anything moved: the cover rule, or a bad request.
+            Code::FailedPrecondition => Err(status),
+            Code::InvalidArgument | Code::NotFound | Code::Unimplemented => {
+                session.expire(&format!("resume refused: {}", status.message()));
+                Ok(())
+            }
+            _ => {
+                session.unsettle();
+                Err(status)
+            }
+        };
     }
 }
 
-/// Whether a failed call says the proxy could not be reached or could not do it now
-/// (try another), rather than refusing it.
-fn unreachable(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable
-            | Code::DeadlineExceeded
-            | Code::Unknown
-            | Code::Cancelled
-            | Code::Internal
-            | Code::ResourceExhausted
-            | Code::FailedPrecondition
-    )
+/// The session fence's revision and lease a refused resume reports, if that is why.
+fn fenced_out(status: &Status) -> Option<(i64, i64)> {
+    let meta = status.metadata();
+    let number = |key| meta.get(key)?.to_str().ok()?.parse().ok();
+    Some((number(FENCE_REVISION)?, number(FENCE_LEASE)?))
 }
+
+/// Metadata of a resume refused because the session's fence moved (see `ResumeRequest`).
+const FENCE_REVISION: &str = "lockcell-fence-revision";
+const FENCE_LEASE: &str = "lockcell-fence-lease";
 
 /// Closes the moved sessions on the proxy they left, in the background: it then deletes
 /// what is still on its lease (keys the client never heard of, such as a grant whose

@@ -209,23 +209,36 @@ impl Client {
         session_id: String,
         call: Call<'_>,
     ) -> Result<Written, Error> {
-        let mut request = tonic::Request::new(PutRequest {
-            key: key.to_owned(),
-            value: value.to_vec(),
-            condition: wire(condition),
-            session_id,
-        });
-        request.set_timeout(UNARY_TIMEOUT);
         let reply = KvClient::new(self.channel())
-            .put(request)
+            .put(put_request(key, value, condition, session_id))
             .await
             .map_err(|s| Error::from_status(s, call))?
             .into_inner();
-        Ok(Written {
-            succeeded: reply.succeeded,
-            revision: reply.revision,
-            current: reply.current.map(entry),
-        })
+        Ok(written(reply))
+    }
+}
+
+fn put_request(
+    key: &str,
+    value: &[u8],
+    condition: Condition,
+    session_id: String,
+) -> tonic::Request<PutRequest> {
+    let mut request = tonic::Request::new(PutRequest {
+        key: key.to_owned(),
+        value: value.to_vec(),
+        condition: wire(condition),
+        session_id,
+    });
+    request.set_timeout(UNARY_TIMEOUT);
+    request
+}
+
+fn written(reply: lockcell_proto::v1::PutResponse) -> Written {
+    Written {
+        succeeded: reply.succeeded,
+        revision: reply.revision,
+        current: reply.current.map(entry),
     }
 }
 
@@ -239,23 +252,16 @@ impl Session {
         value: &[u8],
         condition: Condition,
     ) -> Result<Written, Error> {
-        let written = self
-            .client()
-            .write(
-                key,
-                value,
-                condition,
-                self.id().to_owned(),
-                Call::Session(self.id()),
-            )
-            .await?;
+        let request = put_request(key, value, condition, self.id().to_owned());
+        let mut kv = KvClient::new(self.client().channel());
+        let (reply, sent) = self.grant_request(kv.put(request)).await?;
+        let written = written(reply);
         if let (true, Some(entry)) = (written.succeeded, &written.current) {
-            self.shared()
-                .holdings
-                .add(crate::holdings::Held::Ephemeral {
-                    key: key.to_owned(),
-                    create_revision: entry.create_revision,
-                });
+            let held = crate::holdings::Held::Ephemeral {
+                key: key.to_owned(),
+                create_revision: entry.create_revision,
+            };
+            self.accept_grant(&sent, None, held);
         }
         Ok(written)
     }

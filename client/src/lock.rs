@@ -138,15 +138,18 @@ impl Session {
             }
             let generation = self.client().proxies().generation();
             let mut client = LockClient::new(self.client().channel());
-            match self.grant_request(client.acquire(request)).await {
+            match self.grant_call(client.acquire(request)).await {
                 // The proxy went away mid-call: once the session has moved, ask the new
                 // one (an acquire is idempotent for its session).
-                Err(Error::Unavailable(why))
-                    if self.moved_since(generation).await && !wait.is_over(started.elapsed()) =>
+                Err(failed)
+                    if failed.left_behind
+                        && self.moved_since(generation).await
+                        && !wait.is_over(started.elapsed()) =>
                 {
-                    tracing::debug!(lock.name = lock, %why, "acquire retried on the session's new proxy");
+                    tracing::debug!(lock.name = lock, error = %failed.error, "acquire retried on the session's new proxy");
                 }
-                other => break other?,
+                Err(failed) => return Err(failed.error),
+                Ok(granted) => break granted,
             }
         };
         if !reply.granted {
@@ -158,7 +161,6 @@ impl Session {
                 Error::Protocol(format!("lock {lock:?} granted without a fencing token"))
             })?
             .into();
-        self.shared().grant(sent, reply.valid_for_ms);
         tracing::debug!(session.id = %self.id(), lock.name = lock, ?mode, %token, "lock granted");
         let held = match mode {
             Mode::Exclusive => Held::Exclusive {
@@ -171,7 +173,7 @@ impl Session {
             },
         };
         Ok(Some(LockGuard {
-            holding: self.shared().holdings.add(held),
+            holding: self.accept_grant(&sent, Some(reply.valid_for_ms), held),
             session: self.clone(),
             lock: lock.to_owned(),
             mode,
@@ -299,9 +301,15 @@ async fn release(
         let reply = LockClient::new(session.client().channel())
             .release(clone_request(&request))
             .await;
-        match reply.map_err(|status| session.grant_call_failed(status)) {
-            Err(Error::Unavailable(_)) if session.moved_since(generation).await => continue,
-            reply => return Ok(reply?.into_inner().released),
+        match reply {
+            Err(status)
+                if crate::session::left_behind(&status)
+                    && session.moved_since(generation).await =>
+            {
+                continue
+            }
+            Err(status) => return Err(session.grant_call_failed(status)),
+            Ok(reply) => return Ok(reply.into_inner().released),
         }
     }
     Err(Error::Unavailable(format!(

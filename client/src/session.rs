@@ -13,7 +13,7 @@ use tonic::Status;
 
 use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
-use crate::holdings::SessionEvents;
+use crate::holdings::{Held, Holding, SessionEvents};
 use crate::shared::SessionShared;
 use crate::validity::SessionState;
 
@@ -46,6 +46,46 @@ fn default_identity() -> String {
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "unknown".to_owned());
     format!("{host}/{}", std::process::id())
+}
+
+/// Whether a failed call got no answer from its proxy (the connection failed: such a
+/// status has a source, not a code the proxy chose) or the proxy does not know the
+/// session: the proxy is gone, or the session has left it.
+pub(crate) fn left_behind(status: &Status) -> bool {
+    status.code() == tonic::Code::NotFound
+        || (status.code() == tonic::Code::Unavailable
+            && std::error::Error::source(status).is_some())
+}
+
+/// A call that may grant, failed.
+#[derive(Debug)]
+pub(crate) struct CallFailed {
+    pub(crate) error: Error,
+    /// Its proxy is gone, or the session has left it: worth asking again once the
+    /// session has moved.
+    pub(crate) left_behind: bool,
+}
+
+impl CallFailed {
+    fn final_(error: Error) -> Self {
+        CallFailed {
+            error,
+            left_behind: false,
+        }
+    }
+}
+
+/// How long a call that failed on a proxy waits, at most, for the session to move
+/// before it gives the error back.
+const MOVE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// When and where a call that may grant was sent: the instant its `valid_for` counts
+/// from, the session's move epoch, and the lease its keys were on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Sent {
+    pub(crate) at: Instant,
+    epoch: u64,
+    lease: i64,
 }
 
 /// An open session. Cheap to clone: all clones (and the [`LockGuard`](crate::LockGuard)s
@@ -153,28 +193,79 @@ impl Session {
         &self.inner.shared
     }
 
-    /// Makes a call that may grant something (Acquire, Campaign) and returns its reply
-    /// with the instant the request was sent, where the reply's `valid_for` counts from.
+    /// Makes a call that may grant something (Acquire, Campaign, an ephemeral Put) and
+    /// returns its reply with when and where the request was sent (see [`Sent`]).
     ///
     /// Refused locally once the session has expired, and abandoned if it expires while
-    /// the call waits: the proxy would refuse the grant anyway.
+    /// the call waits: the proxy would refuse the grant anyway. A refusal from a proxy
+    /// the session started leaving meanwhile does not end the session (it lives on
+    /// elsewhere): it is an [`Error::Unavailable`], to ask again.
     pub(crate) async fn grant_request<T>(
         &self,
         call: impl Future<Output = Result<tonic::Response<T>, Status>>,
-    ) -> Result<(T, Instant), Error> {
+    ) -> Result<(T, Sent), Error> {
+        self.grant_call(call).await.map_err(|failed| failed.error)
+    }
+
+    /// As [`grant_request`](Session::grant_request), saying also whether the call
+    /// failed because its proxy is gone or the session has left it (worth asking again
+    /// once the session has moved).
+    pub(crate) async fn grant_call<T>(
+        &self,
+        call: impl Future<Output = Result<tonic::Response<T>, Status>>,
+    ) -> Result<(T, Sent), CallFailed> {
         let shared = self.shared();
         if shared.is_expired() {
-            return Err(self.expired_error());
+            return Err(CallFailed::final_(self.expired_error()));
         }
         // Taken before the call is first polled, which is when the request goes out.
-        let sent = Instant::now();
+        let sent = Sent {
+            at: Instant::now(),
+            epoch: shared.move_epoch(),
+            lease: shared.home().lease,
+        };
         tokio::select! {
             reply = call => match reply {
                 Ok(reply) => Ok((reply.into_inner(), sent)),
-                Err(status) => Err(self.call_failed(status)),
+                Err(status) if shared.move_epoch() != sent.epoch => Err(CallFailed {
+                    error: Error::Unavailable(format!(
+                        "{}; the session moved to another proxy meanwhile, ask again",
+                        status.message()
+                    )),
+                    left_behind: true,
+                }),
+                Err(status) => Err(CallFailed {
+                    left_behind: left_behind(&status),
+                    error: self.call_failed(status),
+                }),
             },
-            _ = shared.expired() => Err(self.expired_error()),
+            _ = shared.expired() => Err(CallFailed::final_(self.expired_error())),
         }
+    }
+
+    /// Takes in what a call sent at `sent` granted: registers the hold, and applies the
+    /// grant's validity, unless the session started moving after the request went out.
+    /// Then the grant may have been made by the proxy it was leaving, on that proxy's
+    /// lease, after the move read what to move: the session stops acting until a resume
+    /// has moved the new key too (or found it lost).
+    pub(crate) fn accept_grant(
+        &self,
+        sent: &Sent,
+        valid_for_ms: Option<u64>,
+        held: Held,
+    ) -> Arc<Holding> {
+        let shared = self.shared();
+        // Registered first: a move that starts after this includes it.
+        let holding = shared.holdings.add(held, sent.lease);
+        if shared.move_epoch() == sent.epoch {
+            if let Some(valid_for_ms) = valid_for_ms {
+                shared.grant(sent.at, valid_for_ms);
+            }
+        } else {
+            tracing::info!(session.id = %self.id(), "granted by the proxy the session was leaving; resuming it again");
+            shared.unsettle();
+        }
+        holding
     }
 
     /// Whether the client moves to another proxy (after `generation`) within a TTL, with
@@ -182,7 +273,8 @@ impl Session {
     /// be asked again.
     pub(crate) async fn moved_since(&self, generation: u64) -> bool {
         let proxies = self.client().proxies();
-        proxies.switched_since(generation, self.ttl()).await && !self.shared().is_expired()
+        let patience = self.ttl().min(MOVE_PATIENCE);
+        proxies.switched_since(generation, patience).await && !self.shared().is_expired()
     }
 
     /// Turns a failed request's status (Acquire, Campaign) into an [`Error`]; when the

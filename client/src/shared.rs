@@ -2,7 +2,7 @@
 //! see: its id and TTL, its renewal sequence, and its validity (a watch channel, so
 //! waiters learn about a new deadline or an expiry the moment it happens).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,6 +20,8 @@ pub(crate) struct Home {
     pub(crate) proxy_id: String,
     pub(crate) lease: i64,
     pub(crate) incarnation: u64,
+    /// The session fence's revision from the last resume (0: never resumed).
+    pub(crate) fence: i64,
 }
 
 /// One session's shared state. Held by the session's handles and, for reply dispatch,
@@ -35,6 +37,13 @@ pub(crate) struct SessionShared {
     home: Mutex<Home>,
     /// What the session holds, and its events.
     pub(crate) holdings: Holdings,
+    /// Raised when a move of the session starts: a grant whose request went out before
+    /// may have been made on the proxy it is leaving, on that proxy's lease.
+    move_epoch: AtomicU64,
+    /// Set while where the session's keys are is unknown (a resume whose outcome the
+    /// client never learned, or a grant from the proxy it was leaving): no grant or
+    /// renewal counts until a resume settles it.
+    unsettled: AtomicBool,
     /// The last `seq` used in a renewal; each renewal takes the next one, so a reply
     /// names exactly one request.
     seq: AtomicU64,
@@ -53,6 +62,8 @@ impl SessionShared {
             identity: String::new(),
             home: Mutex::default(),
             holdings: Holdings::default(),
+            move_epoch: AtomicU64::new(0),
+            unsettled: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             last_valid_for_ms: AtomicU64::new(valid_for_ms),
             validity: watch::Sender::new(Validity::new(deadline_from(sent, valid_for_ms))),
@@ -63,6 +74,9 @@ impl SessionShared {
     pub(crate) fn grant(&self, sent: Instant, valid_for_ms: u64) {
         self.last_valid_for_ms
             .store(valid_for_ms, Ordering::Relaxed);
+        if self.is_unsettled() {
+            return;
+        }
         let candidate = deadline_from(sent, valid_for_ms);
         self.validity.send_if_modified(|v| v.extend(candidate));
     }
@@ -86,12 +100,35 @@ impl SessionShared {
     pub(crate) fn moved(&self, home: Home, sent: Instant, valid_for_ms: u64) {
         let changed = self.home().proxy_id != home.proxy_id;
         let proxy_id = home.proxy_id.clone();
+        self.holdings.moved_to(home.lease);
         self.set_home(home);
+        self.unsettled.store(false, Ordering::SeqCst);
         self.grant(sent, valid_for_ms);
         if changed {
             tracing::info!(session.id = %self.id, proxy.id = %proxy_id, "session moved");
             self.holdings.publish(SessionEvent::Moved { proxy_id });
         }
+    }
+
+    /// A move of the session starts now.
+    pub(crate) fn begin_move(&self) {
+        self.move_epoch.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub(crate) fn move_epoch(&self) -> u64 {
+        self.move_epoch.load(Ordering::SeqCst)
+    }
+
+    /// Where the session's keys are is unknown until a resume settles it: stop acting
+    /// now (the deadline ends), and let no grant or renewal count meanwhile.
+    pub(crate) fn unsettle(&self) {
+        self.unsettled.store(true, Ordering::SeqCst);
+        let now = Instant::now();
+        self.validity.send_if_modified(|v| v.suspend(now));
+    }
+
+    pub(crate) fn is_unsettled(&self) -> bool {
+        self.unsettled.load(Ordering::SeqCst)
     }
 
     /// How long from `sent` the application may still act on the current deadline.

@@ -73,6 +73,17 @@ impl Validity {
         true
     }
 
+    /// Ends the current deadline at `now` at the latest (see
+    /// [`SessionShared::unsettle`](crate::shared::SessionShared::unsettle)); the next
+    /// grant that counts sets a new one.
+    pub(crate) fn suspend(&mut self, now: Instant) -> bool {
+        if self.deadline <= now {
+            return false;
+        }
+        self.deadline = now;
+        true
+    }
+
     /// Marks the session gone. The first reason wins; returns whether anything changed.
     pub(crate) fn expire(&mut self, reason: Arc<str>) -> bool {
         if self.expired.is_some() {

@@ -222,7 +222,7 @@ async fn fair(
     let waiter = Grant::waiting(&call.lock, call.mode, &id, queued);
     if !state
         .sessions
-        .record_grant(&call.session_id, waiter.clone(), None)
+        .record_grant(&call.session_id, session.incarnation, waiter.clone(), None)
     {
         state.cleanup.push(session.lease, vec![waiter]);
         return Err(gone(state, &call.session_id));
@@ -313,6 +313,19 @@ async fn fair_turn(
                 if let Some(granted) = grant(state, call, &session, Some((id, queued))).await? {
                     line.left();
                     return Ok(Turn::Over(Some(granted)));
+                }
+                // Free, yet not granted: someone got in first, or this waiter's key is
+                // no longer here (its session moved, and the key with it).
+                let here = state
+                    .locklog
+                    .in_line(&call.lock, call.mode, id, queued, session.lease)
+                    .await?;
+                if !here {
+                    return Err(ProxyError::Refused(format!(
+                        "this acquire of lock {:?} lost its place in line here: its session \
+                         moved to another proxy, where the acquire goes on",
+                        call.lock.as_str()
+                    )));
                 }
             }
             // Held: wait for a release, reading (not proposing) until it is free.
@@ -424,10 +437,12 @@ async fn grant(
             .valid_for(session.bucket, session.lease, session.ttl, now)
             .min(session.lapses_at().saturating_duration_since(now));
         let hold = Grant::hold(&lock, mode, &session.id, revision);
-        if !state
-            .sessions
-            .record_grant(&session.id, hold.clone(), Some(now + valid_for))
-        {
+        if !state.sessions.record_grant(
+            &session.id,
+            session.incarnation,
+            hold.clone(),
+            Some(now + valid_for),
+        ) {
             // The session ended while the grant was in flight: undo it.
             state.cleanup.push(session.lease, vec![hold]);
             return Err(gone(&state, &session.id));

@@ -29,6 +29,14 @@ pub enum ProxyError {
     /// The revision asked for is no longer kept.
     #[error("{0}")]
     OutOfRange(String),
+    /// A resume named an older session fence than the store has: a resume the client
+    /// did not hear the end of landed, moving the keys to `lease`.
+    #[error("session {session:?} was resumed at fence revision {revision} (its keys on lease {lease:x}), after the fence this resume names; resume again with that revision")]
+    FencedOut {
+        session: String,
+        revision: i64,
+        lease: i64,
+    },
     #[error("{0}")]
     Store(#[from] CellError),
     #[error("{context}: {source}")]
@@ -51,6 +59,10 @@ impl ProxyError {
     }
 }
 
+/// Metadata of a resume refused for an older fence: the fence's revision and lease now.
+pub const FENCE_REVISION: &str = "lockcell-fence-revision";
+pub const FENCE_LEASE: &str = "lockcell-fence-lease";
+
 impl From<ProxyError> for Status {
     fn from(e: ProxyError) -> Status {
         let message = e.to_string();
@@ -66,6 +78,18 @@ impl From<ProxyError> for Status {
                 Status::unavailable(message)
             }
             ProxyError::OutOfRange(_) => Status::out_of_range(message),
+            ProxyError::FencedOut {
+                revision, lease, ..
+            } => {
+                let mut status = Status::failed_precondition(message);
+                let meta = status.metadata_mut();
+                meta.insert(
+                    FENCE_REVISION,
+                    revision.to_string().parse().expect("digits"),
+                );
+                meta.insert(FENCE_LEASE, lease.to_string().parse().expect("digits"));
+                status
+            }
             ProxyError::Store(CellError::BadKey { .. }) => Status::invalid_argument(message),
             ProxyError::Store(ref c) | ProxyError::StoreDuring { source: ref c, .. } => {
                 if c.is_retriable() {

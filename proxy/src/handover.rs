@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockcell_cell::locklog::Grant;
+use lockcell_cell::locklog::{Grant, Resume};
 use lockcell_cell::{LockName, Mode};
 use lockcell_proto::v1::{HeldKey, HeldKind, LostKey, ResumeRequest, ResumeResponse};
 use tokio::time::Instant;
@@ -49,8 +49,9 @@ pub fn move_hint(
         .then_some("this proxy cannot renew its etcd lease; resume the session on another proxy")
 }
 
-/// Takes over `req`'s session: records it here, moves its keys onto this proxy's lease,
-/// and grants it validity as an Open would. Keys that did not move are reported lost.
+/// Takes over `req`'s session: records it here, moves its keys onto this proxy's lease
+/// (fenced, see [`LockLog::resume`](lockcell_cell::locklog::LockLog::resume)), and
+/// grants it validity as an Open would. Keys that did not move are reported lost.
 ///
 /// The session is recorded before its keys move, so that if etcd fails midway (some
 /// keys moved, the reply lost) the keys that did move are still deleted when the
@@ -59,7 +60,7 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
     if state.is_draining() {
         return Err(ProxyError::ShuttingDown);
     }
-    check_session_id(&req.session_id)?;
+    let session_name = check_session_id(&req.session_id)?;
     if req.keys.len() > MAX_RESUME_KEYS {
         return Err(ProxyError::BadArgument(format!(
             "a resume of session {:?} names {} keys, over the limit of {MAX_RESUME_KEYS}",
@@ -67,11 +68,25 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
             req.keys.len()
         )));
     }
-    let grants = req
+    let named = req
         .keys
         .iter()
-        .map(|key| grant(&req.session_id, key))
+        .map(|key| {
+            let from = if key.lease_id != 0 {
+                key.lease_id
+            } else {
+                req.from_lease_id
+            };
+            grant(&req.session_id, key).map(|g| (g, from))
+        })
         .collect::<Result<Vec<_>, _>>()?;
+    // A key named twice moves once (etcd refuses one key twice in a transaction).
+    let mut moving: Vec<(Grant, i64)> = Vec::with_capacity(named.len());
+    for (grant, from) in &named {
+        if !moving.iter().any(|(g, _)| g.key == grant.key) {
+            moving.push((grant.clone(), *from));
+        }
+    }
     let ttl = state
         .config
         .session_ttl_for(Duration::from_millis(req.ttl_ms));
@@ -82,32 +97,67 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
     }
     let id: Arc<str> = req.session_id.as_str().into();
     let now = Instant::now();
+    let held: Vec<Grant> = moving.iter().map(|(g, _)| g.clone()).collect();
     let session = Session::arriving(
         id.clone(),
         req.identity,
         ttl,
         (bucket, lease),
-        grants.clone(),
+        held,
         now,
         now,
     );
     let incarnation = session.incarnation;
-    let replaced = state.sessions.replace(session);
-    if let Some(old) = replaced {
-        state.leases.unassign(old.bucket);
-    }
+    let earlier = state.sessions.replace(session);
     metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
-    let outcomes = state
+    let resumed = state
         .locklog
-        .move_keys(&grants, req.from_lease_id, lease)
-        .await
-        .map_err(|source| ProxyError::StoreDuring {
-            context: format!("resuming session {:?}", req.session_id),
-            source,
-        })?;
+        .resume(
+            &session_name,
+            req.fence_revision,
+            &moving,
+            lease,
+            &state.proxy_id,
+        )
+        .await;
+    // An earlier stay here: what it had that did not move (keys the client never heard
+    // of) is deleted under that stay's lease, now that what moved is off it.
+    if let Some(earlier) = earlier {
+        state.leases.unassign(earlier.bucket);
+        let fence_key = lockcell_cell::keyspace::session_fence_key(&req.session_id);
+        let unknown: Vec<Grant> = earlier
+            .held
+            .into_iter()
+            .filter(|g| !moving.iter().any(|(m, _)| m.key == g.key) && g.key != fence_key)
+            .collect();
+        state.cleanup.push(earlier.lease, unknown);
+    }
+    let (fence, fence_revision, outcomes) = match resumed {
+        Ok(Resume::Moved {
+            fence,
+            fence_revision,
+            outcomes,
+        }) => (fence, fence_revision, outcomes),
+        Ok(Resume::FenceMoved { revision, lease }) => {
+            forget(state, &id, incarnation, bucket);
+            return Err(ProxyError::FencedOut {
+                session: req.session_id,
+                revision,
+                lease,
+            });
+        }
+        Err(source) => {
+            return Err(ProxyError::StoreDuring {
+                context: format!("resuming session {:?}", req.session_id),
+                source,
+            })
+        }
+    };
+    state.sessions.record_grant(&id, incarnation, fence, None);
     let mut lost = Vec::new();
-    for ((key, grant), outcome) in req.keys.into_iter().zip(&grants).zip(outcomes) {
-        if let Some(reason) = outcome {
+    for (key, (grant, _)) in req.keys.into_iter().zip(&named) {
+        let at = moving.iter().position(|(g, _)| g.key == grant.key);
+        if let Some(reason) = at.and_then(|i| outcomes.get(i).cloned().flatten()) {
             state.sessions.forget_grant(&id, &grant.key, grant.revision);
             lost.push(LostKey {
                 key: Some(key),
@@ -116,7 +166,7 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
         }
     }
     metrics::counter!(m::SESSIONS_RESUMED).increment(1);
-    metrics::counter!(m::KEYS_MOVED).increment((grants.len() - lost.len()) as u64);
+    metrics::counter!(m::KEYS_MOVED).increment((named.len() - lost.len()) as u64);
     metrics::counter!(m::KEYS_LOST_ON_RESUME).increment(lost.len() as u64);
     // Counted from now, as for an Open: the session was renewed when it was recorded.
     let now = Instant::now();
@@ -128,9 +178,9 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
         .map_err(|gone| ProxyError::session(&id, gone))?;
     tracing::info!(
         session.id = %id,
-        from_lease = format_args!("{:x}", req.from_lease_id),
         lease = format_args!("{lease:x}"),
-        moved = grants.len() - lost.len(),
+        fence_revision,
+        moved = named.len() - lost.len(),
         lost = lost.len(),
         "session resumed here"
     );
@@ -141,7 +191,16 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
         lease_id: lease,
         lost,
         incarnation,
+        fence_revision,
     })
+}
+
+/// Drops the stay a refused resume recorded (nothing moved onto its lease).
+fn forget(state: &ProxyState, id: &str, incarnation: u64, bucket: usize) {
+    if let Ok(Some(_)) = state.sessions.close(id, Some(incarnation)) {
+        state.leases.unassign(bucket);
+        metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+    }
 }
 
 /// Makes sure the lease the keys move onto outlives what the client may still do on its
@@ -154,11 +213,18 @@ async fn cover(
     acting_for_ms: u64,
 ) -> Result<(), ProxyError> {
     let needed = Duration::from_millis(acting_for_ms);
-    let left = |now| state.leases.valid_for(bucket, lease, Duration::MAX, now);
-    if left(Instant::now()) >= needed
-        || (crate::lease_keeper::renew_now(state, bucket, lease).await
-            && left(Instant::now()) >= needed)
-    {
+    let covered = || {
+        state
+            .leases
+            .valid_for(bucket, lease, Duration::MAX, Instant::now())
+            >= needed
+    };
+    if covered() {
+        return Ok(());
+    }
+    // One renewal at a time per bucket: the resumes waiting for it look again after.
+    let _renewing = state.renewing[bucket].lock().await;
+    if covered() || (crate::lease_keeper::renew_now(state, bucket, lease).await && covered()) {
         return Ok(());
     }
     Err(ProxyError::Refused(format!(
@@ -190,14 +256,17 @@ pub async fn drain(state: &ProxyState) -> usize {
     stayed
 }
 
-/// A session id as proxies hand them out: hex digits.
-fn check_session_id(id: &str) -> Result<(), ProxyError> {
-    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(ProxyError::BadArgument(format!(
+/// A session id as proxies hand them out (hex digits), as a name for its fence key.
+fn check_session_id(id: &str) -> Result<LockName, ProxyError> {
+    let bad = || {
+        ProxyError::BadArgument(format!(
             "session id {id:?} is not one a proxy hands out (1 to 64 hex digits)"
-        )));
+        ))
+    };
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(bad());
     }
-    Ok(())
+    LockName::parse(id).map_err(|_| bad())
 }
 
 /// The grant a held key names, checked like any lock name or small key.
@@ -229,6 +298,7 @@ mod tests {
             kind: kind as i32,
             name: name.to_owned(),
             revision,
+            lease_id: 0,
         }
     }
 
@@ -258,6 +328,7 @@ mod tests {
                 kind: 9,
                 name: "a".into(),
                 revision: 1,
+                lease_id: 0,
             },
         )
         .unwrap_err();

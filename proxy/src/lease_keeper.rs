@@ -114,8 +114,6 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
     }
 }
 
-/// Gives up `lease`: its sessions expire, and etcd is asked to revoke it so their keys
-/// go now rather than at the lease's TTL.
 /// Renews `bucket`'s `lease` once, now, outside the keeper's rhythm (a resume needs a
 /// later lower bound than the lease has). Returns whether it renewed.
 pub async fn renew_now(state: &ProxyState, bucket: usize, lease: i64) -> bool {
@@ -136,6 +134,8 @@ pub async fn renew_now(state: &ProxyState, bucket: usize, lease: i64) -> bool {
     }
 }
 
+/// Gives up `lease`: its sessions expire, and etcd is asked to revoke it so their keys
+/// go now rather than at the lease's TTL.
 fn lose(state: &Arc<ProxyState>, bucket: usize, lease: i64, reason: &'static str) {
     if !state.leases.clear(bucket, lease) {
         return;

@@ -127,6 +127,7 @@ pub async fn run(
         events,
         classes: Arc::new(classes),
         cleanup: Default::default(),
+        renewing: (0..config.leases).map(|_| Default::default()).collect(),
         etcd: etcd.clone(),
         shutdown: stop_rx.clone(),
         drain,

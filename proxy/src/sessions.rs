@@ -179,12 +179,22 @@ impl SessionTable {
     }
 
     /// Records a key `id` now has in the log; for a hold, the client may act on it until
-    /// `valid_until`. False when the session is gone: the caller must then undo the
-    /// grant itself.
-    pub fn record_grant(&self, id: &str, grant: Grant, valid_until: Option<Instant>) -> bool {
+    /// `valid_until`. `incarnation` is the stay the key was granted in (on its lease).
+    /// False when the session is gone, or here as another stay (it resumed here since,
+    /// perhaps on another lease): the caller must then undo the grant itself.
+    pub fn record_grant(
+        &self,
+        id: &str,
+        incarnation: u64,
+        grant: Grant,
+        valid_until: Option<Instant>,
+    ) -> bool {
         let Some(mut s) = self.live.get_mut(id) else {
             return false;
         };
+        if s.incarnation != incarnation {
+            return false;
+        }
         if !s.held.contains(&grant) {
             s.held.push(grant);
         }
@@ -366,11 +376,11 @@ mod tests {
         let lock = lockcell_cell::LockName::parse("x").unwrap();
         let hold = Grant::hold(&lock, lockcell_cell::Mode::Exclusive, "a", 5);
         let waiter = Grant::waiting(&lock, lockcell_cell::Mode::Shared, "a", 4);
-        assert!(table.record_grant("a", waiter.clone(), None));
+        assert!(table.record_grant("a", 1, waiter.clone(), None));
         assert_eq!(table.holders_valid_until(), None, "a waiter holds nothing");
-        assert!(table.record_grant("a", hold.clone(), Some(t0 + S)));
+        assert!(table.record_grant("a", 1, hold.clone(), Some(t0 + S)));
         assert!(
-            table.record_grant("a", hold.clone(), Some(t0 + S)),
+            table.record_grant("a", 1, hold.clone(), Some(t0 + S)),
             "idempotent"
         );
         assert_eq!(
@@ -389,7 +399,11 @@ mod tests {
         table.forget_grant("a", &waiter.key, 4);
         assert!(table.get("a", t0).unwrap().held.is_empty());
         assert_eq!(table.holders_valid_until(), None);
-        assert!(!table.record_grant("nobody", hold, None));
+        assert!(!table.record_grant("nobody", 1, hold.clone(), None));
+        assert!(
+            !table.record_grant("a", 2, hold, None),
+            "a grant made in another stay of the session is not this stay's"
+        );
     }
 
     #[test]
@@ -403,7 +417,7 @@ mod tests {
         let lock = lockcell_cell::LockName::parse("x").unwrap();
         let hold = Grant::hold(&lock, lockcell_cell::Mode::Exclusive, "a", 5);
         let until = t0 + 2 * S + S * 9 / 10 + 3 * S;
-        assert!(table.record_grant("a", hold, Some(until)));
+        assert!(table.record_grant("a", 1, hold, Some(until)));
         assert!(
             table.take_expired(t0 + 5 * S).is_empty(),
             "a TTL after the last renewal, the client may still act on its grant"

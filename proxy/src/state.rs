@@ -36,6 +36,9 @@ pub struct ProxyState {
     /// The lock classes in force.
     pub classes: Arc<ClassBook>,
     pub cleanup: CleanupQueue,
+    /// One out-of-rhythm lease renewal at a time per bucket (resumes that need a later
+    /// lower bound share it).
+    pub renewing: Vec<tokio::sync::Mutex<()>>,
     /// The connection to etcd (cheap clones share it).
     pub etcd: etcd_client::Client,
     /// Turns true when the proxy starts shutting down; long-lived calls end on it.

@@ -139,6 +139,7 @@ impl SessionApi for FakeProxy {
             lease_id: 1,
             lost: Vec::new(),
             incarnation: 1,
+            fence_revision: 1,
         }))
     }
 

@@ -98,7 +98,7 @@ impl KvApi for KvService {
             let grant = Grant::ephemeral(&name, current.create_revision);
             if !state
                 .sessions
-                .record_grant(&session.id, grant.clone(), None)
+                .record_grant(&session.id, session.incarnation, grant.clone(), None)
             {
                 state.cleanup.push(session.lease, vec![grant]);
                 return Err(

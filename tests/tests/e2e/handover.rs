@@ -16,7 +16,7 @@ use lockcell_client::{
 use lockcell_tests::{eventually, ProxyOptions, ProxyProcess, Relay};
 use nix::sys::signal::Signal;
 
-use crate::support::{cell, lease_count, short_session};
+use crate::support::{cell, lease_count, raw, short_session};
 
 /// Session TTL of these tests; the proxies' lease TTL is 3 s.
 const TTL: Duration = Duration::from_secs(2);
@@ -403,5 +403,102 @@ pub async fn a_proxy_cut_off_from_etcd_sends_its_clients_elsewhere_before_its_le
         "nothing was lost: {seen:?}"
     );
     link.cut(false);
+    Ok(())
+}
+
+/// A resume the client never heard back from must not land after a later one: every
+/// resume compares the session's fence with the revision the client last heard of.
+/// Played with the raw protocol: a resume on b whose reply "was lost", a resume on c
+/// naming the old fence (refused, told where the keys went), again with the fence it
+/// was told (moves them to c), then the "delayed" resume on b again (refused: the keys
+/// stay on c).
+pub async fn a_resume_the_client_gave_up_on_cannot_land_after_a_later_one() -> anyhow::Result<()> {
+    use lockcell_proto::v1::{
+        AcquireRequest, HeldKey, HeldKind, KeepAliveRequest, OpenRequest, ResumeRequest,
+    };
+    let (etcd, proxies) = cell(&["a", "b", "c"]).await?;
+    let (mut sessions_a, mut locks_a) = raw(&proxies[0]).await?;
+    let (mut sessions_b, _) = raw(&proxies[1]).await?;
+    let (mut sessions_c, _) = raw(&proxies[2]).await?;
+    let opened = sessions_a
+        .open(OpenRequest {
+            ttl_ms: 10_000,
+            identity: "fence".into(),
+        })
+        .await?
+        .into_inner();
+    let granted = locks_a
+        .acquire(AcquireRequest {
+            session_id: opened.session_id.clone(),
+            lock: "fenced/x".into(),
+            wait_timeout_ms: Some(0),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let token = granted.token.context("no token")?.revision;
+    let resume = |fence: i64, from: i64| ResumeRequest {
+        session_id: opened.session_id.clone(),
+        ttl_ms: 10_000,
+        identity: "fence".into(),
+        from_lease_id: from,
+        keys: vec![HeldKey {
+            kind: HeldKind::Exclusive as i32,
+            name: "fenced/x".into(),
+            revision: token,
+            lease_id: 0,
+        }],
+        acting_for_ms: 0,
+        fence_revision: fence,
+    };
+    let on_b = sessions_b
+        .resume(resume(0, opened.lease_id))
+        .await?
+        .into_inner();
+    ensure!(on_b.lost.is_empty() && on_b.fence_revision > 0, "{on_b:?}");
+    // The client did not hear of b's resume: it names fence 0.
+    let refused = sessions_c
+        .resume(resume(0, opened.lease_id))
+        .await
+        .expect_err("a resume naming an old fence was taken");
+    ensure!(
+        refused.code() == tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    let told = |key: &str| -> anyhow::Result<i64> {
+        Ok(refused
+            .metadata()
+            .get(key)
+            .context("no fence metadata")?
+            .to_str()?
+            .parse()?)
+    };
+    let (fence, lease) = (
+        told("lockcell-fence-revision")?,
+        told("lockcell-fence-lease")?,
+    );
+    ensure!(fence == on_b.fence_revision && lease == on_b.lease_id);
+    let on_c = sessions_c.resume(resume(fence, lease)).await?.into_inner();
+    ensure!(on_c.lost.is_empty(), "the keys moved from b to c: {on_c:?}");
+    // b's resume, "delayed", arrives again: refused, and the key stays on c.
+    let late = sessions_b.resume(resume(0, opened.lease_id)).await;
+    ensure!(late.is_err(), "a late resume naming an old fence was taken");
+    let (created, on_lease) = etcd_key(&etcd, "/l/fenced/x/!x")
+        .await?
+        .context("the holder key is gone")?;
+    ensure!(
+        created == token && on_lease == on_c.lease_id,
+        "key on c's lease, token kept"
+    );
+    // The session lives on c: it renews there.
+    let mut renewals = sessions_c
+        .keep_alive(tokio_stream::iter([KeepAliveRequest {
+            session_id: opened.session_id.clone(),
+            seq: 1,
+        }]))
+        .await?
+        .into_inner();
+    let renewed = renewals.message().await?.context("no renewal reply")?;
+    ensure!(renewed.valid_for_ms > 0, "{renewed:?}");
     Ok(())
 }

@@ -77,6 +77,7 @@ fn main() {
         handover::with_every_proxy_unreachable_a_session_expires_and_its_locks_pass_on,
         handover::a_rolling_restart_of_every_proxy_loses_no_session_and_no_lock,
         handover::a_proxy_cut_off_from_etcd_sends_its_clients_elsewhere_before_its_lease_ends,
+        handover::a_resume_the_client_gave_up_on_cannot_land_after_a_later_one,
         chaos::a_fault_run_of_every_kind_breaks_no_rule,
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
     ];
