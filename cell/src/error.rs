@@ -31,6 +31,18 @@ impl CellError {
     pub fn is_retriable(&self) -> bool {
         matches!(self, CellError::Etcd { .. } | CellError::Timeout { .. })
     }
+
+    /// Whether etcd turned the request away before proposing it (it is too far behind
+    /// applying what it committed): nothing of it happened.
+    pub fn turned_away(&self) -> bool {
+        match self {
+            CellError::Etcd {
+                source: etcd_client::Error::GRpcStatus(status),
+                ..
+            } => status.message().contains("too many requests"),
+            _ => false,
+        }
+    }
 }
 
 /// Runs one etcd call with a deadline, naming the call in any error.

@@ -267,3 +267,57 @@ impl SessionEvents {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lock(name: &str, revision: i64) -> Held {
+        Held::Exclusive {
+            lock: name.into(),
+            token: FencingToken { epoch: 1, revision },
+        }
+    }
+
+    #[tokio::test]
+    async fn holds_are_named_once_move_together_and_are_lost_one_by_one() {
+        let holdings = Holdings::default();
+        let mut events = holdings.subscribe();
+        let a = holdings.add(lock("a", 5), 10);
+        let _a_again = holdings.add(lock("a", 5), 10); // a retried acquire: two guards
+        let b = holdings.add(lock("b", 7), 11);
+        let wire = holdings.wire();
+        assert_eq!(wire.len(), 2, "one key named once: {wire:?}");
+        assert_eq!((wire[0].lease_id, wire[1].lease_id), (10, 11));
+        holdings.moved_to(20);
+        assert!(holdings.wire().iter().all(|k| k.lease_id == 20));
+
+        // A proxy reports b lost (naming it on the lease it was asked to move it from).
+        holdings.lose(&lock("b", 7).wire(20), "gone");
+        assert!(b.is_lost() && !a.is_lost());
+        assert_eq!(&*b.lost().await, "gone");
+        assert_eq!(
+            events.recv().await.unwrap(),
+            SessionEvent::Lost {
+                held: lock("b", 7),
+                reason: "gone".into()
+            }
+        );
+        assert_eq!(holdings.wire().len(), 1, "a lost hold is not named again");
+        holdings.remove(&a);
+    }
+
+    #[test]
+    fn an_ephemeral_key_written_again_replaces_its_record() {
+        let holdings = Holdings::default();
+        let key = |create_revision| Held::Ephemeral {
+            key: "members/g/1".into(),
+            create_revision,
+        };
+        holdings.add(key(3), 1);
+        holdings.add(key(9), 1);
+        let wire = holdings.wire();
+        assert_eq!(wire.len(), 1);
+        assert_eq!(wire[0].revision, 9);
+    }
+}

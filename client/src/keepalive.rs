@@ -42,8 +42,10 @@ const GRACE_SWEEP: Duration = Duration::from_millis(250);
 /// After a proxy asked its clients to go and no other proxy took them, how long before
 /// trying again.
 const MOVE_RETRY: Duration = Duration::from_secs(1);
+/// The longest wait between tries to move (or to resume here) that failed.
+const MOVE_RETRY_MAX: Duration = Duration::from_secs(16);
 /// Resumes in flight at once during a move.
-const RESUMES_AT_ONCE: usize = 32;
+const RESUMES_AT_ONCE: usize = 16;
 
 /// Registrations waiting for the driver. Opening sessions is rare; a full queue only
 /// makes `open_session` wait a moment.
@@ -102,6 +104,9 @@ impl KeepAlive {
             move_on_retry: false,
             leave: None,
             leave_again_at: Instant::now(),
+            leave_backoff: MOVE_RETRY,
+            adopt_again_at: Instant::now(),
+            adopt_backoff: MOVE_RETRY,
             home_again_at: Instant::now() + fail_back_after,
             fail_back_after,
             orphans: Vec::new(),
@@ -235,6 +240,11 @@ struct Driver {
     leave: Option<String>,
     /// A proxy that asked to be left is not asked again before this.
     leave_again_at: Instant,
+    /// How long to stay before asking again, after a failed try (doubles, to a cap).
+    leave_backoff: Duration,
+    /// Sessions the current proxy could not resume are not asked again before this.
+    adopt_again_at: Instant,
+    adopt_backoff: Duration,
     /// When to try going back to a more preferred proxy (see [`Driver::fail_back`]).
     home_again_at: Instant,
     fail_back_after: Duration,
@@ -381,26 +391,45 @@ impl Driver {
             return;
         }
         tracing::info!(proxy = %self.proxies.addr(self.proxies.current()), why, "moving");
-        if !self.relocate(true).await {
-            tracing::warn!(why, "no other proxy took the sessions; staying for now");
-            self.leave_again_at = Instant::now() + MOVE_RETRY;
+        if self.relocate(true).await {
+            self.leave_backoff = MOVE_RETRY;
+        } else {
+            // Staying, and asking again later, less often each time: when every proxy
+            // struggles (etcd itself slow), moving would only add to its load.
+            tracing::warn!(why, retry_in = ?self.leave_backoff, "no other proxy took the sessions; staying for now");
+            self.leave_again_at = Instant::now() + self.leave_backoff;
+            self.leave_backoff = (self.leave_backoff * 2).min(MOVE_RETRY_MAX);
         }
     }
 
     /// Resumes the sessions the current proxy said it does not know.
     async fn adopt_orphans(&mut self) {
+        if Instant::now() < self.adopt_again_at {
+            return;
+        }
         let ids = std::mem::take(&mut self.orphans);
         let sessions: Vec<Arc<SessionShared>> = ids
             .iter()
             .filter_map(|id| self.sessions.get(id).map(|s| s.value().clone()))
             .filter(|s| !s.is_expired())
             .collect();
-        if let Err(status) = resume_all(&self.proxies.channel(), &sessions).await {
-            self.orphans = ids;
-            self.lost(&format!(
-                "could not resume sessions here: {}",
-                brief(&status)
-            ));
+        match resume_all(&self.proxies.channel(), &sessions).await {
+            Ok(()) => self.adopt_backoff = MOVE_RETRY,
+            // No answer: the proxy is gone; move.
+            Err(status) if crate::session::left_behind(&status) => {
+                self.orphans = ids;
+                self.lost(&format!(
+                    "could not resume sessions here: {}",
+                    brief(&status)
+                ));
+            }
+            // The proxy answered but could not take them now: ask again later.
+            Err(status) => {
+                self.orphans = ids;
+                tracing::warn!(status = %brief(&status), retry_in = ?self.adopt_backoff, "could not resume sessions here; asking again later");
+                self.adopt_again_at = Instant::now() + self.adopt_backoff;
+                self.adopt_backoff = (self.adopt_backoff * 2).min(MOVE_RETRY_MAX);
+            }
         }
     }
 

@@ -291,6 +291,31 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn an_unsettled_session_stops_acting_and_takes_no_grant_until_it_moves() {
+        let t0 = Instant::now();
+        let s = SessionShared::new("s".into(), ms(9_000), t0, 9_000);
+        tokio::time::advance(ms(1_000)).await;
+        s.unsettle();
+        assert_eq!(s.state(), SessionState::Jeopardy, "stops acting at once");
+        s.grant(Instant::now(), 9_000);
+        assert_eq!(
+            s.state(),
+            SessionState::Jeopardy,
+            "a renewal does not count"
+        );
+        let home = Home {
+            proxy_id: "b".into(),
+            lease: 7,
+            incarnation: 1,
+            fence: 12,
+        };
+        s.moved(home.clone(), Instant::now(), 9_000);
+        assert!(!s.is_unsettled());
+        assert_eq!(s.state(), SessionState::Valid, "a resume settles it");
+        assert_eq!(s.home(), home);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn renewal_interval_tracks_the_last_grant() {
         let t0 = Instant::now();
         let s = SessionShared::new("s".into(), ms(12_000), t0, 12_000);

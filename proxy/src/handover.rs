@@ -25,18 +25,38 @@ use crate::state::ProxyState;
 /// resume is a bounded amount of etcd work.
 pub const MAX_RESUME_KEYS: usize = 4096;
 
-/// Why clients of `bucket` should move to another proxy now, if they should: the proxy
-/// is draining, or its lease in that bucket is overdue for renewal (etcd unreachable),
-/// so the validity it can grant is shrinking towards zero.
+/// Share of the drain timeout over which a draining proxy spreads its requests to move,
+/// so its clients' resumes reach etcd as a stream rather than all at once.
+const DRAIN_SPREAD: f64 = 0.6;
+
+/// Why a session (on `bucket`) should move to another proxy now, if it should: the
+/// proxy is draining and the turn of the keep-alive stream renewing it has come (each
+/// stream, one per client, draws a turn in [0, 1); turns are spread over part of the
+/// drain timeout, as a client moves all its sessions at once), or its lease in that
+/// bucket is overdue for renewal (etcd unreachable), so the validity it can grant is
+/// shrinking towards zero.
 pub fn move_hint(
     state: &ProxyState,
+    turn: f64,
     bucket: usize,
     lease: i64,
     now: Instant,
 ) -> Option<&'static str> {
     if state.is_draining() {
-        return Some("this proxy is draining; resume the session on another proxy");
+        let spread = state.config.drain_timeout.as_secs_f64() * DRAIN_SPREAD;
+        let elapsed = state
+            .drain_started
+            .get()
+            .map_or(0.0, |at| now.saturating_duration_since(*at).as_secs_f64());
+        return (elapsed >= spread * turn)
+            .then_some("this proxy is draining; resume the session on another proxy");
     }
+    lease_trouble(state, bucket, lease, now)
+        .then_some("this proxy cannot renew its etcd lease; resume the session on another proxy")
+}
+
+/// Whether the lease in `bucket` is overdue for renewal.
+fn lease_trouble(state: &ProxyState, bucket: usize, lease: i64, now: Instant) -> bool {
     let config = &state.config;
     // A lease renewed on time has at least `lease_ttl - renew_interval` left; two
     // renewals missed (or half the TTL, if the interval is long) is trouble.
@@ -45,8 +65,7 @@ pub fn move_hint(
         .saturating_sub(2 * config.renew_interval())
         .min(config.lease_ttl / 2);
     let left = state.leases.valid_for(bucket, lease, Duration::MAX, now) + config.validity_margin;
-    (left < trouble)
-        .then_some("this proxy cannot renew its etcd lease; resume the session on another proxy")
+    left < trouble
 }
 
 /// Takes over `req`'s session: records it here, moves its keys onto this proxy's lease
@@ -56,9 +75,15 @@ pub fn move_hint(
 /// The session is recorded before its keys move, so that if etcd fails midway (some
 /// keys moved, the reply lost) the keys that did move are still deleted when the
 /// session ends here, rather than left on this proxy's lease for good.
+///
+/// Every refusal before a key moves is FAILED_PRECONDITION (draining, no lease, a lease
+/// in trouble, the cover rule, a fence moved on), so the client knows nothing moved; an
+/// etcd failure during the move is UNAVAILABLE, and its outcome unknown.
 pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResponse, ProxyError> {
     if state.is_draining() {
-        return Err(ProxyError::ShuttingDown);
+        return Err(ProxyError::Refused(
+            "this proxy is draining; resume the session on another proxy".into(),
+        ));
     }
     let session_name = check_session_id(&req.session_id)?;
     if req.keys.len() > MAX_RESUME_KEYS {
@@ -90,7 +115,18 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
     let ttl = state
         .config
         .session_ttl_for(Duration::from_millis(req.ttl_ms));
-    let (bucket, lease) = state.leases.assign().ok_or(ProxyError::NoLease)?;
+    let (bucket, lease) = state.leases.assign().ok_or_else(|| {
+        ProxyError::Refused("this proxy holds no etcd lease right now; resume elsewhere".into())
+    })?;
+    // A proxy that cannot renew its own lease would only add writes to a struggling
+    // etcd (a whole fleet moving at once): it takes no one in.
+    if state.is_draining() || lease_trouble(state, bucket, lease, Instant::now()) {
+        state.leases.unassign(bucket);
+        return Err(ProxyError::Refused(
+            "this proxy cannot renew its etcd lease either (or is draining); resume elsewhere"
+                .into(),
+        ));
+    }
     if let Err(e) = cover(state, bucket, lease, req.acting_for_ms).await {
         state.leases.unassign(bucket);
         return Err(e);
@@ -145,6 +181,14 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
                 revision,
                 lease,
             });
+        }
+        // Turned away before anything was proposed: known not to have moved anything.
+        Err(source) if source.turned_away() => {
+            forget(state, &id, incarnation, bucket);
+            return Err(ProxyError::Refused(format!(
+                "etcd is too busy to resume session {:?} now ({source}); resume later",
+                req.session_id
+            )));
         }
         Err(source) => {
             return Err(ProxyError::StoreDuring {
@@ -242,6 +286,7 @@ pub async fn drain(state: &ProxyState) -> usize {
         timeout = ?timeout,
         "draining: asking clients to resume their sessions on other proxies"
     );
+    let _ = state.drain_started.set(Instant::now());
     let give_up = Instant::now() + timeout;
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     while !state.sessions.is_empty() && Instant::now() < give_up {

@@ -131,6 +131,7 @@ pub async fn run(
         etcd: etcd.clone(),
         shutdown: stop_rx.clone(),
         drain,
+        drain_started: Default::default(),
         config,
     });
     // Asked to stop: drain, then stop serving.

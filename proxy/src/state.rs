@@ -46,6 +46,8 @@ pub struct ProxyState {
     /// Turns true when the proxy is asked to stop (SIGTERM, or the admin `/drain`): it
     /// asks its clients to move, waits for them, then shuts down.
     pub drain: Arc<watch::Sender<bool>>,
+    /// When the drain began (its requests to move are spread from there).
+    pub drain_started: std::sync::OnceLock<tokio::time::Instant>,
 }
 
 impl ProxyState {

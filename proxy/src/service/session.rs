@@ -93,6 +93,8 @@ impl SessionApi for SessionService {
         // dropped, or the proxy shuts down.
         tokio::spawn(async move {
             let mut shutdown = state.shutdown.clone();
+            // This stream's turn in a drain (see `handover::move_hint`).
+            let turn = rand::random::<f64>();
             loop {
                 let req = tokio::select! {
                     msg = input.message() => match msg {
@@ -101,7 +103,7 @@ impl SessionApi for SessionService {
                     },
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 };
-                if tx.send(Ok(renew(&state, req))).await.is_err() {
+                if tx.send(Ok(renew(&state, req, turn))).await.is_err() {
                     return;
                 }
             }
@@ -158,7 +160,7 @@ impl SessionApi for SessionService {
 }
 
 /// Answers one renewal from memory.
-fn renew(state: &ProxyState, req: KeepAliveRequest) -> KeepAliveResponse {
+fn renew(state: &ProxyState, req: KeepAliveRequest, turn: f64) -> KeepAliveResponse {
     metrics::counter!(m::KEEPALIVES).increment(1);
     let now = Instant::now();
     let mut reply = KeepAliveResponse {
@@ -171,7 +173,7 @@ fn renew(state: &ProxyState, req: KeepAliveRequest) -> KeepAliveResponse {
     };
     let mut hint = None;
     let validity = |r: Renewed| {
-        hint = crate::handover::move_hint(state, r.bucket, r.lease, now);
+        hint = crate::handover::move_hint(state, turn, r.bucket, r.lease, now);
         state.leases.valid_for(r.bucket, r.lease, r.ttl, now)
     };
     match state.sessions.renew(&req.session_id, now, validity) {
