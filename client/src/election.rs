@@ -106,6 +106,14 @@ impl Leadership {
         self.session.state() == SessionState::Valid && !self.holding.is_lost()
     }
 
+    /// Resolves, with the reason, once the leadership is lost for good: the session
+    /// expired, or the leadership was found gone when the session moved to another
+    /// proxy. (Jeopardy comes earlier and may pass: race work against
+    /// [`Session::jeopardy`] too.)
+    pub async fn lost(&self) -> String {
+        self.session.hold_lost(&self.holding).await
+    }
+
     /// The session this leadership was won through.
     pub fn session(&self) -> &Session {
         &self.session

@@ -11,6 +11,7 @@
 //! driver never has to decide that a session is in danger, the clock does. A session
 //! in jeopardy for longer than the grace period with no proxy reached expires.
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -109,7 +110,7 @@ impl KeepAlive {
             adopt_backoff: MOVE_RETRY,
             home_again_at: Instant::now() + fail_back_after,
             fail_back_after,
-            orphans: Vec::new(),
+            orphans: HashSet::new(),
         };
         let task = tokio::spawn(driver.run());
         KeepAlive {
@@ -250,7 +251,7 @@ struct Driver {
     fail_back_after: Duration,
     /// Sessions the current proxy does not know (opened before a move, or a proxy that
     /// restarted on its address): resumed there.
-    orphans: Vec<String>,
+    orphans: HashSet<String>,
 }
 
 impl Driver {
@@ -272,7 +273,7 @@ impl Driver {
                 command = self.commands.recv() => match command {
                     Some(Command::Register { id, first_due, generation }) => {
                         if generation != self.proxies.generation() {
-                            self.orphans.push(id.clone());
+                            self.orphans.insert(id.clone());
                         }
                         self.book.schedule(&id, first_due);
                     }
@@ -294,11 +295,8 @@ impl Driver {
         let now = Instant::now();
         for entry in self.sessions.iter() {
             let session = entry.value();
-            if session.is_unsettled()
-                && !session.is_expired()
-                && !self.orphans.contains(&session.id)
-            {
-                self.orphans.push(session.id.clone());
+            if session.is_unsettled() && !session.is_expired() {
+                self.orphans.insert(session.id.clone());
             }
             if !session.is_expired() && session.deadline() + self.grace <= now {
                 session.expire(&format!(
@@ -572,7 +570,7 @@ impl Driver {
             // Not known here (a proxy restarted on its address): resume it here.
             Ok(WireState::NotFound) => {
                 tracing::info!(session.id = %session.id, "proxy does not know the session; resuming it");
-                self.orphans.push(session.id.clone());
+                self.orphans.insert(session.id.clone());
             }
             Ok(state @ WireState::Expired) => {
                 let reason = if reply.reason.is_empty() {

@@ -232,11 +232,7 @@ impl LockGuard {
     /// or the lock was found gone when the session moved to another proxy. (Jeopardy
     /// comes earlier and may pass: race work against [`Session::jeopardy`] too.)
     pub async fn lost(&self) -> String {
-        let shared = self.session.shared();
-        tokio::select! {
-            _ = shared.expired() => shared.expired_reason().unwrap_or_default(),
-            reason = self.holding.lost() => reason.to_string(),
-        }
+        self.session.hold_lost(&self.holding).await
     }
 
     /// Releases the lock. `Ok(false)`: it was no longer held by this grant (e.g. the

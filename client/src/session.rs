@@ -243,6 +243,16 @@ impl Session {
         }
     }
 
+    /// Resolves, with the reason, once `holding` is lost: the session expired, or a
+    /// resume found the hold gone.
+    pub(crate) async fn hold_lost(&self, holding: &Holding) -> String {
+        let shared = self.shared();
+        tokio::select! {
+            _ = shared.expired() => shared.expired_reason().unwrap_or_default(),
+            reason = holding.lost() => reason.to_string(),
+        }
+    }
+
     /// Takes in what a call sent at `sent` granted: registers the hold, and applies the
     /// grant's validity, unless the session started moving after the request went out.
     /// Then the grant may have been made by the proxy it was leaving, on that proxy's
