@@ -460,7 +460,11 @@ impl LockLog {
             .when([compare])
             .and_then(then)
             .or_else([TxnOp::get(fence_key.as_bytes(), None)]);
-        let resp = with_timeout("resume txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        let resp = match with_timeout("resume txn", self.timeout, self.kv.clone().txn(txn)).await {
+            // Turned away before it was proposed: nothing moved.
+            Err(e) if e.turned_away() => return Ok(Resume::TurnedAway(e.to_string())),
+            other => other?,
+        };
         let ops = resp.op_responses();
         let found = first_kv(&ops).map(|kv| (kv.mod_revision(), kv.create_revision(), kv.lease()));
         if !resp.succeeded() {
@@ -636,6 +640,8 @@ pub enum Resume {
     /// The fence is at `revision` on `lease`, not what the client said: a resume it did
     /// not hear the end of landed. Nothing moved.
     FenceMoved { revision: i64, lease: i64 },
+    /// etcd turned the first transaction away (too busy): nothing moved.
+    TurnedAway(String),
 }
 
 /// The nested move transactions of `keys` onto `to`.

@@ -2,7 +2,7 @@
 //! another proxy can name every key to move, and the events the application follows:
 //! jeopardy, safe again, moved, a hold lost, expired.
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lockcell_proto::v1::{HeldKey, HeldKind};
@@ -99,6 +99,8 @@ impl Holding {
 #[derive(Debug)]
 pub(crate) struct Holdings {
     held: Mutex<Vec<Arc<Holding>>>,
+    /// Raised by every hold added, so a resume can tell whether it named them all.
+    version: AtomicU64,
     events: broadcast::Sender<SessionEvent>,
 }
 
@@ -106,6 +108,7 @@ impl Default for Holdings {
     fn default() -> Self {
         Holdings {
             held: Mutex::default(),
+            version: AtomicU64::new(0),
             events: broadcast::Sender::new(EVENT_BACKLOG),
         }
     }
@@ -125,7 +128,12 @@ impl Holdings {
             all.retain(|h| !matches!(&h.held, Held::Ephemeral { key: k, .. } if k == key));
         }
         all.push(holding.clone());
+        self.version.fetch_add(1, Ordering::SeqCst);
         holding
+    }
+
+    pub(crate) fn version(&self) -> u64 {
+        self.version.load(Ordering::SeqCst)
     }
 
     /// Forgets a hold (released, or its guard dropped).
@@ -148,11 +156,13 @@ impl Holdings {
         keys
     }
 
-    /// Every hold still held is on `lease` now (a resume moved them, or a resume the
-    /// client did not hear the end of did).
-    pub(crate) fn moved_to(&self, lease: i64) {
+    /// The holds among `named` (what a resume named) that are still held are on `lease`
+    /// now; others keep the lease they were on.
+    pub(crate) fn moved_to(&self, lease: i64, named: &[HeldKey]) {
         for h in self.held.lock().expect("holdings").iter() {
-            h.lease.store(lease, Ordering::Relaxed);
+            if named.iter().any(|k| same_key(k, &h.wire())) {
+                h.lease.store(lease, Ordering::Relaxed);
+            }
         }
     }
 
@@ -160,13 +170,7 @@ impl Holdings {
     pub(crate) fn lose(&self, key: &HeldKey, reason: &str) {
         let lost: Vec<Arc<Holding>> = {
             let mut all = self.held.lock().expect("holdings");
-            let (lost, kept) = all.drain(..).partition(|h| {
-                h.held.wire(0)
-                    == HeldKey {
-                        lease_id: 0,
-                        ..key.clone()
-                    }
-            });
+            let (lost, kept) = all.drain(..).partition(|h| same_key(&h.wire(), key));
             *all = kept;
             lost
         };
@@ -189,6 +193,11 @@ impl Holdings {
     pub(crate) fn subscribe(&self) -> broadcast::Receiver<SessionEvent> {
         self.events.subscribe()
     }
+}
+
+/// Whether two held keys name the same key and grant, whatever lease each says.
+fn same_key(a: &HeldKey, b: &HeldKey) -> bool {
+    a.kind == b.kind && a.name == b.name && a.revision == b.revision
 }
 
 /// The events of one session, in order; see [`Session::events`](crate::Session::events).
@@ -289,8 +298,14 @@ mod tests {
         let wire = holdings.wire();
         assert_eq!(wire.len(), 2, "one key named once: {wire:?}");
         assert_eq!((wire[0].lease_id, wire[1].lease_id), (10, 11));
-        holdings.moved_to(20);
-        assert!(holdings.wire().iter().all(|k| k.lease_id == 20));
+        holdings.moved_to(20, &wire[..1]);
+        let now = holdings.wire();
+        assert_eq!(
+            (now[0].lease_id, now[1].lease_id),
+            (20, 11),
+            "only what the resume named moved"
+        );
+        holdings.moved_to(20, &wire);
 
         // A proxy reports b lost (naming it on the lease it was asked to move it from).
         holdings.lose(&lock("b", 7).wire(20), "gone");

@@ -601,6 +601,14 @@ async fn resume_all(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Resul
     for session in sessions {
         session.begin_move();
     }
+    let result = resume_each(channel, sessions).await;
+    for session in sessions {
+        session.end_move();
+    }
+    result
+}
+
+async fn resume_each(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Result<(), Status> {
     let mut tasks = tokio::task::JoinSet::new();
     let mut pending = sessions.iter().cloned();
     let mut failed = None;
@@ -637,6 +645,11 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
     loop {
         let sent = Instant::now();
         let home = session.home();
+        // What to name, then how long the client may act: a grant taken in after the
+        // first is not named (and keeps the session unsettled, see `moved`), one taken
+        // in before is covered by the second.
+        let version = session.holdings.version();
+        let keys = session.holdings.wire();
         // Rounded up: the proxy must cover at least the whole of it.
         let acting_for = session.acting_for(sent).as_millis() as u64 + 1;
         let mut request = tonic::Request::new(ResumeRequest {
@@ -644,7 +657,7 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
             ttl_ms: session.ttl.as_millis() as u64,
             identity: session.identity.clone(),
             from_lease_id: home.lease,
-            keys: session.holdings.wire(),
+            keys: keys.clone(),
             acting_for_ms: acting_for,
             fence_revision: home.fence,
         });
@@ -663,7 +676,7 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
                     incarnation: reply.incarnation,
                     fence: reply.fence_revision,
                 };
-                session.moved(home, sent, reply.valid_for_ms);
+                session.moved(home, sent, reply.valid_for_ms, &keys, version);
                 return Ok(());
             }
             Err(status) => status,
@@ -675,7 +688,8 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
             fenced_out_once = true;
             tracing::info!(session.id = %session.id, fence, "an earlier resume landed; resuming from there");
             session.unsettle();
-            session.holdings.moved_to(lease);
+            // The resume that landed named what was held then; those moved to `lease`.
+            session.holdings.moved_to(lease, &keys);
             session.set_home(Home {
                 lease,
                 fence,

@@ -227,7 +227,7 @@ impl Session {
         tokio::select! {
             reply = call => match reply {
                 Ok(reply) => Ok((reply.into_inner(), sent)),
-                Err(status) if shared.move_epoch() != sent.epoch => Err(CallFailed {
+                Err(status) if shared.moved_since_epoch(sent.epoch) => Err(CallFailed {
                     error: Error::Unavailable(format!(
                         "{}; the session moved to another proxy meanwhile, ask again",
                         status.message()
@@ -267,7 +267,7 @@ impl Session {
         let shared = self.shared();
         // Registered first: a move that starts after this includes it.
         let holding = shared.holdings.add(held, sent.lease);
-        if shared.move_epoch() == sent.epoch {
+        if !shared.moved_since_epoch(sent.epoch) {
             if let Some(valid_for_ms) = valid_for_ms {
                 shared.grant(sent.at, valid_for_ms);
             }

@@ -37,13 +37,11 @@ pub(crate) struct SessionShared {
     home: Mutex<Home>,
     /// What the session holds, and its events.
     pub(crate) holdings: Holdings,
-    /// Raised when a move of the session starts: a grant whose request went out before
-    /// may have been made on the proxy it is leaving, on that proxy's lease.
+    /// Raised when a move of the session starts and when it ends: a grant whose request
+    /// went out in another epoch, or that arrives while a move runs, may have been made
+    /// on the proxy it is leaving, on that proxy's lease.
     move_epoch: AtomicU64,
-    /// Set while where the session's keys are is unknown (a resume whose outcome the
-    /// client never learned, or a grant from the proxy it was leaving): no grant or
-    /// renewal counts until a resume settles it.
-    unsettled: AtomicBool,
+    moving: AtomicBool,
     /// The last `seq` used in a renewal; each renewal takes the next one, so a reply
     /// names exactly one request.
     seq: AtomicU64,
@@ -63,7 +61,7 @@ impl SessionShared {
             home: Mutex::default(),
             holdings: Holdings::default(),
             move_epoch: AtomicU64::new(0),
-            unsettled: AtomicBool::new(false),
+            moving: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             last_valid_for_ms: AtomicU64::new(valid_for_ms),
             validity: watch::Sender::new(Validity::new(deadline_from(sent, valid_for_ms))),
@@ -74,9 +72,6 @@ impl SessionShared {
     pub(crate) fn grant(&self, sent: Instant, valid_for_ms: u64) {
         self.last_valid_for_ms
             .store(valid_for_ms, Ordering::Relaxed);
-        if self.is_unsettled() {
-            return;
-        }
         let candidate = deadline_from(sent, valid_for_ms);
         self.validity.send_if_modified(|v| v.extend(candidate));
     }
@@ -97,12 +92,25 @@ impl SessionShared {
 
     /// The session now lives at `home`; `sent` is when the Resume went out and
     /// `valid_for_ms` what the new proxy granted.
-    pub(crate) fn moved(&self, home: Home, sent: Instant, valid_for_ms: u64) {
+    ///
+    /// `named` is what the resume named, read when the holdings were at `version`: those
+    /// keys are on the new lease now. The session settles (grants count again) only if
+    /// nothing was added since; otherwise it stays unsettled and is resumed again.
+    pub(crate) fn moved(
+        &self,
+        home: Home,
+        sent: Instant,
+        valid_for_ms: u64,
+        named: &[lockcell_proto::v1::HeldKey],
+        version: u64,
+    ) {
         let changed = self.home().proxy_id != home.proxy_id;
         let proxy_id = home.proxy_id.clone();
-        self.holdings.moved_to(home.lease);
+        self.holdings.moved_to(home.lease, named);
         self.set_home(home);
-        self.unsettled.store(false, Ordering::SeqCst);
+        if self.holdings.version() == version {
+            self.validity.send_if_modified(Validity::settle);
+        }
         self.grant(sent, valid_for_ms);
         if changed {
             tracing::info!(session.id = %self.id, proxy.id = %proxy_id, "session moved");
@@ -112,23 +120,35 @@ impl SessionShared {
 
     /// A move of the session starts now.
     pub(crate) fn begin_move(&self) {
+        self.moving.store(true, Ordering::SeqCst);
         self.move_epoch.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The move of the session is over (moved or not).
+    pub(crate) fn end_move(&self) {
+        self.move_epoch.fetch_add(1, Ordering::SeqCst);
+        self.moving.store(false, Ordering::SeqCst);
     }
 
     pub(crate) fn move_epoch(&self) -> u64 {
         self.move_epoch.load(Ordering::SeqCst)
     }
 
+    /// Whether a grant sent in `epoch` may be on the lease of a proxy the session was
+    /// leaving: a move started or ended since, or runs now.
+    pub(crate) fn moved_since_epoch(&self, epoch: u64) -> bool {
+        self.moving.load(Ordering::SeqCst) || self.move_epoch() != epoch
+    }
+
     /// Where the session's keys are is unknown until a resume settles it: stop acting
     /// now (the deadline ends), and let no grant or renewal count meanwhile.
     pub(crate) fn unsettle(&self) {
-        self.unsettled.store(true, Ordering::SeqCst);
         let now = Instant::now();
         self.validity.send_if_modified(|v| v.suspend(now));
     }
 
     pub(crate) fn is_unsettled(&self) -> bool {
-        self.unsettled.load(Ordering::SeqCst)
+        self.validity.borrow().unsettled
     }
 
     /// How long from `sent` the application may still act on the current deadline.
@@ -215,6 +235,7 @@ impl SessionShared {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::holdings::Held;
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
@@ -309,10 +330,39 @@ mod tests {
             incarnation: 1,
             fence: 12,
         };
-        s.moved(home.clone(), Instant::now(), 9_000);
+        // A resume that named what the session held when it was sent...
+        let version = s.holdings.version();
+        s.holdings.add(
+            Held::Ephemeral {
+                key: "k".into(),
+                create_revision: 3,
+            },
+            7,
+        );
+        // ...but a hold came in after it read them: still unsettled.
+        s.moved(home.clone(), Instant::now(), 9_000, &[], version);
+        assert!(s.is_unsettled());
+        assert_eq!(s.state(), SessionState::Jeopardy);
+        // A resume that named everything settles it.
+        let (version, named) = (s.holdings.version(), s.holdings.wire());
+        s.moved(home.clone(), Instant::now(), 9_000, &named, version);
         assert!(!s.is_unsettled());
         assert_eq!(s.state(), SessionState::Valid, "a resume settles it");
         assert_eq!(s.home(), home);
+    }
+
+    #[tokio::test]
+    async fn a_grant_sent_before_or_during_a_move_counts_as_moved() {
+        let s = SessionShared::new("s".into(), ms(9_000), Instant::now(), 9_000);
+        let epoch = s.move_epoch();
+        assert!(!s.moved_since_epoch(epoch));
+        s.begin_move();
+        assert!(s.moved_since_epoch(epoch), "sent before the move began");
+        assert!(s.moved_since_epoch(s.move_epoch()), "sent while it runs");
+        let during = s.move_epoch();
+        s.end_move();
+        assert!(s.moved_since_epoch(during), "sent during, taken in after");
+        assert!(!s.moved_since_epoch(s.move_epoch()));
     }
 
     #[tokio::test(start_paused = true)]

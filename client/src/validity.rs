@@ -52,6 +52,8 @@ pub(crate) struct Validity {
     pub(crate) deadline: Instant,
     /// Set once the session is gone; the text says why (from the proxy, or "closed").
     pub(crate) expired: Option<Arc<str>>,
+    /// Set while where the session's keys are is unknown: no grant moves the deadline.
+    pub(crate) unsettled: bool,
 }
 
 impl Validity {
@@ -59,6 +61,7 @@ impl Validity {
         Validity {
             deadline,
             expired: None,
+            unsettled: false,
         }
     }
 
@@ -66,7 +69,7 @@ impl Validity {
     /// arrives late (or a grant measured from a long-ago send, like a slow Acquire) must
     /// never shorten what a newer reply already granted. Returns whether anything changed.
     pub(crate) fn extend(&mut self, candidate: Instant) -> bool {
-        if self.expired.is_some() || candidate <= self.deadline {
+        if self.expired.is_some() || self.unsettled || candidate <= self.deadline {
             return false;
         }
         self.deadline = candidate;
@@ -77,11 +80,15 @@ impl Validity {
     /// [`SessionShared::unsettle`](crate::shared::SessionShared::unsettle)); the next
     /// grant that counts sets a new one.
     pub(crate) fn suspend(&mut self, now: Instant) -> bool {
-        if self.deadline <= now {
-            return false;
-        }
-        self.deadline = now;
-        true
+        let changed = !self.unsettled || self.deadline > now;
+        self.unsettled = true;
+        self.deadline = self.deadline.min(now);
+        changed
+    }
+
+    /// Where the keys are is known again (a resume named them all): grants count.
+    pub(crate) fn settle(&mut self) -> bool {
+        std::mem::replace(&mut self.unsettled, false)
     }
 
     /// Marks the session gone. The first reason wins; returns whether anything changed.

@@ -115,8 +115,15 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
     let ttl = state
         .config
         .session_ttl_for(Duration::from_millis(req.ttl_ms));
-    let (bucket, lease) = state.leases.assign().ok_or_else(|| {
-        ProxyError::Refused("this proxy holds no etcd lease right now; resume elsewhere".into())
+    // Never a lease another stay of this session uses or used here: a delete still
+    // pending for that stay (guarded by its lease) could otherwise reach the keys moved
+    // now.
+    let avoid = state.sessions.stay_leases(&req.session_id);
+    let (bucket, lease) = state.leases.assign_avoiding(&avoid).ok_or_else(|| {
+        ProxyError::Refused(
+            "this proxy holds no etcd lease this session may use right now; resume elsewhere"
+                .into(),
+        )
     })?;
     // A proxy that cannot renew its own lease would only add writes to a struggling
     // etcd (a whole fleet moving at once): it takes no one in.
@@ -134,6 +141,8 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
     let id: Arc<str> = req.session_id.as_str().into();
     let now = Instant::now();
     let held: Vec<Grant> = moving.iter().map(|(g, _)| g.clone()).collect();
+    // Never before the client's old deadline: the keys moved here are what it acts on.
+    let acting_until = now + Duration::from_millis(req.acting_for_ms);
     let session = Session::arriving(
         id.clone(),
         req.identity,
@@ -141,7 +150,7 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
         (bucket, lease),
         held,
         now,
-        now,
+        acting_until,
     );
     let incarnation = session.incarnation;
     let earlier = state.sessions.replace(session);
@@ -156,40 +165,39 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
             &state.proxy_id,
         )
         .await;
-    // An earlier stay here: what it had that did not move (keys the client never heard
-    // of) is deleted under that stay's lease, now that what moved is off it.
-    if let Some(earlier) = earlier {
-        state.leases.unassign(earlier.bucket);
-        let fence_key = lockcell_cell::keyspace::session_fence_key(&req.session_id);
-        let unknown: Vec<Grant> = earlier
-            .held
-            .into_iter()
-            .filter(|g| !moving.iter().any(|(m, _)| m.key == g.key) && g.key != fence_key)
-            .collect();
-        state.cleanup.push(earlier.lease, unknown);
-    }
-    let (fence, fence_revision, outcomes) = match resumed {
+    let refused = match resumed {
         Ok(Resume::Moved {
             fence,
             fence_revision,
             outcomes,
-        }) => (fence, fence_revision, outcomes),
-        Ok(Resume::FenceMoved { revision, lease }) => {
-            forget(state, &id, incarnation, bucket);
-            return Err(ProxyError::FencedOut {
-                session: req.session_id,
-                revision,
-                lease,
-            });
+        }) => {
+            return resumed_here(
+                state,
+                Arrived {
+                    id,
+                    incarnation,
+                    ttl,
+                    lease,
+                    fence,
+                    fence_revision,
+                },
+                req.keys,
+                &named,
+                &moving,
+                &outcomes,
+                earlier,
+            );
         }
-        // Turned away before anything was proposed: known not to have moved anything.
-        Err(source) if source.turned_away() => {
-            forget(state, &id, incarnation, bucket);
-            return Err(ProxyError::Refused(format!(
-                "etcd is too busy to resume session {:?} now ({source}); resume later",
-                req.session_id
-            )));
-        }
+        Ok(Resume::FenceMoved { revision, lease }) => ProxyError::FencedOut {
+            session: req.session_id.clone(),
+            revision,
+            lease,
+        },
+        Ok(Resume::TurnedAway(why)) => ProxyError::Refused(format!(
+            "etcd is too busy to resume session {:?} now ({why}); resume later",
+            req.session_id
+        )),
+        // Unknown whether keys moved: the stay stays, to clean up what did.
         Err(source) => {
             return Err(ProxyError::StoreDuring {
                 context: format!("resuming session {:?}", req.session_id),
@@ -197,9 +205,71 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
             })
         }
     };
-    state.sessions.record_grant(&id, incarnation, fence, None);
+    // Nothing moved: the stay that was here (if any) is here again.
+    forget(state, &id, incarnation, bucket);
+    if let Some(earlier) = earlier {
+        state.sessions.replace(earlier);
+    }
+    Err(refused)
+}
+
+/// A stay whose keys moved here.
+struct Arrived {
+    id: Arc<str>,
+    incarnation: u64,
+    ttl: Duration,
+    lease: i64,
+    fence: Grant,
+    fence_revision: i64,
+}
+
+/// Completes a resume whose keys moved: records the fence, reports what did not move,
+/// cleans up after an earlier stay here, and grants validity as an Open does. From here
+/// on keys have moved, so any failure is UNAVAILABLE (outcome unknown to the client).
+fn resumed_here(
+    state: &ProxyState,
+    here: Arrived,
+    keys: Vec<HeldKey>,
+    named: &[(Grant, i64)],
+    moving: &[(Grant, i64)],
+    outcomes: &[Option<String>],
+    earlier: Option<Session>,
+) -> Result<ResumeResponse, ProxyError> {
+    let Arrived {
+        id,
+        incarnation,
+        ttl,
+        lease,
+        fence,
+        fence_revision,
+    } = here;
+    let moved = |key: &str| {
+        moving
+            .iter()
+            .position(|(g, _)| g.key == key)
+            .is_some_and(|i| outcomes.get(i).is_some_and(Option::is_none))
+    };
+    // An earlier stay here: what it had that did not move here (keys the client never
+    // heard of) is deleted under that stay's lease.
+    if let Some(earlier) = earlier {
+        state.leases.unassign(earlier.bucket);
+        let unknown: Vec<Grant> = earlier
+            .held
+            .into_iter()
+            .filter(|g| !moved(&g.key) && g.key != fence.key)
+            .collect();
+        state.cleanup.push(earlier.lease, unknown);
+    }
+    let unknown_outcome = |what: &str| {
+        ProxyError::EtcdUnavailable(format!(
+            "session {id:?} moved here, but {what}; resume it again"
+        ))
+    };
+    if !state.sessions.record_grant(&id, incarnation, fence, None) {
+        return Err(unknown_outcome("its stay ended meanwhile"));
+    }
     let mut lost = Vec::new();
-    for (key, (grant, _)) in req.keys.into_iter().zip(&named) {
+    for (key, (grant, _)) in keys.into_iter().zip(named) {
         let at = moving.iter().position(|(g, _)| g.key == grant.key);
         if let Some(reason) = at.and_then(|i| outcomes.get(i).cloned().flatten()) {
             state.sessions.forget_grant(&id, &grant.key, grant.revision);
@@ -219,7 +289,7 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
     let valid_for = state
         .sessions
         .renew(&id, now, renewed)
-        .map_err(|gone| ProxyError::session(&id, gone))?;
+        .map_err(|_| unknown_outcome("its stay expired meanwhile"))?;
     tracing::info!(
         session.id = %id,
         lease = format_args!("{lease:x}"),
@@ -241,7 +311,7 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
 
 /// Drops the stay a refused resume recorded (nothing moved onto its lease).
 fn forget(state: &ProxyState, id: &str, incarnation: u64, bucket: usize) {
-    if let Ok(Some(_)) = state.sessions.close(id, Some(incarnation)) {
+    if state.sessions.withdraw(id, incarnation).is_some() {
         state.leases.unassign(bucket);
         metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
     }

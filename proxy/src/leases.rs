@@ -114,8 +114,14 @@ impl LeaseBook {
     /// Picks the bucket with a live lease and the fewest sessions, and counts the new
     /// session there. `None` while no bucket has a lease.
     pub fn assign(&self) -> Option<(usize, i64)> {
+        self.assign_avoiding(&[])
+    }
+
+    /// As [`assign`](LeaseBook::assign), never on one of `avoid`.
+    pub fn assign_avoiding(&self, avoid: &[i64]) -> Option<(usize, i64)> {
         let (bucket, lease) = (0..self.len())
             .filter_map(|b| self.lease(b).map(|l| (b, l)))
+            .filter(|(_, l)| !avoid.contains(l))
             .min_by_key(|(b, _)| self.buckets[*b].sessions.load(Ordering::Relaxed))?;
         self.buckets[bucket]
             .sessions

@@ -114,6 +114,11 @@ pub struct SessionTable {
     due: Mutex<BinaryHeap<Reverse<(Instant, SessionId)>>>,
     /// Expired sessions and why, kept for [`TOMBSTONE_RETENTION`].
     tombstones: DashMap<SessionId, Arc<str>>,
+    /// The leases of stays that left the table (closed, replaced, expired), by session,
+    /// kept as long as tombstones: a session resuming here again never lands on one, so
+    /// a delete still pending for an earlier stay (guarded by that lease) cannot reach a
+    /// key the new stay holds.
+    departed: DashMap<SessionId, Vec<(i64, Instant)>>,
     tombstone_order: Mutex<VecDeque<(Instant, SessionId)>>,
 }
 
@@ -140,8 +145,38 @@ impl SessionTable {
         let id = session.id.clone();
         let old = self.live.insert(id.clone(), session);
         self.tombstones.remove(&id);
+        if let Some(old) = &old {
+            self.depart(old, Instant::now());
+        }
         self.due.lock().expect("due heap").push(Reverse((due, id)));
         old
+    }
+
+    /// The leases other stays of `id` use or used here: the live one's, and those of
+    /// the stays that left (see `departed`).
+    pub fn stay_leases(&self, id: &str) -> Vec<i64> {
+        let mut leases: Vec<i64> = self
+            .departed
+            .get(id)
+            .map(|d| d.iter().map(|(lease, _)| *lease).collect())
+            .unwrap_or_default();
+        leases.extend(self.live.get(id).map(|s| s.lease));
+        leases
+    }
+
+    /// Takes back a stay that never held anything (a resume refused before any key
+    /// moved): unlike a close, it leaves nothing to avoid.
+    pub fn withdraw(&self, id: &str, incarnation: u64) -> Option<Session> {
+        self.live
+            .remove_if(id, |_, s| s.incarnation == incarnation)
+            .map(|(_, s)| s)
+    }
+
+    fn depart(&self, stay: &Session, now: Instant) {
+        self.departed
+            .entry(stay.id.clone())
+            .or_default()
+            .push((stay.lease, now));
     }
 
     /// Renews `id` at `now` and grants it the validity `validity` computes, which it
@@ -236,10 +271,14 @@ impl SessionTable {
         if !self.live.contains_key(id) {
             return Err(self.gone(id));
         }
-        Ok(self
+        let closed = self
             .live
             .remove_if(id, |_, s| incarnation.is_none_or(|i| i == s.incarnation))
-            .map(|(_, s)| s))
+            .map(|(_, s)| s);
+        if let Some(stay) = &closed {
+            self.depart(stay, Instant::now());
+        }
+        Ok(closed)
     }
 
     /// Removes and returns every session whose deadline is at or before `now`.
@@ -264,7 +303,7 @@ impl SessionTable {
         }
         drop(due);
         for s in &expired {
-            self.bury(&s.id, "no renewal arrived within its TTL".into(), now);
+            self.bury(s, "no renewal arrived within its TTL".into(), now);
         }
         expired
     }
@@ -282,7 +321,7 @@ impl SessionTable {
             .filter_map(|id| self.live.remove(id).map(|(_, s)| s))
             .collect();
         for s in &taken {
-            self.bury(&s.id, reason.clone(), now);
+            self.bury(s, reason.clone(), now);
         }
         taken
     }
@@ -297,14 +336,20 @@ impl SessionTable {
             let (_, id) = order.pop_front().expect("peeked");
             self.tombstones.remove(&id);
         }
+        drop(order);
+        self.departed.retain(|_, stays| {
+            stays.retain(|(_, at)| now.saturating_duration_since(*at) < TOMBSTONE_RETENTION);
+            !stays.is_empty()
+        });
     }
 
-    fn bury(&self, id: &SessionId, reason: Arc<str>, now: Instant) {
-        self.tombstones.insert(id.clone(), reason);
+    fn bury(&self, stay: &Session, reason: Arc<str>, now: Instant) {
+        self.depart(stay, now);
+        self.tombstones.insert(stay.id.clone(), reason);
         self.tombstone_order
             .lock()
             .expect("tombstone order")
-            .push_back((now, id.clone()));
+            .push_back((now, stay.id.clone()));
     }
 
     fn gone(&self, id: &str) -> Gone {
@@ -424,6 +469,30 @@ mod tests {
         );
         assert!(table.take_expired(until - S / 10).is_empty());
         assert_eq!(table.take_expired(until).len(), 1);
+    }
+
+    #[test]
+    fn a_session_resuming_here_again_knows_the_leases_its_other_stays_used() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        table.insert(session("a", 1, 9 * S, t0));
+        assert_eq!(table.stay_leases("a"), vec![1], "the live stay's");
+        let mut again = session("a", 2, 9 * S, t0);
+        again.incarnation = 2;
+        assert!(table.replace(again).is_some());
+        let mut leases = table.stay_leases("a");
+        leases.sort();
+        assert_eq!(leases, vec![1, 2], "the replaced stay's and the live one's");
+        let mut refused = session("a", 3, 9 * S, t0);
+        refused.incarnation = 3;
+        table.replace(refused);
+        assert!(table.withdraw("a", 3).is_some());
+        assert!(
+            !table.stay_leases("a").contains(&3),
+            "a stay withdrawn before it held anything leaves nothing to avoid"
+        );
+        table.prune_tombstones(t0 + TOMBSTONE_RETENTION + S);
+        assert!(table.stay_leases("a").is_empty());
     }
 
     #[test]
