@@ -29,17 +29,16 @@ pub const MAX_RESUME_KEYS: usize = 4096;
 /// so its clients' resumes reach etcd as a stream rather than all at once.
 const DRAIN_SPREAD: f64 = 0.6;
 
-/// Why a session (on `bucket`) should move to another proxy now, if it should: the
-/// proxy is draining and the turn of the keep-alive stream renewing it has come (each
-/// stream, one per client, draws a turn in [0, 1); turns are spread over part of the
-/// drain timeout, as a client moves all its sessions at once), or its lease in that
-/// bucket is overdue for renewal (etcd unreachable), so the validity it can grant is
-/// shrinking towards zero.
+/// Why a session should move to another proxy now, if it should: the proxy is draining
+/// and the turn of the keep-alive stream renewing it has come (each stream, one per
+/// client, draws a turn in [0, 1); turns are spread over part of the drain timeout, as
+/// a client moves all its sessions at once), or its lease is overdue for renewal (etcd
+/// unreachable: `left`, the validity the lease can still back, is shrinking towards
+/// zero).
 pub fn move_hint(
     state: &ProxyState,
     turn: f64,
-    bucket: usize,
-    lease: i64,
+    left: Duration,
     now: Instant,
 ) -> Option<&'static str> {
     if state.is_draining() {
@@ -51,12 +50,13 @@ pub fn move_hint(
         return (elapsed >= spread * turn)
             .then_some("this proxy is draining; resume the session on another proxy");
     }
-    lease_trouble(state, bucket, lease, now)
+    lease_trouble(state, left)
         .then_some("this proxy cannot renew its etcd lease; resume the session on another proxy")
 }
 
-/// Whether the lease in `bucket` is overdue for renewal.
-fn lease_trouble(state: &ProxyState, bucket: usize, lease: i64, now: Instant) -> bool {
+/// Whether a lease that can still back `left` of validity
+/// ([`LeaseBook::left`](crate::leases::LeaseBook::left)) is overdue for renewal.
+fn lease_trouble(state: &ProxyState, left: Duration) -> bool {
     let config = &state.config;
     // A lease renewed on time has at least `lease_ttl - renew_interval` left; two
     // renewals missed (or half the TTL, if the interval is long) is trouble.
@@ -64,8 +64,7 @@ fn lease_trouble(state: &ProxyState, bucket: usize, lease: i64, now: Instant) ->
         .lease_ttl
         .saturating_sub(2 * config.renew_interval())
         .min(config.lease_ttl / 2);
-    let left = state.leases.valid_for(bucket, lease, Duration::MAX, now) + config.validity_margin;
-    left < trouble
+    left + config.validity_margin < trouble
 }
 
 /// Takes over `req`'s session: records it here, moves its keys onto this proxy's lease
@@ -127,7 +126,8 @@ pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResp
     })?;
     // A proxy that cannot renew its own lease would only add writes to a struggling
     // etcd (a whole fleet moving at once): it takes no one in.
-    if state.is_draining() || lease_trouble(state, bucket, lease, Instant::now()) {
+    if state.is_draining() || lease_trouble(state, state.leases.left(bucket, lease, Instant::now()))
+    {
         state.leases.unassign(bucket);
         return Err(ProxyError::Refused(
             "this proxy cannot renew its etcd lease either (or is draining); resume elsewhere"
@@ -243,12 +243,13 @@ fn resumed_here(
         fence,
         fence_revision,
     } = here;
-    let moved = |key: &str| {
-        moving
-            .iter()
-            .position(|(g, _)| g.key == key)
-            .is_some_and(|i| outcomes.get(i).is_some_and(Option::is_none))
+    // What became of `key`'s move: `Some(None)` moved, `Some(Some(why))` lost, `None`
+    // not named.
+    let outcome = |key: &str| {
+        let i = moving.iter().position(|(g, _)| g.key == key)?;
+        outcomes.get(i)
     };
+    let moved = |key: &str| matches!(outcome(key), Some(None));
     // An earlier stay here: what it had that did not move here (keys the client never
     // heard of) is deleted under that stay's lease.
     if let Some(earlier) = earlier {
@@ -270,8 +271,7 @@ fn resumed_here(
     }
     let mut lost = Vec::new();
     for (key, (grant, _)) in keys.into_iter().zip(named) {
-        let at = moving.iter().position(|(g, _)| g.key == grant.key);
-        if let Some(reason) = at.and_then(|i| outcomes.get(i).cloned().flatten()) {
+        if let Some(Some(reason)) = outcome(&grant.key).cloned() {
             state.sessions.forget_grant(&id, &grant.key, grant.revision);
             lost.push(LostKey {
                 key: Some(key),
@@ -327,12 +327,7 @@ async fn cover(
     acting_for_ms: u64,
 ) -> Result<(), ProxyError> {
     let needed = Duration::from_millis(acting_for_ms);
-    let covered = || {
-        state
-            .leases
-            .valid_for(bucket, lease, Duration::MAX, Instant::now())
-            >= needed
-    };
+    let covered = || state.leases.left(bucket, lease, Instant::now()) >= needed;
     if covered() {
         return Ok(());
     }

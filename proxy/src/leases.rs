@@ -102,13 +102,18 @@ impl LeaseBook {
     /// How long a client of a session on (`bucket`, `lease`) with `ttl` may act from
     /// `now`: `min(ttl, lower bound - now - margin)`, zero when the lease is gone.
     pub fn valid_for(&self, bucket: usize, lease: i64, ttl: Duration, now: Instant) -> Duration {
+        self.left(bucket, lease, now).min(ttl)
+    }
+
+    /// How long from `now` the lease can still back a client's validity: its lower
+    /// bound less the margin, zero when the lease is gone.
+    pub fn left(&self, bucket: usize, lease: i64, now: Instant) -> Duration {
         let b = &self.buckets[bucket];
         if b.lease.load(Ordering::Acquire) != lease {
             return Duration::ZERO;
         }
         let bound = b.bound.load(Ordering::Acquire);
-        let left = Duration::from_nanos(bound.saturating_sub(self.nanos(now)));
-        left.saturating_sub(self.margin).min(ttl)
+        Duration::from_nanos(bound.saturating_sub(self.nanos(now))).saturating_sub(self.margin)
     }
 
     /// Picks the bucket with a live lease and the fewest sessions, and counts the new

@@ -93,6 +93,18 @@ pub struct Paused {
     pub token: String,
 }
 
+/// Runs one fault run with its files in a fresh temporary folder, which it returns (to
+/// keep, with `TempDir::keep`, when the run broke a rule).
+pub async fn run_in_temp_dir(
+    options: &RunOptions,
+) -> anyhow::Result<(tempfile::TempDir, RunReport)> {
+    let dir = tempfile::Builder::new()
+        .prefix("lockcell-chaos-")
+        .tempdir()?;
+    let report = run(dir.path(), options).await?;
+    Ok((dir, report))
+}
+
 /// Runs one fault run with its files under `dir`.
 pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> {
     let mut rng = StdRng::seed_from_u64(options.seed);

@@ -173,8 +173,9 @@ fn renew(state: &ProxyState, req: KeepAliveRequest, turn: f64) -> KeepAliveRespo
     };
     let mut hint = None;
     let validity = |r: Renewed| {
-        hint = crate::handover::move_hint(state, turn, r.bucket, r.lease, now);
-        state.leases.valid_for(r.bucket, r.lease, r.ttl, now)
+        let left = state.leases.left(r.bucket, r.lease, now);
+        hint = crate::handover::move_hint(state, turn, left, now);
+        left.min(r.ttl)
     };
     match state.sessions.renew(&req.session_id, now, validity) {
         Ok(valid_for) => {

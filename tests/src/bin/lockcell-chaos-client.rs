@@ -11,6 +11,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::Context;
+use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
 use clap::Parser;
 use lockcell_client::{
     Client, ClientOptions, Condition, Error, Session, SessionOptions, SessionState, Wait,
@@ -29,6 +30,19 @@ const ACT_EVERY: Duration = Duration::from_millis(20);
 /// How often the client writes its small key (acknowledged writes are checked against
 /// the store's history after the run).
 const WRITE_EVERY: Duration = Duration::from_millis(250);
+/// Retries of failed calls back off from 50 ms to this.
+const RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// How a failed connect, open or acquire is tried again: backing off, without end (the
+/// run ends the process).
+fn retries() -> ExponentialBuilder {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(50))
+        .with_max_delay(RETRY_MAX)
+        .with_jitter()
+        .without_max_times()
+}
+
 /// Why a hold ended when the client let go of it itself.
 const RELEASED: &str = "released";
 
@@ -140,24 +154,15 @@ async fn main() -> anyhow::Result<()> {
     let mut fenced = Fenced::connect(&args.fenced).await?;
     let mut rng = StdRng::seed_from_u64(args.seed);
     let options = ClientOptions::new(args.proxies.clone()).grace(args.grace);
-    let client = loop {
-        match Client::connect_with(options.clone()).await {
-            Ok(client) => break client,
-            Err(e) => {
-                eprintln!("{}: connect: {e}", args.name);
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
-    };
+    let client = (|| Client::connect_with(options.clone()))
+        .retry(retries())
+        .notify(|e, _| eprintln!("{}: connect: {e}", args.name))
+        .await?;
     loop {
-        let session = match open(&client, args.ttl, &args.name).await {
-            Ok(session) => session,
-            Err(e) => {
-                eprintln!("{}: open: {e}", args.name);
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-        };
+        let session = (|| open(&client, args.ttl, &args.name))
+            .retry(retries())
+            .notify(|e, _| eprintln!("{}: open: {e}", args.name))
+            .await?;
         hold_locks(
             &args,
             &client,
@@ -218,6 +223,7 @@ async fn hold_locks(
     rng: &mut StdRng,
 ) -> anyhow::Result<()> {
     let mut next_write = Instant::now();
+    let mut after_error = retries().build();
     loop {
         if session.state() == SessionState::Expired {
             return Ok(());
@@ -231,13 +237,16 @@ async fn hold_locks(
             .acquire(lock, Wait::Timeout(Duration::from_secs(1)))
             .await
         {
-            Ok(Some(guard)) => guard,
+            Ok(Some(guard)) => {
+                after_error = retries().build();
+                guard
+            }
             Ok(None) => continue,
             Err(Error::SessionExpired { .. }) => return Ok(()),
             Err(e) => {
-                // Its proxy went away mid-call, say: the session moves; try again.
+                // etcd away for a moment, say: try again, backing off.
                 eprintln!("{}: acquire {lock}: {e}", args.name);
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                tokio::time::sleep(after_error.next().unwrap_or(RETRY_MAX)).await;
                 continue;
             }
         };

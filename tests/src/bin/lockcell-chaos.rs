@@ -41,10 +41,7 @@ async fn main() -> anyhow::Result<()> {
     let mut failing = Vec::new();
     while started.elapsed() < args.duration && args.runs.is_none_or(|n| runs < n) {
         let seed = first + runs;
-        let dir = tempfile::Builder::new()
-            .prefix("lockcell-chaos-")
-            .tempdir()?;
-        let report = chaos::run(dir.path(), &RunOptions::new(seed)).await?;
+        let (dir, report) = chaos::run_in_temp_dir(&RunOptions::new(seed)).await?;
         let v = &report.verdict;
         println!(
             "run {runs} seed {seed}: faults {:?}, {} grants, {} acts ({} refused by fencing), {} acknowledged writes, {} violations",

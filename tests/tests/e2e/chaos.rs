@@ -19,10 +19,7 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(rand::random::<u16>) as u64;
     println!("fault run seed {seed} (replay: LOCKCELL_CHAOS_SEED={seed})");
-    let dir = tempfile::Builder::new()
-        .prefix("lockcell-chaos-")
-        .tempdir()?;
-    let report = chaos::run(dir.path(), &RunOptions::new(seed)).await?;
+    let (dir, report) = chaos::run_in_temp_dir(&RunOptions::new(seed)).await?;
     let v = &report.verdict;
     println!(
         "faults {:?}: {} grants, {} acts ({} refused by the fenced resource), {} writes accepted, {} acknowledged small-key writes checked, {} violations",
@@ -61,12 +58,9 @@ pub async fn a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline(
 ) -> anyhow::Result<()> {
     let seed = rand::random::<u16>() as u64;
     println!("seed {seed}");
-    let dir = tempfile::Builder::new()
-        .prefix("lockcell-pause-")
-        .tempdir()?;
     let mut options = RunOptions::new(seed);
     options.faults = vec!["pause-client"];
-    let report = chaos::run(dir.path(), &options).await?;
+    let (_dir, report) = chaos::run_in_temp_dir(&options).await?;
     let paused = report
         .paused
         .clone()
