@@ -1,19 +1,67 @@
 #!/bin/sh
 # Installs what building and testing lockcell needs, only when it is missing:
 # protoc (etcd-client's build needs it), etcd and etcdctl (the tests start real etcd).
+#
+# Also, when missing, the servers only the audit store tests use: clickhouse-server
+# (Debian package) and the S3-compatible moto server (PyPI, into a virtualenv at
+# .lockcell-tools/venv). These are optional: if they cannot be installed, setup says
+# so and succeeds, and those tests report themselves skipped.
 set -eu
 
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv="$root/.lockcell-tools/venv"
+
+can_apt() {
+    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1
+}
+
+apt_updated=""
+apt_install() {
+    if [ -z "$apt_updated" ]; then
+        apt-get update -qq || return 1
+        apt_updated=yes
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# Mandatory: building and the etcd tests fail without these.
 need=""
 command -v protoc >/dev/null 2>&1 || need="$need protobuf-compiler"
 command -v etcd >/dev/null 2>&1 || need="$need etcd-server"
 command -v etcdctl >/dev/null 2>&1 || need="$need etcd-client"
-[ -z "$need" ] && exit 0
-
-if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-    echo "lockcell setup: missing:$need" >&2
-    echo "lockcell setup: install these Debian packages (or put protoc, etcd and etcdctl on PATH) and run again." >&2
-    exit 1
+if [ -n "$need" ]; then
+    if ! can_apt; then
+        echo "lockcell setup: missing:$need" >&2
+        echo "lockcell setup: install these Debian packages (or put protoc, etcd and etcdctl on PATH) and run again." >&2
+        exit 1
+    fi
+    echo "lockcell setup: installing$need"
+    # shellcheck disable=SC2086
+    apt_install $need
 fi
-echo "lockcell setup: installing$need"
-apt-get update -qq
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null
+
+# Optional: ClickHouse for the audit store tests.
+if ! command -v clickhouse-server >/dev/null 2>&1 && ! command -v clickhouse >/dev/null 2>&1 && [ ! -x /usr/sbin/clickhouse-server ]; then
+    if can_apt && echo "lockcell setup: installing clickhouse-server" && apt_install clickhouse-server; then
+        :
+    else
+        echo "lockcell setup: missing: clickhouse-server (Debian package); the ClickHouse audit store tests will be skipped" >&2
+    fi
+fi
+
+# Optional: moto, an S3-compatible server, for the audit archive tests.
+if [ ! -x "$venv/bin/moto_server" ]; then
+    if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1 && can_apt; then
+        echo "lockcell setup: installing python3-venv"
+        apt_install python3 python3-venv || true
+    fi
+    echo "lockcell setup: installing moto[server] into $venv"
+    if python3 -m venv "$venv" >/dev/null \
+        && "$venv/bin/pip" install -q --disable-pip-version-check 'moto[server]>=5,<6' \
+        && [ -x "$venv/bin/moto_server" ]; then
+        :
+    else
+        echo "lockcell setup: missing: moto_server (PyPI moto[server] in $venv); the S3 audit archive tests will be skipped" >&2
+    fi
+fi
+exit 0

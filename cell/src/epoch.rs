@@ -1,8 +1,10 @@
 //! The epoch record at `/sys/epoch`: which cell this is and which epoch it is in.
 //!
-//! Created on first start when absent, by whichever process gets there first (a
-//! create-if-absent transaction, so two starting proxies agree). The epoch is raised on
-//! every restore from backup, so fencing tokens keep rising across a restore.
+//! Created once per cell by `lockcell-cell init` (a create-if-absent transaction, so two
+//! runs agree); proxies only read it and refuse to serve without it. The epoch is raised
+//! by `lockcell-cell bump-epoch` after every restore from backup: a restored store's
+//! revisions go back to the backup's, and the epoch, the first part of every fencing
+//! token, keeps the tokens rising across it.
 
 use std::time::Duration;
 
@@ -30,6 +32,81 @@ impl EpochRecord {
     }
 }
 
+/// The epoch record as stored: its content and the etcd mod revision it was written at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    pub record: EpochRecord,
+    pub mod_revision: i64,
+}
+
+/// Reads the epoch record; `None` when the cell has none yet.
+pub async fn read(kv: &mut KvClient, timeout: Duration) -> Result<Option<Stored>, CellError> {
+    let key = keyspace::epoch_key();
+    let resp = with_timeout("read epoch record", timeout, kv.get(key, None)).await?;
+    resp.kvs()
+        .first()
+        .map(|kv| {
+            Ok(Stored {
+                record: decode(kv.value())?,
+                mod_revision: kv.mod_revision(),
+            })
+        })
+        .transpose()
+}
+
+/// Raises the epoch by one, keeping the cluster id: the step after a restore from backup.
+/// Returns the record before and after. Refuses a cell with no record (a cell that was
+/// never initialised, or etcd pointed at the wrong data) rather than creating one.
+pub async fn bump(
+    kv: &mut KvClient,
+    timeout: Duration,
+) -> Result<(EpochRecord, Stored), CellError> {
+    let key = keyspace::epoch_key();
+    let Some(before) = read(kv, timeout).await? else {
+        return Err(CellError::CorruptRecord {
+            key: key.to_owned(),
+            reason: "there is no epoch record to raise; a new cell is set up with `lockcell-cell init`, and a restored one keeps the record of its backup".to_owned(),
+        });
+    };
+    let after = EpochRecord {
+        epoch: before.record.epoch + 1,
+        ..before.record.clone()
+    };
+    let body = serde_json::to_vec(&after).expect("epoch record serializes");
+    // Only over the record just read: two bumps at once raise it once each, never
+    // to the same number.
+    let txn = Txn::new()
+        .when([Compare::mod_revision(
+            key,
+            CompareOp::Equal,
+            before.mod_revision,
+        )])
+        .and_then([TxnOp::put(key, body, None)]);
+    let resp = with_timeout("raise epoch", timeout, kv.txn(txn)).await?;
+    if !resp.succeeded() {
+        return Err(CellError::CorruptRecord {
+            key: key.to_owned(),
+            reason: "the record changed while it was being raised (another bump-epoch?); read it again and decide".to_owned(),
+        });
+    }
+    let mod_revision = resp.header().map(|h| h.revision()).unwrap_or_default();
+    tracing::warn!(cluster.id = %after.cluster_id, from = before.record.epoch, to = after.epoch, "raised the cell's epoch");
+    Ok((
+        before.record,
+        Stored {
+            record: after,
+            mod_revision,
+        },
+    ))
+}
+
+fn decode(body: &[u8]) -> Result<EpochRecord, CellError> {
+    serde_json::from_slice(body).map_err(|e| CellError::CorruptRecord {
+        key: keyspace::epoch_key().to_owned(),
+        reason: e.to_string(),
+    })
+}
+
 /// Reads the epoch record, creating it (epoch 1, a new cluster id) when absent.
 pub async fn ensure(kv: &mut KvClient, timeout: Duration) -> Result<EpochRecord, CellError> {
     let key = keyspace::epoch_key();
@@ -54,8 +131,5 @@ pub async fn ensure(kv: &mut KvClient, timeout: Duration) -> Result<EpochRecord,
             reason: "present in the compare, absent in the read".to_owned(),
         });
     };
-    serde_json::from_slice(&stored).map_err(|e| CellError::CorruptRecord {
-        key: key.to_owned(),
-        reason: e.to_string(),
-    })
+    decode(&stored)
 }

@@ -24,6 +24,11 @@ pub enum CellError {
     /// A record in etcd could not be read; someone wrote it by hand or a newer version did.
     #[error("record at {key} is not readable: {reason}")]
     CorruptRecord { key: String, reason: String },
+    /// The cell is not the one the caller knew: its epoch record changed (a restore from
+    /// backup and `bump-epoch`) or its revisions went backwards (a restore without one).
+    /// Granting on would hand out tokens out of order; the proxy stops instead.
+    #[error("the cell changed under this proxy: {reason}")]
+    CellChanged { reason: String },
 }
 
 impl CellError {

@@ -5,7 +5,7 @@
 //! | `/sys/epoch` | the epoch record | none |
 //! | `/l/<lock>/!x` | the exclusive holder of `<lock>` | the holder session's proxy lease |
 //! | `/l/<lock>/!s/<session>` | one shared holder of `<lock>` | same |
-//! | `/l/<lock>/!r` | written with every clean release, for lock-delay | none |
+//! | `/l/<lock>/!r` | written with every clean release, for lock-delay and the audit trail; deleted by the next grant | the releasing holder's proxy lease |
 //! | `/q/<lock>/!x/<session>`, `/q/<lock>/!s/<session>` | a waiter of a fair class, in line by create revision | the waiter's proxy lease |
 //!
 //! Lock names are `/`-separated paths (`billing/nightly`), so one lock's name may be a

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod arbiter;
+pub mod audit;
 pub mod epoch;
 pub mod error;
 pub mod keyspace;

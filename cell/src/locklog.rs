@@ -15,7 +15,7 @@ use etcd_client::{
 use serde::{Deserialize, Serialize};
 
 use crate::error::{with_timeout, CellError};
-use crate::keyspace::{prefix_end, LockName, Mode};
+use crate::keyspace::{self, prefix_end, LockName, Mode};
 
 /// Most guarded deletes sent in one transaction (etcd refuses more than 128 operations).
 pub const MAX_DELETES_PER_TXN: usize = 64;
@@ -30,6 +30,12 @@ pub struct HolderRecord {
     pub proxy: String,
     /// The identity the client gave when it opened its session.
     pub identity: String,
+    /// The zone of the proxy that made the grant.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub zone: String,
+    /// Whether the lock is an election (its holder is the leader).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub election: bool,
     /// Wall-clock time of the grant (milliseconds since the Unix epoch), for people only.
     pub acquired_at_ms: u64,
     /// An election leader's value (empty for plain locks).
@@ -72,11 +78,26 @@ pub struct LockLog {
     kv: KvClient,
     /// Deadline for each etcd call, so a store that went away turns into an error.
     timeout: Duration,
+    /// The mod revision of the epoch record this log's tokens are minted under; every
+    /// grant compares it, so no grant is made after the epoch was raised.
+    epoch_revision: Option<i64>,
 }
 
 impl LockLog {
     pub fn new(kv: KvClient, timeout: Duration) -> Self {
-        LockLog { kv, timeout }
+        LockLog {
+            kv,
+            timeout,
+            epoch_revision: None,
+        }
+    }
+
+    /// Grants only while the epoch record is the one written at `mod_revision`: a grant
+    /// after `bump-epoch` fails with [`CellError::CellChanged`] instead of minting a
+    /// token of the old epoch.
+    pub fn with_epoch_guard(mut self, mod_revision: i64) -> Self {
+        self.epoch_revision = Some(mod_revision);
+        self
     }
 
     /// Grants `lock` in `mode` to `record.session` on `lease` unless a holder is in the
@@ -94,11 +115,15 @@ impl LockLog {
         let key = lock.holder_key(mode, &record.session);
         let body = serde_json::to_vec(record).expect("holder record serializes");
         let mut when = vec![holders_compatible(lock, mode)];
-        let mut then = vec![TxnOp::put(
-            key.as_bytes(),
-            body,
-            Some(PutOptions::new().with_lease(lease)),
-        )];
+        let mut then = vec![
+            TxnOp::put(
+                key.as_bytes(),
+                body,
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+            // The last clean release's marker has done its work (its write was seen).
+            TxnOp::delete(lock.released_key().as_bytes(), None),
+        ];
         if let Some((waiter, queued)) = queued {
             let waiter = lock.waiter_key(mode, waiter);
             when.push(Compare::create_revision(
@@ -117,13 +142,24 @@ impl LockLog {
         if mode == Mode::Shared {
             then.push(TxnOp::get(key.as_bytes(), None));
         }
-        let txn = Txn::new()
-            .when(when)
-            .and_then(then)
-            .or_else([TxnOp::get(key.as_bytes(), None)]);
+        let mut otherwise = vec![TxnOp::get(key.as_bytes(), None)];
+        if let Some(epoch_revision) = self.epoch_revision {
+            let epoch = keyspace::epoch_key();
+            when.push(Compare::mod_revision(
+                epoch,
+                CompareOp::Equal,
+                epoch_revision,
+            ));
+            otherwise.push(TxnOp::get(epoch, None));
+        }
+        let txn = Txn::new().when(when).and_then(then).or_else(otherwise);
         let resp = with_timeout("acquire txn", self.timeout, self.kv.clone().txn(txn)).await?;
         let seen_at = resp.header().map(|h| h.revision()).unwrap_or_default();
-        let mine = first_kv(&resp.op_responses())
+        let ops = resp.op_responses();
+        if !resp.succeeded() {
+            self.check_epoch(&ops)?;
+        }
+        let mine = kv_of(&ops, &key)
             .map(|kv| decode(&key, kv.value()).map(|r| (r, kv.create_revision(), kv.lease())))
             .transpose()?;
         if resp.succeeded() && mode == Mode::Exclusive {
@@ -150,6 +186,27 @@ impl LockLog {
                 reason: "granted, but the holder key did not read back".to_owned(),
             }),
             _ => Ok(Acquired::Busy { seen_at }),
+        }
+    }
+
+    /// Fails when the epoch record read back by a refused grant is not the one this
+    /// log mints tokens under.
+    fn check_epoch(&self, ops: &[TxnOpResponse]) -> Result<(), CellError> {
+        let Some(expected) = self.epoch_revision else {
+            return Ok(());
+        };
+        let epoch = keyspace::epoch_key();
+        match kv_of(ops, epoch) {
+            Some(kv) if kv.mod_revision() == expected => Ok(()),
+            Some(kv) => Err(CellError::CellChanged {
+                reason: format!(
+                    "the epoch record {epoch} was rewritten at revision {} (it was written at {expected} when this proxy started): the cell was restored and its epoch raised; restart the proxy to serve the new epoch",
+                    kv.mod_revision()
+                ),
+            }),
+            None => Err(CellError::CellChanged {
+                reason: format!("the epoch record {epoch} is gone; the store is not the cell this proxy started on"),
+            }),
         }
     }
 
@@ -357,9 +414,9 @@ impl LockLog {
     }
 
     /// Releases `session`'s `mode` hold of `lock` if it is still the grant made at
-    /// `revision` on `lease`. `marked` writes the release marker that tells lock-delay a
-    /// clean release from a vanished holder (only classes with a lock-delay need it).
-    /// Returns whether it deleted the hold.
+    /// `revision` on `lease`, writing the release marker in the same revision: it tells
+    /// lock-delay and the audit trail a clean release from a vanished holder. Returns
+    /// whether it deleted the hold.
     pub async fn release(
         &self,
         lock: &LockName,
@@ -367,15 +424,8 @@ impl LockLog {
         session: &str,
         revision: i64,
         lease: i64,
-        marked: bool,
     ) -> Result<bool, CellError> {
-        let txn = guarded_delete(
-            lock,
-            &lock.holder_key(mode, session),
-            revision,
-            lease,
-            marked,
-        );
+        let txn = guarded_delete(lock, &lock.holder_key(mode, session), revision, lease, true);
         let resp = with_timeout("release txn", self.timeout, self.kv.clone().txn(txn)).await?;
         Ok(resp.succeeded())
     }
@@ -608,14 +658,16 @@ fn holders_compatible(lock: &LockName, mode: Mode) -> Compare {
 }
 
 /// Delete `key` only while it is the grant `revision` on `lease`; a clean release also
-/// writes the lock's release marker in the same revision.
+/// writes the lock's release marker in the same revision. Only that write is read (as a
+/// watch event); the marker itself lives on the holder's lease and goes with the next
+/// grant of the lock, so markers never pile up.
 fn guarded_delete(lock: &LockName, key: &str, revision: i64, lease: i64, clean: bool) -> Txn {
     let mut then = vec![TxnOp::delete(key.as_bytes(), None)];
     if clean {
         then.push(TxnOp::put(
             lock.released_key().as_bytes(),
             revision.to_string(),
-            None,
+            Some(PutOptions::new().with_lease(lease)),
         ));
     }
     Txn::new()
@@ -712,6 +764,14 @@ fn move_outcome(grant: &Grant, op: &TxnOpResponse) -> Option<String> {
             grant.key,
             kv.lease()
         ),
+    })
+}
+
+/// The key-value `key` read by one of `ops`, if it was there.
+fn kv_of<'a>(ops: &'a [TxnOpResponse], key: &str) -> Option<&'a etcd_client::KeyValue> {
+    ops.iter().find_map(|op| match op {
+        TxnOpResponse::Get(get) => get.kvs().first().filter(|kv| kv.key() == key.as_bytes()),
+        _ => None,
     })
 }
 

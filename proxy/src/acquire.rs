@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lockcell_cell::locklog::{Acquired, Grant, HolderRecord, Place};
-use lockcell_cell::{LockName, Mode};
+use lockcell_cell::{CellError, LockName, Mode};
 use tokio::time::Instant;
 
 use crate::classes::LockClass;
@@ -41,6 +41,8 @@ pub struct Call {
     pub wait: Option<Duration>,
     /// An election leader's value.
     pub value: String,
+    /// Whether the lock is an election (said in the holder record, for the audit trail).
+    pub election: bool,
     /// The client's id for this acquire, the same on every retry (checked: letters and
     /// digits): a fair waiter that retries, here or on another proxy, keeps its place.
     pub call_id: Option<String>,
@@ -70,6 +72,12 @@ pub struct Granted {
 /// Acquires per the lock's class; `Ok(None)` when the wait ran out.
 pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Granted>, ProxyError> {
     let started = Instant::now();
+    if let Some(reason) = state.cell.changed() {
+        return Err(CellError::CellChanged {
+            reason: reason.to_owned(),
+        }
+        .into());
+    }
     let session = live(state, &call.session_id)?;
     let class = state
         .classes
@@ -405,25 +413,43 @@ async fn grant(
         session: call.session_id.clone(),
         proxy: state.proxy_id.clone(),
         identity: session.identity.clone(),
+        zone: state.config.zone.clone(),
+        election: call.election,
         acquired_at_ms: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or_default(),
         value: call.value.clone(),
     };
+    let caller = state;
     let (state, lock, mode, session) =
         (state.clone(), call.lock.clone(), call.mode, session.clone());
     let queued = queued.map(|(id, rev)| (id.to_owned(), rev));
     let attempt = tokio::spawn(async move {
         metrics::counter!(m::GRANT_ATTEMPTS).increment(1);
         let queued = queued.as_ref().map(|(id, rev)| (id.as_str(), *rev));
+        let seen = state.cell.seen();
         let outcome = state
             .locklog
             .acquire(&lock, mode, session.lease, &record, queued)
             .await?;
-        let Acquired::Granted { revision, fresh } = outcome else {
-            return Ok(None);
+        let (revision, fresh) = match outcome {
+            Acquired::Granted { revision, fresh } => (revision, fresh),
+            Acquired::Busy { seen_at } => {
+                state.cell.saw(seen_at);
+                return Ok(None);
+            }
         };
+        if fresh {
+            if let Err(e) = state.cell.check_grant(revision, seen) {
+                // Made in a store that is not the one this proxy knew: take it back.
+                state.cleanup.push(
+                    session.lease,
+                    vec![Grant::hold(&lock, mode, &session.id, revision)],
+                );
+                return Err(e.into());
+            }
+        }
         if *state.shutdown.borrow() {
             // The proxy's leases are about to be revoked with every key on them.
             return Err(ProxyError::ShuttingDown);
@@ -453,9 +479,13 @@ async fn grant(
             fresh,
         }))
     });
-    attempt
+    let outcome = attempt
         .await
-        .map_err(|e| ProxyError::BadArgument(format!("grant attempt failed: {e}")))?
+        .map_err(|e| ProxyError::BadArgument(format!("grant attempt failed: {e}")))?;
+    if let Err(ProxyError::Store(CellError::CellChanged { reason })) = &outcome {
+        caller.cell_changed(reason);
+    }
+    outcome
 }
 
 /// The grant this session already holds on the lock, recorded again: for a retried

@@ -99,6 +99,14 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
 
+    /// A folder where the proxy remembers the cell it served (cluster id, epoch, highest
+    /// revision seen), so that after a restart it refuses a cell whose epoch went
+    /// backwards, whose cluster id changed, or whose revisions went backwards within one
+    /// epoch (a restore from backup without `lockcell-cell bump-epoch`). Without it the
+    /// proxy checks only while it runs.
+    #[arg(long, env = "LOCKCELL_STATE_DIR")]
+    pub state_dir: Option<std::path::PathBuf>,
+
     /// How long a shutdown waits for clients to disconnect before it cuts them off.
     #[arg(long, env = "LOCKCELL_SHUTDOWN_GRACE", default_value = "5s", value_parser = humantime::parse_duration)]
     pub shutdown_grace: Duration,

@@ -91,6 +91,8 @@ impl From<ProxyError> for Status {
                 status
             }
             ProxyError::Store(CellError::BadKey { .. }) => Status::invalid_argument(message),
+            // Another proxy, started on the changed cell, may serve the call.
+            ProxyError::Store(CellError::CellChanged { .. }) => Status::unavailable(message),
             ProxyError::Store(ref c) | ProxyError::StoreDuring { source: ref c, .. } => {
                 if c.is_retriable() {
                     Status::unavailable(message)

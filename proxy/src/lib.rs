@@ -11,6 +11,7 @@
 pub mod acquire;
 pub mod admin;
 pub mod barrier;
+pub mod cellguard;
 pub mod classes;
 pub mod cleanup;
 pub mod config;
@@ -96,6 +97,7 @@ pub async fn run(
         classes::Classes::builtin(config.session_ttl_min, config.session_ttl_max),
     )?;
     let (etcd, epoch, start_revision) = connect(&config, drain.subscribe()).await?;
+    let cell = cellguard::CellGuard::start(&epoch, start_revision, config.state_dir.as_deref())?;
     let grpc = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the gRPC address {}", config.listen))?;
@@ -113,14 +115,15 @@ pub async fn run(
     );
     let state = Arc::new(ProxyState {
         proxy_id: proxy_id.clone(),
-        epoch: epoch.epoch,
+        cell,
         sessions: Default::default(),
         leases: leases::LeaseBook::new(
             config.leases as usize,
             config.validity_margin,
             Instant::now(),
         ),
-        locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout),
+        locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout)
+            .with_epoch_guard(epoch.mod_revision),
         kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
         reads,
         queues: events.queues().clone(),
@@ -150,6 +153,10 @@ pub async fn run(
         tasks.spawn(lease_keeper::run(state.clone(), bucket));
     }
     tasks.spawn(reaper::run(state.clone()));
+    tasks.spawn({
+        let state = state.clone();
+        async move { state.cell.keep_remembering(Duration::from_secs(5)).await }
+    });
     tasks.spawn(admin::serve(admin, prometheus, state.clone()));
     tasks.spawn(
         state
@@ -187,8 +194,8 @@ pub async fn run(
         zone = %state.config.zone,
         grpc = %state.config.listen,
         admin = %state.config.admin_listen,
-        cluster.id = %epoch.cluster_id,
-        epoch = epoch.epoch,
+        cluster.id = %epoch.record.cluster_id,
+        epoch = epoch.record.epoch,
         leases = state.leases.len(),
         "lockcell-proxy ready"
     );
@@ -238,6 +245,12 @@ pub async fn run(
         }
     }
     revoke_all(&state).await;
+    if let Some(reason) = state.cell.changed() {
+        anyhow::bail!("stopped: the cell changed under this proxy: {reason}");
+    }
+    if let Err(e) = state.cell.remember() {
+        tracing::warn!(error = %e, "could not remember the cell's revision");
+    }
     tracing::info!("lockcell-proxy stopped");
     Ok(())
 }
@@ -250,11 +263,12 @@ fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
         .with_keepalive(Some(Duration::from_secs(30)))
 }
 
-/// Connects to etcd, retrying until it answers or shutdown, and reads the epoch record.
+/// Connects to etcd, retrying until it answers or shutdown, and reads the epoch record
+/// (retrying too while the cell has none: `lockcell-cell init` writes it).
 async fn connect(
     config: &ProxyConfig,
     mut stop: watch::Receiver<bool>,
-) -> anyhow::Result<(etcd_client::Client, epoch::EpochRecord, i64)> {
+) -> anyhow::Result<(etcd_client::Client, epoch::Stored, i64)> {
     let options = ConnectOptions::new()
         .with_connect_timeout(config.etcd_timeout)
         .with_keep_alive(Duration::from_secs(2), config.etcd_timeout)
@@ -266,7 +280,15 @@ async fn connect(
         let attempt = async {
             let client =
                 etcd_client::Client::connect(&config.etcd_endpoints, Some(options.clone())).await?;
-            let record = epoch::ensure(&mut client.kv_client(), config.etcd_timeout).await?;
+            let record = epoch::read(&mut client.kv_client(), config.etcd_timeout)
+                .await?
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "the cell has no epoch record at {}: set a new cell up once with `lockcell-cell init --etcd {}`",
+                        keyspace::epoch_key(),
+                        config.etcd_endpoints.join(",")
+                    )
+                })?;
             let mut kv = client.kv_client();
             let now = lockcell_cell::error::with_timeout(
                 "read revision",
@@ -284,7 +306,7 @@ async fn connect(
                     etcd = %config.etcd_endpoints.join(","),
                     error = %e,
                     retry_in = ?pause,
-                    "etcd is unreachable; retrying"
+                    "cannot start on the cell yet; retrying"
                 );
             }
         }

@@ -20,7 +20,13 @@ async fn main() -> anyhow::Result<()> {
         std::process::exit(2);
     }
     let prometheus = lockcell_proxy::install_metrics()?;
-    lockcell_proxy::run(config, prometheus, shutdown_signal()).await
+    if let Err(e) = lockcell_proxy::run(config, prometheus, shutdown_signal()).await {
+        // One line that says why, causes included (no backtrace in the log).
+        tracing::error!("stopped: {e:#}");
+        eprintln!("lockcell-proxy: {e:#}");
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 async fn shutdown_signal() {

@@ -20,8 +20,9 @@ pub struct ProxyState {
     pub config: ProxyConfig,
     /// Written into every grant record so an investigator can tell which proxy granted.
     pub proxy_id: String,
-    /// The cell's epoch, the first part of every fencing token this proxy hands out.
-    pub epoch: u64,
+    /// The cell's epoch record (the first part of every fencing token this proxy hands
+    /// out) and the checks that stop the proxy when the cell changes under it.
+    pub cell: crate::cellguard::CellGuard,
     pub sessions: SessionTable,
     pub leases: LeaseBook,
     pub locklog: LockLog,
@@ -61,10 +62,23 @@ impl ProxyState {
             .send_if_modified(|draining| !std::mem::replace(draining, true))
     }
 
+    /// Stops trusting the cell: no more grants, and a drain that ends in an error exit.
+    pub fn cell_changed(&self, reason: &str) {
+        if self.cell.set_changed(reason) {
+            tracing::error!(%reason, "the cell changed under this proxy; granting nothing more, draining and stopping");
+            self.start_drain();
+        }
+    }
+
+    /// The epoch the proxy mints tokens in.
+    pub fn epoch(&self) -> u64 {
+        self.cell.record.epoch
+    }
+
     /// The fencing token of a grant made at `revision` in this cell's epoch.
     pub fn token(&self, revision: i64) -> FencingToken {
         FencingToken {
-            epoch: self.epoch,
+            epoch: self.cell.record.epoch,
             revision,
         }
     }

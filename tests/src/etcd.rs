@@ -111,7 +111,15 @@ impl EtcdCluster {
             dir: dir.to_path_buf(),
         };
         cluster.wait_ready().await?;
+        cluster.init_cell().await?;
         Ok(cluster)
+    }
+
+    /// Writes the cell's epoch record unless it is there (what `lockcell-cell init`
+    /// does), as every cell needs before proxies serve it.
+    pub async fn init_cell(&self) -> anyhow::Result<lockcell_cell::epoch::EpochRecord> {
+        let mut kv = self.client().await?.kv_client();
+        Ok(lockcell_cell::epoch::ensure(&mut kv, Duration::from_secs(5)).await?)
     }
 
     /// Client endpoints of every member.

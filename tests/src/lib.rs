@@ -4,9 +4,11 @@
 //! Used by the end-to-end tests in `tests/e2e` and by the `lockcell-dev` local cell.
 #![forbid(unsafe_code)]
 
+pub mod audit;
 pub mod bins;
 pub mod chaos;
 pub mod checker;
+pub mod clickhouse;
 pub mod etcd;
 pub mod fenced;
 pub mod fenced_server;
@@ -14,6 +16,7 @@ pub mod ports;
 pub mod process;
 pub mod proxy;
 pub mod relay;
+pub mod s3;
 pub mod wait;
 
 pub use etcd::EtcdCluster;

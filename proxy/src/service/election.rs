@@ -50,6 +50,7 @@ impl ElectionApi for ElectionService {
             mode: Mode::Exclusive,
             wait: req.wait_timeout_ms.map(Duration::from_millis),
             value: req.value,
+            election: true,
             call_id: None,
         };
         let reply = match acquire::acquire(&self.state, call).await? {
@@ -87,7 +88,7 @@ impl ElectionApi for ElectionService {
                 req.session_id
             ))
         };
-        if token.epoch != state.epoch
+        if token.epoch != state.epoch()
             || !state
                 .sessions
                 .holds(&req.session_id, &election.exclusive_key(), token.revision)

@@ -38,6 +38,7 @@ impl LockApi for LockService {
             session_id: req.session_id,
             wait: req.wait_timeout_ms.map(Duration::from_millis),
             value: String::new(),
+            election: false,
             call_id: acquire::call_id(req.call_id)?,
         };
         let reply = match acquire::acquire(&self.state, call).await? {
@@ -102,7 +103,7 @@ pub async fn release(
         .sessions
         .get(session_id, Instant::now())
         .map_err(|gone| ProxyError::session(session_id, gone))?;
-    if token.epoch != state.epoch {
+    if token.epoch != state.epoch() {
         // A grant of another epoch is not a current grant: nothing of it is ours to delete.
         return Ok(false);
     }
@@ -116,23 +117,9 @@ pub async fn release(
             other.lock.as_str()
         )));
     }
-    // Only a lock-delay needs to tell a clean release from a vanished holder.
-    let marked = !state
-        .classes
-        .current()
-        .class_for(lock.as_str())
-        .lock_delay
-        .is_zero();
     let released = state
         .locklog
-        .release(
-            &lock,
-            mode,
-            session_id,
-            token.revision,
-            session.lease,
-            marked,
-        )
+        .release(&lock, mode, session_id, token.revision, session.lease)
         .await?;
     state.sessions.forget_grant(
         session_id,

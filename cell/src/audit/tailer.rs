@@ -1,0 +1,581 @@
+//! The audit tailer: a read-only watch over the whole key space, with previous values,
+//! turned into [`AuditEvent`]s and written to the store and the archive.
+//!
+//! What each change means is read off the key space ([`crate::keyspace`]):
+//!
+//! | change | event |
+//! | --- | --- |
+//! | holder key created (`/l/<lock>/!x`, `/l/<lock>/!s/<session>`) | granted (leader changed for an election) |
+//! | holder key rewritten on another lease, same create revision | moved (the session moved to another proxy) |
+//! | election holder key rewritten with a new value | leader changed (a proclaim) |
+//! | holder key deleted in the same revision as the lock's release marker | released |
+//! | holder key deleted without it | expired (session ended, proxy lease ran out) |
+//! | waiter key created (`/q/…`) | waiting |
+//! | small key written or deleted (`/k/…`) | key written / key deleted |
+//! | `/sys/…` written or deleted | config changed |
+//!
+//! Release markers, session fences (`/s/…`) and waiter deletions (the waiter was
+//! granted, or gave up) make no event of their own.
+//!
+//! The tailer starts from the lowest checkpoint of its sinks, so a restart neither loses
+//! nor duplicates anything. When etcd has compacted past that point the revisions in
+//! between cannot be read any more: the tailer says so, records a [`EventKind::Gap`]
+//! event naming the range, counts it, and goes on from the compaction point.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use etcd_client::{Event, EventType, GetOptions, KeyValue, WatchOptions};
+use tokio::sync::watch;
+
+use super::archive::Archive;
+use super::store::Store;
+use super::{AuditError, AuditEvent, EventKind};
+use crate::epoch::EpochRecord;
+use crate::error::{with_timeout, CellError};
+use crate::keyspace::{self, KeyKind, LockName};
+use crate::locklog::HolderRecord;
+
+/// Why the tailer stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TailerError {
+    #[error(transparent)]
+    Etcd(#[from] CellError),
+    #[error(transparent)]
+    Sink(#[from] AuditError),
+}
+
+/// Longest value kept in an event's `detail`, in bytes.
+pub const DETAIL_BYTES: usize = 256;
+
+/// How the tailer batches its writes.
+#[derive(Debug, Clone)]
+pub struct TailerOptions {
+    /// Most events written to the store in one batch.
+    pub batch_events: usize,
+    /// Longest an event waits before its batch is written.
+    pub batch_wait: Duration,
+    /// An archive segment is written once it has this many events...
+    pub segment_events: usize,
+    /// ...or is this old.
+    pub segment_age: Duration,
+    /// Deadline of each call to etcd.
+    pub etcd_timeout: Duration,
+}
+
+impl Default for TailerOptions {
+    fn default() -> Self {
+        TailerOptions {
+            batch_events: 1000,
+            batch_wait: Duration::from_millis(200),
+            segment_events: 50_000,
+            segment_age: Duration::from_secs(300),
+            etcd_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What the tailer has done, for `/metrics` and logs.
+#[derive(Debug, Default)]
+pub struct TailerStats {
+    /// Highest revision every sink has.
+    pub checkpoint: AtomicI64,
+    /// The store's revision as last heard from etcd.
+    pub head: AtomicI64,
+    pub events: AtomicU64,
+    /// Revisions etcd compacted away before the tailer read them.
+    pub gap_revisions: AtomicU64,
+    /// Writes a sink failed for a while (kept and tried again).
+    pub write_failures: AtomicU64,
+}
+
+impl TailerStats {
+    /// How many revisions the audit trail is behind the store.
+    pub fn lag(&self) -> i64 {
+        (self.head.load(Ordering::Relaxed) - self.checkpoint.load(Ordering::Relaxed)).max(0)
+    }
+}
+
+/// Follows etcd into the store and the archive until `stop` turns true; then writes
+/// what it has and flushes the archive.
+pub async fn run(
+    etcd: etcd_client::Client,
+    store: &Store,
+    mut archive: Option<&mut Archive>,
+    options: &TailerOptions,
+    stats: Arc<TailerStats>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), TailerError> {
+    let store_at = store.checkpoint().await?;
+    let archive_at = match archive.as_deref() {
+        Some(a) => a.checkpoint().await?,
+        None => store_at,
+    };
+    let mut next = store_at.min(archive_at) + 1;
+    stats.checkpoint.store(next - 1, Ordering::Relaxed);
+    let mut reading = Reading::start(&etcd, next, options.etcd_timeout).await?;
+    tracing::info!(
+        store = %store.describe(),
+        archive = %archive.as_deref().map(|a| a.describe()).unwrap_or_else(|| "none".into()),
+        from_revision = next,
+        epoch = reading.epoch.epoch,
+        "audit tailer started"
+    );
+    let mut pending: Vec<AuditEvent> = Vec::new();
+    let mut through = next - 1;
+    loop {
+        let mut watch = etcd.watch_client();
+        let opened = watch
+            .watch(
+                "",
+                Some(
+                    WatchOptions::new()
+                        .with_all_keys()
+                        .with_prev_key()
+                        .with_start_revision(next)
+                        .with_progress_notify(),
+                ),
+            )
+            .await;
+        let mut stream = match opened {
+            Ok(opened) => opened,
+            Err(e) => {
+                tracing::warn!(error = %e, "the audit watch could not start; retrying");
+                if wait_or_stop(&mut stop, Duration::from_secs(1)).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        let mut due = tokio::time::Instant::now() + options.batch_wait;
+        loop {
+            let message = tokio::select! {
+                m = stream.message() => m,
+                _ = tokio::time::sleep_until(due) => {
+                    write(store, archive.as_deref_mut(), &mut pending, through, options, &stats).await?;
+                    due = tokio::time::Instant::now() + options.batch_wait;
+                    continue;
+                }
+                _ = stop.wait_for(|s| *s) => break,
+            };
+            let resp = match message {
+                Ok(Some(resp)) => resp,
+                Ok(None) => {
+                    tracing::warn!("the audit watch ended; starting it again");
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the audit watch broke; starting it again");
+                    break;
+                }
+            };
+            if let Some(header) = resp.header() {
+                stats.head.fetch_max(header.revision(), Ordering::Relaxed);
+            }
+            if resp.compact_revision() > 0 {
+                let lost_to = resp.compact_revision() - 1;
+                let lost = (lost_to - next + 1).max(0);
+                tracing::warn!(
+                    from = next,
+                    to = lost_to,
+                    revisions = lost,
+                    "etcd compacted revisions before the audit tailer read them; they are missing from the audit trail"
+                );
+                stats
+                    .gap_revisions
+                    .fetch_add(lost as u64, Ordering::Relaxed);
+                pending.push(gap(next, lost_to));
+                through = lost_to;
+                next = resp.compact_revision();
+                reading.epoch = Reading::epoch_at(&etcd, 0, options.etcd_timeout).await?;
+                break;
+            }
+            if resp.canceled() {
+                tracing::warn!(
+                    reason = resp.cancel_reason(),
+                    "the audit watch was cancelled; starting it again"
+                );
+                break;
+            }
+            if resp.events().is_empty() {
+                // A progress notification: nothing happened up to its revision.
+                if let Some(header) = resp.header() {
+                    through = through.max(header.revision());
+                    next = next.max(through + 1);
+                }
+                continue;
+            }
+            for group in by_revision(resp.events()) {
+                let revision = group[0]
+                    .kv()
+                    .map(KeyValue::mod_revision)
+                    .unwrap_or_default();
+                pending.extend(reading.events(revision, &group, now_ms()));
+                through = revision;
+                next = revision + 1;
+            }
+            stats.head.fetch_max(through, Ordering::Relaxed);
+            if pending.len() >= options.batch_events {
+                write(
+                    store,
+                    archive.as_deref_mut(),
+                    &mut pending,
+                    through,
+                    options,
+                    &stats,
+                )
+                .await?;
+                due = tokio::time::Instant::now() + options.batch_wait;
+            }
+        }
+        if *stop.borrow() {
+            break;
+        }
+        if wait_or_stop(&mut stop, Duration::from_millis(200)).await {
+            break;
+        }
+    }
+    write(
+        store,
+        archive.as_deref_mut(),
+        &mut pending,
+        through,
+        options,
+        &stats,
+    )
+    .await?;
+    if let Some(archive) = archive {
+        archive.flush().await?;
+    }
+    tracing::info!(checkpoint = through, "audit tailer stopped");
+    Ok(())
+}
+
+/// Writes the pending events (whole revisions) to the store and the archive. A sink that
+/// is briefly away keeps them pending for the next try (both sinks skip what they
+/// already have); any other failure stops the tailer.
+async fn write(
+    store: &Store,
+    archive: Option<&mut Archive>,
+    pending: &mut Vec<AuditEvent>,
+    through: i64,
+    options: &TailerOptions,
+    stats: &TailerStats,
+) -> Result<(), AuditError> {
+    match write_once(store, archive, pending, through, options, stats).await {
+        Err(e) if e.is_retriable() => {
+            stats.write_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, pending = pending.len(), "an audit sink is away; keeping the events to write them later");
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+async fn write_once(
+    store: &Store,
+    archive: Option<&mut Archive>,
+    pending: &mut Vec<AuditEvent>,
+    through: i64,
+    options: &TailerOptions,
+    stats: &TailerStats,
+) -> Result<(), AuditError> {
+    if through <= stats.checkpoint.load(Ordering::Relaxed) && pending.is_empty() {
+        return Ok(());
+    }
+    store.write(pending).await?;
+    if let Some(archive) = archive {
+        archive.write(pending, through);
+        archive
+            .flush_if_due(options.segment_events, options.segment_age)
+            .await?;
+    }
+    stats
+        .events
+        .fetch_add(pending.len() as u64, Ordering::Relaxed);
+    stats.checkpoint.store(through, Ordering::Relaxed);
+    pending.clear();
+    Ok(())
+}
+
+async fn wait_or_stop(stop: &mut watch::Receiver<bool>, pause: Duration) -> bool {
+    let stopped = tokio::select! {
+        _ = tokio::time::sleep(pause) => false,
+        _ = stop.wait_for(|s| *s) => true,
+    };
+    stopped || *stop.borrow()
+}
+
+/// The events of one watch reply, cut into whole revisions in order.
+fn by_revision(events: &[Event]) -> Vec<Vec<&Event>> {
+    let mut groups: Vec<Vec<&Event>> = Vec::new();
+    for event in events {
+        let revision = event.kv().map(KeyValue::mod_revision).unwrap_or_default();
+        match groups.last_mut() {
+            Some(group)
+                if group[0]
+                    .kv()
+                    .map(KeyValue::mod_revision)
+                    .unwrap_or_default()
+                    == revision =>
+            {
+                group.push(event)
+            }
+            _ => groups.push(vec![event]),
+        }
+    }
+    groups
+}
+
+fn gap(from: i64, to: i64) -> AuditEvent {
+    AuditEvent {
+        revision: to,
+        seq: 0,
+        time_ms: now_ms(),
+        kind: EventKind::Gap,
+        name: String::new(),
+        mode: String::new(),
+        token: String::new(),
+        session: String::new(),
+        proxy: String::new(),
+        zone: String::new(),
+        identity: String::new(),
+        lease: 0,
+        detail: format!("revisions {from}..={to} were compacted before the tailer read them"),
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// What reading the log needs to remember: the epoch tokens are minted in.
+struct Reading {
+    epoch: EpochRecord,
+}
+
+impl Reading {
+    async fn start(
+        etcd: &etcd_client::Client,
+        from: i64,
+        timeout: Duration,
+    ) -> Result<Reading, TailerError> {
+        Ok(Reading {
+            epoch: Reading::epoch_at(etcd, from - 1, timeout).await?,
+        })
+    }
+
+    /// The epoch record as of `revision` (0: now), or now when etcd has compacted that
+    /// revision away; a cell without one is in epoch 0.
+    async fn epoch_at(
+        etcd: &etcd_client::Client,
+        revision: i64,
+        timeout: Duration,
+    ) -> Result<EpochRecord, TailerError> {
+        let key = keyspace::epoch_key();
+        let mut kv = etcd.kv_client();
+        let options = (revision > 0).then(|| GetOptions::new().with_revision(revision));
+        let resp = match with_timeout("read epoch record", timeout, kv.get(key, options)).await {
+            Ok(resp) => resp,
+            // Compacted away: the record as it is now.
+            Err(_) if revision > 0 => {
+                with_timeout("read epoch record", timeout, kv.get(key, None)).await?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(resp
+            .kvs()
+            .first()
+            .and_then(|kv| serde_json::from_slice(kv.value()).ok())
+            .unwrap_or(EpochRecord {
+                cluster_id: String::new(),
+                epoch: 0,
+            }))
+    }
+
+    /// The audit events of one revision's changes, in order.
+    fn events(&mut self, revision: i64, changes: &[&Event], now_ms: i64) -> Vec<AuditEvent> {
+        // A delete of a holder key is a release only when the same revision wrote the
+        // lock's release marker.
+        let released: HashSet<LockName> = changes
+            .iter()
+            .filter(|e| e.event_type() == EventType::Put)
+            .filter_map(|e| keyspace::parse_key(e.kv()?.key()))
+            .filter(|(_, kind)| *kind == KeyKind::Released)
+            .map(|(lock, _)| lock)
+            .collect();
+        let mut out = Vec::new();
+        for change in changes {
+            let Some(kv) = change.kv() else { continue };
+            let event = self.event(change, kv, &released, now_ms);
+            if let Some(mut event) = event {
+                event.revision = revision;
+                event.seq = out.len() as u32;
+                out.push(event);
+            }
+        }
+        out
+    }
+
+    fn event(
+        &mut self,
+        change: &Event,
+        kv: &KeyValue,
+        released: &HashSet<LockName>,
+        now_ms: i64,
+    ) -> Option<AuditEvent> {
+        let put = change.event_type() == EventType::Put;
+        let prev = change.prev_kv();
+        let blank = |kind: EventKind, name: String| AuditEvent {
+            revision: 0,
+            seq: 0,
+            time_ms: now_ms,
+            kind,
+            name,
+            mode: String::new(),
+            token: String::new(),
+            session: String::new(),
+            proxy: String::new(),
+            zone: String::new(),
+            identity: String::new(),
+            lease: kv.lease(),
+            detail: String::new(),
+        };
+        let key = kv.key();
+        if let Some(name) = keyspace::kv_name(key) {
+            let mut event = blank(
+                if put {
+                    EventKind::KeyWritten
+                } else {
+                    EventKind::KeyDeleted
+                },
+                name.to_owned(),
+            );
+            if put {
+                event.detail = cut(kv.value());
+            } else if let Some(prev) = prev {
+                event.lease = prev.lease();
+            }
+            return Some(event);
+        }
+        if key.starts_with(b"/sys/") {
+            let name = String::from_utf8_lossy(key).into_owned();
+            let mut event = blank(EventKind::ConfigChanged, name);
+            if put {
+                event.detail = cut(kv.value());
+                if key == keyspace::epoch_key().as_bytes() {
+                    if let Ok(record) = serde_json::from_slice::<EpochRecord>(kv.value()) {
+                        self.epoch = record;
+                    }
+                }
+            } else {
+                event.detail = "deleted".to_owned();
+            }
+            return Some(event);
+        }
+        let (lock, kind) = keyspace::parse_key(key)?;
+        let name = lock.as_str().to_owned();
+        match kind {
+            KeyKind::Released => None,
+            KeyKind::Waiter => {
+                if !put || kv.create_revision() != kv.mod_revision() {
+                    return None;
+                }
+                let waiter = String::from_utf8_lossy(kv.value()).into_owned();
+                let mut event = blank(EventKind::Waiting, name);
+                event.mode = waiter_mode(key).to_owned();
+                event.session = waiter.split('-').next().unwrap_or_default().to_owned();
+                event.detail = waiter;
+                Some(event)
+            }
+            KeyKind::Exclusive | KeyKind::Shared => {
+                let mode = if kind == KeyKind::Exclusive {
+                    "exclusive"
+                } else {
+                    "shared"
+                };
+                // The holder as it is now (a put) or as it was (a delete).
+                let holder = if put { Some(kv) } else { prev };
+                let record: Option<HolderRecord> =
+                    holder.and_then(|h| serde_json::from_slice(h.value()).ok());
+                let record = record.unwrap_or_else(|| HolderRecord {
+                    session: String::new(),
+                    proxy: String::new(),
+                    identity: String::new(),
+                    zone: String::new(),
+                    election: false,
+                    acquired_at_ms: 0,
+                    value: String::new(),
+                });
+                let kind = if !put {
+                    if released.contains(&lock) {
+                        EventKind::Released
+                    } else {
+                        EventKind::Expired
+                    }
+                } else if kv.create_revision() == kv.mod_revision() {
+                    if record.election {
+                        EventKind::LeaderChanged
+                    } else {
+                        EventKind::Granted
+                    }
+                } else {
+                    let before: Option<HolderRecord> =
+                        prev.and_then(|p| serde_json::from_slice(p.value()).ok());
+                    match prev {
+                        Some(p) if p.lease() != kv.lease() => EventKind::Moved,
+                        _ if record.election && before.is_some_and(|b| b.value != record.value) => {
+                            EventKind::LeaderChanged
+                        }
+                        // A retried shared acquire rewriting its own key: nothing new.
+                        _ => return None,
+                    }
+                };
+                let mut event = blank(kind, name);
+                if matches!(kind, EventKind::Granted | EventKind::LeaderChanged)
+                    && record.acquired_at_ms > 0
+                    && kv.create_revision() == kv.mod_revision()
+                {
+                    event.time_ms = record.acquired_at_ms as i64;
+                }
+                let created = holder.map(KeyValue::create_revision).unwrap_or_default();
+                event.mode = mode.to_owned();
+                event.token = format!("{}:{created}", self.epoch.epoch);
+                event.lease = holder.map(KeyValue::lease).unwrap_or_default();
+                event.detail = record.value.clone();
+                event.session = record.session;
+                event.proxy = record.proxy;
+                event.zone = record.zone;
+                event.identity = record.identity;
+                Some(event)
+            }
+        }
+    }
+}
+
+fn waiter_mode(key: &[u8]) -> &'static str {
+    let key = String::from_utf8_lossy(key);
+    if key.contains("/!s/") {
+        "shared"
+    } else {
+        "exclusive"
+    }
+}
+
+/// A value for `detail`: text, cut to [`DETAIL_BYTES`] on a character boundary.
+fn cut(value: &[u8]) -> String {
+    let text = String::from_utf8_lossy(value);
+    if text.len() <= DETAIL_BYTES {
+        return text.into_owned();
+    }
+    let mut end = DETAIL_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}

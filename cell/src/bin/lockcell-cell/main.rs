@@ -1,0 +1,381 @@
+//! `lockcell-cell`: the cell's own services and records.
+//!
+//! - `init`: writes a new cell's epoch record (once; proxies refuse a cell without one).
+//! - `epoch`: shows it.
+//! - `bump-epoch`: raises the epoch after a restore from backup.
+//! - `audit [rebuild]`: the audit tailer, and the rebuild of its store from the archive.
+#![forbid(unsafe_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use lockcell_cell::audit::archive::{Archive, ArchiveOptions};
+use lockcell_cell::audit::store::Store;
+use lockcell_cell::audit::tailer::{self, TailerOptions, TailerStats};
+use lockcell_cell::epoch;
+use tracing_subscriber::EnvFilter;
+
+mod http;
+
+/// lockcell-cell: the authoritative side of a lockcell cell.
+///
+/// A cell is one etcd cluster. This binary sets its records up (`init`, `bump-epoch`)
+/// and runs its audit tailer (`audit`), which turns every change in the cell into an
+/// audit event (granted, released, expired, moved, leader changed, waiting, key
+/// written or deleted, config changed) and keeps them in a store (SQLite by default,
+/// ClickHouse when configured) and an archive (a local folder by default, S3 when
+/// configured).
+#[derive(Debug, Parser)]
+#[command(name = "lockcell-cell", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Writes a new cell's epoch record (/sys/epoch: a new cluster id, epoch 1). Does
+    /// nothing to a cell that has one. Proxies do not serve a cell without it.
+    Init(EtcdArgs),
+    /// Shows the cell's epoch record.
+    Epoch(EtcdArgs),
+    /// Raises the cell's epoch by one. Run it after restoring etcd from a backup and
+    /// before any proxy serves the restored cell: the restored store's revisions go back
+    /// to the backup's, and the epoch (the first part of every fencing token) keeps
+    /// tokens rising. A running proxy's next grant fails on the new record, and it stops granting, drains and exits.
+    BumpEpoch(EtcdArgs),
+    /// Runs the audit tailer until SIGTERM or SIGINT; `audit rebuild` first rebuilds
+    /// the store from the archive.
+    Audit(Box<AuditArgs>),
+}
+
+/// Where the cell's etcd is.
+#[derive(Debug, Clone, Args)]
+struct EtcdArgs {
+    /// etcd client endpoints, comma-separated.
+    #[arg(
+        long = "etcd",
+        env = "LOCKCELL_ETCD",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:2379"
+    )]
+    etcd_endpoints: Vec<String>,
+
+    /// Deadline of each call to etcd.
+    #[arg(long, env = "LOCKCELL_ETCD_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    etcd_timeout: Duration,
+
+    /// etcd user, when etcd runs with authentication on.
+    #[arg(long, env = "LOCKCELL_ETCD_USER")]
+    etcd_user: Option<String>,
+
+    /// That user's password (prefer the environment variable to the flag).
+    #[arg(long, env = "LOCKCELL_ETCD_PASSWORD", hide_env_values = true)]
+    etcd_password: Option<String>,
+}
+
+impl EtcdArgs {
+    async fn connect(&self) -> anyhow::Result<etcd_client::Client> {
+        let mut options = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(self.etcd_timeout)
+            .with_timeout(self.etcd_timeout);
+        if let Some(user) = &self.etcd_user {
+            options = options.with_user(user, self.etcd_password.clone().unwrap_or_default());
+        }
+        etcd_client::Client::connect(&self.etcd_endpoints, Some(options))
+            .await
+            .with_context(|| format!("connecting to etcd at {}", self.etcd_endpoints.join(",")))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum AuditAction {
+    /// Tail the cell into the store and the archive.
+    Run,
+    /// Empty the store, load it from the archive, then tail from there.
+    Rebuild,
+}
+
+#[derive(Debug, Clone, Args)]
+struct AuditArgs {
+    /// `run` (the default) or `rebuild`.
+    #[arg(value_enum, default_value = "run")]
+    action: AuditAction,
+
+    #[command(flatten)]
+    etcd: EtcdArgs,
+
+    /// The cell's data folder: the SQLite store and the local archive live here unless
+    /// --store and --archive say otherwise.
+    #[arg(long, env = "LOCKCELL_DATA_DIR", default_value = "lockcell-cell-data")]
+    data_dir: PathBuf,
+
+    /// The audit store: a SQLite file path (default DATA_DIR/audit.db), or a ClickHouse
+    /// HTTP URL such as http://127.0.0.1:8123/?database=lockcell&table=audit_events.
+    #[arg(long, env = "LOCKCELL_AUDIT_STORE")]
+    store: Option<String>,
+
+    /// The archive: a folder (default DATA_DIR/archive), or s3://BUCKET/PREFIX.
+    #[arg(long, env = "LOCKCELL_AUDIT_ARCHIVE")]
+    archive: Option<String>,
+
+    /// Keep no archive (the store then cannot be rebuilt).
+    #[arg(long, conflicts_with = "archive")]
+    no_archive: bool,
+
+    /// S3 endpoint for S3-compatible servers (MinIO); default AWS_ENDPOINT_URL or AWS.
+    #[arg(long, env = "LOCKCELL_S3_ENDPOINT")]
+    s3_endpoint: Option<String>,
+
+    /// S3 region; default AWS_REGION, else us-east-1.
+    #[arg(long, env = "LOCKCELL_S3_REGION")]
+    s3_region: Option<String>,
+
+    /// S3 access key id; default AWS_ACCESS_KEY_ID, or the instance's credentials.
+    #[arg(long, env = "LOCKCELL_S3_ACCESS_KEY_ID")]
+    s3_access_key_id: Option<String>,
+
+    /// S3 secret access key; default AWS_SECRET_ACCESS_KEY (prefer an environment
+    /// variable to the flag).
+    #[arg(long, env = "LOCKCELL_S3_SECRET_ACCESS_KEY", hide_env_values = true)]
+    s3_secret_access_key: Option<String>,
+
+    /// Days of events the store keeps (older days are dropped; ClickHouse by partition).
+    #[arg(long, env = "LOCKCELL_AUDIT_KEEP_DAYS", default_value_t = 90)]
+    keep_days: u32,
+
+    /// An archive segment is written once it holds this many events...
+    #[arg(long, env = "LOCKCELL_AUDIT_SEGMENT_EVENTS", default_value_t = 50_000)]
+    segment_events: usize,
+
+    /// ...or is this old.
+    #[arg(long, env = "LOCKCELL_AUDIT_SEGMENT_AGE", default_value = "5m", value_parser = humantime::parse_duration)]
+    segment_age: Duration,
+
+    /// The HTTP address: /healthz, /metrics (Prometheus) and /v1/audit (what
+    /// `lockctl audit` asks).
+    #[arg(long, env = "LOCKCELL_AUDIT_LISTEN", default_value = "127.0.0.1:7431")]
+    listen: SocketAddr,
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli.command).await {
+        eprintln!("lockcell-cell: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Init(etcd) => {
+            let client = etcd.connect().await?;
+            let before = epoch::read(&mut client.kv_client(), etcd.etcd_timeout).await?;
+            let record = epoch::ensure(&mut client.kv_client(), etcd.etcd_timeout).await?;
+            match before {
+                Some(_) => println!(
+                    "the cell already has its epoch record: cluster {} epoch {}; nothing written",
+                    record.cluster_id, record.epoch
+                ),
+                None => println!(
+                    "initialised the cell: cluster {} epoch {}",
+                    record.cluster_id, record.epoch
+                ),
+            }
+        }
+        Command::Epoch(etcd) => {
+            let client = etcd.connect().await?;
+            match epoch::read(&mut client.kv_client(), etcd.etcd_timeout).await? {
+                Some(stored) => println!(
+                    "cluster {} epoch {} (written at revision {})",
+                    stored.record.cluster_id, stored.record.epoch, stored.mod_revision
+                ),
+                None => anyhow::bail!(
+                    "the cell at {} has no epoch record; set it up with `lockcell-cell init`",
+                    etcd.etcd_endpoints.join(",")
+                ),
+            }
+        }
+        Command::BumpEpoch(etcd) => {
+            let client = etcd.connect().await?;
+            let (before, after) = epoch::bump(&mut client.kv_client(), etcd.etcd_timeout).await?;
+            println!(
+                "raised the epoch of cluster {} from {} to {} (at revision {}); tokens granted from now on start with {}:",
+                after.record.cluster_id,
+                before.epoch,
+                after.record.epoch,
+                after.mod_revision,
+                after.record.epoch
+            );
+        }
+        Command::Audit(args) => audit(*args).await?,
+    }
+    Ok(())
+}
+
+async fn audit(args: AuditArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("creating the data folder {}", args.data_dir.display()))?;
+    let store_spec = args
+        .store
+        .clone()
+        .unwrap_or_else(|| args.data_dir.join("audit.db").display().to_string());
+    let store = Store::open(&store_spec).await?;
+    let archive_spec = (!args.no_archive).then(|| {
+        args.archive
+            .clone()
+            .unwrap_or_else(|| args.data_dir.join("archive").display().to_string())
+    });
+    let archive_options = ArchiveOptions {
+        endpoint: args.s3_endpoint.clone(),
+        region: args.s3_region.clone(),
+        access_key_id: args.s3_access_key_id.clone(),
+        secret_access_key: args.s3_secret_access_key.clone(),
+        ..ArchiveOptions::default()
+    };
+    let mut archive = match &archive_spec {
+        Some(spec) => Some(Archive::open(spec, archive_options.clone()).await?),
+        None => None,
+    };
+    // The retention sweep's own handle (the tailer writes through the other).
+    let expiring = match &archive_spec {
+        Some(spec) => Some(Archive::open(spec, archive_options).await?),
+        None => None,
+    };
+    if args.action == AuditAction::Rebuild {
+        let Some(archive) = &archive else {
+            anyhow::bail!(
+                "`audit rebuild` needs the archive; --no-archive leaves nothing to rebuild from"
+            );
+        };
+        rebuild(&store, archive).await?;
+    }
+
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    let stats = Arc::new(TailerStats::default());
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding the audit HTTP address {}", args.listen))?;
+    let store = Arc::new(store);
+    let server = tokio::spawn(http::serve(
+        listener,
+        prometheus,
+        store.clone(),
+        stats.clone(),
+        stop.clone(),
+    ));
+    let housekeeping = tokio::spawn(housekeeping(
+        store.clone(),
+        expiring,
+        args.keep_days,
+        stats.clone(),
+    ));
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let etcd = args.etcd.connect().await?;
+    let options = TailerOptions {
+        segment_events: args.segment_events,
+        segment_age: args.segment_age,
+        etcd_timeout: args.etcd.etcd_timeout,
+        ..TailerOptions::default()
+    };
+    tracing::info!(listen = %args.listen, "lockcell-cell audit ready");
+    let result = tailer::run(etcd, &store, archive.as_mut(), &options, stats, stop).await;
+    housekeeping.abort();
+    server.abort();
+    result.map_err(Into::into)
+}
+
+/// Empties the store and loads every archived event into it, a few revisions at a time.
+async fn rebuild(store: &Store, archive: &Archive) -> anyhow::Result<()> {
+    let events = archive.read_all().await?;
+    store.clear().await?;
+    let mut start = 0;
+    while start < events.len() {
+        // Whole revisions per write.
+        let mut end = (start + 10_000).min(events.len());
+        while end < events.len() && events[end].revision == events[end - 1].revision {
+            end += 1;
+        }
+        store.write(&events[start..end]).await?;
+        start = end;
+    }
+    tracing::info!(
+        events = events.len(),
+        through = events.last().map(|e| e.revision).unwrap_or_default(),
+        store = %store.describe(),
+        archive = %archive.describe(),
+        "rebuilt the audit store from the archive; the tailer goes on from there"
+    );
+    Ok(())
+}
+
+/// Drops what the retention rules no longer keep (hourly), and publishes the tailer's
+/// figures as metrics (every second).
+async fn housekeeping(
+    store: Arc<Store>,
+    archive: Option<Archive>,
+    keep_days: u32,
+    stats: Arc<TailerStats>,
+) {
+    let mut last_expiry: Option<tokio::time::Instant> = None;
+    loop {
+        if last_expiry.is_none_or(|t| t.elapsed() >= Duration::from_secs(3600)) {
+            last_expiry = Some(tokio::time::Instant::now());
+            let now = now_ms();
+            match store.expire(keep_days, now).await {
+                Ok(n) => tracing::info!(removed = n, keep_days, "audit store retention"),
+                Err(e) => tracing::warn!(error = %e, "audit store retention failed"),
+            }
+            if let Some(archive) = &archive {
+                match archive.expire(now).await {
+                    Ok(n) => tracing::info!(segments = n, "audit archive retention"),
+                    Err(e) => tracing::warn!(error = %e, "audit archive retention failed"),
+                }
+            }
+        }
+        metrics::gauge!("lockcell_audit_lag_revisions").set(stats.lag() as f64);
+        metrics::gauge!("lockcell_audit_checkpoint_revision")
+            .set(stats.checkpoint.load(Ordering::Relaxed) as f64);
+        metrics::counter!("lockcell_audit_events_total")
+            .absolute(stats.events.load(Ordering::Relaxed));
+        metrics::counter!("lockcell_audit_gap_revisions_total")
+            .absolute(stats.gap_revisions.load(Ordering::Relaxed));
+        metrics::counter!("lockcell_audit_write_failures_total")
+            .absolute(stats.write_failures.load(Ordering::Relaxed));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
+        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+    }
+}
