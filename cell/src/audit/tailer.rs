@@ -37,6 +37,7 @@ use crate::epoch::EpochRecord;
 use crate::error::{with_timeout, CellError};
 use crate::keyspace::{self, KeyKind, LockName};
 use crate::locklog::HolderRecord;
+use crate::rbac;
 
 /// Why the tailer stopped.
 #[derive(Debug, thiserror::Error)]
@@ -115,7 +116,11 @@ pub async fn run(
     };
     let mut next = store_at.min(archive_at) + 1;
     stats.checkpoint.store(next - 1, Ordering::Relaxed);
-    let mut reading = Reading::start(&etcd, next, options.etcd_timeout).await?;
+    let Some(epoch) = epoch_when_reachable(&etcd, next - 1, options.etcd_timeout, &mut stop).await
+    else {
+        return Ok(());
+    };
+    let mut reading = Reading { epoch };
     tracing::info!(
         store = %store.describe(),
         archive = %archive.as_deref().map(|a| a.describe()).unwrap_or_else(|| "none".into()),
@@ -174,9 +179,18 @@ pub async fn run(
             if let Some(header) = resp.header() {
                 stats.head.fetch_max(header.revision(), Ordering::Relaxed);
             }
+            if resp.compact_revision() > 0 && resp.compact_revision() <= next {
+                // Compacted up to where the tailer already is: nothing was lost.
+                tracing::info!(
+                    compacted = resp.compact_revision(),
+                    next,
+                    "the audit watch was compacted behind the tailer; starting it again"
+                );
+                break;
+            }
             if resp.compact_revision() > 0 {
                 let lost_to = resp.compact_revision() - 1;
-                let lost = (lost_to - next + 1).max(0);
+                let lost = lost_to - next + 1;
                 tracing::warn!(
                     from = next,
                     to = lost_to,
@@ -189,7 +203,10 @@ pub async fn run(
                 pending.push(gap(next, lost_to));
                 through = lost_to;
                 next = resp.compact_revision();
-                reading.epoch = Reading::epoch_at(&etcd, 0, options.etcd_timeout).await?;
+                match epoch_when_reachable(&etcd, 0, options.etcd_timeout, &mut stop).await {
+                    Some(epoch) => reading.epoch = epoch,
+                    None => break,
+                }
                 break;
             }
             if resp.canceled() {
@@ -197,10 +214,24 @@ pub async fn run(
                     reason = resp.cancel_reason(),
                     "the audit watch was cancelled; starting it again"
                 );
+                // etcd turns a new watch away in-band, which the client's own log-in
+                // again (on refused calls) never sees: an idle token expired, or the
+                // member restarted and forgot it.
+                if rbac::refusal_in(resp.cancel_reason()) == Some(rbac::Refusal::TokenExpired) {
+                    if let Err(e) = etcd.refresh_token().await {
+                        tracing::warn!(error = %e, "logging in to etcd again failed");
+                    }
+                }
                 break;
             }
+            if resp.created() {
+                // The watch's acknowledgement: its header is the store's revision now,
+                // not how far the watch has sent events.
+                continue;
+            }
             if resp.events().is_empty() {
-                // A progress notification: nothing happened up to its revision.
+                // A progress notification (sent only once the watch has caught up):
+                // nothing happened up to its revision.
                 if let Some(header) = resp.header() {
                     through = through.max(header.revision());
                     next = next.max(through + 1);
@@ -359,17 +390,26 @@ struct Reading {
     epoch: EpochRecord,
 }
 
-impl Reading {
-    async fn start(
-        etcd: &etcd_client::Client,
-        from: i64,
-        timeout: Duration,
-    ) -> Result<Reading, TailerError> {
-        Ok(Reading {
-            epoch: Reading::epoch_at(etcd, from - 1, timeout).await?,
-        })
+/// The epoch record as of `revision` (0: now), asking until etcd answers; `None` when
+/// the tailer was stopped first.
+async fn epoch_when_reachable(
+    etcd: &etcd_client::Client,
+    revision: i64,
+    timeout: Duration,
+    stop: &mut watch::Receiver<bool>,
+) -> Option<EpochRecord> {
+    loop {
+        match Reading::epoch_at(etcd, revision, timeout).await {
+            Ok(epoch) => return Some(epoch),
+            Err(e) => tracing::warn!(error = %e, "etcd is unreachable; retrying"),
+        }
+        if wait_or_stop(stop, Duration::from_secs(1)).await {
+            return None;
+        }
     }
+}
 
+impl Reading {
     /// The epoch record as of `revision` (0: now), or now when etcd has compacted that
     /// revision away; a cell without one is in epoch 0.
     async fn epoch_at(

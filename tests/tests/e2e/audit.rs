@@ -189,6 +189,7 @@ async fn trail_survives_restart_and_rebuild(
         .push(line(EventKind::Released, "audit/lock", token));
     let tailer = AuditProcess::start("run", &endpoints, &data, sinks, &log).await?;
     trail_is(&tailer, &expected).await?;
+    lockctl_audit_shows(&tailer, &expected[0].1).await?;
     tailer.stop().await?;
 
     let store = Store::open(store_spec).await?;
@@ -218,6 +219,102 @@ async fn trail_survives_restart_and_rebuild(
         before.len(),
         after.len()
     );
+
+    // Revisions etcd compacted before the tailer read them: said, counted, recorded.
+    let client = Client::connect(&proxy.url()).await?;
+    let session = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    let lost = session
+        .acquire("audit/lost", Wait::Try)
+        .await?
+        .context("free lock not granted")?;
+    lost.release().await?;
+    session.close().await?;
+    let now = etcd.revision().await?;
+    etcd.client()
+        .await?
+        .compact(
+            now,
+            Some(etcd_client::CompactionOptions::new().with_physical()),
+        )
+        .await?;
+    let tailer = AuditProcess::start("run", &endpoints, &data, sinks, &log).await?;
+    let gaps = eventually(
+        "the tailer records the gap",
+        Duration::from_secs(30),
+        || async {
+            let gaps: Vec<AuditEvent> = store
+                .all()
+                .await?
+                .into_iter()
+                .filter(|e| e.kind == EventKind::Gap)
+                .collect();
+            Ok((!gaps.is_empty()).then_some(gaps))
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}; tailer log:\n{}", tailer.process.log_tail(8)))?;
+    ensure!(
+        gaps.len() == 1 && gaps[0].revision == now - 1,
+        "the gap is not the compacted range ending at {}: {gaps:?}",
+        now - 1
+    );
+    ensure!(
+        tailer.history("audit/lost").await?.is_empty(),
+        "events etcd had compacted away appeared in the trail"
+    );
+    eventually(
+        "the gap is counted in /metrics",
+        Duration::from_secs(10),
+        || async {
+            let metrics = lockcell_tests::proxy::http_get(&tailer.addr, "/metrics").await?;
+            let counted = metrics
+                .lines()
+                .find_map(|l| l.strip_prefix("lockcell_audit_gap_revisions_total "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .unwrap_or(0.0);
+            Ok((counted >= 1.0).then_some(()))
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}; tailer log:\n{}", tailer.process.log_tail(20)))?;
+    tailer.stop().await?;
+    ensure!(
+        std::fs::read_to_string(&log)?
+            .contains("compacted revisions before the audit tailer read them"),
+        "the tailer's log does not say revisions were lost"
+    );
+    Ok(())
+}
+
+/// `lockctl audit NAME` prints one line per event of the trail, with its token.
+async fn lockctl_audit_shows(tailer: &AuditProcess, want: &[Line]) -> anyhow::Result<()> {
+    let (_, name, _) = &want[0];
+    let out = tokio::process::Command::new(lockcell_tests::bins::workspace_bin("lockctl")?)
+        .args(["audit", name, "--since", "1h", "--audit"])
+        .arg(format!("http://{}", tailer.addr))
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "lockctl audit failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let shown: Vec<&str> = stdout.lines().collect();
+    ensure!(
+        shown.len() == want.len(),
+        "lockctl audit printed {} lines for {} events:\n{stdout}",
+        shown.len(),
+        want.len()
+    );
+    for (line, (kind, _, token)) in shown.iter().zip(want) {
+        ensure!(
+            line.contains(kind.as_str()) && line.contains(&format!("token={token}")),
+            "lockctl audit line {line:?} is not {kind} with token {token}"
+        );
+    }
     Ok(())
 }
 

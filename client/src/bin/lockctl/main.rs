@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 mod announce;
+mod audit;
 mod check;
 mod exit;
 mod hold;
@@ -116,6 +117,9 @@ enum Cmd {
     /// Be a member of a group while lockctl (or CMD) runs.
     #[command(long_about = ANNOUNCE_LONG)]
     Announce(AnnounceArgs),
+    /// Print who held lock NAME (or led, or wrote key NAME), when, with which token.
+    #[command(long_about = audit::AUDIT_LONG)]
+    Audit(audit::AuditArgs),
 }
 
 #[tokio::main]
@@ -175,6 +179,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             leader::observe(&proxy, &args, &mut signals).await
         }
         Cmd::Check(args) => check::check(&proxy, &args).await,
+        Cmd::Audit(args) => audit::audit(&args).await,
         Cmd::Get(args) => kv::get(&proxy, &args).await,
         Cmd::Put(args) => kv::put(&proxy, &args).await,
         Cmd::Del(args) => kv::del(&proxy, &args).await,

@@ -1,0 +1,149 @@
+//! `lockctl audit`: who held a lock (or led an election, or wrote a key), when, with
+//! which token, from the cell's audit tailer.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use serde::Deserialize;
+
+use crate::print_line;
+
+pub(crate) const AUDIT_LONG: &str = "\
+Print the audit history of lock, election or small key NAME: one line per event, oldest
+first, from the audit tailer (`lockcell-cell audit`) of the cell.
+
+Each line is: time (UTC), event, fencing token, session, identity, proxy, zone. Events:
+granted, released, expired (the holder's session ended or its proxy's lease ran out
+without a release), moved (the holder's session moved to another proxy; same token),
+leader_changed, waiting, key_written, key_deleted.
+
+The history is as of the tailer's checkpoint, printed last: events newer than it are not
+in yet.
+
+Example:
+  lockctl audit billing/nightly --since 24h --audit http://cell-1:7431";
+
+/// Arguments of `lockctl audit`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct AuditArgs {
+    /// The lock, election or small key, e.g. billing/nightly.
+    pub(crate) name: String,
+
+    /// Only events of the last T (e.g. 1h, 7d).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub(crate) since: Option<Duration>,
+
+    /// At most this many events.
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) limit: usize,
+
+    /// The audit tailer's HTTP address.
+    #[arg(long, env = "LOCKCELL_AUDIT", default_value = "http://127.0.0.1:7431")]
+    pub(crate) audit: String,
+
+    /// Print the events as JSON lines instead.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// The fields of an audit event lockctl shows.
+#[derive(Debug, Deserialize, serde::Serialize)]
+struct Event {
+    revision: i64,
+    time_ms: i64,
+    kind: String,
+    name: String,
+    #[serde(default)]
+    token: String,
+    #[serde(default)]
+    session: String,
+    #[serde(default)]
+    identity: String,
+    #[serde(default)]
+    proxy: String,
+    #[serde(default)]
+    zone: String,
+    #[serde(default)]
+    detail: String,
+}
+
+/// `lockctl audit`.
+pub(crate) async fn audit(args: &AuditArgs) -> anyhow::Result<u8> {
+    let mut url = reqwest::Url::parse(&args.audit).with_context(|| {
+        format!(
+            "--audit {:?} is not a URL (e.g. http://127.0.0.1:7431)",
+            args.audit
+        )
+    })?;
+    url.set_path("/v1/audit");
+    {
+        let mut query = url.query_pairs_mut();
+        query.append_pair("name", &args.name);
+        query.append_pair("limit", &args.limit.to_string());
+        if let Some(since) = args.since {
+            let now = SystemTime::now().duration_since(UNIX_EPOCH)?;
+            let from = now.saturating_sub(since).as_millis();
+            query.append_pair("since_ms", &from.to_string());
+        }
+    }
+    let reply = reqwest::get(url.clone())
+        .await
+        .with_context(|| format!("asking the audit tailer at {}", args.audit))?;
+    let status = reply.status();
+    let checkpoint = reply
+        .headers()
+        .get("lockcell-audit-checkpoint")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let body = reply.text().await?;
+    if !status.is_success() {
+        anyhow::bail!(
+            "the audit tailer at {} answered {status}: {}",
+            args.audit,
+            body.trim()
+        );
+    }
+    let events: Vec<Event> =
+        serde_json::from_str(&body).context("the audit tailer's answer is not a list of events")?;
+    for event in &events {
+        if args.json {
+            print_line(&serde_json::to_string(event)?)?;
+        } else {
+            print_line(&text(event))?;
+        }
+    }
+    if !args.json {
+        let shown = checkpoint.unwrap_or_else(|| "unknown".into());
+        eprintln!(
+            "{} events; audit trail complete up to revision {shown}",
+            events.len()
+        );
+    }
+    Ok(0)
+}
+
+fn text(e: &Event) -> String {
+    let when = chrono::DateTime::from_timestamp_millis(e.time_ms)
+        .map(|t| t.format("%Y-%m-%dT%H:%M:%S%.3fZ").to_string())
+        .unwrap_or_else(|| e.time_ms.to_string());
+    let dash = |s: &str| {
+        if s.is_empty() {
+            "-".to_owned()
+        } else {
+            s.to_owned()
+        }
+    };
+    let mut line = format!(
+        "{when} {:<14} token={} session={} identity={:?} proxy={} zone={}",
+        e.kind,
+        dash(&e.token),
+        dash(&e.session),
+        e.identity,
+        dash(&e.proxy),
+        dash(&e.zone),
+    );
+    if !e.detail.is_empty() {
+        line.push_str(&format!(" value={:?}", e.detail));
+    }
+    line
+}
