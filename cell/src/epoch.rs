@@ -27,9 +27,24 @@ impl EpochRecord {
     fn fresh() -> Self {
         EpochRecord {
             cluster_id: format!("{:016x}", rand::random::<u64>()),
-            epoch: 1,
+            epoch: next_epoch(0),
         }
     }
+}
+
+/// The epoch after `epoch`: the current Unix time in seconds, or `epoch + 1` if that is
+/// not above it. A cell cannot remember the epochs it served before a restore (the
+/// restored record is the backup's), so a plain `+ 1` could hand out an epoch again: a
+/// backup from epoch 2 restored into a cell at epoch 3 would be raised to 3. The clock
+/// keeps every raise above every earlier one, restores of old backups and wiped cells
+/// set up anew included, as long as it does not go back by more than the time between
+/// two raises.
+pub fn next_epoch(epoch: u64) -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    now.max(epoch + 1)
 }
 
 /// The epoch record as stored: its content and the etcd mod revision it was written at.
@@ -54,7 +69,8 @@ pub async fn read(kv: &mut KvClient, timeout: Duration) -> Result<Option<Stored>
         .transpose()
 }
 
-/// Raises the epoch by one, keeping the cluster id: the step after a restore from backup.
+/// Raises the epoch ([`next_epoch`]), keeping the cluster id: the step after a restore
+/// from backup.
 /// Returns the record before and after. Refuses a cell with no record (a cell that was
 /// never initialised, or etcd pointed at the wrong data) rather than creating one.
 pub async fn bump(
@@ -69,7 +85,7 @@ pub async fn bump(
         });
     };
     let after = EpochRecord {
-        epoch: before.record.epoch + 1,
+        epoch: next_epoch(before.record.epoch),
         ..before.record.clone()
     };
     let body = serde_json::to_vec(&after).expect("epoch record serializes");
@@ -132,4 +148,19 @@ pub async fn ensure(kv: &mut KvClient, timeout: Duration) -> Result<EpochRecord,
         });
     };
     decode(&stored)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_raised_epoch_is_above_the_clock_and_the_old_one() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        assert!(next_epoch(1) >= now);
+        assert_eq!(next_epoch(now + 100), now + 101);
+    }
 }

@@ -23,6 +23,7 @@ pub const MAX_NAME_BYTES: usize = 512;
 /// The byte that starts every marker segment; lock names may not contain it.
 pub const RESERVED: char = '!';
 
+const SYS_ROOT: &str = "/sys/";
 const EPOCH_KEY: &str = "/sys/epoch";
 const LOCKS_ROOT: &str = "/l/";
 const QUEUES_ROOT: &str = "/q/";
@@ -236,6 +237,22 @@ pub fn session_fence_key(session: &str) -> String {
 /// The prefix of every fair-class waiter key (for the proxy's one watch).
 pub fn queues_root() -> &'static str {
     QUEUES_ROOT
+}
+
+/// The prefix of the cell's own records (the epoch record, the shard map): written only
+/// by `lockcell-cell`, read by everyone.
+pub fn sys_root() -> &'static str {
+    SYS_ROOT
+}
+
+/// The prefix of every small key.
+pub fn kv_root() -> &'static str {
+    KV_ROOT
+}
+
+/// The prefix of every session fence.
+pub fn sessions_root() -> &'static str {
+    SESSIONS_ROOT
 }
 
 /// The lock a key under `/l/` or `/q/` belongs to, and what the key is.

@@ -3,8 +3,9 @@
 //!
 //! Only etcd answers "who holds what". This crate is the one place that knows the key
 //! space ([`keyspace`]), the epoch record ([`epoch`]) and the lock log transactions
-//! ([`locklog`]) that mint fencing tokens ([`FencingToken`], defined with the protocol);
-//! proxies carry out its decisions.
+//! ([`locklog`]) that mint fencing tokens ([`FencingToken`], defined with the protocol),
+//! and who may touch which part of the key space ([`rbac`]); proxies carry out its
+//! decisions.
 #![forbid(unsafe_code)]
 
 pub mod arbiter;
@@ -14,6 +15,7 @@ pub mod error;
 pub mod keyspace;
 pub mod kv;
 pub mod locklog;
+pub mod rbac;
 
 pub use error::CellError;
 pub use keyspace::{LockName, Mode, NameError};

@@ -154,7 +154,15 @@ impl LockLog {
         }
         let txn = Txn::new().when(when).and_then(then).or_else(otherwise);
         let resp = with_timeout("acquire txn", self.timeout, self.kv.clone().txn(txn)).await?;
-        let seen_at = resp.header().map(|h| h.revision()).unwrap_or_default();
+        // A reply without a revision would read as a grant at revision 0.
+        let seen_at = resp
+            .header()
+            .map(|h| h.revision())
+            .filter(|r| *r > 0)
+            .ok_or_else(|| CellError::CorruptRecord {
+                key: key.clone(),
+                reason: "etcd's reply to the acquire carries no revision".to_owned(),
+            })?;
         let ops = resp.op_responses();
         if !resp.succeeded() {
             self.check_epoch(&ops)?;
@@ -562,16 +570,15 @@ impl LockLog {
     ) -> Result<usize, CellError> {
         let mut deleted = 0;
         for chunk in grants.chunks(MAX_DELETES_PER_TXN) {
+            // One release marker per lock per transaction: etcd refuses a request that
+            // writes one key twice, nested transactions included (a session can name
+            // two holds of one lock when a release's reply was lost).
+            let mut marked = std::collections::HashSet::new();
             let nested: Vec<TxnOp> = chunk
                 .iter()
                 .map(|g| {
-                    TxnOp::txn(guarded_delete(
-                        &g.lock,
-                        &g.key,
-                        g.revision,
-                        lease,
-                        clean && !g.waiter,
-                    ))
+                    let mark = clean && !g.waiter && marked.insert(&g.lock);
+                    TxnOp::txn(guarded_delete(&g.lock, &g.key, g.revision, lease, mark))
                 })
                 .collect();
             let txn = Txn::new().and_then(nested);

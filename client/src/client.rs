@@ -5,14 +5,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::proxies::Channel;
 use lockcell_proto::v1::session_client::SessionClient;
 use lockcell_proto::v1::OpenRequest;
 use tokio::time::Instant;
-use tonic::transport::Channel;
 
 use crate::error::{Call, Error};
 use crate::keepalive::KeepAlive;
-use crate::proxies::Proxies;
+use crate::proxies::{ClientTls, Proxies, Security};
 use crate::session::{Session, SessionOptions};
 use crate::shared::{Home, SessionShared};
 
@@ -36,6 +36,11 @@ pub struct ClientOptions {
     /// before it tries to move back to a more preferred one, so a zone's proxy is not
     /// left idle once it is back. Default 30 s.
     pub fail_back_after: Duration,
+    /// TLS to the proxies (needed when they run with --tls-cert); none by default.
+    pub tls: Option<ClientTls>,
+    /// A bearer token for proxies that check prefix grants without client
+    /// certificates (the dev cell); none by default.
+    pub token: Option<String>,
 }
 
 impl ClientOptions {
@@ -45,12 +50,26 @@ impl ClientOptions {
             proxies: proxies.into_iter().map(Into::into).collect(),
             grace: Duration::from_secs(45),
             fail_back_after: Duration::from_secs(30),
+            tls: None,
+            token: None,
         }
     }
 
     /// Sets the grace period.
     pub fn grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
+        self
+    }
+
+    /// Sets TLS to the proxies.
+    pub fn tls(mut self, tls: ClientTls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Sets the bearer token sent with every call.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
         self
     }
 
@@ -93,7 +112,13 @@ impl Client {
 
     /// Connects to the first proxy of `options` that answers.
     pub async fn connect_with(options: ClientOptions) -> Result<Client, Error> {
-        let proxies = Arc::new(Proxies::connect(options.proxies).await?);
+        if options.tls.is_some() {
+            // rustls needs one crypto provider per process; keep the application's if
+            // it chose one.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        let security = Security::new(options.tls, options.token.as_deref())?;
+        let proxies = Arc::new(Proxies::connect(options.proxies, security).await?);
         let keepalive = KeepAlive::start(proxies.clone(), options.grace, options.fail_back_after);
         Ok(Client {
             inner: Arc::new(ClientInner { proxies, keepalive }),
@@ -128,6 +153,7 @@ impl Client {
             lease: reply.lease_id,
             incarnation: reply.incarnation,
             fence: 0,
+            epoch: reply.epoch,
         });
         let shared = Arc::new(shared);
         let first_due = sent + shared.renew_interval();
@@ -172,13 +198,20 @@ mod tests {
 
     #[test]
     fn bare_addresses_get_a_scheme() {
-        assert_eq!(endpoint_uri("127.0.0.1:7420"), "http://127.0.0.1:7420");
         assert_eq!(
-            endpoint_uri("http://127.0.0.1:7420"),
+            endpoint_uri("127.0.0.1:7420", false),
             "http://127.0.0.1:7420"
         );
         assert_eq!(
-            endpoint_uri("https://proxy.zone-a:7420"),
+            endpoint_uri("127.0.0.1:7420", true),
+            "https://127.0.0.1:7420"
+        );
+        assert_eq!(
+            endpoint_uri("http://127.0.0.1:7420", true),
+            "http://127.0.0.1:7420"
+        );
+        assert_eq!(
+            endpoint_uri("https://proxy.zone-a:7420", false),
             "https://proxy.zone-a:7420"
         );
     }

@@ -36,6 +36,14 @@ pub enum Error {
     /// token. Stop acting as holder or leader; the session itself may still be fine.
     #[error("{0}")]
     NotHolder(String),
+    /// The proxy's prefix grants do not let this client do that to that name; the text
+    /// names the identity, the right and the name.
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// The proxy checks prefix grants and could not tell who this client is: connect
+    /// with a client certificate or a token ([`ClientOptions`](crate::ClientOptions)).
+    #[error("{0}")]
+    Unauthenticated(String),
     /// The proxy (or its etcd) cannot serve right now; retrying later may succeed.
     #[error("lockcell proxy unavailable: {0}")]
     Unavailable(String),
@@ -129,6 +137,8 @@ impl Error {
                 }
             }
             (Code::InvalidArgument, _) => Error::InvalidArgument(status.message().to_owned()),
+            (Code::PermissionDenied, _) => Error::PermissionDenied(status.message().to_owned()),
+            (Code::Unauthenticated, _) => Error::Unauthenticated(status.message().to_owned()),
             (Code::Unavailable, _) => Error::Unavailable(status.message().to_owned()),
             (Code::NotFound | Code::FailedPrecondition, Call::Session(id) | Call::Grant(id))
                 if names_a_gone_session(status.message()) =>

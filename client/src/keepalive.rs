@@ -17,6 +17,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::proxies::Channel;
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use dashmap::DashMap;
 use lockcell_proto::v1::session_client::SessionClient;
@@ -27,7 +28,6 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, Instant};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Channel;
 use tonic::{Code, Status, Streaming};
 
 use crate::client::UNARY_TIMEOUT;
@@ -660,6 +660,7 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
             keys: keys.clone(),
             acting_for_ms: acting_for,
             fence_revision: home.fence,
+            epoch: home.epoch,
         });
         request.set_timeout(RESUME_TIMEOUT);
         let status = match SessionClient::new(channel.clone()).resume(request).await {
@@ -675,6 +676,7 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
                     lease: reply.lease_id,
                     incarnation: reply.incarnation,
                     fence: reply.fence_revision,
+                    epoch: reply.epoch,
                 };
                 session.moved(home, sent, reply.valid_for_ms, &keys, version);
                 return Ok(());

@@ -71,6 +71,7 @@ pub use kv::{Condition, Entry, Txn, TxnOutcome, Written};
 pub use lock::{LockGuard, Mode, Sequencer, Wait};
 pub use lockcell_proto::FencingToken;
 pub use members::{MemberChange, Members};
+pub use proxies::ClientTls;
 pub use session::{Session, SessionOptions};
 pub use validity::SessionState;
 pub use watch::{EventKind, WatchBatch, WatchEvent, WatchOptions, Watcher};

@@ -3,13 +3,75 @@
 //! switches to another when the current one dies, stops answering, cannot reach etcd
 //! or drains, after resuming every session there.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tonic::transport::{Channel, Endpoint};
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
+use tonic::service::Interceptor;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 use crate::error::Error;
+
+/// A connection to one proxy, with the client's credentials on every call.
+pub(crate) type Channel = InterceptedService<tonic::transport::Channel, Credentials>;
+
+/// TLS to the proxies: the CA that signed their certificates, and the client's own
+/// certificate for proxies that require one (its subject common name is the identity
+/// the proxy's prefix grants know the client by). All PEM.
+#[derive(Clone, Debug, Default)]
+pub struct ClientTls {
+    pub ca_pem: Vec<u8>,
+    /// The client certificate and its key, for mutual TLS.
+    pub identity_pem: Option<(Vec<u8>, Vec<u8>)>,
+    /// The name the proxies' certificates are checked against; by default the host
+    /// of each proxy address.
+    pub domain: Option<String>,
+}
+
+/// Adds the client's bearer token (if any) to every call.
+#[derive(Clone, Debug, Default)]
+pub struct Credentials {
+    bearer: Option<MetadataValue<Ascii>>,
+}
+
+impl Interceptor for Credentials {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(bearer) = &self.bearer {
+            request
+                .metadata_mut()
+                .insert("authorization", bearer.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// How the client reaches and proves itself to the proxies.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Security {
+    pub tls: Option<ClientTls>,
+    pub credentials: Credentials,
+}
+
+impl Security {
+    pub(crate) fn new(tls: Option<ClientTls>, token: Option<&str>) -> Result<Security, Error> {
+        let bearer = token
+            .map(|t| {
+                format!("Bearer {t}").parse().map_err(|_| {
+                    Error::InvalidArgument("the token has characters a header cannot carry".into())
+                })
+            })
+            .transpose()?;
+        Ok(Security {
+            tls,
+            credentials: Credentials { bearer },
+        })
+    }
+}
 
 /// How long establishing the TCP connection may take before the proxy counts as
 /// unreachable.
@@ -25,6 +87,7 @@ const HTTP2_PING_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub(crate) struct Proxies {
     addrs: Vec<String>,
+    security: Arc<Security>,
     current: Mutex<(usize, Channel)>,
     /// Bumped on every switch, so calls that failed on the old proxy can wait for the
     /// new one.
@@ -33,7 +96,8 @@ pub(crate) struct Proxies {
 
 impl Proxies {
     /// Connects to the first of `addrs` that answers, in order.
-    pub(crate) async fn connect(addrs: Vec<String>) -> Result<Proxies, Error> {
+    pub(crate) async fn connect(addrs: Vec<String>, security: Security) -> Result<Proxies, Error> {
+        let security = Arc::new(security);
         if addrs.is_empty() {
             return Err(Error::InvalidArgument(
                 "a client needs at least one proxy address".into(),
@@ -41,13 +105,14 @@ impl Proxies {
         }
         let mut last = None;
         for (index, addr) in addrs.iter().enumerate() {
-            match connect(addr, CONNECT_TIMEOUT).await {
+            match connect(addr, &security, CONNECT_TIMEOUT).await {
                 Ok(channel) => {
                     tracing::debug!(proxy = addr, "connected");
                     return Ok(Proxies {
                         current: Mutex::new((index, channel)),
                         generation: watch::Sender::new(0),
                         addrs,
+                        security,
                     });
                 }
                 Err(e) => {
@@ -84,7 +149,7 @@ impl Proxies {
 
     /// Opens a connection to proxy `index` for a move.
     pub(crate) async fn open(&self, index: usize) -> Result<Channel, Error> {
-        connect(&self.addrs[index], MOVE_CONNECT_TIMEOUT).await
+        connect(&self.addrs[index], &self.security, MOVE_CONNECT_TIMEOUT).await
     }
 
     /// Makes proxy `index` (reached over `channel`) the current one.
@@ -107,25 +172,41 @@ impl Proxies {
     }
 }
 
-async fn connect(addr: &str, timeout: Duration) -> Result<Channel, Error> {
-    let endpoint = Endpoint::from_shared(endpoint_uri(addr))
+async fn connect(addr: &str, security: &Security, timeout: Duration) -> Result<Channel, Error> {
+    let mut endpoint = Endpoint::from_shared(endpoint_uri(addr, security.tls.is_some()))
         .map_err(|e| Error::connect(addr, &e))?
         .connect_timeout(timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(HTTP2_PING_INTERVAL)
         .keep_alive_timeout(HTTP2_PING_TIMEOUT)
         .keep_alive_while_idle(true);
-    endpoint
+    if let Some(tls) = &security.tls {
+        let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&tls.ca_pem));
+        if let Some((cert, key)) = &tls.identity_pem {
+            config = config.identity(Identity::from_pem(cert, key));
+        }
+        if let Some(domain) = &tls.domain {
+            config = config.domain_name(domain.clone());
+        }
+        endpoint = endpoint
+            .tls_config(config)
+            .map_err(|e| Error::connect(addr, &e))?;
+    }
+    let channel = endpoint
         .connect()
         .await
-        .map_err(|e| Error::connect(addr, &e))
+        .map_err(|e| Error::connect(addr, &e))?;
+    Ok(InterceptedService::new(
+        channel,
+        security.credentials.clone(),
+    ))
 }
 
-/// Accepts a bare `host:port` by assuming plain HTTP/2.
-pub(crate) fn endpoint_uri(addr: &str) -> String {
-    if addr.contains("://") {
-        addr.to_owned()
-    } else {
-        format!("http://{addr}")
+/// Accepts a bare `host:port` by assuming HTTP/2, over TLS when the client has TLS set.
+pub(crate) fn endpoint_uri(addr: &str, tls: bool) -> String {
+    match (addr.contains("://"), tls) {
+        (true, _) => addr.to_owned(),
+        (false, true) => format!("https://{addr}"),
+        (false, false) => format!("http://{addr}"),
     }
 }

@@ -22,6 +22,8 @@ pub(crate) struct Home {
     pub(crate) incarnation: u64,
     /// The session fence's revision from the last resume (0: never resumed).
     pub(crate) fence: i64,
+    /// The cell's epoch as the last Open or Resume reply said (0: unknown).
+    pub(crate) epoch: u64,
 }
 
 /// One session's shared state. Held by the session's handles and, for reply dispatch,
@@ -329,6 +331,7 @@ mod tests {
             lease: 7,
             incarnation: 1,
             fence: 12,
+            epoch: 1,
         };
         // A resume that named what the session held when it was sent...
         let version = s.holdings.version();

@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use lockcell_loadtest::procstat::ProcTracker;
 use lockcell_loadtest::prom::{self, Counters};
+use lockcell_tests::etcd::EtcdOptions;
 use lockcell_tests::ports::free_port;
 use lockcell_tests::process::Managed;
 use lockcell_tests::proxy::http_get;
@@ -94,7 +95,9 @@ impl Cell {
         let (etcd, endpoints) = match &options.endpoints {
             Some(endpoints) => (None, endpoints.clone()),
             None => {
-                let etcd = EtcdCluster::start_in(dir.path(), 3).await?;
+                // Authentication off, as in the runs these figures are compared with.
+                let etcd =
+                    EtcdCluster::start_in_with(dir.path(), 3, &EtcdOptions::without_auth()).await?;
                 let endpoints = etcd.endpoints();
                 (Some(etcd), endpoints)
             }
@@ -111,6 +114,7 @@ impl Cell {
                 },
                 Target::Lockcell => {
                     let mut opts = ProxyOptions::new(&name, endpoints.clone());
+                    opts.etcd_auth = None;
                     opts.lease_ttl = options.lease_ttl;
                     opts.extra_args = vec!["--session-ttl-max".into(), "600s".into()];
                     if let Some(timeout) = options.drain_timeout {

@@ -428,6 +428,13 @@ async fn grant(
     let attempt = tokio::spawn(async move {
         metrics::counter!(m::GRANT_ATTEMPTS).increment(1);
         let queued = queued.as_ref().map(|(id, rev)| (id.as_str(), *rev));
+        // Waiters already in line when the cell was found changed grant nothing more.
+        if let Some(reason) = state.cell.changed() {
+            return Err(CellError::CellChanged {
+                reason: reason.to_owned(),
+            }
+            .into());
+        }
         let seen = state.cell.seen();
         let outcome = state
             .locklog

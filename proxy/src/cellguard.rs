@@ -9,7 +9,13 @@
 //!   so no token of the old epoch is minted after a bump;
 //! - a fresh grant's revision must be above every revision the proxy saw before it
 //!   sent the grant (etcd applies a write after everything it had committed), so a store
-//!   restored under a running proxy without a bump is noticed at the first grant;
+//!   restored under a running proxy without a bump is noticed at the first grant. The
+//!   proxy raises what it has seen from its grants, its lock-log watches and its lease
+//!   renewals, so it knows the cell's revision even when it grants little itself; a
+//!   watch whose store answers below where the watch had got to is checked with a
+//!   linearizable read;
+//! - the proxy watches the epoch record: any change to it stops the proxy, so no read
+//!   (a sequencer check, a leader) is answered with the old epoch either;
 //! - with `--state-dir`, the proxy remembers the cell across restarts and refuses, at
 //!   start, a cell whose cluster id changed, whose epoch went backwards, or whose revision
 //!   is below the one it saw in the same epoch.
@@ -18,8 +24,11 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
+
+use etcd_client::{GetOptions, WatchOptions};
+use tokio::sync::watch;
 
 use lockcell_cell::epoch::{EpochRecord, Stored};
 use lockcell_cell::CellError;
@@ -33,6 +42,8 @@ pub struct CellGuard {
     /// Why the proxy stopped trusting the cell, once it did.
     changed: OnceLock<String>,
     remembered_at: Option<PathBuf>,
+    /// Turned true to drain the proxy once the cell is found changed.
+    drain: Option<Arc<watch::Sender<bool>>>,
 }
 
 /// The file a proxy keeps in `--state-dir`.
@@ -69,6 +80,7 @@ impl CellGuard {
             seen: AtomicI64::new(revision),
             changed: OnceLock::new(),
             remembered_at,
+            drain: None,
         };
         guard.remember()?;
         Ok(guard)
@@ -98,9 +110,83 @@ impl CellGuard {
         })
     }
 
-    /// Stops trusting the cell; returns whether this call was the first to.
-    pub fn set_changed(&self, reason: &str) -> bool {
-        self.changed.set(reason.to_owned()).is_ok()
+    /// Drains the proxy (through `drain`) when the cell is found changed.
+    pub fn draining_with(mut self, drain: Arc<watch::Sender<bool>>) -> Self {
+        self.drain = Some(drain);
+        self
+    }
+
+    /// Stops trusting the cell: no more grants, a drain, and an error exit.
+    pub fn set_changed(&self, reason: &str) {
+        if self.changed.set(reason.to_owned()).is_ok() {
+            tracing::error!(%reason, "the cell changed under this proxy; granting nothing more, draining and stopping");
+            if let Some(drain) = &self.drain {
+                drain.send_if_modified(|d| !std::mem::replace(d, true));
+            }
+        }
+    }
+
+    /// A reply from the store said revision `now`, below `expected`, which the proxy
+    /// had already seen: unless a linearizable read says otherwise (the reply came from
+    /// a member that lags), the store went back.
+    pub async fn check_not_behind(
+        &self,
+        etcd: &etcd_client::Client,
+        now: i64,
+        expected: i64,
+        timeout: Duration,
+    ) {
+        if now >= expected {
+            return;
+        }
+        let mut kv = etcd.kv_client();
+        let read = kv.get(
+            lockcell_cell::keyspace::epoch_key(),
+            Some(GetOptions::new().with_count_only()),
+        );
+        let revision = match tokio::time::timeout(timeout, read).await {
+            Ok(Ok(resp)) => resp.header().map(|h| h.revision()).unwrap_or_default(),
+            // Unknown: a later grant's own check decides.
+            _ => return,
+        };
+        if revision > 0 && revision < expected {
+            self.set_changed(&format!(
+                "the store is at revision {revision}, below revision {expected} this proxy had seen: it was restored from a backup"
+            ));
+        }
+    }
+
+    /// Watches the epoch record from after `from`: any change stops the proxy.
+    pub async fn watch_record(self: Arc<Self>, etcd: etcd_client::Client, from: i64) {
+        let key = lockcell_cell::keyspace::epoch_key();
+        loop {
+            let mut client = etcd.watch_client();
+            let options = WatchOptions::new().with_start_revision(from + 1);
+            let mut stream = match client.watch(key, Some(options)).await {
+                Ok(stream) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the epoch record watch could not start; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    continue;
+                }
+            };
+            while let Ok(Some(resp)) = stream.message().await {
+                if let Some(event) = resp.events().first() {
+                    let at = event.kv().map(|kv| kv.mod_revision()).unwrap_or_default();
+                    self.set_changed(&format!(
+                        "the epoch record {key} was rewritten at revision {at}: the cell's epoch was raised (a restore from backup); restart the proxy to serve the new epoch"
+                    ));
+                    return;
+                }
+                if resp.compact_revision() > 0 || resp.canceled() {
+                    break;
+                }
+            }
+            if self.changed().is_some() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     /// Why the proxy stopped trusting its cell, if it did.

@@ -7,14 +7,10 @@
 
 mod loader;
 
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
-use std::time::{Duration, SystemTime};
+use std::path::Path;
+use std::time::Duration;
 
-use tokio::signal::unix::{signal, Signal, SignalKind};
-use tokio::sync::watch;
-use tokio::time::{Instant, MissedTickBehavior};
+use crate::declared::FileError;
 
 pub use loader::TTL_FLOOR;
 
@@ -148,219 +144,39 @@ impl Classes {
     }
 }
 
-/// Why a classes file was refused. Names the file, the line (when known) and the
-/// field: "deploy/config/classes.toml:12: class batch: ttl_min (10s) is above ttl_max (5s)".
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{}: {message}", location(.file, .line))]
-pub struct ClassesError {
-    pub file: PathBuf,
-    /// 1-based; None when the error is not about one place (e.g. an unreadable file).
-    pub line: Option<usize>,
-    pub message: String,
-}
-
-fn location(file: &Path, line: &Option<usize>) -> String {
-    match line {
-        Some(line) => format!("{}:{line}", file.display()),
-        None => file.display().to_string(),
-    }
-}
-
 /// Durations in messages are written the way the file writes them ("15s", "1s 500ms").
 fn show(d: Duration) -> humantime::FormattedDuration {
     humantime::format_duration(d)
 }
 
-/// The classes in force, reloaded on SIGHUP and when the file changes; a bad file is
-/// refused (logged with tracing::error!, counted in CLASSES_RELOAD_FAILURES) and the
-/// last good classes stay in force.
-pub struct ClassBook {
-    /// None: the proxy runs on its built-in classes and there is nothing to reload.
-    path: Option<PathBuf>,
-    /// Swapped whole, so a request that took one `Arc` sees one consistent file.
-    current: RwLock<Arc<Classes>>,
-    /// The file in force. Held for a whole reload, so a SIGHUP and a file change
-    /// racing cannot install the older of two files last.
-    in_force: Mutex<InForce>,
-}
+/// The lock classes in force: the last good classes file (see [`crate::declared`]).
+pub type ClassBook = crate::declared::Book<Classes>;
 
-struct InForce {
-    /// The text of the file in force: a reload of identical text is not a change.
-    text: String,
-    /// The file's stamp taken just before that text was read, so `follow` notices a
-    /// change made between `load` and its start.
-    stamp: Stamp,
-}
+/// Why a classes file was refused.
+pub type ClassesError = crate::declared::FileError;
 
-impl ClassBook {
-    /// Loads `path` (error if it is missing or bad: the proxy refuses to start with a
-    /// bad file, since it has no last good one), or uses `fallback` when `path` is None.
-    pub fn load(path: Option<PathBuf>, fallback: Classes) -> Result<ClassBook, ClassesError> {
-        let Some(path) = path else {
-            return Ok(ClassBook {
-                path: None,
-                current: RwLock::new(Arc::new(fallback)),
-                in_force: Mutex::new(InForce {
-                    text: String::new(),
-                    stamp: Stamp::default(),
-                }),
-            });
-        };
-        let stamp = Stamp::of(&path);
-        let text = read(&path)?;
-        let classes = Classes::parse(&text, &path)?;
-        tracing::info!(
-            classes.file = %path.display(),
-            classes.count = classes.classes.len(),
-            "lock classes loaded"
-        );
-        Ok(ClassBook {
-            path: Some(path),
-            current: RwLock::new(Arc::new(classes)),
-            in_force: Mutex::new(InForce { text, stamp }),
-        })
+impl crate::declared::Declared for Classes {
+    const WHAT: &'static str = "lock classes";
+    const RELOADS: &'static str = crate::metrics::CLASSES_RELOADS;
+    const RELOAD_FAILURES: &'static str = crate::metrics::CLASSES_RELOAD_FAILURES;
+
+    fn parse(text: &str, file: &Path) -> Result<Self, FileError> {
+        loader::parse(text, file)
     }
 
-    /// The classes in force; cheap (an `Arc` clone), so call it once per request.
-    pub fn current(&self) -> Arc<Classes> {
-        self.current
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    /// Reads the file again; Ok(true) if new classes are in force, Ok(false) if the
-    /// content is unchanged (or there is no file), Err if refused.
-    pub fn reload(&self) -> Result<bool, ClassesError> {
-        let Some(path) = &self.path else {
-            return Ok(false);
-        };
-        // The guard only orders reloads; the data it guards stays consistent even if
-        // a holder panicked, so a poisoned lock is still usable.
-        let mut in_force = self.in_force.lock().unwrap_or_else(PoisonError::into_inner);
-        let stamp = Stamp::of(path);
-        let text = match read(path) {
-            Ok(text) if text == in_force.text => {
-                in_force.stamp = stamp;
-                return Ok(false);
-            }
-            Ok(text) => text,
-            Err(e) => return Err(refused(e)),
-        };
-        let classes = Classes::parse(&text, path).map_err(refused)?;
-        let count = classes.classes.len();
-        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(classes);
-        *in_force = InForce { text, stamp };
-        metrics::counter!(crate::metrics::CLASSES_RELOADS).increment(1);
-        tracing::info!(
-            classes.file = %path.display(),
-            classes.count = count,
-            "lock classes reloaded"
-        );
-        Ok(true)
-    }
-
-    /// Runs until `shutdown` turns true (or its sender goes): reloads on SIGHUP and
-    /// when the file's modification time or length changes (checked every `poll`). A
-    /// change is applied once the file has looked the same for one more poll, so a
-    /// file caught half-written is not read.
-    pub async fn follow(self: Arc<Self>, poll: Duration, mut shutdown: watch::Receiver<bool>) {
-        let Some(path) = self.path.clone() else {
-            let _ = shutdown.wait_for(|s| *s).await;
-            return;
-        };
-        let mut hangup = hangup_signal();
-        let mut seen = self
-            .in_force
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .stamp
-            .clone();
-        let mut last = seen.clone();
-        // tokio's interval panics on a zero period.
-        let poll = poll.max(Duration::from_millis(1));
-        let mut tick = tokio::time::interval_at(Instant::now() + poll, poll);
-        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = shutdown.wait_for(|s| *s) => return,
-                Some(()) = next_hangup(&mut hangup) => {
-                    tracing::info!(classes.file = %path.display(), "SIGHUP: reloading lock classes");
-                    seen = Stamp::of(&path);
-                    last = seen.clone();
-                    // A refusal is logged and counted by reload itself.
-                    let _ = self.reload();
-                }
-                _ = tick.tick() => {
-                    // A stat of a small local file: cheaper than a hop to the
-                    // blocking pool, like the read that may follow.
-                    let now = Stamp::of(&path);
-                    if now != seen && now == last {
-                        seen = now.clone();
-                        let _ = self.reload();
-                    }
-                    last = now;
-                }
-            }
-        }
-    }
-}
-
-/// Counts and logs a refused reload; the classes in force are left as they are.
-fn refused(e: ClassesError) -> ClassesError {
-    metrics::counter!(crate::metrics::CLASSES_RELOAD_FAILURES).increment(1);
-    tracing::error!(
-        classes.file = %e.file.display(),
-        error = %e,
-        "lock classes file refused; the last good classes stay in force"
-    );
-    e
-}
-
-fn read(path: &Path) -> Result<String, ClassesError> {
-    std::fs::read_to_string(path).map_err(|e| ClassesError {
-        file: path.to_owned(),
-        line: None,
-        message: format!("cannot read the classes file: {e}"),
-    })
-}
-
-/// What `follow` compares between polls: modification time and length, and the inode,
-/// so a file replaced by rename is noticed even with the same time and length. `None`
-/// while the file is missing.
-#[derive(Debug, Clone, Default, PartialEq)]
-struct Stamp(Option<(Option<SystemTime>, u64, u64)>);
-
-impl Stamp {
-    fn of(path: &Path) -> Stamp {
-        Stamp(
-            std::fs::metadata(path)
-                .ok()
-                .map(|m| (m.modified().ok(), m.len(), m.ino())),
-        )
-    }
-}
-
-fn hangup_signal() -> Option<Signal> {
-    match signal(SignalKind::hangup()) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGHUP; lock classes reload only when their file changes");
-            None
-        }
-    }
-}
-
-/// The next SIGHUP, or never when there is no signal to listen to.
-async fn next_hangup(hangup: &mut Option<Signal>) -> Option<()> {
-    match hangup {
-        Some(s) => s.recv().await,
-        None => std::future::pending().await,
+    fn count(&self) -> usize {
+        self.classes.len()
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use tokio::signal::unix::{signal, SignalKind};
+    use tokio::sync::watch;
+
     use super::*;
 
     fn secs(s: u64) -> Duration {

@@ -87,6 +87,27 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_CLASSES")]
     pub classes: Option<std::path::PathBuf>,
 
+    /// Prefix grants file (TOML; see deploy/config/grants.toml): which identities may
+    /// lock, read, write and watch which name prefixes. Reloaded like --classes.
+    /// Without it every caller may do everything.
+    #[arg(long, env = "LOCKCELL_GRANTS")]
+    pub grants: Option<std::path::PathBuf>,
+
+    /// TLS certificate (PEM) the gRPC service presents; with --tls-key, clients must
+    /// connect with TLS.
+    #[arg(long, env = "LOCKCELL_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "LOCKCELL_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+
+    /// CA certificate (PEM) client certificates must be signed by: with it, every
+    /// client presents a certificate (mutual TLS), and its subject common name is the
+    /// identity --grants knows it by.
+    #[arg(long, env = "LOCKCELL_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<std::path::PathBuf>,
+
     /// How many batches of events a watcher may fall behind before it is cut off (told
     /// the revision to resume from), so one slow watcher never slows the others.
     #[arg(long, env = "LOCKCELL_WATCH_BACKLOG", default_value_t = 1024)]
@@ -110,6 +131,15 @@ pub struct ProxyConfig {
     /// How long a shutdown waits for clients to disconnect before it cuts them off.
     #[arg(long, env = "LOCKCELL_SHUTDOWN_GRACE", default_value = "5s", value_parser = humantime::parse_duration)]
     pub shutdown_grace: Duration,
+
+    /// etcd user to log in as when etcd runs with authentication on (`lockcell-cell
+    /// auth-enable` creates lockcell-proxy for proxies).
+    #[arg(long, env = "LOCKCELL_ETCD_USER")]
+    pub etcd_user: Option<String>,
+
+    /// That user's password (prefer the environment variable to the flag).
+    #[arg(long, env = "LOCKCELL_ETCD_PASSWORD", hide_env_values = true)]
+    pub etcd_password: Option<String>,
 }
 
 /// Why a configuration was refused.

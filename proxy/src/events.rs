@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dashmap::DashMap;
-use etcd_client::{EventType, WatchClient, WatchFilterType, WatchOptions};
+use etcd_client::{EventType, WatchFilterType, WatchOptions};
 use lockcell_cell::keyspace::{self, KeyKind, LockName};
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
@@ -255,12 +255,17 @@ impl<K: Eq + std::hash::Hash + Clone> Drop for Subscription<K> {
 /// Follows `root` from `start` (deletes only when `deletes_only`) and feeds `events`,
 /// reconnecting for as long as the proxy runs.
 pub async fn follow(
-    mut client: WatchClient,
-    events: Arc<LockEvents>,
+    state: Arc<crate::state::ProxyState>,
     root: &'static str,
     deletes_only: bool,
     mut start: i64,
 ) {
+    let events = state.events.clone();
+    // Whole lease revocations arrive as one message.
+    let mut client = state
+        .etcd
+        .watch_client()
+        .max_decoding_message_size(crate::feed::MAX_WATCH_MESSAGE_BYTES);
     loop {
         let mut options = WatchOptions::new().with_prefix().with_start_revision(start);
         if deletes_only {
@@ -277,6 +282,23 @@ pub async fn follow(
         loop {
             match stream.message().await {
                 Ok(Some(resp)) => {
+                    if let Some(header) = resp.header() {
+                        if resp.created() {
+                            // The store answers a watch from `start` at its revision
+                            // now, which is at least `start - 1` unless it went back.
+                            let cell = state.cell.clone();
+                            let (etcd, now, timeout) = (
+                                state.etcd.clone(),
+                                header.revision(),
+                                state.config.etcd_timeout,
+                            );
+                            tokio::spawn(async move {
+                                cell.check_not_behind(&etcd, now, start - 1, timeout).await
+                            });
+                        } else {
+                            state.cell.saw(header.revision());
+                        }
+                    }
                     if resp.compact_revision() > 0 {
                         tracing::warn!(
                             root,

@@ -78,7 +78,38 @@ fn lease_trouble(state: &ProxyState, left: Duration) -> bool {
 /// Every refusal before a key moves is FAILED_PRECONDITION (draining, no lease, a lease
 /// in trouble, the cover rule, a fence moved on), so the client knows nothing moved; an
 /// etcd failure during the move is UNAVAILABLE, and its outcome unknown.
-pub async fn resume(state: &ProxyState, req: ResumeRequest) -> Result<ResumeResponse, ProxyError> {
+pub async fn resume(
+    state: &ProxyState,
+    mut req: ResumeRequest,
+) -> Result<ResumeResponse, ProxyError> {
+    // Keys of another epoch move nowhere: after a restore from backup their revisions
+    // may be other grants' now. The session resumes without them.
+    let stale = if req.epoch != 0 && req.epoch != state.epoch() {
+        let reason = format!(
+            "the cell's epoch is {} now, not {} when the session got it (the cell was restored from a backup)",
+            state.epoch(),
+            req.epoch
+        );
+        std::mem::take(&mut req.keys)
+            .into_iter()
+            .map(|key| LostKey {
+                key: Some(key),
+                reason: reason.clone(),
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut reply = resume_named(state, req).await?;
+    metrics::counter!(m::KEYS_LOST_ON_RESUME).increment(stale.len() as u64);
+    reply.lost.extend(stale);
+    Ok(reply)
+}
+
+async fn resume_named(
+    state: &ProxyState,
+    req: ResumeRequest,
+) -> Result<ResumeResponse, ProxyError> {
     if state.is_draining() {
         return Err(ProxyError::Refused(
             "this proxy is draining; resume the session on another proxy".into(),
@@ -306,6 +337,7 @@ fn resumed_here(
         lost,
         incarnation,
         fence_revision,
+        epoch: state.epoch(),
     })
 }
 

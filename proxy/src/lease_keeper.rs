@@ -97,6 +97,9 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
             Ok(Ok(Some(reply))) if reply.id() == lease && reply.ttl() > 0 => {
                 let ttl = Duration::from_secs(reply.ttl() as u64);
                 state.leases.renewed(bucket, lease, sent, ttl);
+                if let Some(header) = reply.header() {
+                    state.cell.saw(header.revision());
+                }
             }
             Ok(Ok(Some(reply))) if reply.ttl() <= 0 => {
                 return "etcd reports the proxy lease expired or revoked";

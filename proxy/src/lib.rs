@@ -15,10 +15,12 @@ pub mod cellguard;
 pub mod classes;
 pub mod cleanup;
 pub mod config;
+pub mod declared;
 pub mod errors;
 pub mod events;
 pub mod fanout;
 pub mod feed;
+pub mod grants;
 pub mod handover;
 pub mod lease_keeper;
 pub mod leases;
@@ -96,8 +98,13 @@ pub async fn run(
         config.classes.clone(),
         classes::Classes::builtin(config.session_ttl_min, config.session_ttl_max),
     )?;
+    let grants = grants::GrantBook::load(config.grants.clone(), grants::Grants::open())?;
+    let tls = tls_config(&config)?;
     let (etcd, epoch, start_revision) = connect(&config, drain.subscribe()).await?;
-    let cell = cellguard::CellGuard::start(&epoch, start_revision, config.state_dir.as_deref())?;
+    let cell = Arc::new(
+        cellguard::CellGuard::start(&epoch, start_revision, config.state_dir.as_deref())?
+            .draining_with(drain.clone()),
+    );
     let grpc = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the gRPC address {}", config.listen))?;
@@ -129,6 +136,7 @@ pub async fn run(
         queues: events.queues().clone(),
         events,
         classes: Arc::new(classes),
+        grants: Arc::new(grants),
         cleanup: Default::default(),
         renewing: (0..config.leases).map(|_| Default::default()).collect(),
         etcd: etcd.clone(),
@@ -157,10 +165,22 @@ pub async fn run(
         let state = state.clone();
         async move { state.cell.keep_remembering(Duration::from_secs(5)).await }
     });
+    tasks.spawn(
+        state
+            .cell
+            .clone()
+            .watch_record(etcd.clone(), start_revision),
+    );
     tasks.spawn(admin::serve(admin, prometheus, state.clone()));
     tasks.spawn(
         state
             .classes
+            .clone()
+            .follow(Duration::from_secs(1), stop_rx.clone()),
+    );
+    tasks.spawn(
+        state
+            .grants
             .clone()
             .follow(Duration::from_secs(1), stop_rx.clone()),
     );
@@ -172,15 +192,13 @@ pub async fn run(
             state.config.etcd_timeout,
         )),
         tokio::spawn(events::follow(
-            etcd.watch_client(),
-            state.events.clone(),
+            state.clone(),
             keyspace::locks_root(),
             false,
             start_revision + 1,
         )),
         tokio::spawn(events::follow(
-            etcd.watch_client(),
-            state.events.clone(),
+            state.clone(),
             keyspace::queues_root(),
             true,
             start_revision + 1,
@@ -201,7 +219,13 @@ pub async fn run(
     );
 
     let mut stop = stop_rx.clone();
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .context("setting up TLS on the gRPC service")?;
+    }
+    let server = builder
         .add_service(SessionServer::new(service::session::SessionService {
             state: state.clone(),
         }))
@@ -255,6 +279,29 @@ pub async fn run(
     Ok(())
 }
 
+/// The gRPC service's TLS, when --tls-cert and --tls-key are given (and mutual TLS with
+/// --tls-client-ca).
+fn tls_config(config: &ProxyConfig) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
+        return Ok(None);
+    };
+    let read = |path: &std::path::Path, what: &str| {
+        std::fs::read(path).with_context(|| format!("reading the {what} {}", path.display()))
+    };
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
+        read(cert, "TLS certificate (--tls-cert)")?,
+        read(key, "TLS key (--tls-key)")?,
+    ));
+    if let Some(ca) = &config.tls_client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(read(
+            ca,
+            "client CA certificate (--tls-client-ca)",
+        )?));
+    }
+    Ok(Some(tls))
+}
+
 /// Client connections with Nagle's algorithm off: replies are small and go out at once
 /// (with it on, a reply can wait for the client's delayed ACK, some 40 ms).
 fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
@@ -264,17 +311,37 @@ fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
 }
 
 /// Connects to etcd, retrying until it answers or shutdown, and reads the epoch record
-/// (retrying too while the cell has none: `lockcell-cell init` writes it).
+/// (retrying too while the cell has none: `lockcell-cell init` writes it, and while etcd
+/// has authentication off but the proxy has a user: `lockcell-cell auth-enable` turns it
+/// on). Gives up at once when etcd turns the proxy's user away: retrying will not change
+/// its answer.
 async fn connect(
     config: &ProxyConfig,
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<(etcd_client::Client, epoch::Stored, i64)> {
+    use lockcell_cell::rbac;
+
+    /// How etcd turned the proxy's user away, if that is why connecting failed.
+    fn refused(e: &anyhow::Error) -> Option<rbac::Refusal> {
+        let etcd = e
+            .chain()
+            .find_map(|cause| cause.downcast_ref::<etcd_client::Error>())?;
+        rbac::refusal(etcd).filter(|r| *r != rbac::Refusal::TokenExpired)
+    }
+
+    let credentials = config.etcd_user.as_ref().map(|user| {
+        let password = config.etcd_password.clone().unwrap_or_default();
+        rbac::Credentials::new(user, password)
+    });
     let options = ConnectOptions::new()
         .with_connect_timeout(config.etcd_timeout)
         .with_keep_alive(Duration::from_secs(2), config.etcd_timeout)
         // A member that lost its leader refuses at once instead of serving a watch
         // that has gone quiet or a read it cannot make linearizable.
         .with_require_leader(true);
+    // Logs in again whenever etcd has forgotten the token (it expires after
+    // --auth-token-ttl without a call, and a restarted member knows none).
+    let options = rbac::with_credentials(options, credentials.as_ref());
     let mut pause = Duration::from_millis(200);
     loop {
         let attempt = async {
@@ -300,7 +367,29 @@ async fn connect(
             anyhow::Ok((client, record, revision))
         };
         match attempt.await {
-            Ok(connected) => return Ok(connected),
+            Ok(connected) => {
+                if credentials.is_some() {
+                    // Keeps etcd from forgetting the token while the proxy runs: a new
+                    // watch (a restart, a client's catch-up) is refused in-band otherwise.
+                    let (client, timeout) = (connected.0.clone(), config.etcd_timeout);
+                    tokio::spawn(rbac::keep_token(client, timeout, stop.clone()));
+                }
+                return Ok(connected);
+            }
+            Err(e) if refused(&e) == Some(rbac::Refusal::AuthOff) => tracing::warn!(
+                etcd = %config.etcd_endpoints.join(","),
+                retry_in = ?pause,
+                "etcd runs with authentication off, but --etcd-user is set: waiting for `lockcell-cell auth-enable`"
+            ),
+            Err(e) if refused(&e).is_some() => {
+                let user = config.etcd_user.as_deref().unwrap_or("(none)");
+                let at = config.etcd_endpoints.join(",");
+                anyhow::bail!(match refused(&e) {
+                    Some(rbac::Refusal::BadCredentials) => format!("etcd at {at} refused the user {user} and its password: check --etcd-user and --etcd-password (LOCKCELL_ETCD_USER, LOCKCELL_ETCD_PASSWORD)"),
+                    Some(rbac::Refusal::NoUser) => format!("etcd at {at} runs with authentication on: give the proxy its etcd user with --etcd-user lockcell-proxy and --etcd-password (LOCKCELL_ETCD_USER, LOCKCELL_ETCD_PASSWORD)"),
+                    _ => format!("etcd at {at} does not let the user {user} read the epoch record ({e:#}): the proxy's user needs the lockcell-proxy role (`lockcell-cell auth-enable` sets it up)"),
+                })
+            }
             Err(e) => {
                 tracing::warn!(
                     etcd = %config.etcd_endpoints.join(","),

@@ -14,6 +14,8 @@ async fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    // tonic's TLS and reqwest's both use rustls; this process uses ring.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let config = ProxyConfig::parse();
     if let Err(e) = config.validate() {
         eprintln!("lockcell-proxy: {e}");

@@ -22,7 +22,7 @@ pub struct ProxyState {
     pub proxy_id: String,
     /// The cell's epoch record (the first part of every fencing token this proxy hands
     /// out) and the checks that stop the proxy when the cell changes under it.
-    pub cell: crate::cellguard::CellGuard,
+    pub cell: Arc<crate::cellguard::CellGuard>,
     pub sessions: SessionTable,
     pub leases: LeaseBook,
     pub locklog: LockLog,
@@ -36,6 +36,8 @@ pub struct ProxyState {
     pub queues: Arc<Queues>,
     /// The lock classes in force.
     pub classes: Arc<ClassBook>,
+    /// The prefix grants in force (everything allowed without `--grants`).
+    pub grants: Arc<crate::grants::GrantBook>,
     pub cleanup: CleanupQueue,
     /// One out-of-rhythm lease renewal at a time per bucket (resumes that need a later
     /// lower bound share it).
@@ -64,10 +66,7 @@ impl ProxyState {
 
     /// Stops trusting the cell: no more grants, and a drain that ends in an error exit.
     pub fn cell_changed(&self, reason: &str) {
-        if self.cell.set_changed(reason) {
-            tracing::error!(%reason, "the cell changed under this proxy; granting nothing more, draining and stopping");
-            self.start_drain();
-        }
+        self.cell.set_changed(reason);
     }
 
     /// The epoch the proxy mints tokens in.

@@ -21,7 +21,8 @@ pub struct AuditProcess {
 
 impl AuditProcess {
     /// Starts `lockcell-cell audit ACTION` on `etcd` with `data_dir` and more `args`
-    /// (`--store`, `--archive`, ...), and waits until it answers.
+    /// (`--store`, `--archive`, ...), and waits until it answers. It logs in as the test
+    /// clusters' `lockcell-tailer`, which reads every key and writes none.
     pub async fn start(
         action: &str,
         etcd: &[String],
@@ -39,7 +40,10 @@ impl AuditProcess {
             .arg(data_dir)
             .arg("--listen")
             .arg(&addr)
+            .arg("--etcd-user")
+            .arg(lockcell_cell::rbac::TAILER_USER)
             .args(args)
+            .env("LOCKCELL_ETCD_PASSWORD", crate::etcd::TAILER_PASSWORD)
             .env("RUST_LOG", "info");
         let process = Managed::spawn("audit tailer", cmd, log)?;
         let tailer = AuditProcess {

@@ -328,8 +328,8 @@ async fn holding(record: &Path, within: Duration) -> anyhow::Result<Paused> {
 
 /// The index of the member that leads now.
 async fn leader_of(etcd: &EtcdCluster) -> anyhow::Result<usize> {
-    for (i, member) in etcd.members.iter().enumerate() {
-        let Ok(mut client) = etcd_client::Client::connect([&member.client_addr], None).await else {
+    for i in 0..etcd.members.len() {
+        let Ok(mut client) = etcd.member_client(i).await else {
             continue;
         };
         let Ok(status) = client.status().await else {

@@ -6,6 +6,7 @@
 
 pub mod audit;
 pub mod bins;
+pub mod certs;
 pub mod chaos;
 pub mod checker;
 pub mod clickhouse;

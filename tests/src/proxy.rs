@@ -34,9 +34,14 @@ pub struct ProxyOptions {
     pub drain_timeout: Duration,
     /// More `--flag value` arguments.
     pub extra_args: Vec<String>,
+    /// The etcd user and password the proxy logs in with: the test clusters'
+    /// `lockcell-proxy` by default; `None` for a cluster with authentication off.
+    pub etcd_auth: Option<(String, String)>,
 }
 
 impl ProxyOptions {
+    /// Options for a proxy of zone `zone` on the etcd endpoints `etcd`, logging in as
+    /// the test clusters' `lockcell-proxy`.
     pub fn new(zone: &str, etcd: Vec<String>) -> Self {
         ProxyOptions {
             zone: zone.to_owned(),
@@ -47,6 +52,10 @@ impl ProxyOptions {
             listen: None,
             drain_timeout: Duration::from_secs(3),
             extra_args: Vec::new(),
+            etcd_auth: Some((
+                lockcell_cell::rbac::PROXY_USER.to_owned(),
+                crate::etcd::PROXY_PASSWORD.to_owned(),
+            )),
         }
     }
 }
@@ -100,7 +109,15 @@ impl ProxyProcess {
             .arg("--drain-timeout")
             .arg(format!("{}ms", options.drain_timeout.as_millis()))
             .args(&options.extra_args)
-            .env("RUST_LOG", "info");
+            .env("RUST_LOG", "info")
+            .env_remove("LOCKCELL_ETCD_USER")
+            .env_remove("LOCKCELL_ETCD_PASSWORD");
+        if let Some((user, password)) = &options.etcd_auth {
+            // The password in the environment, where other users' `ps` does not show it.
+            cmd.arg("--etcd-user")
+                .arg(user)
+                .env("LOCKCELL_ETCD_PASSWORD", password);
+        }
         let process = Managed::spawn(format!("proxy {}", options.zone), cmd, &log)?;
         Ok(ProxyProcess {
             zone: options.zone.clone(),

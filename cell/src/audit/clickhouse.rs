@@ -171,19 +171,31 @@ impl ClickHouseStore {
     }
 
     /// Inserts `events` above the checkpoint in one request and one block: ClickHouse
-    /// takes a block whole or not at all. A batch that spans two UTC days becomes one
-    /// part per day, each committed on its own; a failure between them leaves the later
-    /// day's part without the earlier one's (ClickHouse has no multi-part transaction).
+    /// takes a block whole or not at all. The whole batch is filed under the day of its
+    /// first event (a batch spanning midnight would otherwise be one part per day, each
+    /// committed on its own), so retention is by day to within one batch. The insert's
+    /// query id names the batch: a retry sent while a slow first try still runs is
+    /// refused by ClickHouse (and retried once it is done, then skipped by the
+    /// checkpoint) instead of inserting the rows twice.
     pub async fn write(&self, events: &[AuditEvent]) -> Result<(), AuditError> {
         if events.is_empty() {
             return Ok(());
         }
         let checkpoint = self.checkpoint().await?;
+        let fresh: Vec<&AuditEvent> = events.iter().filter(|e| e.revision > checkpoint).collect();
+        let (Some(first), Some(last)) = (fresh.first(), fresh.last()) else {
+            return Ok(());
+        };
+        let date = day_of(first.time_ms);
+        let query_id = format!(
+            "lockcell-audit-{}-{}-{}-{}",
+            first.revision, first.seq, last.revision, last.seq
+        );
         let mut body = Vec::new();
         let mut rows = 0;
-        for event in events.iter().filter(|e| e.revision > checkpoint) {
+        for event in fresh {
             let row = Row {
-                date: day_of(event.time_ms),
+                date: date.clone(),
                 event,
             };
             serde_json::to_writer(&mut body, &row)
@@ -203,7 +215,8 @@ impl ClickHouseStore {
             .append_pair(
                 "max_insert_block_size",
                 &rows.max(DEFAULT_INSERT_BLOCK).to_string(),
-            );
+            )
+            .append_pair("query_id", &query_id);
         self.send("writing events", url, body).await.map(drop)
     }
 

@@ -87,8 +87,8 @@ pub enum AuditError {
 
 /// ClickHouse error codes that pass by themselves: timeouts (159, 209), network (210),
 /// memory (241), too many queries or parts (202, 252), a table being dropped or altered
-/// (473).
-const CLICKHOUSE_TRANSIENT: [u32; 7] = [159, 202, 209, 210, 241, 252, 473];
+/// (473), a query with the same id still running (216: a retried insert).
+const CLICKHOUSE_TRANSIENT: [u32; 8] = [159, 202, 209, 210, 241, 252, 473, 216];
 
 impl AuditError {
     /// True when the same call may succeed later: the server or object store was away,

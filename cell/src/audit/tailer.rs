@@ -44,9 +44,18 @@ use crate::rbac;
 pub enum TailerError {
     #[error(transparent)]
     Etcd(#[from] CellError),
+    /// The store's revision is below what the trail already holds: etcd was restored
+    /// from a backup. The restored history would reuse revisions the trail has for
+    /// other events, so the tailer stops rather than mix the two.
+    #[error("the cell is at revision {now}, below revision {through} the audit trail already holds: it was restored from a backup. Keep this trail as the record of the old history and start the tailer on a new store and archive for the restored cell")]
+    Restored { now: i64, through: i64 },
     #[error(transparent)]
     Sink(#[from] AuditError),
 }
+
+/// Largest watch message the tailer accepts: one revision can delete every key of a
+/// proxy's lease, with previous values.
+const MAX_WATCH_MESSAGE_BYTES: usize = 512 * 1024 * 1024;
 
 /// Longest value kept in an event's `detail`, in bytes.
 pub const DETAIL_BYTES: usize = 256;
@@ -131,7 +140,10 @@ pub async fn run(
     let mut pending: Vec<AuditEvent> = Vec::new();
     let mut through = next - 1;
     loop {
-        let mut watch = etcd.watch_client();
+        // Whole lease revocations arrive as one message.
+        let mut watch = etcd
+            .watch_client()
+            .max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES);
         let opened = watch
             .watch(
                 "",
@@ -226,7 +238,25 @@ pub async fn run(
             }
             if resp.created() {
                 // The watch's acknowledgement: its header is the store's revision now,
-                // not how far the watch has sent events.
+                // not how far the watch has sent events; below where the trail is, the
+                // store went back.
+                let now = resp.header().map(|h| h.revision()).unwrap_or_default();
+                if now > 0 && now < through {
+                    // A member that lags answers low too: a linearizable read decides.
+                    let read = with_timeout(
+                        "read revision",
+                        options.etcd_timeout,
+                        etcd.kv_client().get(
+                            keyspace::epoch_key(),
+                            Some(GetOptions::new().with_count_only()),
+                        ),
+                    )
+                    .await?;
+                    let now = read.header().map(|h| h.revision()).unwrap_or_default();
+                    if now < through {
+                        return Err(TailerError::Restored { now, through });
+                    }
+                }
                 continue;
             }
             if resp.events().is_empty() {
@@ -237,6 +267,20 @@ pub async fn run(
                     next = next.max(through + 1);
                 }
                 continue;
+            }
+            let first = resp.events()[0]
+                .kv()
+                .map(KeyValue::mod_revision)
+                .unwrap_or_default();
+            if first <= through {
+                // Events at or below a revision a progress notification already
+                // covered (older etcd can send one ahead of events): start again from
+                // what every sink holds, which they skip.
+                tracing::warn!(first, through, "the audit watch sent events it had said were done; reading again from the checkpoint");
+                pending.clear();
+                through = stats.checkpoint.load(Ordering::Relaxed);
+                next = through + 1;
+                break;
             }
             for group in by_revision(resp.events()) {
                 let revision = group[0]
@@ -314,6 +358,12 @@ async fn write_once(
     stats: &TailerStats,
 ) -> Result<(), AuditError> {
     if through <= stats.checkpoint.load(Ordering::Relaxed) && pending.is_empty() {
+        // Nothing new; a segment that has grown old is still written.
+        if let Some(archive) = archive {
+            archive
+                .flush_if_due(options.segment_events, options.segment_age)
+                .await?;
+        }
         return Ok(());
     }
     store.write(pending).await?;

@@ -119,6 +119,7 @@ impl SessionApi for FakeProxy {
             proxy_id: "fake".into(),
             lease_id: 1,
             incarnation: 1,
+            epoch: 1,
         }))
     }
 
@@ -140,6 +141,7 @@ impl SessionApi for FakeProxy {
             lost: Vec::new(),
             incarnation: 1,
             fence_revision: 1,
+            epoch: 1,
         }))
     }
 

@@ -23,6 +23,7 @@ use super::lock::{release, token_of};
 use super::millis;
 use crate::acquire::{self, Call};
 use crate::errors::ProxyError;
+use crate::grants::Right;
 use crate::state::ProxyState;
 
 /// Longest leader value accepted, in bytes.
@@ -41,6 +42,11 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<CampaignRequest>,
     ) -> Result<Response<CampaignResponse>, Status> {
+        self.state.grants.current().authorize(
+            &request,
+            Right::Lock,
+            &[&request.get_ref().election],
+        )?;
         let req = request.into_inner();
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
         check_value(&election, &req.value)?;
@@ -73,6 +79,11 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<ProclaimRequest>,
     ) -> Result<Response<ProclaimResponse>, Status> {
+        self.state.grants.current().authorize(
+            &request,
+            Right::Lock,
+            &[&request.get_ref().election],
+        )?;
         let req = request.into_inner();
         let state = &self.state;
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
@@ -123,6 +134,11 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<LeaderRequest>,
     ) -> Result<Response<LeaderResponse>, Status> {
+        self.state.grants.current().authorize(
+            &request,
+            Right::Read,
+            &[&request.get_ref().election],
+        )?;
         let election = LockName::parse(&request.into_inner().election).map_err(ProxyError::from)?;
         let (holder, revision) = self
             .state
@@ -143,6 +159,11 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<LeaderRequest>,
     ) -> Result<Response<Self::ObserveStream>, Status> {
+        self.state.grants.current().authorize(
+            &request,
+            Right::Watch,
+            &[&request.get_ref().election],
+        )?;
         let election = LockName::parse(&request.into_inner().election).map_err(ProxyError::from)?;
         let state = self.state.clone();
         // Subscribed before the first read, so no change between the two is missed.
@@ -220,6 +241,11 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<ResignRequest>,
     ) -> Result<Response<ResignResponse>, Status> {
+        self.state.grants.current().authorize(
+            &request,
+            Right::Lock,
+            &[&request.get_ref().election],
+        )?;
         let req = request.into_inner();
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
         let token = token_of(&election, req.token)?;

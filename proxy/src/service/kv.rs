@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use crate::errors::ProxyError;
+use crate::grants::Right;
 use crate::state::ProxyState;
 
 /// Most compares and writes, together, in one Txn. etcd refuses a transaction whose
@@ -39,6 +40,10 @@ pub struct KvService {
 impl KvApi for KvService {
     #[tracing::instrument(skip_all, fields(kv.key = %request.get_ref().key))]
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<GetResponse>, Status> {
+        self.state
+            .grants
+            .current()
+            .authorize(&request, Right::Read, &[&request.get_ref().key])?;
         let req = request.into_inner();
         if req.limit < 0 || req.revision < 0 {
             return Err(ProxyError::BadArgument(format!(
@@ -67,6 +72,10 @@ impl KvApi for KvService {
 
     #[tracing::instrument(skip_all, fields(kv.key = %request.get_ref().key))]
     async fn put(&self, request: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
+        self.state
+            .grants
+            .current()
+            .authorize(&request, Right::Write, &[&request.get_ref().key])?;
         let req = request.into_inner();
         let state = &self.state;
         let name = key_name(&req.key)?;
@@ -118,6 +127,10 @@ impl KvApi for KvService {
         &self,
         request: Request<DeleteRequest>,
     ) -> Result<Response<DeleteResponse>, Status> {
+        self.state
+            .grants
+            .current()
+            .authorize(&request, Right::Write, &[&request.get_ref().key])?;
         let req = request.into_inner();
         let name = key_name(&req.key)?;
         let condition = condition(&req.key, req.condition)?;
@@ -139,6 +152,14 @@ impl KvApi for KvService {
         kv.writes = request.get_ref().writes.len(),
     ))]
     async fn txn(&self, request: Request<TxnRequest>) -> Result<Response<TxnResponse>, Status> {
+        {
+            let txn = request.get_ref();
+            let grants = self.state.grants.current();
+            let compared: Vec<&str> = txn.compares.iter().map(|c| c.key.as_str()).collect();
+            let written: Vec<&str> = txn.writes.iter().map(|w| w.key.as_str()).collect();
+            grants.authorize(&request, Right::Read, &compared)?;
+            grants.authorize(&request, Right::Write, &written)?;
+        }
         let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;
         let outcome = self
             .state

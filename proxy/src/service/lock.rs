@@ -17,6 +17,7 @@ use tonic::{Request, Response, Status};
 use super::millis;
 use crate::acquire::{self, Call};
 use crate::errors::ProxyError;
+use crate::grants::Right;
 use crate::metrics as m;
 use crate::state::ProxyState;
 
@@ -31,6 +32,10 @@ impl LockApi for LockService {
         &self,
         request: Request<AcquireRequest>,
     ) -> Result<Response<AcquireResponse>, Status> {
+        self.state
+            .grants
+            .current()
+            .authorize(&request, Right::Lock, &[&request.get_ref().lock])?;
         let req = request.into_inner();
         let call = Call {
             mode: mode(req.mode)?,
@@ -61,6 +66,10 @@ impl LockApi for LockService {
         &self,
         request: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
+        self.state
+            .grants
+            .current()
+            .authorize(&request, Right::Lock, &[&request.get_ref().lock])?;
         let req = request.into_inner();
         let mode = mode(req.mode)?;
         let released = release(&self.state, &req.session_id, &req.lock, mode, req.token).await?;
@@ -72,6 +81,10 @@ impl LockApi for LockService {
         &self,
         request: Request<CheckSequencerRequest>,
     ) -> Result<Response<CheckSequencerResponse>, Status> {
+        self.state
+            .grants
+            .current()
+            .authorize(&request, Right::Read, &[&request.get_ref().lock])?;
         let req = request.into_inner();
         let lock = LockName::parse(&req.lock).map_err(ProxyError::from)?;
         let token = token_of(&lock, req.token)?;

@@ -34,6 +34,7 @@ type ReplyStream = Pin<Box<dyn Stream<Item = Result<KeepAliveResponse, Status>> 
 impl SessionApi for SessionService {
     #[tracing::instrument(skip_all, fields(session.id))]
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
+        self.state.grants.current().authenticate(&request)?;
         let req = request.into_inner();
         let state = &self.state;
         if state.is_draining() {
@@ -68,6 +69,7 @@ impl SessionApi for SessionService {
             proxy_id: state.proxy_id.clone(),
             lease_id: lease,
             incarnation,
+            epoch: state.epoch(),
         }))
     }
 
@@ -76,6 +78,7 @@ impl SessionApi for SessionService {
         &self,
         request: Request<ResumeRequest>,
     ) -> Result<Response<ResumeResponse>, Status> {
+        self.state.grants.current().authenticate(&request)?;
         let reply = crate::handover::resume(&self.state, request.into_inner()).await?;
         Ok(Response::new(reply))
     }
@@ -86,6 +89,7 @@ impl SessionApi for SessionService {
         &self,
         request: Request<Streaming<KeepAliveRequest>>,
     ) -> Result<Response<Self::KeepAliveStream>, Status> {
+        self.state.grants.current().authenticate(&request)?;
         let mut input = request.into_inner();
         let (tx, rx) = mpsc::channel(KEEPALIVE_BUFFER);
         let state = self.state.clone();
@@ -116,6 +120,7 @@ impl SessionApi for SessionService {
         &self,
         request: Request<CloseRequest>,
     ) -> Result<Response<CloseResponse>, Status> {
+        self.state.grants.current().authenticate(&request)?;
         let req = request.into_inner();
         let id = req.session_id;
         let state = &self.state;

@@ -22,6 +22,7 @@ use tonic::{Request, Response, Status};
 use crate::errors::ProxyError;
 use crate::fanout::{Batch, End, Subscription};
 use crate::feed::{self, MAX_WATCH_MESSAGE_BYTES};
+use crate::grants::Right;
 use crate::metrics;
 use crate::mirror::{EventKind, KeyEvent, Topic};
 use crate::service::kv::wire;
@@ -47,6 +48,10 @@ impl WatchApi for WatchService {
         &self,
         request: Request<WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        self.state
+            .grants
+            .current()
+            .authorize(&request, Right::Watch, &[&request.get_ref().key])?;
         let req = request.into_inner();
         let state = &self.state;
         if req.start_revision < 0 {

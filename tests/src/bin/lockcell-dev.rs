@@ -1,16 +1,20 @@
 //! `lockcell-dev`: a local three-zone cell for development (what `make dev` runs).
 //!
-//! Starts one etcd member and one proxy per zone on loopback, writes
-//! `<dir>/endpoints` (`KIND ZONE ADDR` lines), prints a ready-to-paste `lockctl`
-//! example, and on Ctrl-C or SIGTERM stops everything it started.
+//! Starts one etcd member and one proxy per zone on loopback, with etcd authentication
+//! on as in production (fresh random passwords each start, in `<dir>/etcd-users`, which
+//! only its owner can read), writes `<dir>/endpoints` (`KIND ZONE ADDR` lines), prints a
+//! ready-to-paste `lockctl` example, and on Ctrl-C or SIGTERM stops everything it
+//! started.
 #![forbid(unsafe_code)]
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use lockcell_cell::rbac::{self, Passwords};
+use lockcell_tests::etcd::EtcdOptions;
 use lockcell_tests::{bins, EtcdCluster, ProxyOptions, ProxyProcess};
 
 /// Runs a local lockcell cell: etcd members and proxies, one per zone, on loopback.
@@ -61,10 +65,23 @@ async fn main() -> anyhow::Result<()> {
         "lockcell-dev: starting {zones} etcd members in {}",
         dir.display()
     );
-    let mut etcd = EtcdCluster::start_in(&dir, zones).await?;
+    let passwords = Passwords {
+        proxy: random_password(),
+        tailer: random_password(),
+        admin: random_password(),
+        root: random_password(),
+    };
+    let users_file = dir.join("etcd-users");
+    write_users(&users_file, &passwords)?;
+    let etcd_options = EtcdOptions {
+        auth: Some(passwords),
+        ..EtcdOptions::default()
+    };
+    let mut etcd = EtcdCluster::start_in_with(&dir, zones, &etcd_options).await?;
     let mut proxies = Vec::new();
     for member in &etcd.members {
         let mut options = ProxyOptions::new(&member.name, etcd.endpoints());
+        options.etcd_auth = etcd.proxy_auth();
         options.lease_ttl = args.lease_ttl;
         options.session_ttl_min = Duration::from_secs(1);
         proxies.push(ProxyProcess::start(&options, &dir).await?);
@@ -90,6 +107,10 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     println!("Endpoints are listed in {}.", endpoints_file.display());
+    println!(
+        "etcd runs with authentication on; its users and passwords (root for etcdctl --user) are in {}.",
+        users_file.display()
+    );
     println!("Try, in another terminal:");
     println!(
         "{} --proxy {} lock demo -- sh -c 'echo \"holding $LOCKCELL_LOCK with token $LOCKCELL_TOKEN\"; sleep 1'",
@@ -113,7 +134,37 @@ async fn main() -> anyhow::Result<()> {
         member.process.stop(Duration::from_secs(10));
     }
     let _ = std::fs::remove_file(&endpoints_file);
+    let _ = std::fs::remove_file(&users_file);
     eprintln!("lockcell-dev: stopped");
+    Ok(())
+}
+
+/// A password for one start of the dev cell.
+fn random_password() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Writes `USER PASSWORD` lines to `path`, readable by its owner only.
+fn write_users(path: &Path, passwords: &Passwords) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let _ = std::fs::remove_file(path);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    for user in [
+        rbac::ROOT_USER,
+        rbac::PROXY_USER,
+        rbac::TAILER_USER,
+        rbac::ADMIN_USER,
+    ] {
+        if let Some(c) = passwords.credentials(user) {
+            writeln!(file, "{} {}", c.user, c.password)?;
+        }
+    }
     Ok(())
 }
 

@@ -183,7 +183,10 @@ pub async fn proxy_started_before_etcd_says_so_and_serves_once_it_is_up() -> any
     let options = ProxyOptions::new("a", vec![format!("127.0.0.1:{}", ports[0].0)]);
     let mut proxy = ProxyProcess::spawn(&options, dir.path())?;
     proxy
-        .wait_for_log("etcd is unreachable; retrying", Duration::from_secs(20))
+        .wait_for_log(
+            "cannot start on the cell yet; retrying",
+            Duration::from_secs(20),
+        )
         .await?;
     let _etcd = EtcdCluster::start_on(dir.path(), &ports).await?;
     proxy.wait_ready(Duration::from_secs(30)).await?;

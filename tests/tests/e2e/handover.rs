@@ -450,6 +450,7 @@ pub async fn a_resume_the_client_gave_up_on_cannot_land_after_a_later_one() -> a
         }],
         acting_for_ms: 0,
         fence_revision: fence,
+        epoch: opened.epoch,
     };
     let on_b = sessions_b
         .resume(resume(0, opened.lease_id))
@@ -500,5 +501,22 @@ pub async fn a_resume_the_client_gave_up_on_cannot_land_after_a_later_one() -> a
         .into_inner();
     let renewed = renewals.message().await?.context("no renewal reply")?;
     ensure!(renewed.valid_for_ms > 0, "{renewed:?}");
+
+    // A resume from another epoch (as after a restore from backup) moves nothing: the
+    // key is reported lost and stays where it is.
+    let mut stale = resume(on_c.fence_revision, on_c.lease_id);
+    stale.epoch = opened.epoch + 1;
+    let on_b = sessions_b.resume(stale).await?.into_inner();
+    ensure!(
+        on_b.lost.len() == 1 && on_b.lost[0].reason.contains("restored"),
+        "a resume of another epoch did not report the key lost: {on_b:?}"
+    );
+    let (_, on_lease) = etcd_key(&etcd, "/l/fenced/x/!x")
+        .await?
+        .context("the holder key is gone")?;
+    ensure!(
+        on_lease == on_c.lease_id,
+        "a resume of another epoch moved the key"
+    );
     Ok(())
 }

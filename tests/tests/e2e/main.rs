@@ -6,6 +6,7 @@
 
 mod audit;
 mod audit_stores;
+mod auth_tokens;
 mod bad_input;
 mod cell;
 mod chaos;
@@ -13,11 +14,13 @@ mod contention;
 mod dev;
 mod elections;
 mod faults;
+mod grants;
 mod handover;
 mod kv;
 mod locks;
 mod members;
 mod modes;
+mod rbac;
 mod reads;
 mod sessions;
 mod support;
@@ -85,6 +88,10 @@ fn main() {
         chaos::a_fault_run_of_every_kind_breaks_no_rule,
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
         cell::a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising,
+        grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
+        rbac::each_role_can_do_what_it_should_and_nothing_more,
+        rbac::auth_enable_changes_nothing_the_second_time_and_puts_back_drift,
+        auth_tokens::a_proxy_and_the_audit_tailer_keep_working_after_etcd_forgets_their_tokens,
         audit_stores::clickhouse_store_partitions_by_day_and_replays_without_duplicates,
         audit_stores::archive_on_s3_covers_every_revision_once_per_class,
         audit::the_trail_of_a_scripted_run_is_complete_in_order_and_rebuilt_from_the_archive,

@@ -4,6 +4,7 @@
 //! - `epoch`: shows it.
 //! - `bump-epoch`: raises the epoch after a restore from backup.
 //! - `audit [rebuild]`: the audit tailer, and the rebuild of its store from the archive.
+//! - `auth-enable`: etcd's users and roles for lockcell, and authentication on.
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
@@ -18,18 +19,19 @@ use lockcell_cell::audit::archive::{Archive, ArchiveOptions};
 use lockcell_cell::audit::store::Store;
 use lockcell_cell::audit::tailer::{self, TailerOptions, TailerStats};
 use lockcell_cell::epoch;
+use lockcell_cell::rbac::{self, Credentials, Passwords};
 use tracing_subscriber::EnvFilter;
 
 mod http;
 
 /// lockcell-cell: the authoritative side of a lockcell cell.
 ///
-/// A cell is one etcd cluster. This binary sets its records up (`init`, `bump-epoch`)
-/// and runs its audit tailer (`audit`), which turns every change in the cell into an
-/// audit event (granted, released, expired, moved, leader changed, waiting, key
-/// written or deleted, config changed) and keeps them in a store (SQLite by default,
-/// ClickHouse when configured) and an archive (a local folder by default, S3 when
-/// configured).
+/// A cell is one etcd cluster. This binary sets its records up (`init`, `bump-epoch`),
+/// turns etcd authentication on (`auth-enable`) and runs its audit tailer (`audit`),
+/// which turns every change in the cell into an audit event (granted, released,
+/// expired, moved, leader changed, waiting, key written or deleted, config changed) and
+/// keeps them in a store (SQLite by default, ClickHouse when configured) and an archive
+/// (a local folder by default, S3 when configured).
 #[derive(Debug, Parser)]
 #[command(name = "lockcell-cell", version, about, long_about)]
 struct Cli {
@@ -39,24 +41,42 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Writes a new cell's epoch record (/sys/epoch: a new cluster id, epoch 1). Does
+    /// Writes a new cell's epoch record (/sys/epoch: a new cluster id; the epoch is the
+    /// Unix time in seconds, so a cell set up anew after losing its data starts above
+    /// the old one). Does
     /// nothing to a cell that has one. Proxies do not serve a cell without it.
     Init(EtcdArgs),
     /// Shows the cell's epoch record.
     Epoch(EtcdArgs),
-    /// Raises the cell's epoch by one. Run it after restoring etcd from a backup and
+    /// Raises the cell's epoch (to the Unix time in seconds, or by one if that is not
+    /// higher). Run it after restoring etcd from a backup and
     /// before any proxy serves the restored cell: the restored store's revisions go back
     /// to the backup's, and the epoch (the first part of every fencing token) keeps
-    /// tokens rising. A running proxy's next grant fails on the new record, and it stops granting, drains and exits.
+    /// tokens rising. A running proxy sees the record change, grants nothing more,
+    /// drains and exits.
     BumpEpoch(EtcdArgs),
     /// Runs the audit tailer until SIGTERM or SIGINT; `audit rebuild` first rebuilds
     /// the store from the archive.
     Audit(Box<AuditArgs>),
+    /// Turns etcd authentication on for the cell, with one etcd user per kind of process.
+    ///
+    /// Creates the roles and users lockcell-proxy (reads every key; writes /l/, /q/, /k/
+    /// and /s/), lockcell-tailer (reads every key, writes none) and lockcell-admin
+    /// (reads and writes /sys/: init, bump-epoch, the shard map), and root (which etcd
+    /// needs), each user with only its own role; then enables authentication. Run
+    /// again, it changes nothing, or puts back what drifted (a permission added or
+    /// taken by hand, a password other than the one given).
+    ///
+    /// Once authentication is on this command logs in as root (LOCKCELL_ROOT_PASSWORD).
+    /// Processes without credentials are turned away from then on: give proxies
+    /// --etcd-user lockcell-proxy, the audit tailer lockcell-tailer, and init and
+    /// bump-epoch lockcell-admin, each with LOCKCELL_ETCD_PASSWORD.
+    AuthEnable(AuthEnableArgs),
 }
 
 /// Where the cell's etcd is.
 #[derive(Debug, Clone, Args)]
-struct EtcdArgs {
+struct EtcdAddress {
     /// etcd client endpoints, comma-separated.
     #[arg(
         long = "etcd",
@@ -69,8 +89,16 @@ struct EtcdArgs {
     /// Deadline of each call to etcd.
     #[arg(long, env = "LOCKCELL_ETCD_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     etcd_timeout: Duration,
+}
 
-    /// etcd user, when etcd runs with authentication on.
+/// Where the cell's etcd is, and who to log in as.
+#[derive(Debug, Clone, Args)]
+struct EtcdArgs {
+    #[command(flatten)]
+    address: EtcdAddress,
+
+    /// etcd user, when etcd runs with authentication on (lockcell-admin for init,
+    /// epoch and bump-epoch; lockcell-tailer for audit).
     #[arg(long, env = "LOCKCELL_ETCD_USER")]
     etcd_user: Option<String>,
 
@@ -79,17 +107,77 @@ struct EtcdArgs {
     etcd_password: Option<String>,
 }
 
+impl EtcdAddress {
+    fn options(&self) -> etcd_client::ConnectOptions {
+        etcd_client::ConnectOptions::new()
+            .with_connect_timeout(self.etcd_timeout)
+            .with_timeout(self.etcd_timeout)
+    }
+
+    fn endpoints(&self) -> String {
+        self.etcd_endpoints.join(",")
+    }
+}
+
 impl EtcdArgs {
     async fn connect(&self) -> anyhow::Result<etcd_client::Client> {
-        let mut options = etcd_client::ConnectOptions::new()
-            .with_connect_timeout(self.etcd_timeout)
-            .with_timeout(self.etcd_timeout);
-        if let Some(user) = &self.etcd_user {
-            options = options.with_user(user, self.etcd_password.clone().unwrap_or_default());
-        }
-        etcd_client::Client::connect(&self.etcd_endpoints, Some(options))
+        let credentials = self
+            .etcd_user
+            .as_ref()
+            .map(|user| Credentials::new(user, self.etcd_password.clone().unwrap_or_default()));
+        let options = rbac::with_credentials(self.address.options(), credentials.as_ref());
+        etcd_client::Client::connect(&self.address.etcd_endpoints, Some(options))
             .await
-            .with_context(|| format!("connecting to etcd at {}", self.etcd_endpoints.join(",")))
+            .map_err(|e| login_error(e, self.etcd_user.as_deref(), &self.address))
+    }
+}
+
+/// A failed connection, saying what to change when etcd turned the user away.
+fn login_error(e: etcd_client::Error, user: Option<&str>, etcd: &EtcdAddress) -> anyhow::Error {
+    let at = etcd.endpoints();
+    let user = user.unwrap_or("(none)");
+    let hint = match rbac::refusal(&e) {
+        Some(rbac::Refusal::BadCredentials) => format!(
+            "etcd at {at} refused the user {user} and its password; check --etcd-user and --etcd-password (LOCKCELL_ETCD_USER, LOCKCELL_ETCD_PASSWORD)"
+        ),
+        Some(rbac::Refusal::AuthOff) => format!(
+            "etcd at {at} runs with authentication off, and --etcd-user {user} was given; turn it on with `lockcell-cell auth-enable` or leave --etcd-user out"
+        ),
+        _ => format!("connecting to etcd at {at}"),
+    };
+    anyhow::Error::new(e).context(hint)
+}
+
+/// The passwords `auth-enable` gives lockcell's etcd users.
+#[derive(Clone, Args)]
+struct AuthEnableArgs {
+    #[command(flatten)]
+    etcd: EtcdAddress,
+
+    /// Password of etcd's root user. Once authentication is on, this command logs in as
+    /// root with it.
+    #[arg(long, env = "LOCKCELL_ROOT_PASSWORD", hide_env_values = true)]
+    root_password: String,
+
+    /// Password of the lockcell-proxy user (proxies log in with it).
+    #[arg(long, env = "LOCKCELL_PROXY_PASSWORD", hide_env_values = true)]
+    proxy_password: String,
+
+    /// Password of the lockcell-tailer user (the audit tailer logs in with it).
+    #[arg(long, env = "LOCKCELL_TAILER_PASSWORD", hide_env_values = true)]
+    tailer_password: String,
+
+    /// Password of the lockcell-admin user (init, bump-epoch, the shard map).
+    #[arg(long, env = "LOCKCELL_ADMIN_PASSWORD", hide_env_values = true)]
+    admin_password: String,
+}
+
+/// Never prints the passwords.
+impl std::fmt::Debug for AuthEnableArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthEnableArgs")
+            .field("etcd", &self.etcd)
+            .finish_non_exhaustive()
     }
 }
 
@@ -174,7 +262,26 @@ async fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli.command).await {
         eprintln!("lockcell-cell: {e:#}");
+        if let Some(hint) = refusal_hint(&e) {
+            eprintln!("lockcell-cell: {hint}");
+        }
         std::process::exit(1);
+    }
+}
+
+/// What to do when etcd turned a call away for its user.
+fn refusal_hint(e: &anyhow::Error) -> Option<&'static str> {
+    let etcd = e
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<etcd_client::Error>())?;
+    match rbac::refusal(etcd)? {
+        rbac::Refusal::NoUser => Some(
+            "etcd runs with authentication on: log in with --etcd-user (lockcell-admin for init, epoch and bump-epoch; lockcell-tailer for audit) and LOCKCELL_ETCD_PASSWORD",
+        ),
+        rbac::Refusal::PermissionDenied => Some(
+            "this etcd user may not do that: init, epoch and bump-epoch run as lockcell-admin, audit as lockcell-tailer (`lockcell-cell auth-enable` sets their roles up)",
+        ),
+        _ => None,
     }
 }
 
@@ -182,8 +289,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Init(etcd) => {
             let client = etcd.connect().await?;
-            let before = epoch::read(&mut client.kv_client(), etcd.etcd_timeout).await?;
-            let record = epoch::ensure(&mut client.kv_client(), etcd.etcd_timeout).await?;
+            let timeout = etcd.address.etcd_timeout;
+            let before = epoch::read(&mut client.kv_client(), timeout).await?;
+            let record = epoch::ensure(&mut client.kv_client(), timeout).await?;
             match before {
                 Some(_) => println!(
                     "the cell already has its epoch record: cluster {} epoch {}; nothing written",
@@ -197,20 +305,21 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Epoch(etcd) => {
             let client = etcd.connect().await?;
-            match epoch::read(&mut client.kv_client(), etcd.etcd_timeout).await? {
+            match epoch::read(&mut client.kv_client(), etcd.address.etcd_timeout).await? {
                 Some(stored) => println!(
                     "cluster {} epoch {} (written at revision {})",
                     stored.record.cluster_id, stored.record.epoch, stored.mod_revision
                 ),
                 None => anyhow::bail!(
                     "the cell at {} has no epoch record; set it up with `lockcell-cell init`",
-                    etcd.etcd_endpoints.join(",")
+                    etcd.address.endpoints()
                 ),
             }
         }
         Command::BumpEpoch(etcd) => {
             let client = etcd.connect().await?;
-            let (before, after) = epoch::bump(&mut client.kv_client(), etcd.etcd_timeout).await?;
+            let (before, after) =
+                epoch::bump(&mut client.kv_client(), etcd.address.etcd_timeout).await?;
             println!(
                 "raised the epoch of cluster {} from {} to {} (at revision {}); tokens granted from now on start with {}:",
                 after.record.cluster_id,
@@ -221,6 +330,31 @@ async fn run(command: Command) -> anyhow::Result<()> {
             );
         }
         Command::Audit(args) => audit(*args).await?,
+        Command::AuthEnable(args) => auth_enable(args).await?,
+    }
+    Ok(())
+}
+
+async fn auth_enable(args: AuthEnableArgs) -> anyhow::Result<()> {
+    let passwords = Passwords {
+        proxy: args.proxy_password,
+        tailer: args.tailer_password,
+        admin: args.admin_password,
+        root: args.root_password,
+    };
+    let etcd = &args.etcd;
+    let client = rbac::connect_for_setup(&etcd.etcd_endpoints, &passwords.root, etcd.options())
+        .await
+        .with_context(|| format!("connecting to etcd at {}", etcd.endpoints()))?;
+    let changes = rbac::enable(&client, &passwords, etcd.etcd_timeout).await?;
+    if changes.is_empty() {
+        println!(
+            "etcd at {} already has lockcell's roles and users and authentication on; nothing changed",
+            etcd.endpoints()
+        );
+    }
+    for change in &changes {
+        println!("{change}");
     }
     Ok(())
 }
@@ -293,7 +427,7 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
     let options = TailerOptions {
         segment_events: args.segment_events,
         segment_age: args.segment_age,
-        etcd_timeout: args.etcd.etcd_timeout,
+        etcd_timeout: args.etcd.address.etcd_timeout,
         ..TailerOptions::default()
     };
     tracing::info!(listen = %args.listen, "lockcell-cell audit ready");

@@ -1,11 +1,12 @@
 //! `lockctl announce`: be a member of a group while lockctl runs (or while CMD does),
 //! and leave the moment it stops.
 
+use crate::target::Target;
 use std::ffi::OsString;
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use lockcell_client::{Client, Error, Session, SessionOptions};
+use lockcell_client::{Error, Session, SessionOptions};
 use tokio::process::{Child, Command};
 
 use crate::exit::{exit_code, EX_TEMPFAIL};
@@ -76,7 +77,7 @@ impl AnnounceArgs {
 
 /// `lockctl announce`.
 pub(crate) async fn announce(
-    proxy: &str,
+    proxy: &Target,
     options: SessionOptions,
     args: &AnnounceArgs,
     signals: &mut Signals,
@@ -135,8 +136,8 @@ pub(crate) async fn announce(
     Ok(code)
 }
 
-async fn open_session(proxy: &str, options: SessionOptions) -> Result<Session, Error> {
-    let client = Client::connect(proxy).await?;
+async fn open_session(proxy: &Target, options: SessionOptions) -> Result<Session, Error> {
+    let client = proxy.connect().await?;
     client.open_session(options).await
 }
 

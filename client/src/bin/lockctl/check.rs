@@ -1,7 +1,8 @@
 //! `lockctl check`: whether a fencing token is still a lock's current exclusive grant
 //! (the sequencer check), for scripts guarding a resource that cannot keep tokens.
 
-use lockcell_client::{Client, FencingToken, Sequencer};
+use crate::target::Target;
+use lockcell_client::{FencingToken, Sequencer};
 
 use crate::print_line;
 
@@ -35,11 +36,11 @@ pub(crate) struct CheckArgs {
 }
 
 /// `lockctl check`.
-pub(crate) async fn check(proxy: &str, args: &CheckArgs) -> anyhow::Result<u8> {
+pub(crate) async fn check(proxy: &Target, args: &CheckArgs) -> anyhow::Result<u8> {
     // Parsed here rather than by clap, so a malformed token exits 64 like other usage
     // errors, with the parser's explanation.
     let token: FencingToken = args.token.parse()?;
-    let client = Client::connect(proxy).await?;
+    let client = proxy.connect().await?;
     let sequencer = client.check_sequencer(&args.name, token).await?;
     let (line, code) = verdict(&sequencer);
     print_line(&line)?;

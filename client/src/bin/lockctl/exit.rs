@@ -11,6 +11,9 @@ use lockcell_proto::TokenParseError;
 pub(crate) const EX_USAGE: u8 = 64;
 /// sysexits.h: a service is unavailable (here: the proxy).
 pub(crate) const EX_UNAVAILABLE: u8 = 69;
+/// sysexits.h: permission denied (the proxy's prefix grants refused the call, or it could
+/// not tell who lockctl is).
+pub(crate) const EX_NOPERM: u8 = 77;
 /// sysexits.h: temporary failure, try again later (here: the lock stayed held, or the
 /// election stayed led by another session).
 pub(crate) const EX_TEMPFAIL: u8 = 75;
@@ -24,6 +27,7 @@ pub(crate) fn failure_code(error: &anyhow::Error) -> u8 {
     if let Some(error) = error.downcast_ref::<Error>() {
         return match error {
             Error::InvalidArgument(_) => EX_USAGE,
+            Error::PermissionDenied(_) | Error::Unauthenticated(_) => EX_NOPERM,
             Error::Connect { .. } | Error::Unavailable(_) => EX_UNAVAILABLE,
             _ => 1,
         };

@@ -2,13 +2,14 @@
 //! while CMD runs, and stop CMD (SIGTERM) the moment holding it can no longer be
 //! trusted. Both commands take the one path in [`hold_and_run`].
 
+use crate::target::Target;
 use std::ffi::OsString;
 use std::process::ExitStatus;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use lockcell_client::{
-    Client, Error, FencingToken, Leadership, LockGuard, Mode, Session, SessionOptions, Wait,
+    Error, FencingToken, Leadership, LockGuard, Mode, Session, SessionOptions, Wait,
 };
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -305,7 +306,7 @@ impl Held {
 /// Opens a session, obtains `want` (waiting as `wait` says), runs `command` while
 /// holding it, then gives it up and closes the session. Returns lockctl's exit status.
 pub(crate) async fn hold_and_run(
-    proxy: &str,
+    proxy: &Target,
     options: SessionOptions,
     want: Want<'_>,
     wait: Wait,
@@ -368,8 +369,8 @@ pub(crate) async fn hold_and_run(
     Ok(exit_code(status.context("waiting for CMD")?))
 }
 
-async fn open_session(proxy: &str, options: SessionOptions) -> Result<Session, Error> {
-    let client = Client::connect(proxy).await?;
+async fn open_session(proxy: &Target, options: SessionOptions) -> Result<Session, Error> {
+    let client = proxy.connect().await?;
     client.open_session(options).await
 }
 

@@ -1,9 +1,10 @@
 //! `lockctl get`, `put`, `del`: small keys (configuration) from scripts.
 
+use crate::target::Target;
 use std::borrow::Cow;
 use std::fmt::Write as _;
 
-use lockcell_client::{Client, Condition};
+use lockcell_client::Condition;
 
 use crate::print_line;
 
@@ -63,8 +64,8 @@ pub(crate) struct DelArgs {
     pub(crate) if_revision: Option<i64>,
 }
 
-pub(crate) async fn get(proxy: &str, args: &GetArgs) -> anyhow::Result<u8> {
-    let client = Client::connect(proxy).await?;
+pub(crate) async fn get(proxy: &Target, args: &GetArgs) -> anyhow::Result<u8> {
+    let client = proxy.connect().await?;
     if args.prefix {
         for entry in client.get_prefix(&args.key).await? {
             print_line(&format!("{}={}", entry.key, value_text(&entry.value)))?;
@@ -109,13 +110,13 @@ fn hex(value: &[u8]) -> String {
     out
 }
 
-pub(crate) async fn put(proxy: &str, args: &PutArgs) -> anyhow::Result<u8> {
+pub(crate) async fn put(proxy: &Target, args: &PutArgs) -> anyhow::Result<u8> {
     let condition = match (args.if_absent, args.if_revision) {
         (true, _) => Condition::Absent,
         (false, Some(r)) => Condition::ModRevision(r),
         (false, None) => Condition::Always,
     };
-    let client = Client::connect(proxy).await?;
+    let client = proxy.connect().await?;
     let written = client
         .put(&args.key, args.value.as_bytes(), condition)
         .await?;
@@ -132,11 +133,11 @@ pub(crate) async fn put(proxy: &str, args: &PutArgs) -> anyhow::Result<u8> {
     Ok(CONDITION_FAILED)
 }
 
-pub(crate) async fn del(proxy: &str, args: &DelArgs) -> anyhow::Result<u8> {
+pub(crate) async fn del(proxy: &Target, args: &DelArgs) -> anyhow::Result<u8> {
     let condition = args
         .if_revision
         .map_or(Condition::Always, Condition::ModRevision);
-    let client = Client::connect(proxy).await?;
+    let client = proxy.connect().await?;
     if client.delete(&args.key, condition).await? {
         return Ok(0);
     }

@@ -1,9 +1,10 @@
 //! `lockctl leader` and `lockctl observe`: who leads an election, once or as it
 //! changes, one line per answer on stdout (text or JSON).
 
+use crate::target::Target;
 use std::fmt::Write as _;
 
-use lockcell_client::{Client, LeaderInfo};
+use lockcell_client::LeaderInfo;
 
 use crate::exit::EX_UNAVAILABLE;
 use crate::print_line;
@@ -58,8 +59,8 @@ pub(crate) struct LeaderArgs {
 }
 
 /// `lockctl leader`.
-pub(crate) async fn leader(proxy: &str, args: &LeaderArgs) -> anyhow::Result<u8> {
-    let client = Client::connect(proxy).await?;
+pub(crate) async fn leader(proxy: &Target, args: &LeaderArgs) -> anyhow::Result<u8> {
+    let client = proxy.connect().await?;
     let leader = client.leader(&args.name).await?;
     print_line(&leader_line(&args.name, leader.as_ref(), args.json))?;
     Ok(if leader.is_some() { 0 } else { NO_LEADER })
@@ -67,13 +68,13 @@ pub(crate) async fn leader(proxy: &str, args: &LeaderArgs) -> anyhow::Result<u8>
 
 /// `lockctl observe`.
 pub(crate) async fn observe(
-    proxy: &str,
+    proxy: &Target,
     args: &LeaderArgs,
     signals: &mut Signals,
 ) -> anyhow::Result<u8> {
     let name = &args.name;
     let opening = async {
-        let client = Client::connect(proxy).await?;
+        let client = proxy.connect().await?;
         client.observe(name).await
     };
     let mut leaders = tokio::select! {

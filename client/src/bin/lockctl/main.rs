@@ -12,6 +12,7 @@ mod hold;
 mod kv;
 mod leader;
 mod signals;
+mod target;
 mod watch;
 
 use std::io::Write as _;
@@ -77,6 +78,9 @@ struct Cli {
     /// held the lock or led (default: HOSTNAME/PID).
     #[arg(long, global = true)]
     identity: Option<String>,
+
+    #[command(flatten)]
+    target: target::TargetArgs,
 
     #[command(subcommand)]
     command: Cmd,
@@ -151,8 +155,10 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         proxy,
         ttl,
         identity,
+        target,
         command,
     } = cli;
+    let proxy = target::Target::new(&proxy, &target)?;
     let mut options = SessionOptions {
         ttl,
         ..SessionOptions::default()

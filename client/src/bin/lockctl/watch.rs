@@ -1,9 +1,8 @@
 //! `lockctl watch` and `lockctl members`: follow small keys, or a group's membership,
 //! one line per change on stdout, until SIGINT or SIGTERM.
 
-use lockcell_client::{
-    Client, Error, EventKind, MemberChange, Members, WatchEvent, WatchOptions, Watcher,
-};
+use crate::target::Target;
+use lockcell_client::{Error, EventKind, MemberChange, Members, WatchEvent, WatchOptions, Watcher};
 
 use crate::kv::value_field;
 use crate::print_line;
@@ -134,14 +133,14 @@ pub(crate) struct MembersArgs {
 
 /// `lockctl watch`.
 pub(crate) async fn watch(
-    proxy: &str,
+    proxy: &Target,
     args: &WatchArgs,
     signals: &mut Signals,
 ) -> anyhow::Result<u8> {
     let (key, opts) = args.target();
     let from = opts.start_revision;
     let opening = async {
-        let client = Client::connect(proxy).await?;
+        let client = proxy.connect().await?;
         client.watch(key, opts).await
     };
     let opened = tokio::select! {
@@ -221,12 +220,12 @@ fn event_line(event: &WatchEvent, prev: bool) -> String {
 
 /// `lockctl members`.
 pub(crate) async fn members(
-    proxy: &str,
+    proxy: &Target,
     args: &MembersArgs,
     signals: &mut Signals,
 ) -> anyhow::Result<u8> {
     let opening = async {
-        let client = Client::connect(proxy).await?;
+        let client = proxy.connect().await?;
         client.members(&args.group).await
     };
     let mut members: Members = tokio::select! {

@@ -1,0 +1,244 @@
+//! Prefix grants over mutual TLS and bearer tokens: what a grant allows goes through,
+//! what it does not is refused naming the identity, the right and the name.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use lockcell_client::{Client, ClientOptions, ClientTls, Condition, Error, Wait, WatchOptions};
+use lockcell_tests::certs::{Authority, Pems};
+use lockcell_tests::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess};
+
+use crate::support::short_session;
+
+fn grants_file(billing_locks: &str) -> String {
+    format!(
+        r#"
+[[grant]]
+identity = "billing"
+lock = [{billing_locks}]
+read = ["billing/", "config/"]
+write = ["billing/"]
+watch = ["config/"]
+
+[[grant]]
+identity = "dev"
+lock = ["dev/"]
+
+[[token]]
+identity = "dev"
+sha256 = "{}"
+"#,
+        sha256_hex(b"dev-token")
+    )
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+async fn mtls_client(proxy: &ProxyProcess, ca: &Path, me: Option<&Pems>) -> Result<Client, Error> {
+    let identity_pem = me.map(|p| {
+        (
+            std::fs::read(&p.cert).unwrap(),
+            std::fs::read(&p.key).unwrap(),
+        )
+    });
+    let options = ClientOptions::new([proxy.addr.clone()]).tls(ClientTls {
+        ca_pem: std::fs::read(ca).unwrap(),
+        identity_pem,
+        domain: Some("localhost".into()),
+    });
+    Client::connect_with(options).await
+}
+
+fn denied(result: Result<impl std::fmt::Debug, Error>, what: &str) -> anyhow::Result<String> {
+    match result {
+        Err(Error::PermissionDenied(message)) => Ok(message),
+        other => anyhow::bail!("{what} was not refused by the grants: {other:?}"),
+    }
+}
+
+pub async fn prefix_grants_refuse_what_they_should_and_allow_what_they_should() -> anyhow::Result<()>
+{
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let ca = Authority::new(&dir.path().join("certs"))?;
+    let server = ca.server("proxy")?;
+    let billing = ca.client("billing")?;
+    let stranger = ca.client("stranger")?;
+    let grants = dir.path().join("grants.toml");
+    std::fs::write(&grants, grants_file(r#""billing/""#))?;
+
+    // A proxy that requires client certificates.
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--grants".into(),
+        grants.display().to_string(),
+        "--tls-cert".into(),
+        server.cert.display().to_string(),
+        "--tls-key".into(),
+        server.key.display().to_string(),
+        "--tls-client-ca".into(),
+        ca.ca.display().to_string(),
+    ];
+    let proxy = ProxyProcess::start(&options, dir.path()).await?;
+
+    let client = mtls_client(&proxy, &ca.ca, Some(&billing))
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}\n{}", proxy.process.log_tail(20)))?;
+    let session = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    let guard = session
+        .acquire("billing/nightly", Wait::Try)
+        .await?
+        .context("a granted prefix's free lock was not granted")?;
+    guard.release().await?;
+    let message = denied(
+        session.acquire("payroll/nightly", Wait::Try).await,
+        "a lock outside the grants",
+    )?;
+    ensure!(
+        message.contains("\"billing\"")
+            && message.contains("lock")
+            && message.contains("payroll/nightly"),
+        "the refusal does not name the identity, the right and the lock: {message}"
+    );
+    client.put("billing/rate", b"5", Condition::Always).await?;
+    denied(
+        client.put("config/flag", b"on", Condition::Always).await,
+        "a write to a read-only prefix",
+    )?;
+    ensure!(
+        client.get("config/flag").await?.is_none(),
+        "a refused write left a key"
+    );
+    client.get("config/flag").await?;
+    // An allowed watch runs (no events: nobody may write config/ here); a refused one
+    // ends with the refusal.
+    let mut watcher = client.watch("config/", WatchOptions::prefix()).await?;
+    if let Ok(Err(e)) = tokio::time::timeout(Duration::from_millis(500), watcher.next()).await {
+        anyhow::bail!("a watch the grants allow ended: {e}");
+    }
+    let refused = async {
+        let mut watcher = client.watch("billing/", WatchOptions::prefix()).await?;
+        watcher.next().await.map(drop)
+    };
+    denied(refused.await, "a watch outside the watch grants")?;
+
+    // Another identity, and no identity at all.
+    let other = mtls_client(&proxy, &ca.ca, Some(&stranger)).await?;
+    denied(
+        other.get("billing/rate").await,
+        "a read by an identity with no grant",
+    )?;
+    ensure!(
+        mtls_client(&proxy, &ca.ca, None).await.is_err()
+            || mtls_client(&proxy, &ca.ca, None)
+                .await?
+                .open_session(short_session(Duration::from_secs(5)))
+                .await
+                .is_err(),
+        "a client without a certificate was served by a proxy that requires one"
+    );
+
+    // The file changes: the proxy follows it.
+    std::fs::write(&grants, grants_file(r#""billing/", "payroll/""#))?;
+    let newly_allowed = eventually(
+        "the new grants are in force",
+        Duration::from_secs(15),
+        || async {
+            Ok(session
+                .acquire("payroll/nightly", Wait::Try)
+                .await
+                .ok()
+                .flatten())
+        },
+    )
+    .await?;
+    newly_allowed.release().await?;
+    // A bad file is refused and the last good one stays.
+    std::fs::write(&grants, "[[grant]]\nidentity = \"billing\"\nlok = []\n")?;
+    proxy_logs_refusal(&proxy).await?;
+    ensure!(
+        session.acquire("billing/other", Wait::Try).await?.is_some(),
+        "a bad grants file changed what is allowed"
+    );
+    session.close().await?;
+
+    // Tokens: a proxy over plain TLS (no client certificates) with the same grants.
+    let mut options = ProxyOptions::new("b", etcd.endpoints());
+    std::fs::write(&grants, grants_file(r#""billing/""#))?;
+    options.extra_args = vec!["--grants".into(), grants.display().to_string()];
+    let plain = ProxyProcess::start(&options, dir.path()).await?;
+    let dev =
+        Client::connect_with(ClientOptions::new([plain.addr.clone()]).token("dev-token")).await?;
+    let session = dev
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    ensure!(
+        session.acquire("dev/x", Wait::Try).await?.is_some(),
+        "the token's grant was not honoured"
+    );
+    denied(
+        session.acquire("billing/x", Wait::Try).await,
+        "a lock outside the token's grants",
+    )?;
+    let anonymous = Client::connect(&plain.addr).await?;
+    match anonymous
+        .open_session(short_session(Duration::from_secs(5)))
+        .await
+    {
+        Err(Error::Unauthenticated(_)) => {}
+        other => anyhow::bail!("a caller without identity opened a session: {other:?}"),
+    }
+    let wrong =
+        Client::connect_with(ClientOptions::new([plain.addr.clone()]).token("guess")).await?;
+    ensure!(
+        matches!(wrong.get("dev/x").await, Err(Error::Unauthenticated(_))),
+        "a wrong token was taken"
+    );
+
+    // lockctl over mutual TLS: allowed and refused, with its exit status.
+    let lockctl = |args: &[&str]| {
+        std::process::Command::new(bins::workspace_bin("lockctl").expect("lockctl built"))
+            .args(["--proxy", &proxy.addr, "--tls-ca"])
+            .arg(&ca.ca)
+            .arg("--tls-cert")
+            .arg(&billing.cert)
+            .arg("--tls-key")
+            .arg(&billing.key)
+            .args(["--tls-domain", "localhost"])
+            .args(args)
+            .output()
+    };
+    let read = lockctl(&["get", "billing/rate"])?;
+    ensure!(
+        read.status.success() && String::from_utf8_lossy(&read.stdout).contains('5'),
+        "lockctl get over mTLS: {read:?}"
+    );
+    let refused = lockctl(&["put", "config/flag", "on"])?;
+    ensure!(
+        refused.status.code() == Some(77)
+            && String::from_utf8_lossy(&refused.stderr).contains("may not write"),
+        "lockctl put outside the grants: {refused:?}"
+    );
+    Ok(())
+}
+
+async fn proxy_logs_refusal(proxy: &ProxyProcess) -> anyhow::Result<()> {
+    eventually(
+        "the proxy refuses the bad grants file",
+        Duration::from_secs(15),
+        || async {
+            let log = std::fs::read_to_string(proxy.log_path())?;
+            Ok(log.contains("prefix grants file refused").then_some(()))
+        },
+    )
+    .await
+}
