@@ -2,9 +2,11 @@
 //!
 //! Starts one etcd member and one proxy per zone on loopback, with etcd authentication
 //! on as in production (fresh random passwords each start, in `<dir>/etcd-users`, which
-//! only its owner can read), writes `<dir>/endpoints` (`KIND ZONE ADDR` lines), prints a
-//! ready-to-paste `lockctl` example, and on Ctrl-C or SIGTERM stops everything it
-//! started.
+//! only its owner can read), the proxies serving TLS with certificates from a private CA
+//! made at each start (`<dir>/tls/`) and checking prefix grants (`<dir>/grants.toml`:
+//! the identity `dev`, known by a bearer token made at each start, may do everything),
+//! writes `<dir>/endpoints` (`KIND ZONE ADDR` lines), prints a ready-to-paste `lockctl`
+//! example, and on Ctrl-C or SIGTERM stops everything it started.
 #![forbid(unsafe_code)]
 
 use std::fmt::Write as _;
@@ -14,6 +16,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use lockcell_cell::rbac::{self, Passwords};
+use lockcell_tests::certs::Authority;
 use lockcell_tests::etcd::EtcdOptions;
 use lockcell_tests::{bins, EtcdCluster, ProxyOptions, ProxyProcess};
 
@@ -78,10 +81,23 @@ async fn main() -> anyhow::Result<()> {
         ..EtcdOptions::default()
     };
     let mut etcd = EtcdCluster::start_in_with(&dir, zones, &etcd_options).await?;
+    let ca = Authority::new(&dir.join("tls"))?;
+    let server = ca.server("proxy")?;
+    let token = random_password();
+    let grants = dir.join("grants.toml");
+    std::fs::write(&grants, dev_grants(&token))?;
     let mut proxies = Vec::new();
     for member in &etcd.members {
         let mut options = ProxyOptions::new(&member.name, etcd.endpoints());
         options.etcd_auth = etcd.proxy_auth();
+        options.extra_args = vec![
+            "--tls-cert".into(),
+            server.cert.display().to_string(),
+            "--tls-key".into(),
+            server.key.display().to_string(),
+            "--grants".into(),
+            grants.display().to_string(),
+        ];
         options.lease_ttl = args.lease_ttl;
         options.session_ttl_min = Duration::from_secs(1);
         proxies.push(ProxyProcess::start(&options, &dir).await?);
@@ -111,9 +127,15 @@ async fn main() -> anyhow::Result<()> {
         "etcd runs with authentication on; its users and passwords (root for etcdctl --user) are in {}.",
         users_file.display()
     );
+    println!(
+        "The proxies serve TLS (CA: {}) and check the prefix grants in {}; the identity dev may do everything, with the token below.",
+        ca.ca.display(),
+        grants.display()
+    );
     println!("Try, in another terminal:");
     println!(
-        "{} --proxy {} lock demo -- sh -c 'echo \"holding $LOCKCELL_LOCK with token $LOCKCELL_TOKEN\"; sleep 1'",
+        "LOCKCELL_TLS_CA={} LOCKCELL_AUTH_TOKEN={token} {} --proxy {} lock demo -- sh -c 'echo \"holding $LOCKCELL_LOCK with token $LOCKCELL_TOKEN\"; sleep 1'",
+        ca.ca.display(),
         lockctl.display(),
         proxies[0].addr
     );
@@ -140,6 +162,20 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// A password for one start of the dev cell.
+/// The dev cell's grants: the identity `dev`, known by `token`, may do everything.
+fn dev_grants(token: &str) -> String {
+    use sha2::Digest as _;
+    let hash: String = sha2::Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!(
+        "# The dev cell's prefix grants (see deploy/config/grants.toml), made at each start.\n\
+         [[grant]]\nidentity = \"dev\"\nlock = [\"\"]\nread = [\"\"]\nwrite = [\"\"]\nwatch = [\"\"]\n\n\
+         [[token]]\nidentity = \"dev\"\nsha256 = \"{hash}\"\n"
+    )
+}
+
 fn random_password() -> String {
     format!("{:032x}", rand::random::<u128>())
 }

@@ -62,9 +62,15 @@ pub async fn make_dev_cell_runs_the_lockctl_example_and_stops_cleanly() -> anyho
         "the example failed: {example}\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
+    // LOCKCELL_TOKEN in the command's environment is the lock's fencing token,
+    // EPOCH:REVISION (lockctl sets it for the command).
+    let token = stdout
+        .trim()
+        .strip_prefix("holding demo with token ")
+        .with_context(|| format!("the example printed {stdout:?}"))?;
     ensure!(
-        stdout.contains("holding demo with token 1:"),
-        "the example printed {stdout:?}"
+        token.parse::<lockcell_client::FencingToken>().is_ok(),
+        "the example printed the token {token:?}, not EPOCH:REVISION"
     );
 
     kill(

@@ -29,7 +29,12 @@ pub(crate) struct TargetArgs {
 
     /// A bearer token for proxies that check prefix grants without certificates (the
     /// dev cell prints one). Prefer the environment variable to the flag.
-    #[arg(long, env = "LOCKCELL_TOKEN", global = true, hide_env_values = true)]
+    #[arg(
+        long = "auth-token",
+        env = "LOCKCELL_AUTH_TOKEN",
+        global = true,
+        hide_env_values = true
+    )]
     pub(crate) token: Option<String>,
 }
 
