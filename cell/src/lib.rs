@@ -12,6 +12,7 @@ pub mod arbiter;
 pub mod audit;
 pub mod epoch;
 pub mod error;
+pub mod etcd_tls;
 pub mod keyspace;
 pub mod kv;
 pub mod locklog;

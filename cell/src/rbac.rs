@@ -483,3 +483,47 @@ mod tests {
         );
     }
 }
+
+/// A password from a flag or the environment: never shown by `Debug` (a configuration
+/// printed for an operator, a panic message), only handed to etcd.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The password itself, for logging in.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_empty() { "\"\"" } else { "\"***\"" })
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+impl From<Secret> for String {
+    fn from(secret: Secret) -> String {
+        secret.0
+    }
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use super::Secret;
+
+    #[test]
+    fn a_secret_is_never_printed() {
+        let s: Secret = "hunter2".parse().unwrap();
+        assert_eq!(format!("{s:?}"), "\"***\"");
+        assert_eq!(s.expose(), "hunter2");
+    }
+}

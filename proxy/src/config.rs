@@ -139,7 +139,10 @@ pub struct ProxyConfig {
 
     /// That user's password (prefer the environment variable to the flag).
     #[arg(long, env = "LOCKCELL_ETCD_PASSWORD", hide_env_values = true)]
-    pub etcd_password: Option<String>,
+    pub etcd_password: Option<lockcell_cell::rbac::Secret>,
+
+    #[command(flatten)]
+    pub etcd_tls: lockcell_cell::etcd_tls::EtcdTls,
 }
 
 /// Why a configuration was refused.

@@ -330,7 +330,7 @@ async fn connect(
     }
 
     let credentials = config.etcd_user.as_ref().map(|user| {
-        let password = config.etcd_password.clone().unwrap_or_default();
+        let password: String = config.etcd_password.clone().unwrap_or_default().into();
         rbac::Credentials::new(user, password)
     });
     let options = ConnectOptions::new()
@@ -341,7 +341,7 @@ async fn connect(
         .with_require_leader(true);
     // Logs in again whenever etcd has forgotten the token (it expires after
     // --auth-token-ttl without a call, and a restarted member knows none).
-    let options = rbac::with_credentials(options, credentials.as_ref());
+    let options = rbac::with_credentials(config.etcd_tls.apply(options)?, credentials.as_ref());
     let mut pause = Duration::from_millis(200);
     loop {
         let attempt = async {

@@ -89,6 +89,7 @@ fn main() {
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
         cell::a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising,
         grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
+        grants::a_proxy_reaches_etcd_over_mutual_tls,
         rbac::each_role_can_do_what_it_should_and_nothing_more,
         rbac::auth_enable_changes_nothing_the_second_time_and_puts_back_drift,
         auth_tokens::a_proxy_and_the_audit_tailer_keep_working_after_etcd_forgets_their_tokens,

@@ -19,7 +19,7 @@ use lockcell_cell::audit::archive::{Archive, ArchiveOptions};
 use lockcell_cell::audit::store::Store;
 use lockcell_cell::audit::tailer::{self, TailerOptions, TailerStats};
 use lockcell_cell::epoch;
-use lockcell_cell::rbac::{self, Credentials, Passwords};
+use lockcell_cell::rbac::{self, Credentials, Passwords, Secret};
 use tracing_subscriber::EnvFilter;
 
 mod http;
@@ -89,6 +89,9 @@ struct EtcdAddress {
     /// Deadline of each call to etcd.
     #[arg(long, env = "LOCKCELL_ETCD_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     etcd_timeout: Duration,
+
+    #[command(flatten)]
+    tls: lockcell_cell::etcd_tls::EtcdTls,
 }
 
 /// Where the cell's etcd is, and who to log in as.
@@ -104,14 +107,16 @@ struct EtcdArgs {
 
     /// That user's password (prefer the environment variable to the flag).
     #[arg(long, env = "LOCKCELL_ETCD_PASSWORD", hide_env_values = true)]
-    etcd_password: Option<String>,
+    etcd_password: Option<Secret>,
 }
 
 impl EtcdAddress {
-    fn options(&self) -> etcd_client::ConnectOptions {
-        etcd_client::ConnectOptions::new()
-            .with_connect_timeout(self.etcd_timeout)
-            .with_timeout(self.etcd_timeout)
+    fn options(&self) -> anyhow::Result<etcd_client::ConnectOptions> {
+        self.tls.apply(
+            etcd_client::ConnectOptions::new()
+                .with_connect_timeout(self.etcd_timeout)
+                .with_timeout(self.etcd_timeout),
+        )
     }
 
     fn endpoints(&self) -> String {
@@ -121,11 +126,13 @@ impl EtcdAddress {
 
 impl EtcdArgs {
     async fn connect(&self) -> anyhow::Result<etcd_client::Client> {
-        let credentials = self
-            .etcd_user
-            .as_ref()
-            .map(|user| Credentials::new(user, self.etcd_password.clone().unwrap_or_default()));
-        let options = rbac::with_credentials(self.address.options(), credentials.as_ref());
+        let credentials = self.etcd_user.as_ref().map(|user| {
+            Credentials::new(
+                user,
+                String::from(self.etcd_password.clone().unwrap_or_default()),
+            )
+        });
+        let options = rbac::with_credentials(self.address.options()?, credentials.as_ref());
         etcd_client::Client::connect(&self.address.etcd_endpoints, Some(options))
             .await
             .map_err(|e| login_error(e, self.etcd_user.as_deref(), &self.address))
@@ -157,19 +164,19 @@ struct AuthEnableArgs {
     /// Password of etcd's root user. Once authentication is on, this command logs in as
     /// root with it.
     #[arg(long, env = "LOCKCELL_ROOT_PASSWORD", hide_env_values = true)]
-    root_password: String,
+    root_password: Secret,
 
     /// Password of the lockcell-proxy user (proxies log in with it).
     #[arg(long, env = "LOCKCELL_PROXY_PASSWORD", hide_env_values = true)]
-    proxy_password: String,
+    proxy_password: Secret,
 
     /// Password of the lockcell-tailer user (the audit tailer logs in with it).
     #[arg(long, env = "LOCKCELL_TAILER_PASSWORD", hide_env_values = true)]
-    tailer_password: String,
+    tailer_password: Secret,
 
     /// Password of the lockcell-admin user (init, bump-epoch, the shard map).
     #[arg(long, env = "LOCKCELL_ADMIN_PASSWORD", hide_env_values = true)]
-    admin_password: String,
+    admin_password: Secret,
 }
 
 /// Never prints the passwords.
@@ -337,13 +344,13 @@ async fn run(command: Command) -> anyhow::Result<()> {
 
 async fn auth_enable(args: AuthEnableArgs) -> anyhow::Result<()> {
     let passwords = Passwords {
-        proxy: args.proxy_password,
-        tailer: args.tailer_password,
-        admin: args.admin_password,
-        root: args.root_password,
+        proxy: args.proxy_password.into(),
+        tailer: args.tailer_password.into(),
+        admin: args.admin_password.into(),
+        root: args.root_password.into(),
     };
     let etcd = &args.etcd;
-    let client = rbac::connect_for_setup(&etcd.etcd_endpoints, &passwords.root, etcd.options())
+    let client = rbac::connect_for_setup(&etcd.etcd_endpoints, &passwords.root, etcd.options()?)
         .await
         .with_context(|| format!("connecting to etcd at {}", etcd.endpoints()))?;
     let changes = rbac::enable(&client, &passwords, etcd.etcd_timeout).await?;
