@@ -20,8 +20,8 @@ use crate::shared::{Home, SessionShared};
 /// Close, Release): a hung call must not hang the application.
 pub(crate) const UNARY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How a client reaches the service.
-#[derive(Clone, Debug)]
+/// How a client reaches the service. Its `Debug` output never shows the token.
+#[derive(Clone)]
 pub struct ClientOptions {
     /// Proxy addresses in order of preference: the client's own zone first, then the
     /// others. The client uses the first that answers and moves its sessions to the next
@@ -41,6 +41,18 @@ pub struct ClientOptions {
     /// A bearer token for proxies that check prefix grants without client
     /// certificates (the dev cell); none by default.
     pub token: Option<String>,
+}
+
+impl std::fmt::Debug for ClientOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientOptions")
+            .field("proxies", &self.proxies)
+            .field("grace", &self.grace)
+            .field("fail_back_after", &self.fail_back_after)
+            .field("tls", &self.tls.is_some())
+            .field("token", &self.token.as_ref().map(|_| "***"))
+            .finish()
+    }
 }
 
 impl ClientOptions {
@@ -195,6 +207,16 @@ impl Client {
 mod tests {
     use super::*;
     use crate::proxies::endpoint_uri;
+
+    #[test]
+    fn options_never_show_the_token() {
+        let options = ClientOptions::new(["a:1"]).token("s3cret");
+        let shown = format!("{options:?}");
+        assert!(
+            !shown.contains("s3cret") && shown.contains("***"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn bare_addresses_get_a_scheme() {

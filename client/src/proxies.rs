@@ -20,7 +20,7 @@ pub(crate) type Channel = InterceptedService<tonic::transport::Channel, Credenti
 /// TLS to the proxies: the CA that signed their certificates, and the client's own
 /// certificate for proxies that require one (its subject common name is the identity
 /// the proxy's prefix grants know the client by). All PEM.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct ClientTls {
     pub ca_pem: Vec<u8>,
     /// The client certificate and its key, for mutual TLS.
@@ -30,10 +30,30 @@ pub struct ClientTls {
     pub domain: Option<String>,
 }
 
+impl std::fmt::Debug for ClientTls {
+    /// Never the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("client_certificate", &self.identity_pem.is_some())
+            .field("domain", &self.domain)
+            .finish()
+    }
+}
+
 /// Adds the client's bearer token (if any) to every call.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct Credentials {
     bearer: Option<MetadataValue<Ascii>>,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.bearer.is_some() {
+            "Credentials(bearer ***)"
+        } else {
+            "Credentials(none)"
+        })
+    }
 }
 
 impl Interceptor for Credentials {

@@ -73,3 +73,12 @@ impl Authority {
         Ok(pems)
     }
 }
+
+/// What a grants file lists for a bearer token: its SHA-256, in lowercase hex.
+pub fn token_sha256(token: &str) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}

@@ -113,7 +113,7 @@ impl TailerStats {
 pub async fn run(
     etcd: etcd_client::Client,
     store: &Store,
-    mut archive: Option<&mut Archive>,
+    archive: Option<&mut Archive>,
     options: &TailerOptions,
     stats: Arc<TailerStats>,
     mut stop: watch::Receiver<bool>,
@@ -137,6 +137,12 @@ pub async fn run(
         epoch = reading.epoch.epoch,
         "audit tailer started"
     );
+    let mut sinks = Sinks {
+        store,
+        archive,
+        options,
+        stats: &stats,
+    };
     let mut pending: Vec<AuditEvent> = Vec::new();
     let mut through = next - 1;
     loop {
@@ -171,7 +177,7 @@ pub async fn run(
             let message = tokio::select! {
                 m = stream.message() => m,
                 _ = tokio::time::sleep_until(due) => {
-                    write(store, archive.as_deref_mut(), &mut pending, through, options, &stats).await?;
+                    sinks.write(&mut pending, through).await?;
                     due = tokio::time::Instant::now() + options.batch_wait;
                     continue;
                 }
@@ -293,15 +299,7 @@ pub async fn run(
             }
             stats.head.fetch_max(through, Ordering::Relaxed);
             if pending.len() >= options.batch_events {
-                write(
-                    store,
-                    archive.as_deref_mut(),
-                    &mut pending,
-                    through,
-                    options,
-                    &stats,
-                )
-                .await?;
+                sinks.write(&mut pending, through).await?;
                 due = tokio::time::Instant::now() + options.batch_wait;
             }
         }
@@ -312,73 +310,67 @@ pub async fn run(
             break;
         }
     }
-    write(
-        store,
-        archive.as_deref_mut(),
-        &mut pending,
-        through,
-        options,
-        &stats,
-    )
-    .await?;
-    if let Some(archive) = archive {
+    sinks.write(&mut pending, through).await?;
+    if let Some(archive) = sinks.archive {
         archive.flush().await?;
     }
     tracing::info!(checkpoint = through, "audit tailer stopped");
     Ok(())
 }
 
-/// Writes the pending events (whole revisions) to the store and the archive. A sink that
-/// is briefly away keeps them pending for the next try (both sinks skip what they
-/// already have); any other failure stops the tailer.
-async fn write(
-    store: &Store,
-    archive: Option<&mut Archive>,
-    pending: &mut Vec<AuditEvent>,
-    through: i64,
-    options: &TailerOptions,
-    stats: &TailerStats,
-) -> Result<(), AuditError> {
-    match write_once(store, archive, pending, through, options, stats).await {
-        Err(e) if e.is_retriable() => {
-            stats.write_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %e, pending = pending.len(), "an audit sink is away; keeping the events to write them later");
-            Ok(())
-        }
-        other => other,
-    }
+/// Where events go: the store, the archive (if any), and the figures about them.
+struct Sinks<'a> {
+    store: &'a Store,
+    archive: Option<&'a mut Archive>,
+    options: &'a TailerOptions,
+    stats: &'a TailerStats,
 }
 
-async fn write_once(
-    store: &Store,
-    archive: Option<&mut Archive>,
-    pending: &mut Vec<AuditEvent>,
-    through: i64,
-    options: &TailerOptions,
-    stats: &TailerStats,
-) -> Result<(), AuditError> {
-    if through <= stats.checkpoint.load(Ordering::Relaxed) && pending.is_empty() {
-        // Nothing new; a segment that has grown old is still written.
-        if let Some(archive) = archive {
-            archive
-                .flush_if_due(options.segment_events, options.segment_age)
-                .await?;
+impl Sinks<'_> {
+    /// Writes the pending events (whole revisions, covering up to `through`) to the
+    /// store and the archive. A sink that is briefly away keeps them pending for the
+    /// next try (both sinks skip what they already have); any other failure stops the
+    /// tailer.
+    async fn write(
+        &mut self,
+        pending: &mut Vec<AuditEvent>,
+        through: i64,
+    ) -> Result<(), AuditError> {
+        match self.write_once(pending, through).await {
+            Err(e) if e.is_retriable() => {
+                self.stats.write_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, pending = pending.len(), "an audit sink is away; keeping the events to write them later");
+                Ok(())
+            }
+            other => other,
         }
-        return Ok(());
     }
-    store.write(pending).await?;
-    if let Some(archive) = archive {
-        archive.write(pending, through);
-        archive
-            .flush_if_due(options.segment_events, options.segment_age)
-            .await?;
+
+    async fn write_once(
+        &mut self,
+        pending: &mut Vec<AuditEvent>,
+        through: i64,
+    ) -> Result<(), AuditError> {
+        let (events, age) = (self.options.segment_events, self.options.segment_age);
+        if through <= self.stats.checkpoint.load(Ordering::Relaxed) && pending.is_empty() {
+            // Nothing new; a segment that has grown old is still written.
+            if let Some(archive) = self.archive.as_deref_mut() {
+                archive.flush_if_due(events, age).await?;
+            }
+            return Ok(());
+        }
+        self.store.write(pending).await?;
+        if let Some(archive) = self.archive.as_deref_mut() {
+            archive.write(pending, through);
+            archive.flush_if_due(events, age).await?;
+        }
+        self.stats
+            .events
+            .fetch_add(pending.len() as u64, Ordering::Relaxed);
+        self.stats.checkpoint.store(through, Ordering::Relaxed);
+        pending.clear();
+        Ok(())
     }
-    stats
-        .events
-        .fetch_add(pending.len() as u64, Ordering::Relaxed);
-    stats.checkpoint.store(through, Ordering::Relaxed);
-    pending.clear();
-    Ok(())
 }
 
 async fn wait_or_stop(stop: &mut watch::Receiver<bool>, pause: Duration) -> bool {

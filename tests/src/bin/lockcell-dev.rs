@@ -164,11 +164,7 @@ async fn main() -> anyhow::Result<()> {
 /// A password for one start of the dev cell.
 /// The dev cell's grants: the identity `dev`, known by `token`, may do everything.
 fn dev_grants(token: &str) -> String {
-    use sha2::Digest as _;
-    let hash: String = sha2::Sha256::digest(token.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hash = lockcell_tests::certs::token_sha256(token);
     format!(
         "# The dev cell's prefix grants (see deploy/config/grants.toml), made at each start.\n\
          [[grant]]\nidentity = \"dev\"\nlock = [\"\"]\nread = [\"\"]\nwrite = [\"\"]\nwatch = [\"\"]\n\n\

@@ -8,13 +8,12 @@ use anyhow::{ensure, Context};
 use lockcell_cell::audit::store::Store;
 use lockcell_cell::audit::{AuditEvent, EventKind};
 use lockcell_client::{Client, Condition, Wait};
-use lockcell_proto::v1::{AcquireRequest, OpenRequest};
 use lockcell_tests::audit::AuditProcess;
 use lockcell_tests::clickhouse::ClickHouse;
 use lockcell_tests::s3::S3Server;
 use lockcell_tests::{eventually, EtcdCluster, ProxyProcess};
 
-use crate::support::{cell, raw, short_session};
+use crate::support::{cell, short_session, silent_holder};
 
 /// One line per event as a test states it: kind, name, token (or "").
 type Line = (EventKind, String, String);
@@ -51,29 +50,7 @@ async fn script(proxy: &ProxyProcess) -> anyhow::Result<Vec<(String, Vec<Line>)>
     on_lock.push(line(EventKind::Released, lock, first));
 
     // A holder that stops renewing: its grant expires.
-    let (mut sessions, mut locks) = raw(proxy).await?;
-    let silent = sessions
-        .open(OpenRequest {
-            ttl_ms: 1_000,
-            identity: "silent holder".into(),
-        })
-        .await?
-        .into_inner();
-    let grant = locks
-        .acquire(AcquireRequest {
-            session_id: silent.session_id.clone(),
-            lock: lock.into(),
-            wait_timeout_ms: Some(0),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    ensure!(
-        grant.granted,
-        "the silent holder was not granted the free lock"
-    );
-    let silent_token: lockcell_client::FencingToken =
-        grant.token.context("grant without token")?.into();
+    let (_, _, silent_token) = silent_holder(proxy, lock).await?;
     on_lock.push(line(EventKind::Granted, lock, silent_token));
     on_lock.push(line(EventKind::Expired, lock, silent_token));
     let guard = session

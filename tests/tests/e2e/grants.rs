@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use lockcell_client::{Client, ClientOptions, ClientTls, Condition, Error, Wait, WatchOptions};
-use lockcell_tests::certs::{Authority, Pems};
+use lockcell_tests::certs::{token_sha256, Authority, Pems};
 use lockcell_tests::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess};
 
 use crate::support::short_session;
@@ -29,16 +29,8 @@ lock = ["dev/"]
 identity = "dev"
 sha256 = "{}"
 "#,
-        sha256_hex(b"dev-token")
+        token_sha256("dev-token")
     )
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 async fn mtls_client(proxy: &ProxyProcess, ca: &Path, me: Option<&Pems>) -> Result<Client, Error> {

@@ -10,34 +10,13 @@ use lockcell_proto::v1::{
 };
 use lockcell_tests::{eventually, FencedResource};
 
-use crate::support::{cell, raw, short_session};
+use crate::support::{cell, raw, short_session, silent_holder};
 
 pub async fn holder_that_stops_renewing_loses_its_lock() -> anyhow::Result<()> {
     let (_etcd, proxies) = cell(&["a"]).await?;
     let proxy = &proxies[0];
     // The holder speaks the raw protocol and never renews.
-    let (mut sessions, mut locks) = raw(proxy).await?;
-    let holder = sessions
-        .open(OpenRequest {
-            ttl_ms: 1_000,
-            identity: "silent holder".into(),
-        })
-        .await?
-        .into_inner();
-    let grant = locks
-        .acquire(AcquireRequest {
-            session_id: holder.session_id.clone(),
-            lock: "jobs/report".into(),
-            wait_timeout_ms: Some(0),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    ensure!(
-        grant.granted,
-        "the first acquire of a free lock was not granted"
-    );
-    let first: FencingToken = grant.token.context("grant without token")?.into();
+    let (mut sessions, holder, first) = silent_holder(proxy, "jobs/report").await?;
 
     let client = Client::connect(&proxy.url()).await?;
     let waiter = client
@@ -56,7 +35,7 @@ pub async fn holder_that_stops_renewing_loses_its_lock() -> anyhow::Result<()> {
     // The holder's session is over: the proxy says so.
     let reply = sessions
         .keep_alive(tokio_stream::iter([KeepAliveRequest {
-            session_id: holder.session_id.clone(),
+            session_id: holder.clone(),
             seq: 1,
         }]))
         .await?

@@ -78,3 +78,36 @@ pub async fn etcd_txns(etcd: &EtcdCluster) -> anyhow::Result<f64> {
     }
     Ok(total)
 }
+
+/// A session that holds `lock` and never renews (the raw protocol, TTL 1 s): its grant
+/// expires. Returns the session client it used, its session id and the grant's token.
+pub async fn silent_holder(
+    proxy: &ProxyProcess,
+    lock: &str,
+) -> anyhow::Result<(SessionClient<Channel>, String, lockcell_proto::FencingToken)> {
+    use anyhow::Context as _;
+    use lockcell_proto::v1::{AcquireRequest, OpenRequest};
+    let (mut sessions, mut locks) = raw(proxy).await?;
+    let holder = sessions
+        .open(OpenRequest {
+            ttl_ms: 1_000,
+            identity: "silent holder".into(),
+        })
+        .await?
+        .into_inner();
+    let grant = locks
+        .acquire(AcquireRequest {
+            session_id: holder.session_id.clone(),
+            lock: lock.into(),
+            wait_timeout_ms: Some(0),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    anyhow::ensure!(
+        grant.granted,
+        "the silent holder was not granted the free lock {lock}"
+    );
+    let token = grant.token.context("grant without token")?.into();
+    Ok((sessions, holder.session_id, token))
+}
