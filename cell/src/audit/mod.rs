@@ -126,6 +126,26 @@ pub struct AuditEvent {
 }
 
 impl AuditEvent {
+    /// An event of `kind` about `name` at `time_ms`, every other field empty (the
+    /// tailer sets revision and seq when it places the event).
+    pub fn new(kind: EventKind, name: String, time_ms: i64) -> AuditEvent {
+        AuditEvent {
+            revision: 0,
+            seq: 0,
+            time_ms,
+            kind,
+            name,
+            mode: String::new(),
+            token: String::new(),
+            session: String::new(),
+            proxy: String::new(),
+            zone: String::new(),
+            identity: String::new(),
+            lease: 0,
+            detail: String::new(),
+        }
+    }
+
     /// The event's date (UTC) as `YYYY-MM-DD`, for day partitions and archive paths.
     pub fn day(&self) -> String {
         day_of(self.time_ms)

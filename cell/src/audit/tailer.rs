@@ -405,18 +405,8 @@ fn by_revision(events: &[Event]) -> Vec<Vec<&Event>> {
 fn gap(from: i64, to: i64) -> AuditEvent {
     AuditEvent {
         revision: to,
-        seq: 0,
-        time_ms: now_ms(),
-        kind: EventKind::Gap,
-        name: String::new(),
-        mode: String::new(),
-        token: String::new(),
-        session: String::new(),
-        proxy: String::new(),
-        zone: String::new(),
-        identity: String::new(),
-        lease: 0,
         detail: format!("revisions {from}..={to} were compacted before the tailer read them"),
+        ..AuditEvent::new(EventKind::Gap, String::new(), now_ms())
     }
 }
 
@@ -514,19 +504,8 @@ impl Reading {
         let put = change.event_type() == EventType::Put;
         let prev = change.prev_kv();
         let blank = |kind: EventKind, name: String| AuditEvent {
-            revision: 0,
-            seq: 0,
-            time_ms: now_ms,
-            kind,
-            name,
-            mode: String::new(),
-            token: String::new(),
-            session: String::new(),
-            proxy: String::new(),
-            zone: String::new(),
-            identity: String::new(),
             lease: kv.lease(),
-            detail: String::new(),
+            ..AuditEvent::new(kind, name, now_ms)
         };
         let key = kv.key();
         if let Some(name) = keyspace::kv_name(key) {
