@@ -81,11 +81,22 @@ impl Security {
     pub(crate) fn new(tls: Option<ClientTls>, token: Option<&str>) -> Result<Security, Error> {
         let bearer = token
             .map(|t| {
-                format!("Bearer {t}").parse().map_err(|_| {
-                    Error::InvalidArgument("the token has characters a header cannot carry".into())
-                })
+                let mut value: MetadataValue<Ascii> =
+                    format!("Bearer {t}").parse().map_err(|_| {
+                        Error::InvalidArgument(
+                            "the token has characters a header cannot carry".into(),
+                        )
+                    })?;
+                // Never indexed by HTTP/2 header compression.
+                value.set_sensitive(true);
+                Ok::<_, Error>(value)
             })
             .transpose()?;
+        if bearer.is_some() && tls.is_none() {
+            tracing::warn!(
+                "a bearer token without TLS crosses the network in clear; set ClientOptions::tls"
+            );
+        }
         Ok(Security {
             tls,
             credentials: Credentials { bearer },
@@ -193,6 +204,12 @@ impl Proxies {
 }
 
 async fn connect(addr: &str, security: &Security, timeout: Duration) -> Result<Channel, Error> {
+    if security.tls.is_some() && addr.starts_with("http://") {
+        return Err(Error::InvalidArgument(format!(
+            "{addr} is a plain-HTTP address, but the client is set up for TLS: write https://{} or the bare address",
+            addr.trim_start_matches("http://")
+        )));
+    }
     let mut endpoint = Endpoint::from_shared(endpoint_uri(addr, security.tls.is_some()))
         .map_err(|e| Error::connect(addr, &e))?
         .connect_timeout(timeout)

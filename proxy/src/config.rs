@@ -108,6 +108,11 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<std::path::PathBuf>,
 
+    /// Let --grants take bearer tokens over plain HTTP/2 (no --tls-cert): they would
+    /// cross the network in clear. For a test bench only.
+    #[arg(long, env = "LOCKCELL_GRANTS_WITHOUT_TLS")]
+    pub grants_without_tls: bool,
+
     /// How many batches of events a watcher may fall behind before it is cut off (told
     /// the revision to resume from), so one slow watcher never slows the others.
     #[arg(long, env = "LOCKCELL_WATCH_BACKLOG", default_value_t = 1024)]
@@ -162,11 +167,16 @@ pub enum ConfigError {
     Margin { margin: Duration, ttl: Duration },
     #[error("--etcd needs at least one endpoint")]
     NoEndpoints,
+    #[error("--grants without --tls-cert and --tls-key would take bearer tokens in clear; serve TLS, or pass --grants-without-tls on a test bench")]
+    GrantsWithoutTls,
 }
 
 impl ProxyConfig {
     /// Checks the values against each other; every error names the flag to change.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.grants.is_some() && self.tls_cert.is_none() && !self.grants_without_tls {
+            return Err(ConfigError::GrantsWithoutTls);
+        }
         let (min, max) = (self.session_ttl_min, self.session_ttl_max);
         if min > max {
             return Err(ConfigError::TtlBounds { min, max });

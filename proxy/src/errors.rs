@@ -19,6 +19,9 @@ pub enum ProxyError {
     /// The call is well-formed but breaks a rule of the lock's class or of its grant.
     #[error("{0}")]
     Refused(String),
+    /// The caller's identity may not do this (prefix grants, another's session).
+    #[error("{0}")]
+    PermissionDenied(String),
     #[error("this proxy holds no etcd lease right now (etcd unreachable?); try again or use another proxy")]
     NoLease,
     #[error("this proxy is shutting down; use another proxy")]
@@ -71,6 +74,7 @@ impl From<ProxyError> for Status {
                 Status::invalid_argument(message)
             }
             ProxyError::UnknownSession { .. } => Status::not_found(message),
+            ProxyError::PermissionDenied(_) => Status::permission_denied(message),
             ProxyError::ExpiredSession { .. } | ProxyError::Refused(_) => {
                 Status::failed_precondition(message)
             }

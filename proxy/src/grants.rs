@@ -114,6 +114,12 @@ impl Declared for Grants {
                 .map(|span| text[..span.start].matches('\n').count() + 1);
             error(line, e.message().to_owned())
         })?;
+        if file.grant.is_empty() {
+            return Err(error(
+                None,
+                "the file has no [[grant]]: every caller would be refused (a half-written or emptied file?); say who may do what".into(),
+            ));
+        }
         let mut seen = std::collections::HashSet::new();
         for grant in &file.grant {
             let who = &grant.identity;
@@ -165,13 +171,16 @@ impl Declared for Grants {
     }
 
     fn count(&self) -> usize {
-        self.grants.len()
+        self.grants.len() + self.tokens.len()
     }
 }
 
 /// A prefix is a lock or key name's beginning: no control characters, no `!`, no `..`
 /// segment. `""` grants every name.
 fn check_prefix(prefix: &str) -> Result<(), &'static str> {
+    if prefix.starts_with('/') || prefix.contains("//") {
+        return Err("starts with '/' or has an empty segment; names start with their first segment (\"billing/\", not \"/billing/\")");
+    }
     if prefix.chars().any(char::is_control) {
         return Err("contains a control character");
     }
@@ -198,17 +207,28 @@ impl Grants {
     /// Who is calling: the TLS client certificate's common name, else the identity of
     /// a known bearer token.
     pub fn identify<T>(&self, request: &Request<T>) -> Result<String, Status> {
-        if let Some(name) = certificate_name(request) {
-            return Ok(name);
+        // A client that sent a certificate is known by it, or not at all.
+        if let Some(certs) = request.peer_certs() {
+            return certs
+                .first()
+                .and_then(|cert| certificate_name(cert.as_ref()))
+                .ok_or_else(|| {
+                    Status::unauthenticated(
+                        "the client certificate has no single UTF-8 subject common name to know it by",
+                    )
+                });
         }
         let bearer = request
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| {
+                let (scheme, token) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(token)
+            });
         match bearer {
             Some(token) => {
-                let hash = hex(&Sha256::digest(token.trim().as_bytes()));
+                let hash = hex(&Sha256::digest(token.as_bytes()));
                 self.tokens.get(&hash).cloned().ok_or_else(|| {
                     Status::unauthenticated("the bearer token is not one the proxy's grants file lists")
                 })
@@ -256,6 +276,35 @@ impl Grants {
             .try_for_each(|name| self.check(&identity, right, name))
     }
 
+    /// The caller's identity when the proxy checks grants, `None` when it does not.
+    pub fn caller<T>(&self, request: &Request<T>) -> Result<Option<String>, Status> {
+        if !self.enforced {
+            return Ok(None);
+        }
+        self.identify(request).map(Some)
+    }
+
+    /// Identifies the caller and checks that it has one of `rights` on `name`.
+    pub fn authorize_any<T>(
+        &self,
+        request: &Request<T>,
+        rights: &[Right],
+        name: &str,
+    ) -> Result<(), Status> {
+        if !self.enforced {
+            return Ok(());
+        }
+        let identity = self.identify(request)?;
+        let mut refusal = None;
+        for right in rights {
+            match self.check(&identity, *right, name) {
+                Ok(()) => return Ok(()),
+                Err(e) => refusal = Some(e),
+            }
+        }
+        Err(refusal.unwrap_or_else(|| Status::permission_denied("no right given")))
+    }
+
     /// Identifies the caller of a call that names nothing (sessions): any identified
     /// caller may.
     pub fn authenticate<T>(&self, request: &Request<T>) -> Result<(), Status> {
@@ -266,18 +315,12 @@ impl Grants {
     }
 }
 
-/// The subject common name of the caller's TLS client certificate, if it sent one.
-fn certificate_name<T>(request: &Request<T>) -> Option<String> {
-    let certs = request.peer_certs()?;
-    let first = certs.first()?;
-    let (_, cert) = x509_parser::parse_x509_certificate(first.as_ref()).ok()?;
-    let name = cert
-        .subject()
-        .iter_common_name()
-        .next()
-        .and_then(|cn| cn.as_str().ok())
-        .map(str::to_owned);
-    name
+/// The subject common name of a client certificate (DER), when it has exactly one.
+fn certificate_name(der: &[u8]) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    let mut names = cert.subject().iter_common_name();
+    let name = names.next()?.as_str().ok()?.to_owned();
+    names.next().is_none().then_some(name)
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -355,8 +398,14 @@ sha256 = "5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8"
         assert!(grants(two).unwrap_err().message.contains("two [[grant]]"));
         let bang = "[[grant]]\nidentity = \"a\"\nlock = [\"x!\"]\n";
         assert!(grants(bang).unwrap_err().message.contains("'!'"));
-        let hash = "[[token]]\nidentity = \"a\"\nsha256 = \"abc\"\n";
+        let hash = "[[grant]]\nidentity = \"a\"\n[[token]]\nidentity = \"a\"\nsha256 = \"abc\"\n";
         assert!(grants(hash).unwrap_err().message.contains("64 hex"));
+        assert!(grants("").unwrap_err().message.contains("no [[grant]]"));
+        let slash = "[[grant]]\nidentity = \"a\"\nread = [\"/billing/\"]\n";
+        assert!(grants(slash)
+            .unwrap_err()
+            .message
+            .contains("starts with '/'"));
         let field = "[[grant]]\nidentity = \"a\"\nadmin = [\"\"]\n";
         assert!(grants(field).unwrap_err().line == Some(3));
     }

@@ -16,6 +16,7 @@ use lockcell_proto::v1::{HeldKey, HeldKind, LostKey, ResumeRequest, ResumeRespon
 use tokio::time::Instant;
 
 use crate::errors::ProxyError;
+use crate::grants::Right;
 use crate::metrics as m;
 use crate::service::millis;
 use crate::sessions::Session;
@@ -78,29 +79,59 @@ fn lease_trouble(state: &ProxyState, left: Duration) -> bool {
 /// Every refusal before a key moves is FAILED_PRECONDITION (draining, no lease, a lease
 /// in trouble, the cover rule, a fence moved on), so the client knows nothing moved; an
 /// etcd failure during the move is UNAVAILABLE, and its outcome unknown.
+/// `principal`: the caller's identity when the proxy checks prefix grants.
 pub async fn resume(
     state: &ProxyState,
     mut req: ResumeRequest,
+    principal: Option<String>,
 ) -> Result<ResumeResponse, ProxyError> {
+    if let Some(caller) = &principal {
+        if let Some(owner) = state.sessions.principal(&req.session_id) {
+            if *owner != **caller {
+                return Err(ProxyError::PermissionDenied(format!(
+                    "session {:?} belongs to another identity; {caller:?} may not resume it",
+                    req.session_id
+                )));
+            }
+        }
+    }
     // Keys of another epoch move nowhere: after a restore from backup their revisions
-    // may be other grants' now. The session resumes without them.
-    let stale = if req.epoch != 0 && req.epoch != state.epoch() {
+    // may be other grants' now. Keys the caller's grants do not cover move nowhere
+    // either. The session resumes without them.
+    let mut stale = Vec::new();
+    if req.epoch != 0 && req.epoch != state.epoch() {
         let reason = format!(
             "the cell's epoch is {} now, not {} when the session got it (the cell was restored from a backup)",
             state.epoch(),
             req.epoch
         );
-        std::mem::take(&mut req.keys)
-            .into_iter()
-            .map(|key| LostKey {
-                key: Some(key),
-                reason: reason.clone(),
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let mut reply = resume_named(state, req).await?;
+        stale.extend(
+            std::mem::take(&mut req.keys)
+                .into_iter()
+                .map(|key| LostKey {
+                    key: Some(key),
+                    reason: reason.clone(),
+                }),
+        );
+    }
+    if let Some(caller) = &principal {
+        let grants = state.grants.current();
+        let (kept, refused): (Vec<HeldKey>, Vec<HeldKey>) =
+            std::mem::take(&mut req.keys).into_iter().partition(|key| {
+                let right = if key.kind == HeldKind::Ephemeral as i32 {
+                    Right::Write
+                } else {
+                    Right::Lock
+                };
+                grants.check(caller, right, &key.name).is_ok()
+            });
+        req.keys = kept;
+        stale.extend(refused.into_iter().map(|key| LostKey {
+            reason: format!("{caller:?} has no grant on {:?}", key.name),
+            key: Some(key),
+        }));
+    }
+    let mut reply = resume_named(state, req, principal).await?;
     metrics::counter!(m::KEYS_LOST_ON_RESUME).increment(stale.len() as u64);
     reply.lost.extend(stale);
     Ok(reply)
@@ -109,6 +140,7 @@ pub async fn resume(
 async fn resume_named(
     state: &ProxyState,
     req: ResumeRequest,
+    principal: Option<String>,
 ) -> Result<ResumeResponse, ProxyError> {
     if state.is_draining() {
         return Err(ProxyError::Refused(
@@ -174,15 +206,16 @@ async fn resume_named(
     let held: Vec<Grant> = moving.iter().map(|(g, _)| g.clone()).collect();
     // Never before the client's old deadline: the keys moved here are what it acts on.
     let acting_until = now + Duration::from_millis(req.acting_for_ms);
-    let session = Session::arriving(
+    let mut session = Session::arriving(
         id.clone(),
-        req.identity,
+        crate::service::session::labelled(principal.as_deref(), req.identity),
         ttl,
         (bucket, lease),
         held,
         now,
         acting_until,
     );
+    session.principal = principal.map(Into::into);
     let incarnation = session.incarnation;
     let earlier = state.sessions.replace(session);
     metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
@@ -319,7 +352,7 @@ fn resumed_here(
         |r: crate::sessions::Renewed| state.leases.valid_for(r.bucket, r.lease, r.ttl, now);
     let valid_for = state
         .sessions
-        .renew(&id, now, renewed)
+        .renew(&id, None, now, renewed)
         .map_err(|_| unknown_outcome("its stay expired meanwhile"))?;
     tracing::info!(
         session.id = %id,

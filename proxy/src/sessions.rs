@@ -27,6 +27,9 @@ pub struct Session {
     pub id: SessionId,
     /// Recorded with every grant, for people investigating.
     pub identity: String,
+    /// The identity that opened the session, when the proxy checks prefix grants: no
+    /// other identity may use it (session ids are not secret: Leader shows them).
+    pub principal: Option<Arc<str>>,
     pub ttl: Duration,
     /// The lease bucket and the lease in it when the session was opened: every key of
     /// the session is attached to `lease`.
@@ -63,6 +66,7 @@ impl Session {
         Session {
             id,
             identity,
+            principal: None,
             ttl,
             bucket,
             lease,
@@ -70,6 +74,14 @@ impl Session {
             renewed_at: now,
             held,
             valid_until,
+        }
+    }
+
+    /// Whether `caller` (None: grants not checked) may use the session.
+    pub fn owned_by(&self, caller: Option<&str>) -> bool {
+        match (&self.principal, caller) {
+            (Some(owner), Some(caller)) => &**owner == caller,
+            _ => true,
         }
     }
 
@@ -182,13 +194,17 @@ impl SessionTable {
     /// Renews `id` at `now` and grants it the validity `validity` computes, which it
     /// returns. A session whose deadline has passed is not renewed even if the reaper
     /// has not reached it yet.
+    /// `caller`: the identity renewing, when the proxy checks grants; another
+    /// identity's session is as unknown to it.
     pub fn renew(
         &self,
         id: &str,
+        caller: Option<&str>,
         now: Instant,
         validity: impl FnOnce(Renewed) -> Duration,
     ) -> Result<Duration, Gone> {
         match self.live.get_mut(id) {
+            Some(s) if !s.owned_by(caller) => Err(Gone::Unknown),
             Some(mut s) if s.expires_at() > now => {
                 s.renewed_at = now;
                 let valid_for = validity(Renewed {
@@ -202,6 +218,11 @@ impl SessionTable {
             Some(_) => Err(Gone::Expired("no renewal arrived within its TTL".into())),
             None => Err(self.gone(id)),
         }
+    }
+
+    /// The identity that owns session `id`, if the proxy checks grants and knows it.
+    pub fn principal(&self, id: &str) -> Option<Arc<str>> {
+        self.live.get(id).and_then(|s| s.principal.clone())
     }
 
     /// A copy of the session, if it is alive at `now`.
@@ -370,6 +391,7 @@ mod tests {
         Session {
             id: id.into(),
             identity: "test".into(),
+            principal: None,
             ttl,
             bucket: 0,
             lease,
@@ -381,12 +403,30 @@ mod tests {
     }
 
     #[test]
+    fn another_identity_cannot_renew_a_session() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        let mut owned = session("a", 1, S, t0);
+        owned.principal = Some("billing".into());
+        table.insert(owned);
+        assert!(table.renew("a", Some("billing"), t0, |_| S).is_ok());
+        assert!(matches!(
+            table.renew("a", Some("stranger"), t0, |_| S),
+            Err(Gone::Unknown)
+        ));
+        assert!(
+            table.renew("a", None, t0, |_| S).is_ok(),
+            "grants off: no owner check"
+        );
+    }
+
+    #[test]
     fn renewal_postpones_expiry() {
         let t0 = Instant::now();
         let table = SessionTable::default();
         table.insert(session("a", 1, 3 * S, t0));
         table.insert(session("b", 1, 3 * S, t0));
-        assert!(table.renew("a", t0 + 2 * S, |_| S).is_ok());
+        assert!(table.renew("a", None, t0 + 2 * S, |_| S).is_ok());
         let expired = table.take_expired(t0 + 3 * S);
         assert_eq!(expired.iter().map(|s| &*s.id).collect::<Vec<_>>(), ["b"]);
         assert!(table.take_expired(t0 + 4 * S).is_empty());
@@ -400,17 +440,20 @@ mod tests {
         let table = SessionTable::default();
         table.insert(session("a", 1, S, t0));
         assert!(
-            matches!(table.renew("a", t0 + 2 * S, |_| S), Err(Gone::Expired(_))),
+            matches!(
+                table.renew("a", None, t0 + 2 * S, |_| S),
+                Err(Gone::Expired(_))
+            ),
             "past deadline, not yet reaped"
         );
         table.take_expired(t0 + 2 * S);
         assert!(matches!(
-            table.renew("a", t0 + 2 * S, |_| S),
+            table.renew("a", None, t0 + 2 * S, |_| S),
             Err(Gone::Expired(_))
         ));
-        assert_eq!(table.renew("zz", t0, |_| S), Err(Gone::Unknown));
+        assert_eq!(table.renew("zz", None, t0, |_| S), Err(Gone::Unknown));
         table.prune_tombstones(t0 + 2 * S + TOMBSTONE_RETENTION);
-        assert_eq!(table.renew("a", t0, |_| S), Err(Gone::Unknown));
+        assert_eq!(table.renew("a", None, t0, |_| S), Err(Gone::Unknown));
     }
 
     #[test]
@@ -434,7 +477,7 @@ mod tests {
         );
         assert!(table.holds("a", &hold.key, 5) && !table.holds("a", &hold.key, 6));
         assert_eq!(table.holders_valid_until(), Some(t0 + S));
-        table.renew("a", t0 + S / 2, |_| S).unwrap();
+        table.renew("a", None, t0 + S / 2, |_| S).unwrap();
         assert_eq!(
             table.holders_valid_until(),
             Some(t0 + S + S / 2),
@@ -458,7 +501,7 @@ mod tests {
         table.insert(session("a", 1, 3 * S, t0));
         // Renewed at 2 s, then a grant at 2.9 s valid for a full TTL (to 5.9 s); the
         // client renews no more (paused).
-        table.renew("a", t0 + 2 * S, |_| 3 * S).unwrap();
+        table.renew("a", None, t0 + 2 * S, |_| 3 * S).unwrap();
         let lock = lockcell_cell::LockName::parse("x").unwrap();
         let hold = Grant::hold(&lock, lockcell_cell::Mode::Exclusive, "a", 5);
         let until = t0 + 2 * S + S * 9 / 10 + 3 * S;

@@ -69,6 +69,24 @@ impl ProxyState {
         self.cell.set_changed(reason);
     }
 
+    /// Refuses a caller that is not the identity that opened session `id` (when the
+    /// proxy checks grants): session ids are not secret (Leader shows them).
+    pub fn check_owner<T>(
+        &self,
+        request: &tonic::Request<T>,
+        id: &str,
+    ) -> Result<(), tonic::Status> {
+        let Some(caller) = self.grants.current().caller(request)? else {
+            return Ok(());
+        };
+        match self.sessions.principal(id) {
+            Some(owner) if *owner != *caller => Err(tonic::Status::permission_denied(format!(
+                "session {id:?} belongs to another identity; {caller:?} may not use it"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// The epoch the proxy mints tokens in.
     pub fn epoch(&self) -> u64 {
         self.cell.record.epoch

@@ -47,6 +47,8 @@ impl ElectionApi for ElectionService {
             Right::Lock,
             &[&request.get_ref().election],
         )?;
+        self.state
+            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
         check_value(&election, &req.value)?;
@@ -84,6 +86,8 @@ impl ElectionApi for ElectionService {
             Right::Lock,
             &[&request.get_ref().election],
         )?;
+        self.state
+            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let state = &self.state;
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
@@ -246,6 +250,8 @@ impl ElectionApi for ElectionService {
             Right::Lock,
             &[&request.get_ref().election],
         )?;
+        self.state
+            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
         let token = token_of(&election, req.token)?;

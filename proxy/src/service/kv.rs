@@ -76,6 +76,8 @@ impl KvApi for KvService {
             .grants
             .current()
             .authorize(&request, Right::Write, &[&request.get_ref().key])?;
+        self.state
+            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let state = &self.state;
         let name = key_name(&req.key)?;

@@ -36,6 +36,8 @@ impl LockApi for LockService {
             .grants
             .current()
             .authorize(&request, Right::Lock, &[&request.get_ref().lock])?;
+        self.state
+            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let call = Call {
             mode: mode(req.mode)?,
@@ -70,6 +72,8 @@ impl LockApi for LockService {
             .grants
             .current()
             .authorize(&request, Right::Lock, &[&request.get_ref().lock])?;
+        self.state
+            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let mode = mode(req.mode)?;
         let released = release(&self.state, &req.session_id, &req.lock, mode, req.token).await?;
@@ -81,10 +85,11 @@ impl LockApi for LockService {
         &self,
         request: Request<CheckSequencerRequest>,
     ) -> Result<Response<CheckSequencerResponse>, Status> {
-        self.state
-            .grants
-            .current()
-            .authorize(&request, Right::Read, &[&request.get_ref().lock])?;
+        self.state.grants.current().authorize_any(
+            &request,
+            &[Right::Lock, Right::Read],
+            &request.get_ref().lock,
+        )?;
         let req = request.into_inner();
         let lock = LockName::parse(&req.lock).map_err(ProxyError::from)?;
         let token = token_of(&lock, req.token)?;

@@ -34,7 +34,7 @@ type ReplyStream = Pin<Box<dyn Stream<Item = Result<KeepAliveResponse, Status>> 
 impl SessionApi for SessionService {
     #[tracing::instrument(skip_all, fields(session.id))]
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
-        self.state.grants.current().authenticate(&request)?;
+        let principal = self.state.grants.current().caller(&request)?;
         let req = request.into_inner();
         let state = &self.state;
         if state.is_draining() {
@@ -48,15 +48,16 @@ impl SessionApi for SessionService {
         tracing::Span::current().record("session.id", &*id);
         let now = Instant::now();
         let valid_for = state.leases.valid_for(bucket, lease, ttl, now);
-        let session = Session::arriving(
+        let mut session = Session::arriving(
             id.clone(),
-            req.identity,
+            labelled(principal.as_deref(), req.identity),
             ttl,
             (bucket, lease),
             Vec::new(),
             now,
             now + valid_for,
         );
+        session.principal = principal.map(Into::into);
         let incarnation = session.incarnation;
         state.sessions.insert(session);
         metrics::counter!(m::SESSIONS_OPENED).increment(1);
@@ -78,8 +79,8 @@ impl SessionApi for SessionService {
         &self,
         request: Request<ResumeRequest>,
     ) -> Result<Response<ResumeResponse>, Status> {
-        self.state.grants.current().authenticate(&request)?;
-        let reply = crate::handover::resume(&self.state, request.into_inner()).await?;
+        let principal = self.state.grants.current().caller(&request)?;
+        let reply = crate::handover::resume(&self.state, request.into_inner(), principal).await?;
         Ok(Response::new(reply))
     }
 
@@ -89,7 +90,7 @@ impl SessionApi for SessionService {
         &self,
         request: Request<Streaming<KeepAliveRequest>>,
     ) -> Result<Response<Self::KeepAliveStream>, Status> {
-        self.state.grants.current().authenticate(&request)?;
+        let caller = self.state.grants.current().caller(&request)?;
         let mut input = request.into_inner();
         let (tx, rx) = mpsc::channel(KEEPALIVE_BUFFER);
         let state = self.state.clone();
@@ -107,7 +108,11 @@ impl SessionApi for SessionService {
                     },
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 };
-                if tx.send(Ok(renew(&state, req, turn))).await.is_err() {
+                if tx
+                    .send(Ok(renew(&state, req, caller.as_deref(), turn)))
+                    .await
+                    .is_err()
+                {
                     return;
                 }
             }
@@ -121,6 +126,8 @@ impl SessionApi for SessionService {
         request: Request<CloseRequest>,
     ) -> Result<Response<CloseResponse>, Status> {
         self.state.grants.current().authenticate(&request)?;
+        self.state
+            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let id = req.session_id;
         let state = &self.state;
@@ -165,7 +172,12 @@ impl SessionApi for SessionService {
 }
 
 /// Answers one renewal from memory.
-fn renew(state: &ProxyState, req: KeepAliveRequest, turn: f64) -> KeepAliveResponse {
+fn renew(
+    state: &ProxyState,
+    req: KeepAliveRequest,
+    caller: Option<&str>,
+    turn: f64,
+) -> KeepAliveResponse {
     metrics::counter!(m::KEEPALIVES).increment(1);
     let now = Instant::now();
     let mut reply = KeepAliveResponse {
@@ -182,7 +194,7 @@ fn renew(state: &ProxyState, req: KeepAliveRequest, turn: f64) -> KeepAliveRespo
         hint = crate::handover::move_hint(state, turn, left, now);
         left.min(r.ttl)
     };
-    match state.sessions.renew(&req.session_id, now, validity) {
+    match state.sessions.renew(&req.session_id, caller, now, validity) {
         Ok(valid_for) => {
             reply.valid_for_ms = millis(valid_for);
             if let Some(why) = hint {
@@ -200,4 +212,14 @@ fn renew(state: &ProxyState, req: KeepAliveRequest, turn: f64) -> KeepAliveRespo
     }
     reply.session_id = req.session_id;
     reply
+}
+
+/// The identity recorded with a session's grants: the authenticated identity when the
+/// proxy checks grants (the client's own label after it in brackets), else the label.
+pub fn labelled(principal: Option<&str>, label: String) -> String {
+    match principal {
+        Some(p) if label.is_empty() => p.to_owned(),
+        Some(p) => format!("{p} ({label})"),
+        None => label,
+    }
 }

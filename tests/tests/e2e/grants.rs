@@ -129,6 +129,37 @@ pub async fn prefix_grants_refuse_what_they_should_and_allow_what_they_should() 
         other.get("billing/rate").await,
         "a read by an identity with no grant",
     )?;
+    // Session ids are not secret (Leader shows them): another identity that knows one
+    // cannot use it, nor renew or close it.
+    let stranger_channel =
+        tonic::transport::Channel::from_shared(format!("https://{}", proxy.addr))?
+            .tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(
+                        &ca.ca,
+                    )?))
+                    .identity(tonic::transport::Identity::from_pem(
+                        std::fs::read(&stranger.cert)?,
+                        std::fs::read(&stranger.key)?,
+                    ))
+                    .domain_name("localhost"),
+            )?
+            .connect()
+            .await?;
+    let closed = lockcell_proto::v1::session_client::SessionClient::new(stranger_channel)
+        .close(lockcell_proto::v1::CloseRequest {
+            session_id: session.id().to_owned(),
+            incarnation: 0,
+        })
+        .await;
+    ensure!(
+        matches!(&closed, Err(s) if s.code() == tonic::Code::PermissionDenied),
+        "another identity closed billing's session: {closed:?}"
+    );
+    ensure!(
+        session.state() == lockcell_client::SessionState::Valid,
+        "billing's session ended after a stranger's close"
+    );
     ensure!(
         mtls_client(&proxy, &ca.ca, None).await.is_err()
             || mtls_client(&proxy, &ca.ca, None)
@@ -166,7 +197,11 @@ pub async fn prefix_grants_refuse_what_they_should_and_allow_what_they_should() 
     // Tokens: a proxy over plain TLS (no client certificates) with the same grants.
     let mut options = ProxyOptions::new("b", etcd.endpoints());
     std::fs::write(&grants, grants_file(r#""billing/""#))?;
-    options.extra_args = vec!["--grants".into(), grants.display().to_string()];
+    options.extra_args = vec![
+        "--grants".into(),
+        grants.display().to_string(),
+        "--grants-without-tls".into(),
+    ];
     let plain = ProxyProcess::start(&options, dir.path()).await?;
     let dev =
         Client::connect_with(ClientOptions::new([plain.addr.clone()]).token("dev-token")).await?;

@@ -15,11 +15,21 @@ pub(crate) struct TargetArgs {
 
     /// Client certificate (PEM) for proxies that require one (mutual TLS); its subject
     /// common name is the identity the proxies' prefix grants know.
-    #[arg(long, env = "LOCKCELL_TLS_CERT", global = true, requires = "tls_key")]
+    #[arg(
+        long,
+        env = "LOCKCELL_CLIENT_TLS_CERT",
+        global = true,
+        requires = "tls_key"
+    )]
     pub(crate) tls_cert: Option<PathBuf>,
 
     /// The private key (PEM) of --tls-cert.
-    #[arg(long, env = "LOCKCELL_TLS_KEY", global = true, requires = "tls_cert")]
+    #[arg(
+        long,
+        env = "LOCKCELL_CLIENT_TLS_KEY",
+        global = true,
+        requires = "tls_cert"
+    )]
     pub(crate) tls_key: Option<PathBuf>,
 
     /// The name the proxies' certificates are checked against (default: each proxy
