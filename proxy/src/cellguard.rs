@@ -126,19 +126,15 @@ impl CellGuard {
         }
     }
 
-    /// A reply from the store said revision `now`, below `expected`, which the proxy
-    /// had already seen: unless a linearizable read says otherwise (the reply came from
-    /// a member that lags), the store went back.
+    /// A reply from the store said a revision below `expected`, which the proxy had
+    /// already seen: unless a linearizable read says otherwise (the reply came from a
+    /// member that lags), the store went back.
     pub async fn check_not_behind(
         &self,
         etcd: &etcd_client::Client,
-        now: i64,
         expected: i64,
         timeout: Duration,
     ) {
-        if now >= expected {
-            return;
-        }
         let mut kv = etcd.kv_client();
         let read = kv.get(
             lockcell_cell::keyspace::epoch_key(),

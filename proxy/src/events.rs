@@ -283,19 +283,16 @@ pub async fn follow(
             match stream.message().await {
                 Ok(Some(resp)) => {
                     if let Some(header) = resp.header() {
-                        if resp.created() {
+                        if resp.created() && header.revision() < start - 1 {
                             // The store answers a watch from `start` at its revision
-                            // now, which is at least `start - 1` unless it went back.
+                            // now, which is at least `start - 1` unless it went back
+                            // (or the member lags: a linearizable read decides).
                             let cell = state.cell.clone();
-                            let (etcd, now, timeout) = (
-                                state.etcd.clone(),
-                                header.revision(),
-                                state.config.etcd_timeout,
-                            );
+                            let (etcd, timeout) = (state.etcd.clone(), state.config.etcd_timeout);
                             tokio::spawn(async move {
-                                cell.check_not_behind(&etcd, now, start - 1, timeout).await
+                                cell.check_not_behind(&etcd, start - 1, timeout).await
                             });
-                        } else {
+                        } else if !resp.created() {
                             state.cell.saw(header.revision());
                         }
                     }

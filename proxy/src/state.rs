@@ -76,9 +76,30 @@ impl ProxyState {
         request: &tonic::Request<T>,
         id: &str,
     ) -> Result<(), tonic::Status> {
-        let Some(caller) = self.grants.current().caller(request)? else {
+        match self.grants.current().caller(request)? {
+            Some(caller) => self.owned_by(&caller, id),
+            None => Ok(()),
+        }
+    }
+
+    /// What a call on session `id` about `name` needs: the caller has `right` on
+    /// `name` and owns the session. Identifies the caller once.
+    pub fn authorize_session<T>(
+        &self,
+        request: &tonic::Request<T>,
+        right: crate::grants::Right,
+        name: &str,
+        id: &str,
+    ) -> Result<(), tonic::Status> {
+        let grants = self.grants.current();
+        let Some(caller) = grants.caller(request)? else {
             return Ok(());
         };
+        grants.check(&caller, right, name)?;
+        self.owned_by(&caller, id)
+    }
+
+    fn owned_by(&self, caller: &str, id: &str) -> Result<(), tonic::Status> {
         match self.sessions.principal(id) {
             Some(owner) if *owner != *caller => Err(tonic::Status::permission_denied(format!(
                 "session {id:?} belongs to another identity; {caller:?} may not use it"

@@ -42,13 +42,12 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<CampaignRequest>,
     ) -> Result<Response<CampaignResponse>, Status> {
-        self.state.grants.current().authorize(
+        self.state.authorize_session(
             &request,
             Right::Lock,
-            &[&request.get_ref().election],
+            &request.get_ref().election,
+            &request.get_ref().session_id,
         )?;
-        self.state
-            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
         check_value(&election, &req.value)?;
@@ -81,13 +80,12 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<ProclaimRequest>,
     ) -> Result<Response<ProclaimResponse>, Status> {
-        self.state.grants.current().authorize(
+        self.state.authorize_session(
             &request,
             Right::Lock,
-            &[&request.get_ref().election],
+            &request.get_ref().election,
+            &request.get_ref().session_id,
         )?;
-        self.state
-            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let state = &self.state;
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
@@ -245,13 +243,12 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<ResignRequest>,
     ) -> Result<Response<ResignResponse>, Status> {
-        self.state.grants.current().authorize(
+        self.state.authorize_session(
             &request,
             Right::Lock,
-            &[&request.get_ref().election],
+            &request.get_ref().election,
+            &request.get_ref().session_id,
         )?;
-        self.state
-            .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
         let token = token_of(&election, req.token)?;

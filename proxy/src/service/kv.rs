@@ -72,12 +72,12 @@ impl KvApi for KvService {
 
     #[tracing::instrument(skip_all, fields(kv.key = %request.get_ref().key))]
     async fn put(&self, request: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
-        self.state
-            .grants
-            .current()
-            .authorize(&request, Right::Write, &[&request.get_ref().key])?;
-        self.state
-            .check_owner(&request, &request.get_ref().session_id)?;
+        self.state.authorize_session(
+            &request,
+            Right::Write,
+            &request.get_ref().key,
+            &request.get_ref().session_id,
+        )?;
         let req = request.into_inner();
         let state = &self.state;
         let name = key_name(&req.key)?;

@@ -32,12 +32,12 @@ impl LockApi for LockService {
         &self,
         request: Request<AcquireRequest>,
     ) -> Result<Response<AcquireResponse>, Status> {
-        self.state
-            .grants
-            .current()
-            .authorize(&request, Right::Lock, &[&request.get_ref().lock])?;
-        self.state
-            .check_owner(&request, &request.get_ref().session_id)?;
+        self.state.authorize_session(
+            &request,
+            Right::Lock,
+            &request.get_ref().lock,
+            &request.get_ref().session_id,
+        )?;
         let req = request.into_inner();
         let call = Call {
             mode: mode(req.mode)?,
@@ -68,12 +68,12 @@ impl LockApi for LockService {
         &self,
         request: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
-        self.state
-            .grants
-            .current()
-            .authorize(&request, Right::Lock, &[&request.get_ref().lock])?;
-        self.state
-            .check_owner(&request, &request.get_ref().session_id)?;
+        self.state.authorize_session(
+            &request,
+            Right::Lock,
+            &request.get_ref().lock,
+            &request.get_ref().session_id,
+        )?;
         let req = request.into_inner();
         let mode = mode(req.mode)?;
         let released = release(&self.state, &req.session_id, &req.lock, mode, req.token).await?;
