@@ -4,7 +4,8 @@
 //! runs agree); proxies only read it and refuse to serve without it. The epoch is raised
 //! by `lockcell-cell bump-epoch` after every restore from backup: a restored store's
 //! revisions go back to the backup's, and the epoch, the first part of every fencing
-//! token, keeps the tokens rising across it.
+//! token, keeps the tokens rising across it. A bump also rises above the route epochs of
+//! the cell's shard map copy ([`crate::shardmap`]), the floor of moved names' tokens.
 
 use std::time::Duration;
 
@@ -13,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{with_timeout, CellError};
 use crate::keyspace;
+use crate::shardmap::{self, ShardMap};
 
 /// The content of `/sys/epoch`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,8 +71,8 @@ pub async fn read(kv: &mut KvClient, timeout: Duration) -> Result<Option<Stored>
         .transpose()
 }
 
-/// Raises the epoch ([`next_epoch`]), keeping the cluster id: the step after a restore
-/// from backup.
+/// Raises the epoch ([`next_epoch`]) above the record's and every route epoch of the
+/// cell's shard map copy, keeping the cluster id: the step after a restore from backup.
 /// Returns the record before and after. Refuses a cell with no record (a cell that was
 /// never initialised, or etcd pointed at the wrong data) rather than creating one.
 pub async fn bump(
@@ -84,25 +86,34 @@ pub async fn bump(
             reason: "there is no epoch record to raise; a new cell is set up with `lockcell-cell init`, and a restored one keeps the record of its backup".to_owned(),
         });
     };
+    let map = shardmap::read(kv, timeout).await?;
     let after = EpochRecord {
-        epoch: next_epoch(before.record.epoch),
+        epoch: raised(before.record.epoch, map.as_ref().map(|m| &m.map)),
         ..before.record.clone()
     };
     let body = serde_json::to_vec(&after).expect("epoch record serializes");
-    // Only over the record just read: two bumps at once raise it once each, never
-    // to the same number.
-    let txn = Txn::new()
-        .when([Compare::mod_revision(
-            key,
+    // Only over the record and the shard map copy just read: two bumps at once raise
+    // it once each, never to the same number, and a route moved in meanwhile is not
+    // missed.
+    let map_unchanged = match &map {
+        Some(stored) => Compare::mod_revision(
+            keyspace::shardmap_key(),
             CompareOp::Equal,
-            before.mod_revision,
-        )])
+            stored.mod_revision,
+        ),
+        None => Compare::version(keyspace::shardmap_key(), CompareOp::Equal, 0),
+    };
+    let txn = Txn::new()
+        .when([
+            Compare::mod_revision(key, CompareOp::Equal, before.mod_revision),
+            map_unchanged,
+        ])
         .and_then([TxnOp::put(key, body, None)]);
     let resp = with_timeout("raise epoch", timeout, kv.txn(txn)).await?;
     if !resp.succeeded() {
         return Err(CellError::CorruptRecord {
             key: key.to_owned(),
-            reason: "the record changed while it was being raised (another bump-epoch?); read it again and decide".to_owned(),
+            reason: "the record or the cell's shard map changed while it was being raised (another bump-epoch, or a shard map move?); read it again and decide".to_owned(),
         });
     }
     let mod_revision = resp.header().map(|h| h.revision()).unwrap_or_default();
@@ -114,6 +125,14 @@ pub async fn bump(
             mod_revision,
         },
     ))
+}
+
+/// The epoch a bump raises `epoch` to: above it and above every route epoch of the
+/// cell's copy of the shard map. Names moved into the cell got tokens at their route's
+/// epoch, which may be above the cell's; a restore must not repeat them.
+fn raised(epoch: u64, map: Option<&ShardMap>) -> u64 {
+    let routes = map.into_iter().flat_map(|m| &m.routes);
+    next_epoch(routes.map(|r| r.epoch).fold(epoch, u64::max))
 }
 
 fn decode(body: &[u8]) -> Result<EpochRecord, CellError> {
@@ -162,5 +181,18 @@ mod tests {
             .as_secs();
         assert!(next_epoch(1) >= now);
         assert_eq!(next_epoch(now + 100), now + 101);
+    }
+
+    #[test]
+    fn a_bump_rises_above_every_route_epoch_of_the_cells_copy() {
+        let far = 4_000_000_000;
+        assert!(raised(7, None) > 7);
+        let map: ShardMap = serde_json::from_str(&format!(
+            r#"{{"version":3,"cells":{{"a":{{"endpoints":["x"]}}}},
+                "routes":[{{"prefix":"","cell":"a"}},{{"prefix":"b/","cell":"a","epoch":{far}}}]}}"#
+        ))
+        .unwrap();
+        assert_eq!(raised(7, Some(&map)), far + 1);
+        assert_eq!(raised(far + 5, Some(&map)), far + 6);
     }
 }

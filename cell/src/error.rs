@@ -29,12 +29,20 @@ pub enum CellError {
     /// Granting on would hand out tokens out of order; the proxy stops instead.
     #[error("the cell changed under this proxy: {reason}")]
     CellChanged { reason: String },
+    /// The cell's copy of the shard map changed while the call was in flight (a prefix
+    /// began to move, or moved): nothing was written. The call is tried again under the
+    /// new map, which may route it elsewhere or refuse it while its prefix moves.
+    #[error("the shard map in this cell changed (now at revision {now}) while the call was in flight; nothing was written")]
+    MapChanged { now: i64 },
 }
 
 impl CellError {
     /// True when the same call may succeed later (etcd unreachable, slow or electing).
     pub fn is_retriable(&self) -> bool {
-        matches!(self, CellError::Etcd { .. } | CellError::Timeout { .. })
+        matches!(
+            self,
+            CellError::Etcd { .. } | CellError::Timeout { .. } | CellError::MapChanged { .. }
+        )
     }
 
     /// Whether etcd turned the request away before proposing it (it is too far behind

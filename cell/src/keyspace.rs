@@ -191,6 +191,12 @@ fn shorten(name: &str) -> String {
     format!("{}…", &name[..end])
 }
 
+/// The shard map's key: every cell of a shard map holds a copy of it, and a proxy grants
+/// in a cell only what that cell's own copy routes to it.
+pub fn shardmap_key() -> &'static str {
+    "/sys/shardmap"
+}
+
 /// The epoch record's key.
 pub fn epoch_key() -> &'static str {
     EPOCH_KEY

@@ -10,6 +10,7 @@ use etcd_client::{
 
 use crate::error::{with_timeout, CellError};
 use crate::keyspace::{self, prefix_end, LockName};
+use crate::locklog::{check_map, map_guard};
 
 /// When a conditional write applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,17 +134,21 @@ impl Kv {
         value: Vec<u8>,
         lease: Option<i64>,
         condition: Condition,
+        map_revision: i64,
     ) -> Result<Written, CellError> {
         let key = keyspace::kv_key(name);
         let options = lease.map(|l| PutOptions::new().with_lease(l));
         let txn = Txn::new()
-            .when(compares(&key, condition))
+            .when(guarded(compares(&key, condition), map_revision))
             .and_then([
                 TxnOp::put(key.as_bytes(), value, options),
                 TxnOp::get(key.as_bytes(), None),
             ])
-            .or_else([TxnOp::get(key.as_bytes(), None)]);
+            .or_else(read_back_with_map(&key));
         let resp = with_timeout("kv write", self.timeout, self.kv.clone().txn(txn)).await?;
+        if !resp.succeeded() {
+            check_map(&resp.op_responses(), map_revision)?;
+        }
         Ok(Written {
             succeeded: resp.succeeded(),
             revision: resp.header().map(|h| h.revision()).unwrap_or_default(),
@@ -156,13 +161,17 @@ impl Kv {
         &self,
         name: &LockName,
         condition: Condition,
+        map_revision: i64,
     ) -> Result<(Written, i64), CellError> {
         let key = keyspace::kv_key(name);
         let txn = Txn::new()
-            .when(compares(&key, condition))
+            .when(guarded(compares(&key, condition), map_revision))
             .and_then([TxnOp::delete(key.as_bytes(), None)])
-            .or_else([TxnOp::get(key.as_bytes(), None)]);
+            .or_else(read_back_with_map(&key));
         let resp = with_timeout("kv delete", self.timeout, self.kv.clone().txn(txn)).await?;
+        if !resp.succeeded() {
+            check_map(&resp.op_responses(), map_revision)?;
+        }
         let deleted = resp
             .op_responses()
             .iter()
@@ -187,10 +196,12 @@ impl Kv {
         &self,
         when: &[(LockName, Condition)],
         writes: Vec<Write>,
+        map_revision: i64,
     ) -> Result<TxnOutcome, CellError> {
         let checks: Vec<Compare> = when
             .iter()
             .flat_map(|(name, condition)| compares(&keyspace::kv_key(name), *condition))
+            .chain([map_guard(map_revision)])
             .collect();
         let ops: Vec<TxnOp> = writes
             .into_iter()
@@ -202,9 +213,13 @@ impl Kv {
         let reads: Vec<TxnOp> = read_back_keys(when)
             .into_iter()
             .map(|key| TxnOp::get(key, None))
+            .chain([TxnOp::get(keyspace::shardmap_key(), None)])
             .collect();
         let txn = Txn::new().when(checks).and_then(ops).or_else(reads);
         let resp = with_timeout("kv txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        if !resp.succeeded() {
+            check_map(&resp.op_responses(), map_revision)?;
+        }
         let current = if resp.succeeded() {
             Vec::new()
         } else {
@@ -275,6 +290,20 @@ fn bad(key: &str, e: crate::keyspace::NameError) -> CellError {
         key: key.to_owned(),
         reason: e.to_string().replacen("lock name", "key", 1),
     }
+}
+
+/// `compares` and the shard map guard (see [`map_guard`]).
+fn guarded(mut compares: Vec<Compare>, map_revision: i64) -> Vec<Compare> {
+    compares.push(map_guard(map_revision));
+    compares
+}
+
+/// What a refused write reads back: the key, and the shard map copy it was guarded by.
+fn read_back_with_map(key: &str) -> [TxnOp; 2] {
+    [
+        TxnOp::get(key.as_bytes(), None),
+        TxnOp::get(keyspace::shardmap_key(), None),
+    ]
 }
 
 #[cfg(test)]

@@ -2,7 +2,8 @@
 //! transactions that change it.
 //!
 //! Only etcd answers "who holds what". This crate is the one place that knows the key
-//! space ([`keyspace`]), the epoch record ([`epoch`]) and the lock log transactions
+//! space ([`keyspace`]), the epoch record ([`epoch`]), the shard map that routes names
+//! to cells ([`shardmap`]) and the lock log transactions
 //! ([`locklog`]) that mint fencing tokens ([`FencingToken`], defined with the protocol),
 //! and who may touch which part of the key space ([`rbac`]); proxies carry out its
 //! decisions.
@@ -17,6 +18,7 @@ pub mod keyspace;
 pub mod kv;
 pub mod locklog;
 pub mod rbac;
+pub mod shardmap;
 
 pub use error::CellError;
 pub use keyspace::{LockName, Mode, NameError};

@@ -111,10 +111,11 @@ impl LockLog {
         lease: i64,
         record: &HolderRecord,
         queued: Option<(&str, i64)>,
+        map_revision: i64,
     ) -> Result<Acquired, CellError> {
         let key = lock.holder_key(mode, &record.session);
         let body = serde_json::to_vec(record).expect("holder record serializes");
-        let mut when = vec![holders_compatible(lock, mode)];
+        let mut when = vec![holders_compatible(lock, mode), map_guard(map_revision)];
         let mut then = vec![
             TxnOp::put(
                 key.as_bytes(),
@@ -142,7 +143,10 @@ impl LockLog {
         if mode == Mode::Shared {
             then.push(TxnOp::get(key.as_bytes(), None));
         }
-        let mut otherwise = vec![TxnOp::get(key.as_bytes(), None)];
+        let mut otherwise = vec![
+            TxnOp::get(key.as_bytes(), None),
+            TxnOp::get(keyspace::shardmap_key(), None),
+        ];
         if let Some(epoch_revision) = self.epoch_revision {
             let epoch = keyspace::epoch_key();
             when.push(Compare::mod_revision(
@@ -166,6 +170,7 @@ impl LockLog {
         let ops = resp.op_responses();
         if !resp.succeeded() {
             self.check_epoch(&ops)?;
+            check_map(&ops, map_revision)?;
         }
         let mine = kv_of(&ops, &key)
             .map(|kv| decode(&key, kv.value()).map(|r| (r, kv.create_revision(), kv.lease())))
@@ -274,14 +279,14 @@ impl LockLog {
         mode: Mode,
         waiter: &str,
         lease: i64,
+        map_revision: i64,
     ) -> Result<i64, CellError> {
         let key = lock.waiter_key(mode, waiter);
         let txn = Txn::new()
-            .when([Compare::create_revision(
-                key.as_bytes(),
-                CompareOp::Equal,
-                0,
-            )])
+            .when([
+                Compare::create_revision(key.as_bytes(), CompareOp::Equal, 0),
+                map_guard(map_revision),
+            ])
             .and_then([
                 TxnOp::put(
                     key.as_bytes(),
@@ -290,8 +295,14 @@ impl LockLog {
                 ),
                 TxnOp::get(key.as_bytes(), None),
             ])
-            .or_else([TxnOp::get(key.as_bytes(), None)]);
+            .or_else([
+                TxnOp::get(key.as_bytes(), None),
+                TxnOp::get(keyspace::shardmap_key(), None),
+            ]);
         let resp = with_timeout("enqueue txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        if !resp.succeeded() {
+            check_map(&resp.op_responses(), map_revision)?;
+        }
         match first_kv(&resp.op_responses()) {
             Some(kv) if kv.lease() == lease => Ok(kv.create_revision()),
             Some(kv) if kv.value() == waiter.as_bytes() => {
@@ -302,7 +313,7 @@ impl LockLog {
                 {
                     [None] => Ok(place.revision),
                     // Left the line meanwhile (granted, or taken out): queue afresh.
-                    _ => Box::pin(self.enqueue(lock, mode, waiter, lease)).await,
+                    _ => Box::pin(self.enqueue(lock, mode, waiter, lease, map_revision)).await,
                 }
             }
             Some(kv) => Err(CellError::CorruptRecord {
@@ -661,6 +672,27 @@ fn holders_compatible(lock: &LockName, mode: Mode) -> Compare {
         Mode::Shared => {
             Compare::create_revision(lock.exclusive_key().as_bytes(), CompareOp::Equal, 0)
         }
+    }
+}
+
+/// The compare every grant and write makes: the cell's copy of the shard map is still
+/// the one the proxy checked the name against (mod revision 0: the cell has none). A
+/// prefix that starts to move pauses in its cell by a write of that copy, which fails
+/// every grant in flight there.
+pub fn map_guard(map_revision: i64) -> Compare {
+    Compare::mod_revision(keyspace::shardmap_key(), CompareOp::Equal, map_revision)
+}
+
+/// Fails with [`CellError::MapChanged`] when a refused transaction read back a shard map
+/// copy other than the one it was guarded by.
+pub fn check_map(ops: &[TxnOpResponse], map_revision: i64) -> Result<(), CellError> {
+    let now = kv_of(ops, keyspace::shardmap_key())
+        .map(|kv| kv.mod_revision())
+        .unwrap_or_default();
+    if now == map_revision {
+        Ok(())
+    } else {
+        Err(CellError::MapChanged { now })
     }
 }
 

@@ -6,7 +6,7 @@
 //! | --- | --- | --- |
 //! | `lockcell-proxy` | read every key; read and write `/l/`, `/q/`, `/k/`, `/s/` | holders, waiters, small keys and session fences are its to write; its one cell watch covers every key, so that every revision reaches it (the proxy's `feed` module) |
 //! | `lockcell-tailer` | read every key | the audit tailer follows the whole cell and writes nothing to it |
-//! | `lockcell-admin` | read and write `/sys/` | `lockcell-cell init` and `bump-epoch`, the shard map |
+//! | `lockcell-admin` | read every key; read and write `/sys/` and `/k/` | `lockcell-cell init` and `bump-epoch`, the shard map; a shard map move reads the locks, waiters and small keys of the names it moves, and copies and deletes their persistent small keys |
 //! | `root` | everything | etcd wants it before it turns authentication on; for operators |
 //!
 //! etcd 3.4 asks no permission to grant or keep a lease alive; revoking one needs write

@@ -166,6 +166,7 @@ impl Client {
             incarnation: reply.incarnation,
             fence: 0,
             epoch: reply.epoch,
+            cells: reply.cells.clone(),
         });
         let shared = Arc::new(shared);
         let first_due = sent + shared.renew_interval();

@@ -22,7 +22,8 @@ use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use dashmap::DashMap;
 use lockcell_proto::v1::session_client::SessionClient;
 use lockcell_proto::v1::{
-    CloseRequest, KeepAliveRequest, KeepAliveResponse, ResumeRequest, SessionState as WireState,
+    CellStay, CloseRequest, KeepAliveRequest, KeepAliveResponse, ResumeRequest,
+    SessionState as WireState,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -330,9 +331,12 @@ impl Driver {
         let sessions = self.live_sessions();
         let from = self.proxies.current();
         let old = self.proxies.channel();
-        let left: Vec<(String, u64)> = sessions
+        let left: Vec<(String, u64, Vec<CellStay>)> = sessions
             .iter()
-            .map(|s| (s.id.clone(), s.home().incarnation))
+            .map(|s| {
+                let home = s.home();
+                (s.id.clone(), home.incarnation, home.cells)
+            })
             .collect();
         for index in candidates {
             let addr = self.proxies.addr(index).to_owned();
@@ -361,7 +365,7 @@ impl Driver {
         // No candidate took them all; the client stays where it is. A session that one
         // of them did take lives there now, not here: renewals from here must not count
         // for it until it is resumed here again.
-        for (session, (_, before)) in sessions.iter().zip(&left) {
+        for (session, (_, before, _)) in sessions.iter().zip(&left) {
             if session.home().incarnation != *before {
                 session.unsettle();
             }
@@ -661,6 +665,7 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
             acting_for_ms: acting_for,
             fence_revision: home.fence,
             epoch: home.epoch,
+            cells: home.cells.clone(),
         });
         request.set_timeout(RESUME_TIMEOUT);
         let status = match SessionClient::new(channel.clone()).resume(request).await {
@@ -677,19 +682,32 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
                     incarnation: reply.incarnation,
                     fence: reply.fence_revision,
                     epoch: reply.epoch,
+                    cells: reply.cells,
                 };
                 session.moved(home, sent, reply.valid_for_ms, &keys, version);
                 return Ok(());
             }
             Err(status) => status,
         };
-        if let Some((fence, lease)) = fenced_out(&status) {
+        if let Some((fence, lease, cell)) = fenced_out(&status) {
             if fenced_out_once {
                 return Err(status);
             }
             fenced_out_once = true;
             tracing::info!(session.id = %session.id, fence, "an earlier resume landed; resuming from there");
             session.unsettle();
+            if let Some(cell) = cell {
+                // A proxy of several cells: the fence of one cell's stay moved. Its keys
+                // there moved to `lease` (that proxy moves each cell's keys from its
+                // stay's lease).
+                let mut cells = home.cells.clone();
+                for stay in cells.iter_mut().filter(|s| s.cell == cell) {
+                    stay.lease_id = lease;
+                    stay.fence_revision = fence;
+                }
+                session.set_home(Home { cells, ..home });
+                continue;
+            }
             // The resume that landed named what was held then; those moved to `lease`.
             session.holdings.moved_to(lease, &keys);
             session.set_home(Home {
@@ -714,12 +732,20 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
     }
 }
 
-/// The session fence's revision and lease a refused resume reports, if that is why.
-fn fenced_out(status: &Status) -> Option<(i64, i64)> {
+/// The session fence's revision and lease a refused resume reports, if that is why,
+/// and the cell whose fence it is on a proxy of several cells.
+fn fenced_out(status: &Status) -> Option<(i64, i64, Option<String>)> {
     let meta = status.metadata();
     let number = |key| meta.get(key)?.to_str().ok()?.parse().ok();
-    Some((number(FENCE_REVISION)?, number(FENCE_LEASE)?))
+    let cell = meta
+        .get(FENCE_CELL)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    Some((number(FENCE_REVISION)?, number(FENCE_LEASE)?, cell))
 }
+
+/// Metadata of a resume refused for the fence of one cell's stay: which cell.
+const FENCE_CELL: &str = "lockcell-fence-cell";
 
 /// Metadata of a resume refused because the session's fence moved (see `ResumeRequest`).
 const FENCE_REVISION: &str = "lockcell-fence-revision";
@@ -731,16 +757,17 @@ const FENCE_LEASE: &str = "lockcell-fence-lease";
 ///
 /// Each close names the stay it ends, so one that arrives late (after the client came
 /// back to that proxy) closes nothing.
-fn close_left_behind(channel: Channel, left: Vec<(String, u64)>) {
+fn close_left_behind(channel: Channel, left: Vec<(String, u64, Vec<CellStay>)>) {
     tokio::spawn(async move {
         let mut tasks = tokio::task::JoinSet::new();
-        for (id, incarnation) in left {
+        for (id, incarnation, cells) in left {
             while tasks.len() >= RESUMES_AT_ONCE {
                 tasks.join_next().await;
             }
             let mut request = tonic::Request::new(CloseRequest {
                 session_id: id.clone(),
                 incarnation,
+                cells,
             });
             request.set_timeout(UNARY_TIMEOUT);
             let mut client = SessionClient::new(channel.clone());

@@ -176,6 +176,7 @@ impl Session {
         let mut request = tonic::Request::new(CloseRequest {
             session_id: inner.shared.id.clone(),
             incarnation: 0,
+            cells: Vec::new(),
         });
         request.set_timeout(UNARY_TIMEOUT);
         let reply = SessionClient::new(inner.client.channel())
@@ -348,6 +349,7 @@ impl Drop for SessionInner {
             let mut request = tonic::Request::new(CloseRequest {
                 session_id: id.clone(),
                 incarnation: 0,
+                cells: Vec::new(),
             });
             request.set_timeout(UNARY_TIMEOUT);
             match SessionClient::new(channel).close(request).await {

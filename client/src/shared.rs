@@ -24,6 +24,9 @@ pub(crate) struct Home {
     pub(crate) fence: i64,
     /// The cell's epoch as the last Open or Resume reply said (0: unknown).
     pub(crate) epoch: u64,
+    /// On a proxy that serves several cells: the session's stay in each (named back in
+    /// a Resume and a Close).
+    pub(crate) cells: Vec<lockcell_proto::v1::CellStay>,
 }
 
 /// One session's shared state. Held by the session's handles and, for reply dispatch,
@@ -332,6 +335,7 @@ mod tests {
             incarnation: 1,
             fence: 12,
             epoch: 1,
+            cells: Vec::new(),
         };
         // A resume that named what the session held when it was sent...
         let version = s.holdings.version();

@@ -121,6 +121,7 @@ async fn close(channel: &Channel, id: &str) {
     let mut request = tonic::Request::new(CloseRequest {
         session_id: id.to_owned(),
         incarnation: 0,
+        cells: Vec::new(),
     });
     request.set_timeout(CALL_TIMEOUT);
     if let Err(status) = SessionClient::new(channel.clone()).close(request).await {

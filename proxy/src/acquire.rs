@@ -64,6 +64,8 @@ pub fn call_id(id: String) -> Result<Option<String>, ProxyError> {
 /// A grant as the caller sees it.
 pub struct Granted {
     pub revision: i64,
+    /// The epoch of its fencing token (see [`crate::routes`]).
+    pub epoch: u64,
     pub valid_for: Duration,
     /// False for a retried call that found the grant it already had.
     pub fresh: bool,
@@ -78,6 +80,7 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
         }
         .into());
     }
+    state.routes.serve(call.lock.as_str())?;
     let session = live(state, &call.session_id)?;
     let class = state
         .classes
@@ -223,9 +226,16 @@ async fn fair(
         Some(call_id) => format!("{}-{call_id}", call.session_id),
         None => format!("{}-{:016x}", call.session_id, rand::random::<u64>()),
     };
+    let served = state.routes.serve(call.lock.as_str())?;
     let queued = state
         .locklog
-        .enqueue(&call.lock, call.mode, &id, session.lease)
+        .enqueue(
+            &call.lock,
+            call.mode,
+            &id,
+            session.lease,
+            served.map_revision,
+        )
         .await?;
     let waiter = Grant::waiting(&call.lock, call.mode, &id, queued);
     if !state
@@ -436,9 +446,17 @@ async fn grant(
             .into());
         }
         let seen = state.cell.seen();
+        let served = state.routes.serve(lock.as_str())?;
         let outcome = state
             .locklog
-            .acquire(&lock, mode, session.lease, &record, queued)
+            .acquire(
+                &lock,
+                mode,
+                session.lease,
+                &record,
+                queued,
+                served.map_revision,
+            )
             .await?;
         let (revision, fresh) = match outcome {
             Acquired::Granted { revision, fresh } => (revision, fresh),
@@ -482,6 +500,7 @@ async fn grant(
         }
         Ok(Some(Granted {
             revision,
+            epoch: served.epoch,
             valid_for,
             fresh,
         }))

@@ -24,6 +24,13 @@ pub enum ProxyError {
     PermissionDenied(String),
     #[error("this proxy holds no etcd lease right now (etcd unreachable?); try again or use another proxy")]
     NoLease,
+    /// No cell serves the name, or this proxy's cell does not: FAILED_PRECONDITION.
+    #[error("{0}")]
+    NotServed(String),
+    /// The name's prefix is moving between cells, or moved to one this proxy does not
+    /// serve yet: UNAVAILABLE (try again).
+    #[error("{0}")]
+    Moving(String),
     #[error("this proxy is shutting down; use another proxy")]
     ShuttingDown,
     /// etcd did not answer (the text says which call and why).
@@ -75,12 +82,13 @@ impl From<ProxyError> for Status {
             }
             ProxyError::UnknownSession { .. } => Status::not_found(message),
             ProxyError::PermissionDenied(_) => Status::permission_denied(message),
-            ProxyError::ExpiredSession { .. } | ProxyError::Refused(_) => {
-                Status::failed_precondition(message)
-            }
-            ProxyError::NoLease | ProxyError::ShuttingDown | ProxyError::EtcdUnavailable(_) => {
-                Status::unavailable(message)
-            }
+            ProxyError::ExpiredSession { .. }
+            | ProxyError::Refused(_)
+            | ProxyError::NotServed(_) => Status::failed_precondition(message),
+            ProxyError::NoLease
+            | ProxyError::ShuttingDown
+            | ProxyError::EtcdUnavailable(_)
+            | ProxyError::Moving(_) => Status::unavailable(message),
             ProxyError::OutOfRange(_) => Status::out_of_range(message),
             ProxyError::FencedOut {
                 revision, lease, ..

@@ -371,6 +371,7 @@ fn resumed_here(
         incarnation,
         fence_revision,
         epoch: state.epoch(),
+        cells: Vec::new(),
     })
 }
 

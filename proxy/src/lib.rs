@@ -29,6 +29,8 @@ pub mod mirror;
 pub mod queues;
 pub mod reads;
 pub mod reaper;
+pub mod router;
+pub mod routes;
 pub mod service;
 pub mod sessions;
 pub mod state;
@@ -94,17 +96,22 @@ pub async fn run(
         }
     });
 
-    let classes = classes::ClassBook::load(
-        config.classes.clone(),
-        classes::Classes::builtin(config.session_ttl_min, config.session_ttl_max),
-    )?;
-    let grants = grants::GrantBook::load(config.grants.clone(), grants::Grants::open())?;
+    let shared = Shared {
+        proxy_id: proxy_id.clone(),
+        classes: Arc::new(classes::ClassBook::load(
+            config.classes.clone(),
+            classes::Classes::builtin(config.session_ttl_min, config.session_ttl_max),
+        )?),
+        grants: Arc::new(grants::GrantBook::load(
+            config.grants.clone(),
+            grants::Grants::open(),
+        )?),
+        stop: stop_rx.clone(),
+        drain: drain.clone(),
+    };
     let tls = tls_config(&config)?;
-    let (etcd, epoch, start_revision) = connect(&config, drain.subscribe()).await?;
-    let cell = Arc::new(
-        cellguard::CellGuard::start(&epoch, start_revision, config.state_dir.as_deref())?
-            .draining_with(drain.clone()),
-    );
+    let home = connect(&config, &config.etcd_endpoints, drain.subscribe()).await?;
+    let cells = cells_to_serve(&config, &home).await?;
     let grpc = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the gRPC address {}", config.listen))?;
@@ -112,112 +119,73 @@ pub async fn run(
         .await
         .with_context(|| format!("binding the admin address {}", config.admin_listen))?;
 
-    let events = Arc::new(events::LockEvents::new());
-    let feed = Arc::new(feed::Feed::new(config.watch_backlog));
-    let reads = reads::Reads::new(
-        feed.clone(),
-        barrier::Barrier::start(etcd.kv_client(), config.etcd_timeout),
-        lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
-        config.etcd_timeout,
-    );
-    let state = Arc::new(ProxyState {
-        proxy_id: proxy_id.clone(),
-        cell,
-        sessions: Default::default(),
-        leases: leases::LeaseBook::new(
-            config.leases as usize,
-            config.validity_margin,
-            Instant::now(),
-        ),
-        locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout)
-            .with_epoch_guard(epoch.mod_revision),
-        kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
-        reads,
-        queues: events.queues().clone(),
-        events,
-        classes: Arc::new(classes),
-        grants: Arc::new(grants),
-        cleanup: Default::default(),
-        renewing: (0..config.leases).map(|_| Default::default()).collect(),
-        etcd: etcd.clone(),
-        shutdown: stop_rx.clone(),
-        drain,
-        drain_started: Default::default(),
-        config,
-    });
-    // Asked to stop: drain, then stop serving.
+    let mut engines = Vec::new();
+    let mut home = Some(home);
+    for (i, (name, endpoints, cluster_id)) in cells.into_iter().enumerate() {
+        // The first cell is the one the proxy started on.
+        let connection = match home.take().filter(|_| i == 0) {
+            Some(home) => home,
+            None => connect(&config, &endpoints, drain.subscribe()).await?,
+        };
+        let found = &connection.epoch.record.cluster_id;
+        if !cluster_id.is_empty() && *found != cluster_id {
+            anyhow::bail!(
+                "cell {:?} at {} has cluster id {found}, but the shard map says {cluster_id}: the map points at another cluster",
+                name.as_deref().unwrap_or_default(),
+                endpoints.join(",")
+            );
+        }
+        engines.push(Engine::start(&config, &shared, name, connection)?);
+    }
+    // Asked to stop: drain every cell's sessions, then stop serving.
     let draining = tokio::spawn({
-        let state = state.clone();
+        let states: Vec<_> = engines.iter().map(|e| e.state.clone()).collect();
+        let drain = drain.clone();
         async move {
-            let _ = state.drain.subscribe().wait_for(|d| *d).await;
+            let _ = drain.subscribe().wait_for(|d| *d).await;
             ::metrics::gauge!(metrics::DRAINING).set(1.0);
-            handover::drain(&state).await;
+            let mut drains = tokio::task::JoinSet::new();
+            for state in states {
+                drains.spawn(async move { handover::drain(&state).await });
+            }
+            drains.join_all().await;
             let _ = stop_tx.send(true);
         }
     });
-
+    let first = engines[0].state.clone();
     let mut tasks = tokio::task::JoinSet::new();
-    for bucket in 0..state.leases.len() {
-        tasks.spawn(lease_keeper::run(state.clone(), bucket));
-    }
-    tasks.spawn(reaper::run(state.clone()));
-    tasks.spawn({
-        let state = state.clone();
-        async move { state.cell.keep_remembering(Duration::from_secs(5)).await }
-    });
+    tasks.spawn(admin::serve(admin, prometheus, first.clone()));
     tasks.spawn(
-        state
-            .cell
-            .clone()
-            .watch_record(etcd.clone(), start_revision),
-    );
-    tasks.spawn(admin::serve(admin, prometheus, state.clone()));
-    tasks.spawn(
-        state
+        shared
             .classes
             .clone()
             .follow(Duration::from_secs(1), stop_rx.clone()),
     );
     tasks.spawn(
-        state
+        shared
             .grants
             .clone()
             .follow(Duration::from_secs(1), stop_rx.clone()),
     );
-    let follow = [
-        tokio::spawn(feed::run(
-            feed,
-            etcd.kv_client(),
-            etcd.watch_client(),
-            state.config.etcd_timeout,
-        )),
-        tokio::spawn(events::follow(
-            state.clone(),
-            keyspace::locks_root(),
-            false,
-            start_revision + 1,
-        )),
-        tokio::spawn(events::follow(
-            state.clone(),
-            keyspace::queues_root(),
-            true,
-            start_revision + 1,
-        )),
-    ];
 
-    // Serve only once every bucket has a lease, so the first client finds one.
-    wait_for_leases(&state).await;
+    // Serve only once every bucket of every cell has a lease, so the first client finds
+    // one.
+    for engine in &engines {
+        wait_for_leases(&engine.state).await;
+    }
     tracing::info!(
         proxy.id = %proxy_id,
-        zone = %state.config.zone,
-        grpc = %state.config.listen,
-        admin = %state.config.admin_listen,
-        cluster.id = %epoch.record.cluster_id,
-        epoch = epoch.record.epoch,
-        leases = state.leases.len(),
+        zone = %first.config.zone,
+        grpc = %first.config.listen,
+        admin = %first.config.admin_listen,
+        cells = %engines.iter().map(Engine::label).collect::<Vec<_>>().join(", "),
+        leases = first.leases.len(),
         "lockcell-proxy ready"
     );
 
+    let router = Arc::new(router::Router::new(
+        engines.iter().map(|e| e.state.clone()).collect(),
+    ));
     let mut stop = stop_rx.clone();
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = tls {
@@ -226,21 +194,11 @@ pub async fn run(
             .context("setting up TLS on the gRPC service")?;
     }
     let server = builder
-        .add_service(SessionServer::new(service::session::SessionService {
-            state: state.clone(),
-        }))
-        .add_service(LockServer::new(service::lock::LockService {
-            state: state.clone(),
-        }))
-        .add_service(ElectionServer::new(service::election::ElectionService {
-            state: state.clone(),
-        }))
-        .add_service(KvServer::new(service::kv::KvService {
-            state: state.clone(),
-        }))
-        .add_service(WatchServer::new(service::watch::WatchService {
-            state: state.clone(),
-        }))
+        .add_service(SessionServer::from_arc(router.clone()))
+        .add_service(LockServer::from_arc(router.clone()))
+        .add_service(ElectionServer::from_arc(router.clone()))
+        .add_service(KvServer::from_arc(router.clone()))
+        .add_service(WatchServer::from_arc(router.clone()))
         .serve_with_incoming_shutdown(incoming(grpc), async move {
             let _ = stop.wait_for(|s| *s).await;
         });
@@ -249,34 +207,240 @@ pub async fn run(
         result = server => result.context("gRPC server failed")?,
         _ = async {
             let _ = stop.wait_for(|s| *s).await;
-            tokio::time::sleep(state.config.shutdown_grace).await;
+            tokio::time::sleep(first.config.shutdown_grace).await;
         } => tracing::warn!("clients did not disconnect within the shutdown grace; closing"),
-    }
-    for f in follow {
-        f.abort();
     }
     tasks.shutdown().await;
     stopping.abort();
     draining.abort();
-    if let Some(until) = state.sessions.holders_valid_until() {
-        let now = Instant::now();
-        if until > now {
-            tracing::info!(
-                wait_ms = (until - now).as_millis() as u64,
-                "waiting for the validity granted to lock holders to run out before revoking"
-            );
-            tokio::time::sleep_until(until.min(now + state.config.lease_ttl)).await;
+    let mut changed = Vec::new();
+    for engine in engines {
+        if let Some(reason) = engine.stop().await {
+            changed.push(reason);
         }
     }
-    revoke_all(&state).await;
-    if let Some(reason) = state.cell.changed() {
-        anyhow::bail!("stopped: the cell changed under this proxy: {reason}");
-    }
-    if let Err(e) = state.cell.remember() {
-        tracing::warn!(error = %e, "could not remember the cell's revision");
+    if !changed.is_empty() {
+        anyhow::bail!(
+            "stopped: the cell changed under this proxy: {}",
+            changed.join("; ")
+        );
     }
     tracing::info!("lockcell-proxy stopped");
     Ok(())
+}
+
+/// What every cell's engine of one proxy shares.
+struct Shared {
+    proxy_id: String,
+    classes: Arc<classes::ClassBook>,
+    grants: Arc<grants::GrantBook>,
+    stop: watch::Receiver<bool>,
+    drain: Arc<watch::Sender<bool>>,
+}
+
+/// One connection to a cell, with what the proxy read from it at the start.
+struct Connection {
+    etcd: etcd_client::Client,
+    epoch: epoch::Stored,
+    revision: i64,
+    /// The cell's copy of the shard map.
+    map: Option<lockcell_cell::shardmap::StoredMap>,
+}
+
+/// The cells the proxy serves: every cell of the shard map in the cell it was started
+/// on, that cell first; just that cell when it has no map (or a map of one cell).
+async fn cells_to_serve(
+    config: &ProxyConfig,
+    home: &Connection,
+) -> anyhow::Result<Vec<(Option<String>, Vec<String>, String)>> {
+    let Some(map) = home.map.as_ref().filter(|m| m.map.cells.len() > 1) else {
+        return Ok(vec![(None, config.etcd_endpoints.clone(), String::new())]);
+    };
+    let own = routes::own_cell(&map.map, &home.epoch.record.cluster_id).ok_or_else(|| {
+        anyhow::anyhow!(
+            "the cell at {} (cluster id {}) is not in its own copy of the shard map (version {}): set the map again with `lockcell-cell shardmap set`",
+            config.etcd_endpoints.join(","),
+            home.epoch.record.cluster_id,
+            map.map.version
+        )
+    })?;
+    let mut cells: Vec<_> = map
+        .map
+        .cells
+        .iter()
+        .map(|(name, spec)| {
+            (
+                Some(name.clone()),
+                spec.endpoints.clone(),
+                spec.cluster_id.clone(),
+            )
+        })
+        .collect();
+    cells.sort_by_key(|(name, _, _)| name.as_deref() != Some(own));
+    tracing::info!(
+        version = map.map.version,
+        cells = map.map.cells.len(),
+        "serving every cell of the shard map"
+    );
+    Ok(cells)
+}
+
+/// A proxy's part in one cell: its sessions' stays, leases, lock log and watches there.
+struct Engine {
+    state: Arc<ProxyState>,
+    tasks: tokio::task::JoinSet<()>,
+    follow: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Engine {
+    fn start(
+        config: &ProxyConfig,
+        shared: &Shared,
+        name: Option<String>,
+        connection: Connection,
+    ) -> anyhow::Result<Engine> {
+        let Connection {
+            etcd,
+            epoch,
+            revision: start_revision,
+            map,
+            ..
+        } = connection;
+        let mut config = config.clone();
+        if let Some(name) = &name {
+            // Each cell's state is remembered apart.
+            config.state_dir = config.state_dir.map(|dir| dir.join(name));
+        }
+        let cell = Arc::new(
+            cellguard::CellGuard::start(&epoch, start_revision, config.state_dir.as_deref())?
+                .draining_with(shared.drain.clone()),
+        );
+        let events = Arc::new(events::LockEvents::new());
+        let feed = Arc::new(feed::Feed::new(config.watch_backlog));
+        let reads = reads::Reads::new(
+            feed.clone(),
+            barrier::Barrier::start(etcd.kv_client(), config.etcd_timeout),
+            lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
+            config.etcd_timeout,
+        );
+        let state = Arc::new(ProxyState {
+            proxy_id: shared.proxy_id.clone(),
+            cell_name: name,
+            routes: Arc::new(routes::Routes::new(
+                &epoch.record.cluster_id,
+                epoch.record.epoch,
+                map,
+            )),
+            cell,
+            sessions: Default::default(),
+            leases: leases::LeaseBook::new(
+                config.leases as usize,
+                config.validity_margin,
+                Instant::now(),
+            ),
+            locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout)
+                .with_epoch_guard(epoch.mod_revision),
+            kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
+            reads,
+            queues: events.queues().clone(),
+            events,
+            classes: shared.classes.clone(),
+            grants: shared.grants.clone(),
+            cleanup: Default::default(),
+            renewing: (0..config.leases).map(|_| Default::default()).collect(),
+            etcd: etcd.clone(),
+            shutdown: shared.stop.clone(),
+            drain: shared.drain.clone(),
+            drain_started: Default::default(),
+            config,
+        });
+        let mut tasks = tokio::task::JoinSet::new();
+        for bucket in 0..state.leases.len() {
+            tasks.spawn(lease_keeper::run(state.clone(), bucket));
+        }
+        tasks.spawn(reaper::run(state.clone()));
+        tasks.spawn({
+            let state = state.clone();
+            async move { state.cell.keep_remembering(Duration::from_secs(5)).await }
+        });
+        tasks.spawn(
+            state
+                .cell
+                .clone()
+                .watch_record(etcd.clone(), start_revision),
+        );
+        tasks.spawn(routes::follow(
+            state.routes.clone(),
+            etcd.clone(),
+            state.config.etcd_timeout,
+            shared.stop.clone(),
+        ));
+        let follow = vec![
+            tokio::spawn(feed::run(
+                feed,
+                etcd.kv_client(),
+                etcd.watch_client(),
+                state.config.etcd_timeout,
+            )),
+            tokio::spawn(events::follow(
+                state.clone(),
+                keyspace::locks_root(),
+                false,
+                start_revision + 1,
+            )),
+            tokio::spawn(events::follow(
+                state.clone(),
+                keyspace::queues_root(),
+                true,
+                start_revision + 1,
+            )),
+        ];
+        Ok(Engine {
+            state,
+            tasks,
+            follow,
+        })
+    }
+
+    /// How the ready line names the cell.
+    fn label(&self) -> String {
+        let record = &self.state.cell.record;
+        format!(
+            "{} (cluster id {}, epoch {})",
+            self.state.cell_name.as_deref().unwrap_or("the cell"),
+            record.cluster_id,
+            record.epoch
+        )
+    }
+
+    /// Stops the engine's work, waits until no client can still believe it holds a lock
+    /// here, and revokes the proxy's leases in the cell. Returns why the cell was found
+    /// changed, if it was.
+    async fn stop(mut self) -> Option<String> {
+        let state = self.state;
+        for f in self.follow {
+            f.abort();
+        }
+        self.tasks.shutdown().await;
+        if let Some(until) = state.sessions.holders_valid_until() {
+            let now = Instant::now();
+            if until > now {
+                tracing::info!(
+                    wait_ms = (until - now).as_millis() as u64,
+                    "waiting for the validity granted to lock holders to run out before revoking"
+                );
+                tokio::time::sleep_until(until.min(now + state.config.lease_ttl)).await;
+            }
+        }
+        revoke_all(&state).await;
+        if let Some(reason) = state.cell.changed() {
+            return Some(reason.to_owned());
+        }
+        if let Err(e) = state.cell.remember() {
+            tracing::warn!(error = %e, "could not remember the cell's revision");
+        }
+        None
+    }
 }
 
 /// The gRPC service's TLS, when --tls-cert and --tls-key are given (and mutual TLS with
@@ -317,8 +481,9 @@ fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
 /// its answer.
 async fn connect(
     config: &ProxyConfig,
+    endpoints: &[String],
     mut stop: watch::Receiver<bool>,
-) -> anyhow::Result<(etcd_client::Client, epoch::Stored, i64)> {
+) -> anyhow::Result<Connection> {
     use lockcell_cell::rbac;
 
     /// How etcd turned the proxy's user away, if that is why connecting failed.
@@ -345,15 +510,14 @@ async fn connect(
     let mut pause = Duration::from_millis(200);
     loop {
         let attempt = async {
-            let client =
-                etcd_client::Client::connect(&config.etcd_endpoints, Some(options.clone())).await?;
+            let client = etcd_client::Client::connect(&endpoints, Some(options.clone())).await?;
             let record = epoch::read(&mut client.kv_client(), config.etcd_timeout)
                 .await?
                 .ok_or_else(|| {
                     anyhow::anyhow!(
                         "the cell has no epoch record at {}: set a new cell up once with `lockcell-cell init --etcd {}`",
                         keyspace::epoch_key(),
-                        config.etcd_endpoints.join(",")
+                        endpoints.join(",")
                     )
                 })?;
             let mut kv = client.kv_client();
@@ -364,26 +528,32 @@ async fn connect(
             )
             .await?;
             let revision = now.header().map(|h| h.revision()).unwrap_or_default();
-            anyhow::Ok((client, record, revision))
+            let map = lockcell_cell::shardmap::read(&mut kv, config.etcd_timeout).await?;
+            anyhow::Ok(Connection {
+                etcd: client,
+                epoch: record,
+                revision,
+                map,
+            })
         };
         match attempt.await {
             Ok(connected) => {
                 if credentials.is_some() {
                     // Keeps etcd from forgetting the token while the proxy runs: a new
                     // watch (a restart, a client's catch-up) is refused in-band otherwise.
-                    let (client, timeout) = (connected.0.clone(), config.etcd_timeout);
+                    let (client, timeout) = (connected.etcd.clone(), config.etcd_timeout);
                     tokio::spawn(rbac::keep_token(client, timeout, stop.clone()));
                 }
                 return Ok(connected);
             }
             Err(e) if refused(&e) == Some(rbac::Refusal::AuthOff) => tracing::warn!(
-                etcd = %config.etcd_endpoints.join(","),
+                etcd = %endpoints.join(","),
                 retry_in = ?pause,
                 "etcd runs with authentication off, but --etcd-user is set: waiting for `lockcell-cell auth-enable`"
             ),
             Err(e) if refused(&e).is_some() => {
                 let user = config.etcd_user.as_deref().unwrap_or("(none)");
-                let at = config.etcd_endpoints.join(",");
+                let at = endpoints.join(",");
                 anyhow::bail!(match refused(&e) {
                     Some(rbac::Refusal::BadCredentials) => format!("etcd at {at} refused the user {user} and its password: check --etcd-user and --etcd-password (LOCKCELL_ETCD_USER, LOCKCELL_ETCD_PASSWORD)"),
                     Some(rbac::Refusal::NoUser) => format!("etcd at {at} runs with authentication on: give the proxy its etcd user with --etcd-user lockcell-proxy and --etcd-password (LOCKCELL_ETCD_USER, LOCKCELL_ETCD_PASSWORD)"),
@@ -392,7 +562,7 @@ async fn connect(
             }
             Err(e) => {
                 tracing::warn!(
-                    etcd = %config.etcd_endpoints.join(","),
+                    etcd = %endpoints.join(","),
                     error = %e,
                     retry_in = ?pause,
                     "cannot start on the cell yet; retrying"
@@ -401,7 +571,7 @@ async fn connect(
         }
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
-            _ = stop.wait_for(|s| *s) => anyhow::bail!("stopped before etcd at {} answered", config.etcd_endpoints.join(",")),
+            _ = stop.wait_for(|s| *s) => anyhow::bail!("stopped before etcd at {} answered", endpoints.join(",")),
         }
         pause = (pause * 2).min(Duration::from_secs(5));
     }

@@ -23,6 +23,10 @@ pub struct ProxyState {
     /// The cell's epoch record (the first part of every fencing token this proxy hands
     /// out) and the checks that stop the proxy when the cell changes under it.
     pub cell: Arc<crate::cellguard::CellGuard>,
+    /// The cell's name in the shard map, when the proxy serves several cells.
+    pub cell_name: Option<String>,
+    /// The cell's copy of the shard map: which names this proxy grants and writes here.
+    pub routes: Arc<crate::routes::Routes>,
     pub sessions: SessionTable,
     pub leases: LeaseBook,
     pub locklog: LockLog,
@@ -113,10 +117,11 @@ impl ProxyState {
         self.cell.record.epoch
     }
 
-    /// The fencing token of a grant made at `revision` in this cell's epoch.
-    pub fn token(&self, revision: i64) -> FencingToken {
+    /// The fencing token of `name`'s holder granted at `revision` (in the epoch of
+    /// `name`'s route, see [`crate::routes`]).
+    pub fn token(&self, name: &str, revision: i64) -> FencingToken {
         FencingToken {
-            epoch: self.cell.record.epoch,
+            epoch: self.routes.token_epoch(name),
             revision,
         }
     }

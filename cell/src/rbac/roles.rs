@@ -132,9 +132,16 @@ pub fn roles() -> Vec<RoleSpec> {
             name: TAILER_USER,
             grants: vec![Grant::everything(Access::Read)],
         },
+        // The cell's records, and what a shard map move does: it reads the locks,
+        // waiters and small keys of the names it moves, and copies and deletes their
+        // persistent small keys.
         RoleSpec {
             name: ADMIN_USER,
-            grants: vec![Grant::prefix(Access::ReadWrite, keyspace::sys_root())],
+            grants: vec![
+                Grant::everything(Access::Read),
+                Grant::prefix(Access::ReadWrite, keyspace::sys_root()),
+                Grant::prefix(Access::ReadWrite, keyspace::kv_root()),
+            ],
         },
     ]
 }
@@ -196,12 +203,23 @@ mod tests {
     }
 
     #[test]
-    fn the_tailer_only_reads_and_the_admin_only_has_sys() {
+    fn the_tailer_only_reads_and_the_admin_writes_only_sys_and_small_keys() {
         assert_eq!(role(TAILER_USER).grants, [Grant::everything(Access::Read)]);
-        let admin = role(ADMIN_USER).grants;
-        assert_eq!(admin.len(), 1);
-        assert_eq!(admin[0].to_string(), "readwrite on the prefix /sys/");
+        let admin: Vec<String> = role(ADMIN_USER)
+            .grants
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            admin,
+            [
+                "read on every key",
+                "readwrite on the prefix /sys/",
+                "readwrite on the prefix /k/",
+            ]
+        );
         assert!(keyspace::epoch_key().starts_with(keyspace::sys_root()));
+        assert!(keyspace::shardmap_key().starts_with(keyspace::sys_root()));
     }
 
     #[test]

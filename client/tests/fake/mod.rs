@@ -120,6 +120,7 @@ impl SessionApi for FakeProxy {
             lease_id: 1,
             incarnation: 1,
             epoch: 1,
+            cells: Vec::new(),
         }))
     }
 
@@ -142,6 +143,7 @@ impl SessionApi for FakeProxy {
             incarnation: 1,
             fence_revision: 1,
             epoch: 1,
+            cells: Vec::new(),
         }))
     }
 

@@ -13,6 +13,7 @@ use lockcell_proto::v1::{
     CampaignRequest, CampaignResponse, Leader, LeaderRequest, LeaderResponse, ProclaimRequest,
     ProclaimResponse, ResignRequest, ResignResponse,
 };
+use lockcell_proto::FencingToken;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -63,7 +64,13 @@ impl ElectionApi for ElectionService {
         let reply = match acquire::acquire(&self.state, call).await? {
             Some(granted) => CampaignResponse {
                 elected: true,
-                token: Some(self.state.token(granted.revision).into()),
+                token: Some(
+                    FencingToken {
+                        epoch: granted.epoch,
+                        revision: granted.revision,
+                    }
+                    .into(),
+                ),
                 valid_for_ms: millis(granted.valid_for),
             },
             None => CampaignResponse {
@@ -101,7 +108,7 @@ impl ElectionApi for ElectionService {
                 req.session_id
             ))
         };
-        if token.epoch != state.epoch()
+        if token.epoch != state.routes.token_epoch(election.as_str())
             || !state
                 .sessions
                 .holds(&req.session_id, &election.exclusive_key(), token.revision)
@@ -149,7 +156,7 @@ impl ElectionApi for ElectionService {
             .await
             .map_err(ProxyError::from)?;
         Ok(Response::new(LeaderResponse {
-            leader: holder.map(|h| leader(&self.state, h)),
+            leader: holder.map(|h| leader(&self.state, &election, h)),
             revision,
         }))
     }
@@ -177,7 +184,7 @@ impl ElectionApi for ElectionService {
             .map_err(ProxyError::from)?;
         let (tx, rx) = mpsc::channel(16);
         let first = LeaderResponse {
-            leader: holder.map(|h| leader(&state, h)),
+            leader: holder.map(|h| leader(&state, &election, h)),
             revision: seen,
         };
         tx.send(Ok(first))
@@ -200,6 +207,7 @@ impl ElectionApi for ElectionService {
                             let record = serde_json::from_slice::<HolderRecord>(&v).ok()?;
                             Some(leader(
                                 &state,
+                                &election,
                                 Holder {
                                     record,
                                     revision: change.create_revision,
@@ -218,7 +226,7 @@ impl ElectionApi for ElectionService {
                             Ok((holder, revision)) => {
                                 seen = revision;
                                 LeaderResponse {
-                                    leader: holder.map(|h| leader(&state, h)),
+                                    leader: holder.map(|h| leader(&state, &election, h)),
                                     revision,
                                 }
                             }
@@ -285,13 +293,13 @@ impl ElectionApi for ElectionService {
     }
 }
 
-fn leader(state: &ProxyState, holder: Holder) -> Leader {
+fn leader(state: &ProxyState, election: &LockName, holder: Holder) -> Leader {
     Leader {
         session_id: holder.record.session,
         identity: holder.record.identity,
         proxy_id: holder.record.proxy,
         value: holder.record.value,
-        token: Some(state.token(holder.revision).into()),
+        token: Some(state.token(election.as_str(), holder.revision).into()),
     }
 }
 

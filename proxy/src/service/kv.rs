@@ -92,6 +92,7 @@ impl KvApi for KvService {
                 .map_err(|gone| ProxyError::session(&req.session_id, gone))?;
             Some(s)
         };
+        let served = state.routes.serve(name.as_str())?;
         let written = state
             .kv
             .put(
@@ -99,6 +100,7 @@ impl KvApi for KvService {
                 req.value,
                 session.as_ref().map(|s| s.lease),
                 condition,
+                served.map_revision,
             )
             .await
             .map_err(ProxyError::from)?;
@@ -136,10 +138,11 @@ impl KvApi for KvService {
         let req = request.into_inner();
         let name = key_name(&req.key)?;
         let condition = condition(&req.key, req.condition)?;
+        let served = self.state.routes.serve(name.as_str())?;
         let (written, deleted) = self
             .state
             .kv
-            .delete(&name, condition)
+            .delete(&name, condition, served.map_revision)
             .await
             .map_err(ProxyError::from)?;
         Ok(Response::new(DeleteResponse {
@@ -163,10 +166,19 @@ impl KvApi for KvService {
             grants.authorize(&request, Right::Write, &written)?;
         }
         let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;
+        let mut map_revision = 0;
+        for name in checked
+            .when
+            .iter()
+            .map(|(n, _)| n)
+            .chain(checked.writes.iter().map(|w| w.name()))
+        {
+            map_revision = self.state.routes.serve(name.as_str())?.map_revision;
+        }
         let outcome = self
             .state
             .kv
-            .txn(&checked.when, checked.writes)
+            .txn(&checked.when, checked.writes, map_revision)
             .await
             .map_err(ProxyError::from)?;
         Ok(Response::new(TxnResponse {

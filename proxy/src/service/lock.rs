@@ -51,7 +51,13 @@ impl LockApi for LockService {
         let reply = match acquire::acquire(&self.state, call).await? {
             Some(granted) => AcquireResponse {
                 granted: true,
-                token: Some(self.state.token(granted.revision).into()),
+                token: Some(
+                    FencingToken {
+                        epoch: granted.epoch,
+                        revision: granted.revision,
+                    }
+                    .into(),
+                ),
                 valid_for_ms: millis(granted.valid_for),
             },
             None => AcquireResponse {
@@ -99,7 +105,7 @@ impl LockApi for LockService {
             .exclusive_holder(&lock)
             .await
             .map_err(ProxyError::from)?;
-        let holder = holder.map(|h| self.state.token(h.revision));
+        let holder = holder.map(|h| self.state.token(lock.as_str(), h.revision));
         Ok(Response::new(CheckSequencerResponse {
             current: holder == Some(token),
             holder: holder.map(Into::into),
@@ -121,7 +127,7 @@ pub async fn release(
         .sessions
         .get(session_id, Instant::now())
         .map_err(|gone| ProxyError::session(session_id, gone))?;
-    if token.epoch != state.epoch() {
+    if token.epoch != state.routes.token_epoch(lock.as_str()) {
         // A grant of another epoch is not a current grant: nothing of it is ours to delete.
         return Ok(false);
     }

@@ -28,50 +28,21 @@ pub struct SessionService {
     pub state: Arc<ProxyState>,
 }
 
-type ReplyStream = Pin<Box<dyn Stream<Item = Result<KeepAliveResponse, Status>> + Send>>;
+pub type ReplyStream = Pin<Box<dyn Stream<Item = Result<KeepAliveResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl SessionApi for SessionService {
     #[tracing::instrument(skip_all, fields(session.id))]
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
         let principal = self.state.grants.current().caller(&request)?;
-        let req = request.into_inner();
-        let state = &self.state;
-        if state.is_draining() {
-            return Err(ProxyError::ShuttingDown.into());
-        }
-        let ttl = state
-            .config
-            .session_ttl_for(Duration::from_millis(req.ttl_ms));
-        let (bucket, lease) = state.leases.assign().ok_or(ProxyError::NoLease)?;
-        let id: Arc<str> = format!("{:032x}", rand::random::<u128>()).into();
+        let id = new_session_id();
         tracing::Span::current().record("session.id", &*id);
-        let now = Instant::now();
-        let valid_for = state.leases.valid_for(bucket, lease, ttl, now);
-        let mut session = Session::arriving(
-            id.clone(),
-            labelled(principal.as_deref(), req.identity),
-            ttl,
-            (bucket, lease),
-            Vec::new(),
-            now,
-            now + valid_for,
-        );
-        session.principal = principal.map(Into::into);
-        let incarnation = session.incarnation;
-        state.sessions.insert(session);
-        metrics::counter!(m::SESSIONS_OPENED).increment(1);
-        metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
-        tracing::debug!(ttl_ms = millis(ttl), bucket, lease, "session opened");
-        Ok(Response::new(OpenResponse {
-            session_id: id.to_string(),
-            ttl_ms: millis(ttl),
-            valid_for_ms: millis(valid_for),
-            proxy_id: state.proxy_id.clone(),
-            lease_id: lease,
-            incarnation,
-            epoch: state.epoch(),
-        }))
+        Ok(Response::new(open_stay(
+            &self.state,
+            principal,
+            &request.into_inner(),
+            id,
+        )?))
     }
 
     #[tracing::instrument(skip_all, fields(session.id = %request.get_ref().session_id))]
@@ -91,33 +62,12 @@ impl SessionApi for SessionService {
         request: Request<Streaming<KeepAliveRequest>>,
     ) -> Result<Response<Self::KeepAliveStream>, Status> {
         let caller = self.state.grants.current().caller(&request)?;
-        let mut input = request.into_inner();
-        let (tx, rx) = mpsc::channel(KEEPALIVE_BUFFER);
-        let state = self.state.clone();
-        // Owned by the stream: it ends when the client hangs up, the reply stream is
-        // dropped, or the proxy shuts down.
-        tokio::spawn(async move {
-            let mut shutdown = state.shutdown.clone();
-            // This stream's turn in a drain (see `handover::move_hint`).
-            let turn = rand::random::<f64>();
-            loop {
-                let req = tokio::select! {
-                    msg = input.message() => match msg {
-                        Ok(Some(req)) => req,
-                        Ok(None) | Err(_) => return,
-                    },
-                    _ = shutdown.wait_for(|stop| *stop) => return,
-                };
-                if tx
-                    .send(Ok(renew(&state, req, caller.as_deref(), turn)))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let states = [self.state.clone()];
+        Ok(Response::new(keep_alive_stream(
+            request.into_inner(),
+            states.into(),
+            caller,
+        )))
     }
 
     #[tracing::instrument(skip_all, fields(session.id = %request.get_ref().session_id))]
@@ -129,45 +79,155 @@ impl SessionApi for SessionService {
         self.state
             .check_owner(&request, &request.get_ref().session_id)?;
         let req = request.into_inner();
-        let id = req.session_id;
-        let state = &self.state;
         let incarnation = (req.incarnation != 0).then_some(req.incarnation);
-        let Some(session) = state
-            .sessions
-            .close(&id, incarnation)
-            .map_err(|gone| ProxyError::session(&id, gone))?
-        else {
-            // A later stay of the session is here: the close was for an earlier one.
-            return Ok(Response::new(CloseResponse { released: 0 }));
-        };
-        state.leases.unassign(session.bucket);
-        metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
-        if session.held.is_empty() {
-            return Ok(Response::new(CloseResponse { released: 0 }));
+        let released = close_stay(&self.state, &req.session_id, incarnation).await?;
+        Ok(Response::new(CloseResponse { released }))
+    }
+}
+
+/// A new session's id.
+pub fn new_session_id() -> Arc<str> {
+    format!("{:032x}", rand::random::<u128>()).into()
+}
+
+/// Opens session `id`'s stay in `state`'s cell: from memory, nothing written.
+pub fn open_stay(
+    state: &ProxyState,
+    principal: Option<String>,
+    req: &OpenRequest,
+    id: Arc<str>,
+) -> Result<OpenResponse, ProxyError> {
+    if state.is_draining() {
+        return Err(ProxyError::ShuttingDown);
+    }
+    let ttl = state
+        .config
+        .session_ttl_for(Duration::from_millis(req.ttl_ms));
+    let (bucket, lease) = state.leases.assign().ok_or(ProxyError::NoLease)?;
+    let now = Instant::now();
+    let valid_for = state.leases.valid_for(bucket, lease, ttl, now);
+    let mut session = Session::arriving(
+        id.clone(),
+        labelled(principal.as_deref(), req.identity.clone()),
+        ttl,
+        (bucket, lease),
+        Vec::new(),
+        now,
+        now + valid_for,
+    );
+    session.principal = principal.map(Into::into);
+    let incarnation = session.incarnation;
+    state.sessions.insert(session);
+    metrics::counter!(m::SESSIONS_OPENED).increment(1);
+    metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+    tracing::debug!(ttl_ms = millis(ttl), bucket, lease, "session opened");
+    Ok(OpenResponse {
+        session_id: id.to_string(),
+        ttl_ms: millis(ttl),
+        valid_for_ms: millis(valid_for),
+        proxy_id: state.proxy_id.clone(),
+        lease_id: lease,
+        incarnation,
+        epoch: state.epoch(),
+        cells: Vec::new(),
+    })
+}
+
+/// Closes session `id`'s stay in `state`'s cell (only the stay `incarnation` names,
+/// when given) and releases what it holds there. Returns how many locks it released.
+pub async fn close_stay(
+    state: &ProxyState,
+    id: &str,
+    incarnation: Option<u64>,
+) -> Result<u32, ProxyError> {
+    let Some(session) = state
+        .sessions
+        .close(id, incarnation)
+        .map_err(|gone| ProxyError::session(id, gone))?
+    else {
+        // A later stay of the session is here: the close was for an earlier one.
+        return Ok(0);
+    };
+    state.leases.unassign(session.bucket);
+    metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+    if session.held.is_empty() {
+        return Ok(0);
+    }
+    match state
+        .locklog
+        .delete_guarded(&session.held, session.lease, true)
+        .await
+    {
+        Ok(released) => {
+            metrics::counter!(m::LOCKS_RELEASED).increment(released as u64);
+            Ok(released as u32)
         }
-        match state
-            .locklog
-            .delete_guarded(&session.held, session.lease, true)
-            .await
-        {
-            Ok(released) => {
-                metrics::counter!(m::LOCKS_RELEASED).increment(released as u64);
-                Ok(Response::new(CloseResponse {
-                    released: released as u32,
-                }))
+        Err(source) => {
+            let held = session.held.len();
+            state.cleanup.push(session.lease, session.held);
+            Err(ProxyError::StoreDuring {
+                context: format!(
+                    "session {id:?} is closed; its {held} lock(s) will be released when etcd answers"
+                ),
+                source,
+            })
+        }
+    }
+}
+
+/// The replies to a keepalive stream: each renewal is answered from memory by every
+/// cell's stay of the session (`states`), as one reply: the shortest validity, and the
+/// first stay that is gone, if any.
+pub fn keep_alive_stream(
+    mut input: Streaming<KeepAliveRequest>,
+    states: Arc<[Arc<ProxyState>]>,
+    caller: Option<String>,
+) -> ReplyStream {
+    let (tx, rx) = mpsc::channel(KEEPALIVE_BUFFER);
+    // Owned by the stream: it ends when the client hangs up, the reply stream is
+    // dropped, or the proxy shuts down.
+    tokio::spawn(async move {
+        let mut shutdown = states[0].shutdown.clone();
+        // This stream's turn in a drain (see `handover::move_hint`).
+        let turn = rand::random::<f64>();
+        loop {
+            let req = tokio::select! {
+                msg = input.message() => match msg {
+                    Ok(Some(req)) => req,
+                    Ok(None) | Err(_) => return,
+                },
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            };
+            let mut replies = states
+                .iter()
+                .map(|state| renew(state, req.clone(), caller.as_deref(), turn));
+            let mut reply = replies.next().expect("a proxy serves at least one cell");
+            for other in replies {
+                reply = combine(reply, other);
             }
-            Err(source) => {
-                let held = session.held.len();
-                state.cleanup.push(session.lease, session.held);
-                Err(ProxyError::StoreDuring {
-                    context: format!(
-                        "session {id:?} is closed; its {held} lock(s) will be released when etcd answers"
-                    ),
-                    source,
-                }
-                .into())
+            if tx.send(Ok(reply)).await.is_err() {
+                return;
             }
         }
+    });
+    Box::pin(ReceiverStream::new(rx))
+}
+
+/// One renewal's reply from two cells' stays of a session.
+fn combine(a: KeepAliveResponse, b: KeepAliveResponse) -> KeepAliveResponse {
+    let alive = SessionState::Alive as i32;
+    if a.state != alive {
+        return a;
+    }
+    if b.state != alive {
+        return b;
+    }
+    let move_elsewhere = a.move_elsewhere || b.move_elsewhere;
+    KeepAliveResponse {
+        valid_for_ms: a.valid_for_ms.min(b.valid_for_ms),
+        reason: if a.move_elsewhere { a.reason } else { b.reason },
+        move_elsewhere,
+        ..a
     }
 }
 

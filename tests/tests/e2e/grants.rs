@@ -150,6 +150,7 @@ pub async fn prefix_grants_refuse_what_they_should_and_allow_what_they_should() 
         .close(lockcell_proto::v1::CloseRequest {
             session_id: session.id().to_owned(),
             incarnation: 0,
+            cells: Vec::new(),
         })
         .await;
     ensure!(

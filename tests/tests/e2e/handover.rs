@@ -451,6 +451,7 @@ pub async fn a_resume_the_client_gave_up_on_cannot_land_after_a_later_one() -> a
         acting_for_ms: 0,
         fence_revision: fence,
         epoch: opened.epoch,
+        cells: Vec::new(),
     };
     let on_b = sessions_b
         .resume(resume(0, opened.lease_id))

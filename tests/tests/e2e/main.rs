@@ -23,6 +23,7 @@ mod modes;
 mod rbac;
 mod reads;
 mod sessions;
+mod shardmap;
 mod support;
 mod watches;
 
@@ -88,6 +89,7 @@ fn main() {
         chaos::a_fault_run_of_every_kind_breaks_no_rule,
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
         cell::a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising,
+        shardmap::two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders,
         grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
         grants::a_proxy_reaches_etcd_over_mutual_tls,
         rbac::each_role_can_do_what_it_should_and_nothing_more,

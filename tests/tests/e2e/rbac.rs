@@ -223,24 +223,55 @@ pub async fn each_role_can_do_what_it_should_and_nothing_more() -> anyhow::Resul
         "a refused revoke deleted the lease's key"
     );
 
-    // The admin has /sys/ and nothing else.
+    // The admin reads every key (a shard map move looks for the locks, waiters and
+    // small keys of the names it moves) and writes /sys/ (the cell's records) and /k/
+    // (the small keys a move copies and deletes), nothing else.
     let admin = etcd.client_as(&login(&etcd, rbac::ADMIN_USER)?).await?;
     let mut kv = admin.kv_client();
-    allowed(
-        "the admin's put of /sys/a",
-        kv.put("/sys/a", "a", None).await,
-    )?;
-    allowed("the admin's read of /sys/", kv.get("/sys/", prefix()).await)?;
-    allowed(
-        "the admin's delete of /sys/a",
-        kv.delete("/sys/a", None).await,
-    )?;
+    for key in ["/sys/a", "/k/a"] {
+        allowed(
+            &format!("the admin's put of {key}"),
+            kv.put(key, "a", None).await,
+        )?;
+        allowed(
+            &format!("the admin's delete of {key}"),
+            kv.delete(key, None).await,
+        )?;
+    }
+    for root_prefix in ["/l/", "/q/", "/k/", "/s/", "/sys/"] {
+        let got = allowed(
+            &format!("the admin's read of {root_prefix}"),
+            kv.get(root_prefix, prefix()).await,
+        )?;
+        ensure!(
+            !got.kvs().is_empty(),
+            "the admin read nothing under {root_prefix}"
+        );
+    }
+    let before = etcd.revision().await?;
+    for key in ["/l/a/!x", "/q/a/!x/s1", "/s/a", "/elsewhere"] {
+        denied(
+            &format!("the admin's put of {key}"),
+            kv.put(key, "a", None).await,
+        )?;
+    }
     denied(
-        "the admin's put of /l/a/!x",
-        kv.put("/l/a/!x", "a", None).await,
+        "the admin's delete of /l/seed/!x",
+        kv.delete("/l/seed/!x", None).await,
     )?;
-    denied("the admin's put of /k/a", kv.put("/k/a", "a", None).await)?;
-    denied("the admin's read of /l/", kv.get("/l/", prefix()).await)?;
+    let half = Txn::new().and_then([
+        TxnOp::put("/k/a", "half", None),
+        TxnOp::put("/l/a/!x", "half", None),
+    ]);
+    denied(
+        "an admin transaction writing /k/ and /l/",
+        kv.txn(half).await,
+    )?;
+    let after = etcd.revision().await?;
+    ensure!(
+        after == before,
+        "the admin's refused writes moved the store from revision {before} to {after}"
+    );
 
     // A proxy etcd turns away says why and stops.
     let mut wrong = ProxyOptions::new("a", etcd.endpoints());
@@ -314,7 +345,9 @@ pub async fn auth_enable_changes_nothing_the_second_time_and_puts_back_drift() -
         "added the role lockcell-proxy",
         "granted lockcell-proxy readwrite on the prefix /s/",
         "granted lockcell-tailer read on every key",
+        "granted lockcell-admin read on every key",
         "granted lockcell-admin readwrite on the prefix /sys/",
+        "granted lockcell-admin readwrite on the prefix /k/",
         "added the user root",
         "gave lockcell-admin the role lockcell-admin",
         "turned etcd authentication on",

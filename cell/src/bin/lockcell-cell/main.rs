@@ -5,6 +5,8 @@
 //! - `bump-epoch`: raises the epoch after a restore from backup.
 //! - `audit [rebuild]`: the audit tailer, and the rebuild of its store from the archive.
 //! - `auth-enable`: etcd's users and roles for lockcell, and authentication on.
+//! - `shardmap show | set | move`: which cell serves which names, and moving names
+//!   between cells.
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
@@ -23,11 +25,13 @@ use lockcell_cell::rbac::{self, Credentials, Passwords, Secret};
 use tracing_subscriber::EnvFilter;
 
 mod http;
+mod shardmap;
 
 /// lockcell-cell: the authoritative side of a lockcell cell.
 ///
 /// A cell is one etcd cluster. This binary sets its records up (`init`, `bump-epoch`),
-/// turns etcd authentication on (`auth-enable`) and runs its audit tailer (`audit`),
+/// turns etcd authentication on (`auth-enable`), keeps the shard map that routes names
+/// to cells (`shardmap`) and runs its audit tailer (`audit`),
 /// which turns every change in the cell into an audit event (granted, released,
 /// expired, moved, leader changed, waiting, key written or deleted, config changed) and
 /// keeps them in a store (SQLite by default, ClickHouse when configured) and an archive
@@ -49,7 +53,8 @@ enum Command {
     /// Shows the cell's epoch record.
     Epoch(EtcdArgs),
     /// Raises the cell's epoch (to the Unix time in seconds, or by one if that is not
-    /// higher). Run it after restoring etcd from a backup and
+    /// higher), and above every route epoch in the cell's copy of the shard map. Run it
+    /// after restoring etcd from a backup and
     /// before any proxy serves the restored cell: the restored store's revisions go back
     /// to the backup's, and the epoch (the first part of every fencing token) keeps
     /// tokens rising. A running proxy sees the record change, grants nothing more,
@@ -62,16 +67,28 @@ enum Command {
     ///
     /// Creates the roles and users lockcell-proxy (reads every key; writes /l/, /q/, /k/
     /// and /s/), lockcell-tailer (reads every key, writes none) and lockcell-admin
-    /// (reads and writes /sys/: init, bump-epoch, the shard map), and root (which etcd
+    /// (reads every key; writes /sys/ and /k/: init, bump-epoch, the shard map, and
+    /// the small keys a shard map move copies between cells), and root (which etcd
     /// needs), each user with only its own role; then enables authentication. Run
     /// again, it changes nothing, or puts back what drifted (a permission added or
     /// taken by hand, a password other than the one given).
     ///
     /// Once authentication is on this command logs in as root (LOCKCELL_ROOT_PASSWORD).
     /// Processes without credentials are turned away from then on: give proxies
-    /// --etcd-user lockcell-proxy, the audit tailer lockcell-tailer, and init and
-    /// bump-epoch lockcell-admin, each with LOCKCELL_ETCD_PASSWORD.
+    /// --etcd-user lockcell-proxy, the audit tailer lockcell-tailer, and init,
+    /// bump-epoch and shardmap lockcell-admin, each with LOCKCELL_ETCD_PASSWORD.
     AuthEnable(AuthEnableArgs),
+    /// The shard map: which cell (etcd cluster) serves which names; `show`, `set FILE`,
+    /// `move PREFIX --to CELL`.
+    ///
+    /// Every cell of the map holds its own copy at /sys/shardmap, and its proxies grant
+    /// and write only what that copy routes to that cell, unpaused. --etcd is one cell
+    /// of the map, where the command starts: it reads that cell's copy, then the copy of
+    /// every cell the copies (and, for `set`, the file) name, at the endpoints they give.
+    /// The same --etcd-user, --etcd-password and --etcd-tls-* settings are used for
+    /// every cell: give each cell's lockcell-admin user the same password, and sign
+    /// every cell's certificates with the same CA.
+    Shardmap(shardmap::ShardmapArgs),
 }
 
 /// Where the cell's etcd is.
@@ -101,7 +118,7 @@ struct EtcdArgs {
     address: EtcdAddress,
 
     /// etcd user, when etcd runs with authentication on (lockcell-admin for init,
-    /// epoch and bump-epoch; lockcell-tailer for audit).
+    /// epoch, bump-epoch and shardmap; lockcell-tailer for audit).
     #[arg(long, env = "LOCKCELL_ETCD_USER")]
     etcd_user: Option<String>,
 
@@ -126,6 +143,11 @@ impl EtcdAddress {
 
 impl EtcdArgs {
     async fn connect(&self) -> anyhow::Result<etcd_client::Client> {
+        self.connect_to(&self.address.etcd_endpoints).await
+    }
+
+    /// Connects to another cell's `endpoints` with the same user, TLS and deadlines.
+    async fn connect_to(&self, endpoints: &[String]) -> anyhow::Result<etcd_client::Client> {
         let credentials = self.etcd_user.as_ref().map(|user| {
             Credentials::new(
                 user,
@@ -133,15 +155,15 @@ impl EtcdArgs {
             )
         });
         let options = rbac::with_credentials(self.address.options()?, credentials.as_ref());
-        etcd_client::Client::connect(&self.address.etcd_endpoints, Some(options))
+        etcd_client::Client::connect(endpoints, Some(options))
             .await
-            .map_err(|e| login_error(e, self.etcd_user.as_deref(), &self.address))
+            .map_err(|e| login_error(e, self.etcd_user.as_deref(), &endpoints.join(",")))
     }
 }
 
-/// A failed connection, saying what to change when etcd turned the user away.
-fn login_error(e: etcd_client::Error, user: Option<&str>, etcd: &EtcdAddress) -> anyhow::Error {
-    let at = etcd.endpoints();
+/// A failed connection to etcd at `at`, saying what to change when etcd turned the user
+/// away.
+fn login_error(e: etcd_client::Error, user: Option<&str>, at: &str) -> anyhow::Error {
     let user = user.unwrap_or("(none)");
     let hint = match rbac::refusal(&e) {
         Some(rbac::Refusal::BadCredentials) => format!(
@@ -283,10 +305,10 @@ fn refusal_hint(e: &anyhow::Error) -> Option<&'static str> {
         .find_map(|cause| cause.downcast_ref::<etcd_client::Error>())?;
     match rbac::refusal(etcd)? {
         rbac::Refusal::NoUser => Some(
-            "etcd runs with authentication on: log in with --etcd-user (lockcell-admin for init, epoch and bump-epoch; lockcell-tailer for audit) and LOCKCELL_ETCD_PASSWORD",
+            "etcd runs with authentication on: log in with --etcd-user (lockcell-admin for init, epoch, bump-epoch and shardmap; lockcell-tailer for audit) and LOCKCELL_ETCD_PASSWORD",
         ),
         rbac::Refusal::PermissionDenied => Some(
-            "this etcd user may not do that: init, epoch and bump-epoch run as lockcell-admin, audit as lockcell-tailer (`lockcell-cell auth-enable` sets their roles up)",
+            "this etcd user may not do that: init, epoch, bump-epoch and shardmap run as lockcell-admin, audit as lockcell-tailer (`lockcell-cell auth-enable` sets their roles up)",
         ),
         _ => None,
     }
@@ -338,6 +360,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Audit(args) => audit(*args).await?,
         Command::AuthEnable(args) => auth_enable(args).await?,
+        Command::Shardmap(args) => shardmap::run(args).await?,
     }
     Ok(())
 }

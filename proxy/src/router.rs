@@ -1,0 +1,607 @@
+//! The proxy's front: routes each call to the cell that serves its name (DESIGN.md
+//! section 11).
+//!
+//! A proxy serves every cell of the shard map it found at start, one engine
+//! ([`ProxyState`]) per cell. A call about one name (a lock, an election, a small key)
+//! goes to the cell the newest copy of the map routes it to; that cell's engine grants or
+//! writes only what its own copy routes to it, unpaused (see [`crate::routes`]). A read
+//! or watch of a prefix goes to the one cell that serves every name under it, and is
+//! refused when those names are in several cells.
+//!
+//! A session spans every cell: it has a stay (lease bucket, fence, incarnation) in each,
+//! opened, renewed, resumed and closed together; its validity is the shortest of its
+//! stays'. Replies carry each stay ([`CellStay`]) for the client to name in its next
+//! Resume or Close. With one cell the router hands every call to that cell's engine
+//! unchanged.
+
+use std::sync::Arc;
+
+use lockcell_cell::shardmap::StoredMap;
+use lockcell_proto::v1::election_server::Election as ElectionApi;
+use lockcell_proto::v1::kv_server::Kv as KvApi;
+use lockcell_proto::v1::lock_server::Lock as LockApi;
+use lockcell_proto::v1::session_server::Session as SessionApi;
+use lockcell_proto::v1::watch_server::Watch as WatchApi;
+use lockcell_proto::v1::*;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::errors::ProxyError;
+use crate::service::election::ElectionService;
+use crate::service::kv::KvService;
+use crate::service::lock::LockService;
+use crate::service::session::{self, SessionService};
+use crate::service::watch::WatchService;
+use crate::state::ProxyState;
+
+/// Metadata of a resume refused for an older fence in one cell: which cell.
+pub const FENCE_CELL: &str = "lockcell-fence-cell";
+
+pub struct Router {
+    /// One engine per cell; the first is the cell the proxy started on.
+    engines: Arc<[Arc<ProxyState>]>,
+}
+
+impl Router {
+    pub fn new(engines: Vec<Arc<ProxyState>>) -> Self {
+        assert!(!engines.is_empty(), "a proxy serves at least one cell");
+        Router {
+            engines: engines.into(),
+        }
+    }
+
+    /// The engine when the proxy serves one cell.
+    fn single(&self) -> Option<&Arc<ProxyState>> {
+        match &self.engines[..] {
+            [only] => Some(only),
+            _ => None,
+        }
+    }
+
+    /// The newest copy of the shard map among the cells (a move writes the source's copy
+    /// first, then the target's, then the rest).
+    fn newest_map(&self) -> Option<Arc<StoredMap>> {
+        self.engines
+            .iter()
+            .filter_map(|e| e.routes.copy())
+            .max_by_key(|c| c.map.version)
+    }
+
+    fn engine_named(&self, cell: &str) -> Result<&Arc<ProxyState>, ProxyError> {
+        self.engines
+            .iter()
+            .find(|e| e.cell_name.as_deref() == Some(cell))
+            .ok_or_else(|| {
+                ProxyError::Moving(format!(
+                    "cell {cell:?} is in the shard map but this proxy does not serve it: restart the proxy to connect to it"
+                ))
+            })
+    }
+
+    /// The engine of the cell that serves `name`.
+    fn engine_for(&self, name: &str) -> Result<&Arc<ProxyState>, Status> {
+        if let Some(only) = self.single() {
+            return Ok(only);
+        }
+        let map = self.newest_map().ok_or_else(|| {
+            ProxyError::NotServed("no cell of this proxy has a shard map".to_owned())
+        })?;
+        let route = map.map.route(name).ok_or_else(|| {
+            ProxyError::NotServed(format!(
+                "no cell serves {name:?}: no route of the shard map (version {}) matches it",
+                map.map.version
+            ))
+        })?;
+        Ok(self.engine_named(&route.cell)?)
+    }
+
+    /// The engine of the one cell that serves every name under `prefix`.
+    fn engine_for_prefix(&self, prefix: &str) -> Result<&Arc<ProxyState>, Status> {
+        if let Some(only) = self.single() {
+            return Ok(only);
+        }
+        let map = self.newest_map().ok_or_else(|| {
+            ProxyError::NotServed("no cell of this proxy has a shard map".to_owned())
+        })?;
+        let cells = cells_under(&map.map, prefix);
+        match &cells[..] {
+            [] => Err(ProxyError::NotServed(format!(
+                "no cell serves names under {prefix:?} (shard map version {})",
+                map.map.version
+            ))
+            .into()),
+            [cell] => Ok(self.engine_named(cell)?),
+            _ => Err(ProxyError::NotServed(format!(
+                "the names under {prefix:?} are in cells {} (shard map version {}): read or watch each cell's part with a longer prefix",
+                cells.join(", "),
+                map.map.version
+            ))
+            .into()),
+        }
+    }
+
+    /// The engine of the one cell that serves all of `names`.
+    fn engine_for_all<'n>(
+        &self,
+        mut names: impl Iterator<Item = &'n str>,
+    ) -> Result<&Arc<ProxyState>, Status> {
+        let Some(first) = names.next() else {
+            return Ok(&self.engines[0]);
+        };
+        let engine = self.engine_for(first)?;
+        for name in names {
+            if !Arc::ptr_eq(self.engine_for(name)?, engine) {
+                return Err(ProxyError::NotServed(format!(
+                    "a transaction stays within one cell: {first:?} and {name:?} are in different cells of the shard map"
+                ))
+                .into());
+            }
+        }
+        Ok(engine)
+    }
+}
+
+/// The cells that serve names under `prefix`: the route of `prefix` itself and every
+/// route carved out under it. Sorted, without repeats.
+pub fn cells_under(map: &lockcell_cell::shardmap::ShardMap, prefix: &str) -> Vec<String> {
+    let mut cells: Vec<String> = map
+        .route(prefix)
+        .into_iter()
+        .chain(map.routes.iter().filter(|r| r.prefix.starts_with(prefix)))
+        .map(|r| r.cell.clone())
+        .collect();
+    cells.sort();
+    cells.dedup();
+    cells
+}
+
+fn stay_of(state: &ProxyState, lease_id: i64, incarnation: u64, fence: i64) -> CellStay {
+    CellStay {
+        cell: state.cell_name.clone().unwrap_or_default(),
+        lease_id,
+        incarnation,
+        epoch: state.epoch(),
+        fence_revision: fence,
+    }
+}
+
+#[tonic::async_trait]
+impl SessionApi for Router {
+    async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
+        if let Some(only) = self.single() {
+            return SessionService {
+                state: only.clone(),
+            }
+            .open(request)
+            .await;
+        }
+        let principal = self.engines[0].grants.current().caller(&request)?;
+        let req = request.into_inner();
+        let id = session::new_session_id();
+        let mut replies: Vec<OpenResponse> = Vec::new();
+        for engine in self.engines.iter() {
+            match session::open_stay(engine, principal.clone(), &req, id.clone()) {
+                Ok(reply) => replies.push(reply),
+                Err(e) => {
+                    for opened in &self.engines[..replies.len()] {
+                        let _ = session::close_stay(opened, &id, None).await;
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        let cells = self
+            .engines
+            .iter()
+            .zip(&replies)
+            .map(|(engine, r)| stay_of(engine, r.lease_id, r.incarnation, 0))
+            .collect();
+        let valid_for_ms = replies.iter().map(|r| r.valid_for_ms).min().unwrap_or(0);
+        let first = replies.swap_remove(0);
+        tracing::debug!(session.id = %id, cells = self.engines.len(), "session opened in every cell");
+        Ok(Response::new(OpenResponse {
+            valid_for_ms,
+            cells,
+            ..first
+        }))
+    }
+
+    async fn resume(
+        &self,
+        request: Request<ResumeRequest>,
+    ) -> Result<Response<ResumeResponse>, Status> {
+        if let Some(only) = self.single() {
+            return SessionService {
+                state: only.clone(),
+            }
+            .resume(request)
+            .await;
+        }
+        let principal = self.engines[0].grants.current().caller(&request)?;
+        let req = request.into_inner();
+        // Each key moves in the cell that serves its name.
+        let mut keys: Vec<Vec<HeldKey>> = vec![Vec::new(); self.engines.len()];
+        let mut lost = Vec::new();
+        for key in &req.keys {
+            let found = self
+                .engine_for(&key.name)
+                .ok()
+                .and_then(|e| self.engines.iter().position(|x| Arc::ptr_eq(x, e)));
+            match found {
+                Some(i) => keys[i].push(key.clone()),
+                None => lost.push(LostKey {
+                    key: Some(key.clone()),
+                    reason: format!("no cell of this proxy serves {:?}", key.name),
+                }),
+            }
+        }
+        let mut replies = Vec::new();
+        for (i, (engine, keys)) in self.engines.iter().zip(keys).enumerate() {
+            let stay = req
+                .cells
+                .iter()
+                .find(|c| Some(&c.cell) == engine.cell_name.as_ref());
+            let (from, fence, epoch, keys) = match stay {
+                // A key's own lease is the one it had in the first cell: in this cell
+                // its keys are on the stay's lease.
+                Some(s) => (
+                    s.lease_id,
+                    s.fence_revision,
+                    s.epoch,
+                    keys.into_iter()
+                        .map(|k| HeldKey { lease_id: 0, ..k })
+                        .collect(),
+                ),
+                // From a proxy of one cell: that was the cell this proxy started on.
+                None if req.cells.is_empty() && i == 0 => {
+                    (req.from_lease_id, req.fence_revision, req.epoch, keys)
+                }
+                None => (0, 0, 0, keys),
+            };
+            let sub = ResumeRequest {
+                session_id: req.session_id.clone(),
+                ttl_ms: req.ttl_ms,
+                identity: req.identity.clone(),
+                from_lease_id: from,
+                keys,
+                acting_for_ms: req.acting_for_ms,
+                fence_revision: fence,
+                epoch,
+                cells: Vec::new(),
+            };
+            match crate::handover::resume(engine, sub, principal.clone()).await {
+                Ok(reply) => replies.push(reply),
+                Err(e) => {
+                    let fenced = matches!(e, ProxyError::FencedOut { .. });
+                    let mut status: Status = e.into();
+                    if let (true, Some(cell)) = (fenced, &engine.cell_name) {
+                        if let Ok(value) = cell.parse() {
+                            status.metadata_mut().insert(FENCE_CELL, value);
+                        }
+                    }
+                    return Err(status);
+                }
+            }
+        }
+        let cells = self
+            .engines
+            .iter()
+            .zip(&replies)
+            .map(|(engine, r)| stay_of(engine, r.lease_id, r.incarnation, r.fence_revision))
+            .collect();
+        let valid_for_ms = replies.iter().map(|r| r.valid_for_ms).min().unwrap_or(0);
+        for r in &mut replies {
+            lost.append(&mut r.lost);
+        }
+        let first = replies.swap_remove(0);
+        Ok(Response::new(ResumeResponse {
+            valid_for_ms,
+            lost,
+            cells,
+            ..first
+        }))
+    }
+
+    type KeepAliveStream = session::ReplyStream;
+
+    async fn keep_alive(
+        &self,
+        request: Request<Streaming<KeepAliveRequest>>,
+    ) -> Result<Response<Self::KeepAliveStream>, Status> {
+        let caller = self.engines[0].grants.current().caller(&request)?;
+        Ok(Response::new(session::keep_alive_stream(
+            request.into_inner(),
+            self.engines.clone(),
+            caller,
+        )))
+    }
+
+    async fn close(
+        &self,
+        request: Request<CloseRequest>,
+    ) -> Result<Response<CloseResponse>, Status> {
+        if let Some(only) = self.single() {
+            return SessionService {
+                state: only.clone(),
+            }
+            .close(request)
+            .await;
+        }
+        let first = &self.engines[0];
+        first.grants.current().authenticate(&request)?;
+        first.check_owner(&request, &request.get_ref().session_id)?;
+        let req = request.into_inner();
+        let mut released = 0;
+        let mut failed = None;
+        let mut unknown = 0;
+        for (i, engine) in self.engines.iter().enumerate() {
+            let stay = req
+                .cells
+                .iter()
+                .find(|c| Some(&c.cell) == engine.cell_name.as_ref());
+            let incarnation = match stay {
+                Some(s) => Some(s.incarnation),
+                None if req.incarnation == 0 => None,
+                None if req.cells.is_empty() && i == 0 => Some(req.incarnation),
+                // A stay the client does not know of: not its to close.
+                None => continue,
+            };
+            match session::close_stay(engine, &req.session_id, incarnation).await {
+                Ok(n) => released += n,
+                Err(ProxyError::UnknownSession { .. }) => unknown += 1,
+                Err(e) => failed = Some(e),
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        if unknown == self.engines.len() {
+            return Err(ProxyError::UnknownSession { id: req.session_id }.into());
+        }
+        Ok(Response::new(CloseResponse { released }))
+    }
+}
+
+#[tonic::async_trait]
+impl LockApi for Router {
+    async fn acquire(
+        &self,
+        request: Request<AcquireRequest>,
+    ) -> Result<Response<AcquireResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().lock)?.clone();
+        LockService { state }.acquire(request).await
+    }
+
+    async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().lock)?.clone();
+        LockService { state }.release(request).await
+    }
+
+    async fn check_sequencer(
+        &self,
+        request: Request<CheckSequencerRequest>,
+    ) -> Result<Response<CheckSequencerResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().lock)?.clone();
+        LockService { state }.check_sequencer(request).await
+    }
+}
+
+#[tonic::async_trait]
+impl ElectionApi for Router {
+    async fn campaign(
+        &self,
+        request: Request<CampaignRequest>,
+    ) -> Result<Response<CampaignResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().election)?.clone();
+        ElectionService { state }.campaign(request).await
+    }
+
+    async fn proclaim(
+        &self,
+        request: Request<ProclaimRequest>,
+    ) -> Result<Response<ProclaimResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().election)?.clone();
+        ElectionService { state }.proclaim(request).await
+    }
+
+    async fn leader(
+        &self,
+        request: Request<LeaderRequest>,
+    ) -> Result<Response<LeaderResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().election)?.clone();
+        ElectionService { state }.leader(request).await
+    }
+
+    type ObserveStream = Replies<LeaderResponse>;
+
+    async fn observe(
+        &self,
+        request: Request<LeaderRequest>,
+    ) -> Result<Response<Self::ObserveStream>, Status> {
+        let election = request.get_ref().election.clone();
+        let state = self.engine_for(&election)?.clone();
+        let cell = state.cell_name.clone();
+        let inner = ElectionService { state }
+            .observe(request)
+            .await?
+            .into_inner();
+        if self.single().is_some() {
+            return Ok(Response::new(inner));
+        }
+        Ok(Response::new(self.ending_on_move(
+            inner,
+            Watched::Key(election),
+            cell,
+        )))
+    }
+
+    async fn resign(
+        &self,
+        request: Request<ResignRequest>,
+    ) -> Result<Response<ResignResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().election)?.clone();
+        ElectionService { state }.resign(request).await
+    }
+}
+
+#[tonic::async_trait]
+impl KvApi for Router {
+    async fn get(&self, request: Request<GetRequest>) -> Result<Response<GetResponse>, Status> {
+        let req = request.get_ref();
+        let state = if req.prefix {
+            self.engine_for_prefix(&req.key)?
+        } else {
+            self.engine_for(&req.key)?
+        }
+        .clone();
+        KvService { state }.get(request).await
+    }
+
+    async fn put(&self, request: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().key)?.clone();
+        KvService { state }.put(request).await
+    }
+
+    async fn delete(
+        &self,
+        request: Request<DeleteRequest>,
+    ) -> Result<Response<DeleteResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().key)?.clone();
+        KvService { state }.delete(request).await
+    }
+
+    async fn txn(&self, request: Request<TxnRequest>) -> Result<Response<TxnResponse>, Status> {
+        let txn = request.get_ref();
+        let names = txn
+            .compares
+            .iter()
+            .map(|c| c.key.as_str())
+            .chain(txn.writes.iter().map(|w| w.key.as_str()));
+        let state = self.engine_for_all(names)?.clone();
+        KvService { state }.txn(request).await
+    }
+}
+
+type Replies<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
+
+/// How often a watch checks that its names are still in its cell.
+const ROUTE_CHECK: std::time::Duration = std::time::Duration::from_millis(250);
+
+#[tonic::async_trait]
+impl WatchApi for Router {
+    type WatchStream = Replies<WatchResponse>;
+
+    async fn watch(
+        &self,
+        request: Request<WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let req = request.get_ref();
+        let watched = match (req.all_keys, req.prefix) {
+            (true, _) => Watched::Prefix(String::new()),
+            (false, true) => Watched::Prefix(req.key.clone()),
+            (false, false) => Watched::Key(req.key.clone()),
+        };
+        let state = match &watched {
+            Watched::Prefix(prefix) => self.engine_for_prefix(prefix)?,
+            Watched::Key(key) => self.engine_for(key)?,
+        }
+        .clone();
+        let cell = state.cell_name.clone();
+        let inner = WatchService { state }.watch(request).await?.into_inner();
+        if self.single().is_some() {
+            return Ok(Response::new(Box::pin(inner)));
+        }
+        Ok(Response::new(self.ending_on_move(inner, watched, cell)))
+    }
+}
+
+/// What a watch covers.
+enum Watched {
+    Key(String),
+    Prefix(String),
+}
+
+impl Router {
+    /// `inner` (a watch's or an observer's replies), ended with OUT_OF_RANGE once the
+    /// shard map sends the watched names to
+    /// another cell than `cell`: the revisions the watcher knows are that cell's, so it
+    /// must read the names again (from the cell that serves them now) and watch from
+    /// that read's revision.
+    fn ending_on_move<T: Send + 'static>(
+        &self,
+        mut inner: impl tokio_stream::Stream<Item = Result<T, Status>> + Send + Unpin + 'static,
+        watched: Watched,
+        cell: Option<String>,
+    ) -> Replies<T> {
+        use tokio_stream::StreamExt;
+        let router = Router {
+            engines: self.engines.clone(),
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        // Owned by the stream: ends with it, or when the watcher hangs up.
+        tokio::spawn(async move {
+            let mut check = tokio::time::interval(ROUTE_CHECK);
+            loop {
+                tokio::select! {
+                    item = inner.next() => match item {
+                        Some(item) => if tx.send(item).await.is_err() { return },
+                        None => return,
+                    },
+                    _ = check.tick() => {
+                        let now = match &watched {
+                            Watched::Prefix(prefix) => router.engine_for_prefix(prefix),
+                            Watched::Key(key) => router.engine_for(key),
+                        };
+                        let still = matches!(&now, Ok(e) if e.cell_name == cell);
+                        if !still {
+                            let (Watched::Prefix(name) | Watched::Key(name)) = &watched;
+                            let _ = tx.send(Err(Status::out_of_range(format!(
+                                "the names of this stream ({name:?}) moved out of cell {:?} (the shard map changed): revisions there are not the same; read them again and watch from that read's revision",
+                                cell.as_deref().unwrap_or_default()
+                            )))).await;
+                            return;
+                        }
+                    }
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockcell_cell::shardmap::{CellSpec, Route, ShardMap};
+
+    #[test]
+    fn a_prefix_is_served_by_one_cell_only_when_no_route_under_it_goes_elsewhere() {
+        let route = |prefix: &str, cell: &str| Route {
+            prefix: prefix.into(),
+            cell: cell.into(),
+            paused: false,
+            epoch: 0,
+        };
+        let spec = CellSpec {
+            endpoints: vec!["http://127.0.0.1:2379".into()],
+            cluster_id: String::new(),
+        };
+        let map = ShardMap {
+            version: 1,
+            cells: [("a".to_owned(), spec.clone()), ("b".to_owned(), spec)].into(),
+            routes: vec![
+                route("", "a"),
+                route("billing/", "b"),
+                route("billing/eu/", "b"),
+            ],
+        };
+        assert_eq!(cells_under(&map, "orders/"), ["a"]);
+        assert_eq!(cells_under(&map, "billing/"), ["b"]);
+        assert_eq!(cells_under(&map, "billing/eu/x"), ["b"]);
+        assert_eq!(cells_under(&map, "bil"), ["a", "b"]);
+        assert_eq!(cells_under(&map, ""), ["a", "b"]);
+    }
+}

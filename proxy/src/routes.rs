@@ -1,0 +1,309 @@
+//! Which names a proxy may grant and write in one cell: those the cell's own copy of the
+//! shard map routes to it, unpaused (DESIGN.md section 11).
+//!
+//! Every cell of a shard map holds a copy at `/sys/shardmap`. A grant or write in a cell
+//! is checked against that cell's copy and compares the copy's mod revision in its
+//! transaction, so `lockcell-cell shardmap move`, which pauses a prefix by writing the
+//! source cell's copy first, stops every grant in flight there; and the target grants
+//! the prefix only once its own copy says so, after the source holds nothing under it.
+//! A cell without a copy serves every name (a deployment of one cell).
+//!
+//! The fencing token of a grant is (the larger of the cell's epoch and its route's
+//! epoch, revision): a move raises the route's epoch above both cells' epochs, so tokens
+//! keep rising across it although the target's revisions are unrelated to the source's.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::WatchOptions;
+use lockcell_cell::shardmap::{ShardMap, StoredMap};
+use tokio::sync::watch;
+
+use crate::errors::ProxyError;
+
+/// What a grant or write of one name is made under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Served {
+    /// The mod revision of the cell's shard map copy it was checked against (0: none);
+    /// the transaction compares it.
+    pub map_revision: i64,
+    /// The epoch of the tokens it mints.
+    pub epoch: u64,
+}
+
+/// One cell's copy of the shard map, as this proxy last read it.
+pub struct Routes {
+    cluster_id: String,
+    cell_epoch: u64,
+    copy: watch::Sender<Option<Arc<StoredMap>>>,
+}
+
+impl Routes {
+    pub fn new(cluster_id: &str, cell_epoch: u64, copy: Option<StoredMap>) -> Self {
+        Routes {
+            cluster_id: cluster_id.to_owned(),
+            cell_epoch,
+            copy: watch::Sender::new(copy.map(Arc::new)),
+        }
+    }
+
+    /// The copy in force (`None`: the cell has no shard map).
+    pub fn copy(&self) -> Option<Arc<StoredMap>> {
+        self.copy.borrow().clone()
+    }
+
+    /// Follows the copy: a receiver that sees every change.
+    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<StoredMap>>> {
+        self.copy.subscribe()
+    }
+
+    /// Takes in the copy read at some revision; an older read than the one in force is
+    /// ignored (a watch and a read may cross).
+    pub fn update(&self, copy: Option<StoredMap>, read_at: i64) {
+        self.copy.send_if_modified(|now| {
+            let current = now.as_ref().map_or(0, |c| c.mod_revision);
+            let newer = match &copy {
+                Some(c) => c.mod_revision > current,
+                // Deleted: the delete is newer than every write seen before it.
+                None => now.is_some() && read_at > current,
+            };
+            if newer {
+                *now = copy.map(Arc::new);
+            }
+            newer
+        });
+    }
+
+    /// This cell's name in its copy of the map (the cell whose cluster id is this one's).
+    pub fn cell_name(&self) -> Option<String> {
+        let copy = self.copy();
+        Some(own_cell(&copy?.map, &self.cluster_id)?.to_owned())
+    }
+
+    /// What a grant or write of `name` in this cell is made under, or why this cell may
+    /// not make it now.
+    pub fn serve(&self, name: &str) -> Result<Served, ProxyError> {
+        let Some(copy) = self.copy() else {
+            return Ok(Served {
+                map_revision: 0,
+                epoch: self.cell_epoch,
+            });
+        };
+        let map = &copy.map;
+        let version = map.version;
+        let Some(me) = own_cell(map, &self.cluster_id) else {
+            return Err(ProxyError::NotServed(format!(
+                "this cell (cluster id {}) is not in its own copy of the shard map (version {version}); nothing is served here",
+                self.cluster_id
+            )));
+        };
+        let Some(route) = map.route(name) else {
+            return Err(ProxyError::NotServed(format!(
+                "no cell serves {name:?}: no route of the shard map (version {version}) matches it"
+            )));
+        };
+        if route.cell != me {
+            return Err(ProxyError::Moving(format!(
+                "{name:?} is served by cell {:?} (route {:?}, shard map version {version}), which this proxy does not serve: it is moving there, or the proxy must be restarted to connect to that cell",
+                route.cell, route.prefix
+            )));
+        }
+        if route.paused {
+            return Err(ProxyError::Moving(format!(
+                "the names under {:?} are moving to another cell; {name:?} is served again when the move ends (try again shortly)",
+                route.prefix
+            )));
+        }
+        Ok(Served {
+            map_revision: copy.mod_revision,
+            epoch: map.token_epoch(self.cell_epoch, name),
+        })
+    }
+
+    /// The epoch of tokens of `name` granted under the copy in force (for the tokens of
+    /// holders already there).
+    pub fn token_epoch(&self, name: &str) -> u64 {
+        match self.copy() {
+            Some(copy) => copy.map.token_epoch(self.cell_epoch, name),
+            None => self.cell_epoch,
+        }
+    }
+}
+
+/// The cell of `map` whose cluster id is `cluster_id`.
+pub fn own_cell<'m>(map: &'m ShardMap, cluster_id: &str) -> Option<&'m str> {
+    map.cells
+        .iter()
+        .find(|(_, spec)| spec.cluster_id == cluster_id)
+        .map(|(name, _)| name.as_str())
+}
+
+/// Follows the cell's copy of the shard map until `stop`: a read, then a watch from
+/// there; again after any break.
+pub async fn follow(
+    routes: Arc<Routes>,
+    etcd: etcd_client::Client,
+    timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let key = lockcell_cell::keyspace::shardmap_key();
+    let mut pause = Duration::from_millis(200);
+    loop {
+        let follow_once = async {
+            let mut kv = etcd.kv_client();
+            let resp =
+                lockcell_cell::error::with_timeout("read shard map", timeout, kv.get(key, None))
+                    .await?;
+            let at = resp.header().map(|h| h.revision()).unwrap_or_default();
+            let copy = match resp.kvs().first() {
+                Some(kv) => Some(StoredMap {
+                    map: ShardMap::decode(kv.value())?,
+                    mod_revision: kv.mod_revision(),
+                }),
+                None => None,
+            };
+            routes.update(copy, at);
+            let mut client = etcd.watch_client();
+            let options = WatchOptions::new().with_start_revision(at + 1);
+            let mut stream = client.watch(key, Some(options)).await.map_err(|source| {
+                lockcell_cell::CellError::Etcd {
+                    op: "watch shard map",
+                    source,
+                }
+            })?;
+            while let Ok(Some(resp)) = stream.message().await {
+                for event in resp.events() {
+                    let Some(kv) = event.kv() else { continue };
+                    let copy = match event.event_type() {
+                        etcd_client::EventType::Put => Some(StoredMap {
+                            map: ShardMap::decode(kv.value())?,
+                            mod_revision: kv.mod_revision(),
+                        }),
+                        etcd_client::EventType::Delete => None,
+                    };
+                    tracing::info!(
+                        version = copy.as_ref().map(|c| c.map.version),
+                        revision = kv.mod_revision(),
+                        "the cell's shard map copy changed"
+                    );
+                    routes.update(copy, kv.mod_revision());
+                }
+                if resp.compact_revision() > 0 || resp.canceled() {
+                    break;
+                }
+            }
+            Ok::<_, lockcell_cell::CellError>(())
+        };
+        tokio::select! {
+            result = follow_once => match result {
+                Ok(()) => pause = Duration::from_millis(200),
+                Err(e) => tracing::warn!(error = %e, "following the cell's shard map failed; retrying"),
+            },
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockcell_cell::shardmap::{CellSpec, Route};
+
+    fn map(version: u64, routes: &[(&str, &str, bool, u64)]) -> ShardMap {
+        let cell = |id: &str| CellSpec {
+            endpoints: vec!["http://127.0.0.1:2379".into()],
+            cluster_id: id.into(),
+        };
+        ShardMap {
+            version,
+            cells: [("a".to_owned(), cell("ca")), ("b".to_owned(), cell("cb"))].into(),
+            routes: routes
+                .iter()
+                .map(|(prefix, cell, paused, epoch)| Route {
+                    prefix: (*prefix).into(),
+                    cell: (*cell).into(),
+                    paused: *paused,
+                    epoch: *epoch,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_cell_serves_what_its_own_copy_routes_to_it_unpaused() {
+        let routes = Routes::new(
+            "ca",
+            100,
+            Some(StoredMap {
+                map: map(
+                    3,
+                    &[
+                        ("", "a", false, 0),
+                        ("billing/", "b", false, 0),
+                        ("hr/", "a", true, 0),
+                    ],
+                ),
+                mod_revision: 42,
+            }),
+        );
+        assert_eq!(routes.cell_name().as_deref(), Some("a"));
+        assert_eq!(
+            routes.serve("orders/1").unwrap(),
+            Served {
+                map_revision: 42,
+                epoch: 100
+            }
+        );
+        let elsewhere = routes.serve("billing/7").unwrap_err().to_string();
+        assert!(elsewhere.contains("\"b\""), "{elsewhere}");
+        let moving = routes.serve("hr/x").unwrap_err().to_string();
+        assert!(
+            moving.contains("moving") && moving.contains("hr/"),
+            "{moving}"
+        );
+        // Not in its own copy: serves nothing.
+        let stranger = Routes::new("cz", 1, routes.copy().map(|c| (*c).clone()));
+        assert!(stranger.serve("orders/1").is_err());
+        // No copy: everything, under mod revision 0.
+        let alone = Routes::new("ca", 7, None);
+        assert_eq!(alone.serve("x").unwrap().map_revision, 0);
+    }
+
+    #[test]
+    fn a_moved_route_mints_tokens_in_its_raised_epoch_and_older_reads_do_not_win() {
+        let routes = Routes::new(
+            "cb",
+            100,
+            Some(StoredMap {
+                map: map(1, &[("", "a", false, 0)]),
+                mod_revision: 10,
+            }),
+        );
+        assert!(routes.serve("billing/7").is_err());
+        routes.update(
+            Some(StoredMap {
+                map: map(3, &[("", "a", false, 0), ("billing/", "b", false, 500)]),
+                mod_revision: 20,
+            }),
+            20,
+        );
+        assert_eq!(routes.serve("billing/7").unwrap().epoch, 500);
+        assert_eq!(routes.token_epoch("billing/7"), 500);
+        // A read from before the watch's event changes nothing.
+        routes.update(
+            Some(StoredMap {
+                map: map(2, &[("", "a", false, 0)]),
+                mod_revision: 15,
+            }),
+            15,
+        );
+        assert_eq!(routes.copy().unwrap().mod_revision, 20);
+        routes.update(None, 25);
+        assert!(routes.copy().is_none());
+    }
+}

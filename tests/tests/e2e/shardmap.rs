@@ -1,0 +1,357 @@
+//! Two cells behind one shard map: each call reaches the cell that serves its name, and
+//! moving a prefix between cells under load never shows two holders of one lock.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use lockcell_client::{Client, Condition, Error, FencingToken, Session, Wait, WatchOptions};
+use lockcell_tests::wait::eventually;
+use lockcell_tests::{EtcdCluster, ProxyOptions, ProxyProcess};
+
+use crate::cell::lockcell_cell;
+use crate::support::short_session;
+
+/// The lock the workers take in turn while its prefix moves.
+const HOT: &str = "billing/hot";
+
+/// Keys under `prefix` in `etcd` (as root).
+async fn keys_under(etcd: &EtcdCluster, prefix: &str) -> anyhow::Result<Vec<String>> {
+    let mut kv = etcd.client().await?.kv_client();
+    let resp = kv
+        .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+        .await?;
+    Ok(resp
+        .kvs()
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .collect())
+}
+
+async fn epoch_of(etcd: &EtcdCluster) -> anyhow::Result<u64> {
+    let mut kv = etcd.client().await?.kv_client();
+    let stored = lockcell_cell::epoch::read(&mut kv, Duration::from_secs(5))
+        .await?
+        .context("no epoch record")?;
+    Ok(stored.record.epoch)
+}
+
+/// What the workers saw: every grant's token in grant order, and any moment two of them
+/// held the lock at once.
+#[derive(Default)]
+struct Ledger {
+    /// Set while a worker holds [`HOT`]; cleared before its release is sent.
+    held: AtomicBool,
+    overlaps: AtomicU64,
+    tokens: Mutex<Vec<FencingToken>>,
+    refused_while_moving: AtomicU64,
+}
+
+/// Takes [`HOT`] again and again until `stop`, each hold checked against the others.
+async fn worker(
+    session: Session,
+    ledger: Arc<Ledger>,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<()> {
+    while !stop.load(Ordering::Relaxed) {
+        match session
+            .acquire(HOT, Wait::Timeout(Duration::from_secs(2)))
+            .await
+        {
+            Ok(Some(guard)) => {
+                if ledger.held.swap(true, Ordering::SeqCst) {
+                    ledger.overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                ledger.tokens.lock().unwrap().push(guard.token());
+                tokio::task::yield_now().await;
+                ledger.held.store(false, Ordering::SeqCst);
+                guard.release().await?;
+            }
+            Ok(None) => {}
+            // The prefix is paused in its old cell while the move runs.
+            Err(Error::Unavailable(why)) => {
+                ensure!(
+                    why.contains("moving") || why.contains("shard map"),
+                    "refused for another reason than the move: {why}"
+                );
+                ledger.refused_while_moving.fetch_add(1, Ordering::Relaxed);
+                // Pacing of the retry loop (not a wait for a condition).
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(e).context("a worker's acquire failed"),
+        }
+    }
+    Ok(())
+}
+
+pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders(
+) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cell_a = EtcdCluster::start(1).await?;
+    let cell_b = EtcdCluster::start(1).await?;
+    let map = dir.path().join("shardmap.toml");
+    std::fs::write(
+        &map,
+        format!(
+            "[cells.a]\nendpoints = [{:?}]\n[cells.b]\nendpoints = [{:?}]\n\n\
+             [[route]]\nprefix = \"orders/\"\ncell = \"a\"\n\n\
+             [[route]]\nprefix = \"billing/\"\ncell = \"b\"\n",
+            cell_a.endpoints()[0],
+            cell_b.endpoints()[0]
+        ),
+    )?;
+    let a_endpoint = cell_a.endpoints()[0].clone();
+    lockcell_cell(&[
+        "shardmap",
+        "set",
+        &map.display().to_string(),
+        "--etcd",
+        &a_endpoint,
+    ])?;
+    let shown = lockcell_cell(&["shardmap", "show", "--etcd", &a_endpoint])?;
+    ensure!(
+        shown.contains("billing/") && shown.contains("orders/"),
+        "`shardmap show` does not show the routes:\n{shown}"
+    );
+
+    // One proxy started on each cell: both serve both cells.
+    let proxy_a =
+        ProxyProcess::start(&ProxyOptions::new("a", cell_a.endpoints()), dir.path()).await?;
+    let proxy_b =
+        ProxyProcess::start(&ProxyOptions::new("b", cell_b.endpoints()), dir.path()).await?;
+    let client_a = Client::connect(&proxy_a.url()).await?;
+    let client_b = Client::connect(&proxy_b.url()).await?;
+    let (epoch_a, epoch_b) = (epoch_of(&cell_a).await?, epoch_of(&cell_b).await?);
+
+    // One session holds a lock in each cell; each holder key is in its own cell only.
+    let session = client_b
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    let order = session
+        .acquire("orders/1", Wait::Timeout(Duration::from_secs(5)))
+        .await?
+        .context("orders/1 not granted")?;
+    let bill = session
+        .acquire("billing/1", Wait::Timeout(Duration::from_secs(5)))
+        .await?
+        .context("billing/1 not granted")?;
+    ensure!(
+        keys_under(&cell_a, "/l/orders/1/").await? != Vec::<String>::new()
+            && keys_under(&cell_b, "/l/orders/1/").await?.is_empty(),
+        "orders/1 is not held in cell a alone"
+    );
+    ensure!(
+        keys_under(&cell_b, "/l/billing/1/").await? != Vec::<String>::new()
+            && keys_under(&cell_a, "/l/billing/1/").await?.is_empty(),
+        "billing/1 is not held in cell b alone"
+    );
+    // Cell a served every name before the map: tokens of names the map sends to b rise
+    // above a's epoch.
+    ensure!(
+        order.token().epoch == epoch_a
+            && bill.token().epoch >= epoch_b
+            && bill.token().epoch > epoch_a,
+        "tokens are not in their routes' epochs: {} (cell a at {epoch_a}), {} (cell b at {epoch_b})",
+        order.token(),
+        bill.token()
+    );
+    // Small keys too, and reads and watches of one cell's prefix.
+    let mut watcher = client_a.watch("billing/", WatchOptions::prefix()).await?;
+    client_a
+        .put("billing/config", b"v1", Condition::Always)
+        .await?;
+    client_a
+        .put("orders/config", b"o1", Condition::Always)
+        .await?;
+    ensure!(
+        keys_under(&cell_b, "/k/billing/config").await?.len() == 1
+            && keys_under(&cell_a, "/k/billing/config").await?.is_empty(),
+        "billing/config is not in cell b alone"
+    );
+    let batch = tokio::time::timeout(Duration::from_secs(10), watcher.next())
+        .await
+        .context("the watch of billing/ saw nothing")??;
+    ensure!(
+        batch.events.iter().any(|e| e.entry.key == "billing/config"),
+        "the watch of billing/ did not see billing/config: {batch:?}"
+    );
+    drop(watcher);
+    // Names no cell serves, and prefixes that span both cells, are refused.
+    let stray = session
+        .acquire("misc/x", Wait::Timeout(Duration::from_secs(1)))
+        .await;
+    ensure!(
+        matches!(&stray, Err(e) if e.to_string().contains("no cell serves")),
+        "a lock no cell serves was not refused: {:?}",
+        stray.map(|g| g.map(|g| g.token()))
+    );
+    let spanning = client_a.get_prefix("").await;
+    ensure!(
+        matches!(&spanning, Err(e) if e.to_string().contains("cells a, b")),
+        "a read across both cells was not refused: {spanning:?}"
+    );
+    ensure!(bill.release().await?, "billing/1 was not released");
+
+    // The move, under load: workers on both proxies take billing/hot in turn.
+    let ledger = Arc::new(Ledger::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = tokio::task::JoinSet::new();
+    for client in [&client_a, &client_a, &client_b, &client_b] {
+        let s = client
+            .open_session(short_session(Duration::from_secs(5)))
+            .await?;
+        workers.spawn(worker(s, ledger.clone(), stop.clone()));
+    }
+    let grants = |ledger: &Ledger| ledger.tokens.lock().unwrap().len();
+    eventually(
+        "the workers take billing/hot",
+        Duration::from_secs(20),
+        || {
+            let n = grants(&ledger);
+            async move { Ok((n >= 20).then_some(())) }
+        },
+    )
+    .await?;
+    let before = grants(&ledger);
+    // A watch of billing/ in cell b: it must not go quiet when the names move to a.
+    let mut moving_watch = client_a.watch("billing/", WatchOptions::prefix()).await?;
+    // A holder in cell b that keeps its lock while the move starts: the move must wait
+    // for it, granting nothing under billing/ anywhere meanwhile.
+    let long = session
+        .acquire("billing/long", Wait::Timeout(Duration::from_secs(5)))
+        .await?
+        .context("billing/long not granted")?;
+    let moving = tokio::task::spawn_blocking(move || {
+        lockcell_cell(&[
+            "shardmap",
+            "move",
+            "billing/",
+            "--to",
+            "a",
+            "--etcd",
+            &a_endpoint,
+            "--wait",
+            "60s",
+        ])
+    });
+    eventually(
+        "the workers are refused while billing/ is paused",
+        Duration::from_secs(30),
+        || {
+            // Or the move ended: then it did not wait for billing/long (checked next).
+            let seen =
+                ledger.refused_while_moving.load(Ordering::Relaxed) >= 10 || moving.is_finished();
+            async move { Ok(seen.then_some(())) }
+        },
+    )
+    .await?;
+    let during = grants(&ledger);
+    let copy_in_a = lockcell_cell::shardmap::read(
+        &mut cell_a.client().await?.kv_client(),
+        Duration::from_secs(5),
+    )
+    .await?
+    .context("cell a has no shard map")?;
+    ensure!(
+        !moving.is_finished()
+            && copy_in_a.map.route("billing/long").map(|r| r.cell.as_str()) == Some("b"),
+        "the move switched billing/ to cell a while billing/long was held in b: {:?}",
+        copy_in_a.map
+    );
+    let second = client_b
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    let refused = second
+        .acquire("billing/long", Wait::Timeout(Duration::from_secs(1)))
+        .await;
+    ensure!(
+        matches!(&refused, Err(Error::Unavailable(why)) if why.contains("moving")),
+        "an acquire under a paused prefix was not refused as moving: {:?}",
+        refused.map(|g| g.map(|g| g.token()))
+    );
+    ensure!(long.release().await?, "billing/long was not released");
+    let moved = moving.await??;
+    let at_move = grants(&ledger);
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Err(e) = moving_watch.next().await {
+                return e;
+            }
+        }
+    })
+    .await
+    .context("a watch of billing/ went on in cell b after the names moved to a")?;
+    ensure!(
+        ended.to_string().contains("moved out of cell"),
+        "the watch of billing/ ended for another reason than the move: {ended}"
+    );
+    eventually(
+        "the workers take billing/hot in its new cell",
+        Duration::from_secs(30),
+        || {
+            let n = grants(&ledger);
+            async move { Ok((n >= at_move + 20).then_some(())) }
+        },
+    )
+    .await?;
+    stop.store(true, Ordering::Relaxed);
+    while let Some(done) = workers.join_next().await {
+        done??;
+    }
+
+    ensure!(
+        ledger.overlaps.load(Ordering::SeqCst) == 0,
+        "two workers held billing/hot at once {} time(s) (move output:\n{moved})",
+        ledger.overlaps.load(Ordering::SeqCst)
+    );
+    let tokens = ledger.tokens.lock().unwrap().clone();
+    for pair in tokens.windows(2) {
+        ensure!(
+            pair[1] > pair[0],
+            "tokens of billing/hot went backwards across the move: {} then {}",
+            pair[0],
+            pair[1]
+        );
+    }
+    let last = tokens.last().context("no grants")?;
+    ensure!(
+        last.epoch > epoch_a.max(epoch_b),
+        "the moved prefix's tokens are not in a raised epoch: {last} (cells at {epoch_a} and {epoch_b})"
+    );
+    // Now served by cell a: a holder key there, none left in b; the small key copied.
+    let check = session
+        .acquire("billing/check", Wait::Timeout(Duration::from_secs(5)))
+        .await?
+        .context("billing/check not granted after the move")?;
+    // (Release markers, which hold nothing, stay in b on their proxy's lease.)
+    let held_in_b: Vec<String> = keys_under(&cell_b, "/l/billing/")
+        .await?
+        .into_iter()
+        .filter(|k| !k.ends_with("/!r"))
+        .collect();
+    ensure!(
+        !keys_under(&cell_a, "/l/billing/check/").await?.is_empty() && held_in_b.is_empty(),
+        "after the move billing/ locks are not in cell a alone (in b: {held_in_b:?})"
+    );
+    let config = client_b.get("billing/config").await?;
+    ensure!(
+        config.as_ref().map(|e| e.value.as_slice()) == Some(b"v1".as_slice()),
+        "billing/config did not move with its prefix: {config:?}"
+    );
+    ensure!(
+        keys_under(&cell_b, "/k/billing/").await?.is_empty(),
+        "billing/config was left behind in cell b"
+    );
+    check.release().await?;
+    order.release().await?;
+    session.close().await?;
+    eprintln!(
+        "shardmap: {before} grants before the move, {} while it waited for billing/long ({} after), {} after it; {} acquires refused while the prefix moved",
+        during - before,
+        at_move - during,
+        tokens.len() - at_move,
+        ledger.refused_while_moving.load(Ordering::Relaxed)
+    );
+    Ok(())
+}
