@@ -6,15 +6,30 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use lockcell_client::{Client, Condition, Error, FencingToken, Session, Wait, WatchOptions};
+use lockcell_client::{
+    Client, ClientOptions, Condition, Error, FencingToken, Session, SessionState, Wait,
+    WatchOptions,
+};
 use lockcell_tests::wait::eventually;
 use lockcell_tests::{EtcdCluster, ProxyOptions, ProxyProcess};
+use nix::sys::signal::Signal;
 
 use crate::cell::lockcell_cell;
 use crate::support::short_session;
 
 /// The lock the workers take in turn while its prefix moves.
 const HOT: &str = "billing/hot";
+
+/// The create revision and lease of `key` in `etcd`.
+async fn holder(etcd: &EtcdCluster, key: &str) -> anyhow::Result<(i64, i64)> {
+    let mut kv = etcd.client().await?.kv_client();
+    let resp = kv.get(key, None).await?;
+    let kv = resp
+        .kvs()
+        .first()
+        .with_context(|| format!("no key {key}"))?;
+    Ok((kv.create_revision(), kv.lease()))
+}
 
 /// Keys under `prefix` in `etcd` (as root).
 async fn keys_under(etcd: &EtcdCluster, prefix: &str) -> anyhow::Result<Vec<String>> {
@@ -96,7 +111,8 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
         format!(
             "[cells.a]\nendpoints = [{:?}]\n[cells.b]\nendpoints = [{:?}]\n\n\
              [[route]]\nprefix = \"orders/\"\ncell = \"a\"\n\n\
-             [[route]]\nprefix = \"billing/\"\ncell = \"b\"\n",
+             [[route]]\nprefix = \"billing/\"\ncell = \"b\"\n\n\
+             [[route]]\nprefix = \"inventory/\"\ncell = \"b\"\n",
             cell_a.endpoints()[0],
             cell_b.endpoints()[0]
         ),
@@ -346,6 +362,68 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
     check.release().await?;
     order.release().await?;
     session.close().await?;
+
+    // A session holding in both cells survives the loss of its proxy: it resumes on the
+    // other, and its keys move in each cell, tokens unchanged.
+    let client = Client::connect_with(ClientOptions::new([proxy_b.url(), proxy_a.url()])).await?;
+    let both = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    let b_proxy = both.proxy_id();
+    let in_a = both
+        .acquire("orders/2", Wait::Timeout(Duration::from_secs(5)))
+        .await?
+        .context("orders/2 not granted")?;
+    let in_b = both
+        .acquire("inventory/2", Wait::Timeout(Duration::from_secs(5)))
+        .await?
+        .context("inventory/2 not granted")?;
+    let held_before = (
+        holder(&cell_a, "/l/orders/2/!x").await?,
+        holder(&cell_b, "/l/inventory/2/!x").await?,
+    );
+    proxy_b.signal(Signal::SIGKILL)?;
+    eventually(
+        "the session resumes on the other proxy",
+        Duration::from_secs(15),
+        || async {
+            Ok((both.proxy_id() != b_proxy && both.state() == SessionState::Valid).then_some(()))
+        },
+    )
+    .await?;
+    // Past the dead proxy's lease TTL its leases are gone in both cells, and what was on
+    // them with them: the moved keys are not.
+    eventually(
+        "etcd drops the dead proxy's leases in both cells",
+        Duration::from_secs(15),
+        || async {
+            let a = cell_a.client().await?.leases().await?.leases().len();
+            let b = cell_b.client().await?.leases().await?.leases().len();
+            Ok((a == 4 && b == 4).then_some(()))
+        },
+    )
+    .await?;
+    let held_after = (
+        holder(&cell_a, "/l/orders/2/!x").await?,
+        holder(&cell_b, "/l/inventory/2/!x").await?,
+    );
+    ensure!(
+        held_after.0 .0 == held_before.0 .0 && held_after.1 .0 == held_before.1 .0 && held_after.0 .1 != held_before.0 .1 && held_after.1 .1 != held_before.1 .1,
+        "the keys did not move to the new proxy's leases with their tokens kept: before {held_before:?}, after {held_after:?}"
+    );
+    for (lock, guard) in [("orders/2", &in_a), ("inventory/2", &in_b)] {
+        let check = client.check_sequencer(lock, guard.token()).await?;
+        ensure!(
+            guard.is_valid() && check.current,
+            "{lock}'s token {} is not current after the move ({check:?})",
+            guard.token()
+        );
+    }
+    ensure!(
+        in_a.release().await? && in_b.release().await?,
+        "not released after the move"
+    );
+    both.close().await?;
     eprintln!(
         "shardmap: {before} grants before the move, {} while it waited for billing/long ({} after), {} after it; {} acquires refused while the prefix moved",
         during - before,
