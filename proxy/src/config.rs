@@ -23,7 +23,11 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_ADMIN_LISTEN", default_value = "127.0.0.1:7421")]
     pub admin_listen: SocketAddr,
 
-    /// etcd client endpoints of the cell, comma-separated.
+    /// etcd client endpoints of the cell, comma-separated. When the cell holds a shard
+    /// map of several cells, the proxy serves every cell of it (connecting to the
+    /// endpoints the map gives, with the same etcd user, password and TLS settings) and
+    /// routes each call to the cell that serves its name; restart it to serve a cell
+    /// added to the map later.
     #[arg(
         long = "etcd",
         env = "LOCKCELL_ETCD",
