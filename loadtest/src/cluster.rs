@@ -81,7 +81,7 @@ pub struct Cell {
 pub struct Restart {
     /// From SIGTERM until the old process exited (its drain and shutdown).
     pub exited: Duration,
-    /// From SIGTERM until the new process answered `/healthz` with 200.
+    /// From SIGTERM until the new process answered `/readyz` with 200.
     pub healthy: Duration,
     /// The old process did not exit by itself within the deadline and was killed.
     pub killed: bool,
@@ -159,7 +159,7 @@ impl Cell {
 
     /// Restarts zone `zone`'s lockcell proxy as an operator would: SIGTERM (the proxy
     /// drains: its clients move elsewhere), wait up to `exit_within` for it to exit (then
-    /// SIGKILL), start it again on the same address, and wait until its `/healthz`
+    /// SIGKILL), start it again on the same address, and wait until its `/readyz`
     /// answers 200.
     pub async fn restart_proxy(
         &mut self,
@@ -190,11 +190,11 @@ impl Cell {
         let admin = started.admin_addr.clone();
         *proxy = started;
         eventually(
-            "the restarted proxy answers /healthz",
+            "the restarted proxy answers /readyz",
             PROXY_START_TIMEOUT,
             || {
                 let admin = admin.clone();
-                async move { Ok(http_get(&admin, "/healthz").await.ok().map(|_| ())) }
+                async move { Ok(http_get(&admin, "/readyz").await.ok().map(|_| ())) }
             },
         )
         .await

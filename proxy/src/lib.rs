@@ -154,7 +154,8 @@ pub async fn run(
     });
     let first = engines[0].state.clone();
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(admin::serve(admin, prometheus, first.clone()));
+    let states: Arc<[Arc<ProxyState>]> = engines.iter().map(|e| e.state.clone()).collect();
+    tasks.spawn(admin::serve(admin, prometheus, states));
     tasks.spawn(
         shared
             .classes

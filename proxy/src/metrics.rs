@@ -34,6 +34,8 @@ pub const SESSIONS_RESUMED: &str = "lockcell_sessions_resumed_total";
 pub const KEYS_MOVED: &str = "lockcell_keys_moved_total";
 pub const KEYS_LOST_ON_RESUME: &str = "lockcell_keys_lost_on_resume_total";
 pub const DRAINING: &str = "lockcell_draining";
+pub const LEASE_REMAINING: &str = "lockcell_etcd_lease_remaining_seconds";
+pub const ETCD_REACHABLE: &str = "lockcell_etcd_reachable";
 
 /// Histogram buckets for acquire latency, in seconds: 1 ms to 30 s.
 pub const ACQUIRE_BUCKETS: &[f64] = &[
@@ -55,6 +57,15 @@ pub fn describe() {
     describe_counter!(
         KEYS_LOST_ON_RESUME,
         "Keys a resuming session named that were gone or changed: reported lost to the client."
+    );
+    describe_gauge!(
+        LEASE_REMAINING,
+        Unit::Seconds,
+        "Least time left, over the proxy's etcd leases (every cell's), before the lower bound of a lease less the validity margin: what the proxy can still grant its clients if etcd stops answering now; 0 while a lease is missing."
+    );
+    describe_gauge!(
+        ETCD_REACHABLE,
+        "1 while every etcd lease of the proxy (every cell's) is held and was renewed within the renew interval plus the etcd timeout, else 0."
     );
     describe_gauge!(
         DRAINING,

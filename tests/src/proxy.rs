@@ -65,7 +65,7 @@ pub struct ProxyProcess {
     pub zone: String,
     /// `127.0.0.1:PORT` of the gRPC service.
     pub addr: String,
-    /// `127.0.0.1:PORT` of the admin server (/metrics, /healthz).
+    /// `127.0.0.1:PORT` of the admin server (/metrics, /healthz, /readyz, /drain).
     pub admin_addr: String,
     pub process: Managed,
 }
@@ -182,21 +182,37 @@ impl ProxyProcess {
     }
 }
 
-/// A plain HTTP/1.0 GET on loopback, enough for the admin pages.
+/// A plain HTTP/1.0 GET on loopback, enough for the admin pages; an error unless 200.
 pub async fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
+    let (status, head, body) = http_call(addr, "GET", path).await?;
+    if status != 200 {
+        bail!("GET {path} on {addr}: {head}");
+    }
+    Ok(body)
+}
+
+/// A plain HTTP/1.0 request on loopback: the status code, the status line and the body.
+pub async fn http_call(
+    addr: &str,
+    method: &str,
+    path: &str,
+) -> anyhow::Result<(u16, String, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .write_all(
+            format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Length: 0\r\n\r\n")
+                .as_bytes(),
+        )
         .await?;
-    let mut body = String::new();
-    stream.read_to_string(&mut body).await?;
-    let (head, rest) = body.split_once("\r\n\r\n").unwrap_or((&body, ""));
-    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        bail!(
-            "GET {path} on {addr}: {}",
-            head.lines().next().unwrap_or("")
-        );
-    }
-    Ok(rest.to_owned())
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).await?;
+    let (head, body) = reply.split_once("\r\n\r\n").unwrap_or((&reply, ""));
+    let line = head.lines().next().unwrap_or("").to_owned();
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("{method} {path} on {addr}: no status in {line:?}"))?;
+    Ok((status, line, body.to_owned()))
 }

@@ -2,7 +2,7 @@
 //! key, spread over clients that know all three proxies (their own zone's first). The
 //! proxies are restarted one at a time as an operator would: SIGTERM (the proxy drains
 //! and its clients move their sessions elsewhere), wait for the exit, start it again on
-//! the same address, wait for `/healthz`. Measures what the sessions lost (nothing,
+//! the same address, wait for `/readyz`. Measures what the sessions lost (nothing,
 //! ideally: no expiry, no lock, no token change, no key), how often they moved, how
 //! long each restart took, and the proxies' keepalive round trips before and during the
 //! restarts.

@@ -4,6 +4,7 @@
 //! (skipped), never passed; so do the audit store tests without their server
 //! (clickhouse-server, moto), which `make setup` installs when it can.
 
+mod admin;
 mod audit;
 mod audit_stores;
 mod auth_tokens;
@@ -90,6 +91,7 @@ fn main() {
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
         cell::a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising,
         shardmap::two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders,
+        admin::the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut_off,
         grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
         grants::a_proxy_reaches_etcd_over_mutual_tls,
         rbac::each_role_can_do_what_it_should_and_nothing_more,

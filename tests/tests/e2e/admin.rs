@@ -1,0 +1,98 @@
+//! The proxy's admin endpoints: alive, ready, metrics, drain.
+
+use std::time::Duration;
+
+use anyhow::ensure;
+use lockcell_tests::proxy::http_call;
+use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
+
+/// A gauge's value on a `/metrics` page.
+fn gauge(page: &str, name: &str) -> Option<f64> {
+    page.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+}
+
+pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut_off(
+) -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let link = Relay::start(&etcd.endpoints()[0]).await?;
+    let mut proxy =
+        ProxyProcess::start(&ProxyOptions::new("a", vec![link.addr.clone()]), &etcd.dir).await?;
+    let admin = proxy.admin_addr.clone();
+
+    let (status, _, body) = http_call(&admin, "GET", "/healthz").await?;
+    ensure!(status == 200, "/healthz: {status} {body}");
+    let ready = eventually("/readyz answers 200", Duration::from_secs(10), || async {
+        let (status, _, body) = http_call(&admin, "GET", "/readyz").await?;
+        Ok((status == 200).then_some(body))
+    })
+    .await?;
+    ensure!(
+        ready.contains("leases 4/4") && ready.contains("etcd reachable"),
+        "/readyz does not say how the leases stand:\n{ready}"
+    );
+    let page = proxy.metrics().await?;
+    ensure!(
+        gauge(&page, "lockcell_etcd_reachable") == Some(1.0)
+            && gauge(&page, "lockcell_etcd_lease_remaining_seconds").is_some_and(|s| s > 0.0),
+        "the lease gauges do not show a proxy that renews its leases:\n{page}"
+    );
+
+    // etcd cut off: unready (and the gauges say why) once renewals are late; alive all along.
+    link.cut(true);
+    let unready = eventually("/readyz goes unready", Duration::from_secs(15), || async {
+        let (status, _, body) = http_call(&admin, "GET", "/readyz").await?;
+        Ok((status == 503).then_some(body))
+    })
+    .await?;
+    ensure!(
+        unready.contains("not renewing in time"),
+        "/readyz does not say why it is unready:\n{unready}"
+    );
+    let page = proxy.metrics().await?;
+    ensure!(
+        gauge(&page, "lockcell_etcd_reachable") == Some(0.0),
+        "lockcell_etcd_reachable is not 0 with etcd cut off:\n{page}"
+    );
+    let (status, _, _) = http_call(&admin, "GET", "/healthz").await?;
+    ensure!(
+        status == 200,
+        "/healthz is not 200 while etcd is cut off: {status}"
+    );
+
+    // etcd back: ready again (new leases if the old ones ran out).
+    link.cut(false);
+    eventually(
+        "/readyz is ready again",
+        Duration::from_secs(20),
+        || async {
+            let (status, _, _) = http_call(&admin, "GET", "/readyz").await?;
+            Ok((status == 200).then_some(()))
+        },
+    )
+    .await?;
+
+    // POST /drain: unready at once (while it waits for its session to move, which has
+    // nowhere to go), then the proxy stops on its own.
+    let client = lockcell_client::Client::connect(&proxy.url()).await?;
+    let _session = client
+        .open_session(crate::support::short_session(Duration::from_secs(5)))
+        .await?;
+    let (status, _, body) = http_call(&admin, "POST", "/drain").await?;
+    ensure!(
+        status == 202 && body.contains("draining"),
+        "/drain: {status} {body}"
+    );
+    let (status, _, body) = http_call(&admin, "GET", "/readyz").await?;
+    ensure!(
+        status == 503 && body.contains("draining"),
+        "/readyz is not unready while draining: {status} {body}"
+    );
+    let exit = proxy.process.wait_exit(Duration::from_secs(30)).await?;
+    ensure!(
+        exit.success(),
+        "the drained proxy did not stop cleanly: {exit}"
+    );
+    Ok(())
+}
