@@ -2,7 +2,7 @@
 CARGO ?= cargo
 DEV_DIR ?= .lockcell-dev
 
-.PHONY: setup build dev test lint fmt clean bench bench-full chaos
+.PHONY: setup build dev test lint fmt clean bench bench-full chaos api-doc
 
 setup:
 	@sh deploy/setup.sh
@@ -35,6 +35,10 @@ bench-full: setup
 DURATION ?= 20m
 chaos: build
 	./target/debug/lockcell-chaos --duration $(DURATION)
+
+# docs/api.md from the comments of the .proto; `make test` fails while it is stale.
+api-doc:
+	$(CARGO) run -q -p lockcell-proto --bin lockcell-api-doc -- docs/api.md
 
 lint: setup
 	$(CARGO) fmt --all -- --check

@@ -645,7 +645,9 @@ async fn resume_each(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Resu
 /// the client knows (such a resume did land) says where to: the resume is asked again
 /// from there.
 async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(), Status> {
-    let mut fenced_out_once = false;
+    // One correction per fence: a proxy of several cells has one per cell (`None`: the
+    // session's only fence).
+    let mut corrected: Vec<Option<String>> = Vec::new();
     loop {
         let sent = Instant::now();
         let home = session.home();
@@ -690,10 +692,10 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
             Err(status) => status,
         };
         if let Some((fence, lease, cell)) = fenced_out(&status) {
-            if fenced_out_once {
+            if corrected.contains(&cell) {
                 return Err(status);
             }
-            fenced_out_once = true;
+            corrected.push(cell.clone());
             tracing::info!(session.id = %session.id, fence, "an earlier resume landed; resuming from there");
             session.unsettle();
             if let Some(cell) = cell {
@@ -701,9 +703,17 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
                 // there moved to `lease` (that proxy moves each cell's keys from its
                 // stay's lease).
                 let mut cells = home.cells.clone();
-                for stay in cells.iter_mut().filter(|s| s.cell == cell) {
-                    stay.lease_id = lease;
-                    stay.fence_revision = fence;
+                match cells.iter_mut().find(|s| s.cell == cell) {
+                    Some(stay) => {
+                        stay.lease_id = lease;
+                        stay.fence_revision = fence;
+                    }
+                    None => cells.push(CellStay {
+                        cell,
+                        lease_id: lease,
+                        fence_revision: fence,
+                        ..Default::default()
+                    }),
                 }
                 session.set_home(Home { cells, ..home });
                 continue;

@@ -333,8 +333,8 @@ pub struct Sequencer {
 }
 
 impl Client {
-    /// Asks whether `token` is still the current exclusive grant of `lock` (Chubby's
-    /// sequencer check). For a resource that cannot remember the highest token it has
+    /// Asks whether `token` is still the current exclusive grant of `lock` (a sequencer
+    /// check). For a resource that cannot remember the highest token it has
     /// seen: it checks each request's token here before acting on it.
     ///
     /// The answer is already old when it arrives; a resource that can keep the highest

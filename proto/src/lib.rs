@@ -1,10 +1,11 @@
 //! The `lockcell.v1` wire protocol shared by the proxy, the SDK and the tests, and the
 //! fencing token type that every grant carries.
 //!
-//! The messages are generated from `proto/lockcell/v1/lockcell.proto`; read that file for
-//! the meaning of each field.
+//! The messages are generated from `proto/lockcell/v1/lockcell.proto`; read that file, or
+//! `docs/api.md` rendered from its comments by [`api_doc`], for the meaning of each field.
 #![forbid(unsafe_code)]
 
+pub mod api_doc;
 pub mod token;
 
 pub use token::{FencingToken, TokenParseError};
@@ -14,6 +15,11 @@ pub mod v1 {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("lockcell.v1");
 }
+
+/// The protoc descriptor set of `lockcell.v1` with its source info, so the comments of the
+/// `.proto` reach `api_doc` (and anything else that wants the schema at run time).
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/lockcell_descriptor_set.bin"));
 
 impl From<FencingToken> for v1::FencingToken {
     fn from(t: FencingToken) -> Self {

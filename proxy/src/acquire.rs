@@ -80,7 +80,6 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
         }
         .into());
     }
-    state.routes.serve(call.lock.as_str())?;
     let session = live(state, &call.session_id)?;
     let class = state
         .classes
@@ -446,24 +445,38 @@ async fn grant(
             .into());
         }
         let seen = state.cell.seen();
-        let served = state.routes.serve(lock.as_str())?;
-        let outcome = state
-            .locklog
-            .acquire(
-                &lock,
-                mode,
-                session.lease,
-                &record,
-                queued,
-                served.map_revision,
-            )
-            .await?;
-        let (revision, fresh) = match outcome {
-            Acquired::Granted { revision, fresh } => (revision, fresh),
-            Acquired::Busy { seen_at } => {
-                state.cell.saw(seen_at);
-                return Ok(None);
+        let (revision, fresh, epoch) = match state.routes.serve(lock.as_str()) {
+            Ok(served) => {
+                let outcome = state
+                    .locklog
+                    .acquire(
+                        &lock,
+                        mode,
+                        session.lease,
+                        &record,
+                        queued,
+                        served.map_revision,
+                    )
+                    .await?;
+                match outcome {
+                    Acquired::Granted { revision, fresh } => (revision, fresh, served.epoch),
+                    Acquired::Busy { seen_at } => {
+                        state.cell.saw(seen_at);
+                        return Ok(None);
+                    }
+                }
             }
+            // No new grant here now (the name is moving, or served elsewhere); but a
+            // grant an earlier attempt made (its reply lost) is this session's hold all
+            // the same: recorded, so the session lets go of it (a move waits for it).
+            Err(refused) => match state
+                .locklog
+                .held_by(&lock, mode, &session.id, session.lease)
+                .await?
+            {
+                Some(revision) => (revision, false, state.routes.token_epoch(lock.as_str())),
+                None => return Err(refused),
+            },
         };
         if fresh {
             if let Err(e) = state.cell.check_grant(revision, seen) {
@@ -500,7 +513,7 @@ async fn grant(
         }
         Ok(Some(Granted {
             revision,
-            epoch: served.epoch,
+            epoch,
             valid_for,
             fresh,
         }))

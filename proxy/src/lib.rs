@@ -324,14 +324,14 @@ impl Engine {
             lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
             config.etcd_timeout,
         );
+        let mut routes = routes::Routes::new(&epoch.record.cluster_id, epoch.record.epoch, map);
+        if name.is_some() {
+            routes = routes.in_map();
+        }
         let state = Arc::new(ProxyState {
             proxy_id: shared.proxy_id.clone(),
             cell_name: name,
-            routes: Arc::new(routes::Routes::new(
-                &epoch.record.cluster_id,
-                epoch.record.epoch,
-                map,
-            )),
+            routes: Arc::new(routes),
             cell,
             sessions: Default::default(),
             leases: leases::LeaseBook::new(

@@ -251,8 +251,11 @@ impl SessionApi for Router {
                         .map(|k| HeldKey { lease_id: 0, ..k })
                         .collect(),
                 ),
-                // From a proxy of one cell: that was the cell this proxy started on.
-                None if req.cells.is_empty() && i == 0 => {
+                // From a proxy of one cell: the cell of that epoch (or, unknown, the
+                // cell this proxy started on).
+                None if req.cells.is_empty()
+                    && (req.epoch == engine.epoch() || (req.epoch == 0 && i == 0)) =>
+                {
                     (req.from_lease_id, req.fence_revision, req.epoch, keys)
                 }
                 None => (0, 0, 0, keys),
@@ -273,6 +276,22 @@ impl SessionApi for Router {
                 Err(e) => {
                     let fenced = matches!(e, ProxyError::FencedOut { .. });
                     let mut status: Status = e.into();
+                    if !replies.is_empty() {
+                        // Earlier cells moved their keys here: the client must not go on
+                        // where it was as if nothing moved (its keys there may be on
+                        // this proxy's lease now). UNAVAILABLE says "outcome unknown":
+                        // it stops acting and resumes again, which each cell's fence
+                        // keeps in order. A fence's metadata stays on.
+                        let metadata = status.metadata().clone();
+                        status = Status::unavailable(format!(
+                            "the session moved here in {} of {} cells, then cell {:?} refused: {}; resume again",
+                            replies.len(),
+                            self.engines.len(),
+                            engine.cell_name.as_deref().unwrap_or_default(),
+                            status.message()
+                        ));
+                        *status.metadata_mut() = metadata;
+                    }
                     if let (true, Some(cell)) = (fenced, &engine.cell_name) {
                         if let Ok(value) = cell.parse() {
                             status.metadata_mut().insert(FENCE_CELL, value);
@@ -326,9 +345,10 @@ impl SessionApi for Router {
             .close(request)
             .await;
         }
-        let first = &self.engines[0];
-        first.grants.current().authenticate(&request)?;
-        first.check_owner(&request, &request.get_ref().session_id)?;
+        self.engines[0].grants.current().authenticate(&request)?;
+        for engine in self.engines.iter() {
+            engine.check_owner(&request, &request.get_ref().session_id)?;
+        }
         let req = request.into_inner();
         let mut released = 0;
         let mut failed = None;

@@ -35,6 +35,9 @@ pub struct Served {
 pub struct Routes {
     cluster_id: String,
     cell_epoch: u64,
+    /// The proxy serves this cell as one of a shard map's: without a copy it serves
+    /// nothing (a cell of one proxy's own serves everything without one).
+    in_map: bool,
     copy: watch::Sender<Option<Arc<StoredMap>>>,
 }
 
@@ -43,8 +46,16 @@ impl Routes {
         Routes {
             cluster_id: cluster_id.to_owned(),
             cell_epoch,
+            in_map: false,
             copy: watch::Sender::new(copy.map(Arc::new)),
         }
+    }
+
+    /// Marks the cell as one of the shard map's many: it serves nothing while it has no
+    /// copy (deleted, or a restore from before the map).
+    pub fn in_map(mut self) -> Self {
+        self.in_map = true;
+        self
     }
 
     /// The copy in force (`None`: the cell has no shard map).
@@ -83,7 +94,34 @@ impl Routes {
     /// What a grant or write of `name` in this cell is made under, or why this cell may
     /// not make it now.
     pub fn serve(&self, name: &str) -> Result<Served, ProxyError> {
-        let Some(copy) = self.copy() else {
+        self.serve_in(self.copy().as_deref(), name)
+    }
+
+    /// What a transaction over all of `names` is made under: each checked against one
+    /// copy (the one its transaction compares).
+    pub fn serve_all<'n>(
+        &self,
+        names: impl IntoIterator<Item = &'n str>,
+    ) -> Result<Served, ProxyError> {
+        let copy = self.copy();
+        let mut served = Served {
+            map_revision: copy.as_ref().map_or(0, |c| c.mod_revision),
+            epoch: self.cell_epoch,
+        };
+        for name in names {
+            served = self.serve_in(copy.as_deref(), name)?;
+        }
+        Ok(served)
+    }
+
+    fn serve_in(&self, copy: Option<&StoredMap>, name: &str) -> Result<Served, ProxyError> {
+        let Some(copy) = copy else {
+            if self.in_map {
+                return Err(ProxyError::NotServed(format!(
+                    "this cell (cluster id {}) has no copy of the shard map, so it serves nothing (not {name:?}): write the map in force again with `lockcell-cell shardmap set`",
+                    self.cluster_id
+                )));
+            }
             return Ok(Served {
                 map_revision: 0,
                 epoch: self.cell_epoch,
@@ -269,9 +307,14 @@ mod tests {
         // Not in its own copy: serves nothing.
         let stranger = Routes::new("cz", 1, routes.copy().map(|c| (*c).clone()));
         assert!(stranger.serve("orders/1").is_err());
-        // No copy: everything, under mod revision 0.
+        // No copy: everything, under mod revision 0; but nothing in a cell of a map.
         let alone = Routes::new("ca", 7, None);
         assert_eq!(alone.serve("x").unwrap().map_revision, 0);
+        let lost = Routes::new("ca", 7, None).in_map().serve("x").unwrap_err();
+        assert!(lost.to_string().contains("no copy"), "{lost}");
+        // One copy for every name of a transaction.
+        assert!(routes.serve_all(["orders/1", "orders/2"]).is_ok());
+        assert!(routes.serve_all(["orders/1", "billing/7"]).is_err());
     }
 
     #[test]

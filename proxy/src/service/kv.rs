@@ -166,15 +166,12 @@ impl KvApi for KvService {
             grants.authorize(&request, Right::Write, &written)?;
         }
         let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;
-        let mut map_revision = 0;
-        for name in checked
-            .when
-            .iter()
-            .map(|(n, _)| n)
-            .chain(checked.writes.iter().map(|w| w.name()))
-        {
-            map_revision = self.state.routes.serve(name.as_str())?.map_revision;
-        }
+        let names = checked.when.iter().map(|(n, _)| n.as_str());
+        let map_revision = self
+            .state
+            .routes
+            .serve_all(names.chain(checked.writes.iter().map(|w| w.name().as_str())))?
+            .map_revision;
         let outcome = self
             .state
             .kv
