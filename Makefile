@@ -2,7 +2,7 @@
 CARGO ?= cargo
 DEV_DIR ?= .lockcell-dev
 
-.PHONY: setup build dev test lint fmt clean bench bench-full chaos api-doc
+.PHONY: setup build dev test lint fmt clean bench bench-full chaos api-doc config-doc
 
 setup:
 	@sh deploy/setup.sh
@@ -19,6 +19,7 @@ dev: build
 test: build
 	$(CARGO) test --workspace --exclude lockcell-tests
 	$(CARGO) test -p lockcell-tests --lib --bins
+	$(CARGO) test -p lockcell-tests --test deploy
 	$(CARGO) test -p lockcell-tests --test e2e -- --test-threads 1
 
 # The load test, side by side with bare etcd and etcd's grpc-proxy (release build).
@@ -39,6 +40,10 @@ chaos: build
 # docs/api.md from the comments of the .proto; `make test` fails while it is stale.
 api-doc:
 	$(CARGO) run -q -p lockcell-proto --bin lockcell-api-doc -- docs/api.md
+
+# docs/configuration.md from the binaries' flags; `make test` fails while it is stale.
+config-doc:
+	$(CARGO) run -q -p lockcell-proxy --bin lockcell-config-doc -- docs/configuration.md
 
 lint: setup
 	$(CARGO) fmt --all -- --check

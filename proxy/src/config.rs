@@ -1,4 +1,5 @@
-//! The proxy's one typed configuration, from flags or `LOCKCELL_*` environment variables.
+//! The proxy's one typed configuration, from flags, `LOCKCELL_*` environment variables
+//! or a TOML file (see [`crate::settings`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -19,7 +20,8 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_LISTEN", default_value = "127.0.0.1:7420")]
     pub listen: SocketAddr,
 
-    /// Address of the admin HTTP server (/metrics for Prometheus, /healthz).
+    /// Address of the admin HTTP server (/metrics for Prometheus, /healthz, /readyz,
+    /// POST /drain).
     #[arg(long, env = "LOCKCELL_ADMIN_LISTEN", default_value = "127.0.0.1:7421")]
     pub admin_listen: SocketAddr,
 
@@ -152,6 +154,16 @@ pub struct ProxyConfig {
 
     #[command(flatten)]
     pub etcd_tls: lockcell_cell::etcd_tls::EtcdTls,
+
+    /// A TOML file of settings, each named as its long flag (`lease-ttl = "10s"`,
+    /// `etcd = ["http://10.0.1.5:2379"]`); a flag or an environment variable beats it.
+    #[arg(long, env = "LOCKCELL_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
+
+    /// Prints the configuration in force, each setting with where it came from (flag,
+    /// environment, file, default; passwords hidden), in the file's format, and exits.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
 /// Why a configuration was refused.

@@ -33,6 +33,7 @@ pub mod router;
 pub mod routes;
 pub mod service;
 pub mod sessions;
+pub mod settings;
 pub mod state;
 
 use std::future::Future;

@@ -2,8 +2,6 @@
 //! until SIGTERM or SIGINT.
 #![forbid(unsafe_code)]
 
-use clap::Parser;
-use lockcell_proxy::ProxyConfig;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
@@ -16,10 +14,20 @@ async fn main() -> anyhow::Result<()> {
         .init();
     // tonic's TLS and reqwest's both use rustls; this process uses ring.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = ProxyConfig::parse();
+    let loaded = match lockcell_proxy::settings::load(std::env::args_os().collect()) {
+        Ok(loaded) => loaded,
+        Err(e) => e.exit(),
+    };
+    if loaded.config.print_config {
+        print!("{}", loaded.render());
+    }
+    let config = loaded.config;
     if let Err(e) = config.validate() {
         eprintln!("lockcell-proxy: {e}");
         std::process::exit(2);
+    }
+    if config.print_config {
+        return Ok(());
     }
     let prometheus = lockcell_proxy::install_metrics()?;
     if let Err(e) = lockcell_proxy::run(config, prometheus, shutdown_signal()).await {
