@@ -4,8 +4,10 @@
 #
 # Also, when missing, the servers only the audit store tests use: clickhouse-server
 # (Debian package) and the S3-compatible moto server (PyPI, into a virtualenv at
-# .lockcell-tools/venv). These are optional: if they cannot be installed, setup says
-# so and succeeds, and those tests report themselves skipped.
+# .lockcell-tools/venv), and kubernetes-validate (PyPI, same virtualenv), which checks
+# the manifests of deploy/kubernetes/ against the Kubernetes schemas it bundles, offline.
+# These are optional: if they cannot be installed, setup says so and succeeds, and
+# those tests report themselves skipped.
 set -eu
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -62,6 +64,19 @@ if [ ! -x "$venv/bin/moto_server" ]; then
         :
     else
         echo "lockcell setup: missing: moto_server (PyPI moto[server] in $venv); the S3 audit archive tests will be skipped" >&2
+    fi
+fi
+
+# Optional: kubernetes-validate for the deploy test. 1.37 bundles the schemas of
+# Kubernetes 1.25 to 1.37; the test checks against 1.31 and the newest.
+if [ ! -x "$venv/bin/kubernetes-validate" ]; then
+    echo "lockcell setup: installing kubernetes-validate into $venv"
+    if { [ -x "$venv/bin/pip" ] || python3 -m venv "$venv" >/dev/null; } \
+        && "$venv/bin/pip" install -q --disable-pip-version-check 'kubernetes-validate>=1.37,<1.38' \
+        && [ -x "$venv/bin/kubernetes-validate" ]; then
+        :
+    else
+        echo "lockcell setup: missing: kubernetes-validate (PyPI, in $venv); the deploy test's schema check will be skipped" >&2
     fi
 fi
 exit 0

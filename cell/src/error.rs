@@ -58,13 +58,32 @@ impl CellError {
     }
 }
 
-/// Runs one etcd call with a deadline, naming the call in any error.
+/// etcd request latency, by call (`call`, the name [`with_timeout`] gives it) and
+/// outcome (`ok`, `error`, `timeout`), in seconds.
+pub const ETCD_REQUEST_SECONDS: &str = "lockcell_etcd_request_duration_seconds";
+
+/// Records one etcd call's latency in [`ETCD_REQUEST_SECONDS`].
+pub fn record_etcd_call(call: &'static str, outcome: &'static str, took: Duration) {
+    metrics::histogram!(ETCD_REQUEST_SECONDS, "call" => call, "outcome" => outcome)
+        .record(took.as_secs_f64());
+}
+
+/// Runs one etcd call with a deadline, naming the call in any error (and in its
+/// latency, [`ETCD_REQUEST_SECONDS`]).
 pub async fn with_timeout<T>(
     op: &'static str,
     after: Duration,
     call: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
 ) -> Result<T, CellError> {
-    match tokio::time::timeout(after, call).await {
+    let started = std::time::Instant::now();
+    let result = tokio::time::timeout(after, call).await;
+    let outcome = match &result {
+        Ok(Ok(_)) => "ok",
+        Ok(Err(_)) => "error",
+        Err(_) => "timeout",
+    };
+    record_etcd_call(op, outcome, started.elapsed());
+    match result {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(source)) => Err(CellError::Etcd { op, source }),
         Err(_) => Err(CellError::Timeout { op, after }),

@@ -279,6 +279,7 @@ pub async fn follow(
                 continue;
             }
         };
+        let _counted = crate::metrics::UpstreamWatch::opened();
         loop {
             match stream.message().await {
                 Ok(Some(resp)) => {

@@ -277,6 +277,7 @@ async fn follow(
                 continue;
             }
         };
+        let _counted = crate::metrics::UpstreamWatch::opened();
         loop {
             let message = tokio::select! {
                 message = stream.message() => message,

@@ -82,6 +82,20 @@ fn lease_trouble(state: &ProxyState, left: Duration) -> bool {
 /// `principal`: the caller's identity when the proxy checks prefix grants.
 pub async fn resume(
     state: &ProxyState,
+    req: ResumeRequest,
+    principal: Option<String>,
+) -> Result<ResumeResponse, ProxyError> {
+    let started = Instant::now();
+    let result = take_over(state, req, principal).await;
+    let outcome = if result.is_ok() { "ok" } else { "refused" };
+    metrics::histogram!(m::RESUME_SECONDS, "outcome" => outcome)
+        .record(started.elapsed().as_secs_f64());
+    result
+}
+
+/// [`resume`] itself.
+async fn take_over(
+    state: &ProxyState,
     mut req: ResumeRequest,
     principal: Option<String>,
 ) -> Result<ResumeResponse, ProxyError> {

@@ -39,7 +39,9 @@ async fn grant(state: &ProxyState, bucket: usize) -> i64 {
         let sent = Instant::now();
         let mut client = state.etcd.lease_client();
         let call = client.grant(ttl, None);
-        match tokio::time::timeout(state.config.etcd_timeout, call).await {
+        let result = tokio::time::timeout(state.config.etcd_timeout, call).await;
+        record("lease grant", &result, sent);
+        match result {
             Ok(Ok(resp)) => {
                 let granted = Duration::from_secs(resp.ttl().max(0) as u64);
                 state.leases.install(bucket, resp.id(), sent, granted);
@@ -57,6 +59,20 @@ async fn grant(state: &ProxyState, bucket: usize) -> i64 {
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(2));
     }
+}
+
+/// Records a lease call's latency with the other etcd calls'.
+fn record<T, E>(
+    call: &'static str,
+    result: &Result<Result<T, E>, tokio::time::error::Elapsed>,
+    sent: Instant,
+) {
+    let outcome = match result {
+        Ok(Ok(_)) => "ok",
+        Ok(Err(_)) => "error",
+        Err(_) => "timeout",
+    };
+    lockcell_cell::error::record_etcd_call(call, outcome, sent.elapsed());
 }
 
 /// Renews `lease` until it is lost; returns why.
@@ -93,7 +109,9 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
             keeper.keep_alive().await?;
             replies.message().await
         };
-        match tokio::time::timeout(state.config.etcd_timeout, exchange).await {
+        let result = tokio::time::timeout(state.config.etcd_timeout, exchange).await;
+        record("lease keepalive", &result, sent);
+        match result {
             Ok(Ok(Some(reply))) if reply.id() == lease && reply.ttl() > 0 => {
                 let ttl = Duration::from_secs(reply.ttl() as u64);
                 state.leases.renewed(bucket, lease, sent, ttl);

@@ -64,6 +64,18 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
             Matcher::Full(metrics::ACQUIRE_SECONDS.to_owned()),
             metrics::ACQUIRE_BUCKETS,
         )?
+        .set_buckets_for_metric(
+            Matcher::Full(metrics::ETCD_REQUEST_SECONDS.to_owned()),
+            metrics::ETCD_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(metrics::RESUME_SECONDS.to_owned()),
+            metrics::ETCD_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(metrics::VALIDITY_GRANTED.to_owned()),
+            metrics::VALIDITY_BUCKETS,
+        )?
         .install_recorder()
         .context("installing the metrics recorder")?;
     metrics::describe();

@@ -35,6 +35,10 @@ pub const KEYS_MOVED: &str = "lockcell_keys_moved_total";
 pub const KEYS_LOST_ON_RESUME: &str = "lockcell_keys_lost_on_resume_total";
 pub const DRAINING: &str = "lockcell_draining";
 pub const LEASE_REMAINING: &str = "lockcell_etcd_lease_remaining_seconds";
+pub const ETCD_REQUEST_SECONDS: &str = lockcell_cell::error::ETCD_REQUEST_SECONDS;
+pub const RESUME_SECONDS: &str = "lockcell_resume_duration_seconds";
+pub const VALIDITY_GRANTED: &str = "lockcell_validity_granted_seconds";
+pub const ETCD_WATCHES: &str = "lockcell_etcd_watches";
 pub const ETCD_REACHABLE: &str = "lockcell_etcd_reachable";
 
 /// Histogram buckets for acquire latency, in seconds: 1 ms to 30 s.
@@ -42,8 +46,51 @@ pub const ACQUIRE_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
 ];
 
+/// Histogram buckets for etcd calls and resumes, in seconds: 0.5 ms to 10 s.
+pub const ETCD_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+];
+
+/// Histogram buckets for the validity granted to clients, in seconds.
+pub const VALIDITY_BUCKETS: &[f64] = &[0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0];
+
+/// One etcd watch stream of the proxy's own, counted in [`ETCD_WATCHES`] while it lives.
+pub struct UpstreamWatch(());
+
+impl UpstreamWatch {
+    pub fn opened() -> Self {
+        metrics::gauge!(ETCD_WATCHES).increment(1.0);
+        UpstreamWatch(())
+    }
+}
+
+impl Drop for UpstreamWatch {
+    fn drop(&mut self) {
+        metrics::gauge!(ETCD_WATCHES).decrement(1.0);
+    }
+}
+
 /// Gives every metric its help text (call once, after the recorder is installed).
 pub fn describe() {
+    describe_histogram!(
+        ETCD_REQUEST_SECONDS,
+        Unit::Seconds,
+        "etcd request latency, by call (`call`) and outcome (`ok`, `error`, `timeout`)."
+    );
+    describe_histogram!(
+        RESUME_SECONDS,
+        Unit::Seconds,
+        "Time to take a session over from another proxy (a Resume: its keys moved under their guards), by outcome."
+    );
+    describe_histogram!(
+        VALIDITY_GRANTED,
+        Unit::Seconds,
+        "Validity granted to clients by keepalives: how long each may act on its locks without hearing from the proxy again."
+    );
+    describe_gauge!(
+        ETCD_WATCHES,
+        "etcd watch streams the proxy holds (its cell watch, lock-log watches, record watches, catch-ups of watchers that started in the past), whatever the number of client watchers."
+    );
     describe_gauge!(SESSIONS_OPEN, "Client sessions held by this proxy now.");
     describe_counter!(SESSIONS_OPENED, "Client sessions opened.");
     describe_counter!(

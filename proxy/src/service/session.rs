@@ -256,6 +256,7 @@ fn renew(
     };
     match state.sessions.renew(&req.session_id, caller, now, validity) {
         Ok(valid_for) => {
+            metrics::histogram!(m::VALIDITY_GRANTED).record(valid_for.as_secs_f64());
             reply.valid_for_ms = millis(valid_for);
             if let Some(why) = hint {
                 reply.move_elsewhere = true;

@@ -352,6 +352,7 @@ impl Pump {
             .await
             .map_err(|e| CatchUpError::Etcd(e.to_string()))?;
         ::metrics::counter!(metrics::WATCH_CATCH_UPS).increment(1);
+        let _counted = metrics::UpstreamWatch::opened();
         let mut seen = self.start - 1;
         loop {
             let resp = match stream.message().await {

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use anyhow::ensure;
+use anyhow::{ensure, Context};
 use lockcell_tests::proxy::http_call;
 use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
@@ -32,11 +32,37 @@ pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut
         ready.contains("leases 4/4") && ready.contains("etcd reachable"),
         "/readyz does not say how the leases stand:\n{ready}"
     );
-    let page = proxy.metrics().await?;
+    // A session, its renewals and a grant, for the metrics to show.
+    let client = lockcell_client::Client::connect(&proxy.url()).await?;
+    let session = client
+        .open_session(crate::support::short_session(Duration::from_secs(5)))
+        .await?;
+    let lock = session
+        .acquire(
+            "admin/x",
+            lockcell_client::Wait::Timeout(Duration::from_secs(5)),
+        )
+        .await?
+        .context("admin/x not granted")?;
+    lock.release().await?;
+    let page = eventually(
+        "the metrics show renewals",
+        Duration::from_secs(10),
+        || async {
+            let page = proxy.metrics().await?;
+            Ok(gauge(&page, "lockcell_validity_granted_seconds_count")
+                .is_some_and(|n| n > 0.0)
+                .then_some(page))
+        },
+    )
+    .await?;
     ensure!(
         gauge(&page, "lockcell_etcd_reachable") == Some(1.0)
-            && gauge(&page, "lockcell_etcd_lease_remaining_seconds").is_some_and(|s| s > 0.0),
-        "the lease gauges do not show a proxy that renews its leases:\n{page}"
+            && gauge(&page, "lockcell_etcd_lease_remaining_seconds").is_some_and(|s| s > 0.0)
+            && gauge(&page, "lockcell_etcd_watches").is_some_and(|n| n >= 3.0)
+            && page.contains("lockcell_etcd_request_duration_seconds_bucket{call=\"acquire txn\",outcome=\"ok\"")
+            && page.contains("lockcell_etcd_request_duration_seconds_bucket{call=\"lease keepalive\",outcome=\"ok\""),
+        "the metrics do not show a proxy that renews its leases, watches etcd and grants:\n{page}"
     );
 
     // etcd cut off: unready (and the gauges say why) once renewals are late; alive all along.
@@ -75,10 +101,6 @@ pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut
 
     // POST /drain: unready at once (while it waits for its session to move, which has
     // nowhere to go), then the proxy stops on its own.
-    let client = lockcell_client::Client::connect(&proxy.url()).await?;
-    let _session = client
-        .open_session(crate::support::short_session(Duration::from_secs(5)))
-        .await?;
     let (status, _, body) = http_call(&admin, "POST", "/drain").await?;
     ensure!(
         status == 202 && body.contains("draining"),
