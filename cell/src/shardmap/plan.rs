@@ -3,9 +3,10 @@
 //! through [`super::store`].
 //!
 //! The map in force is the copy with the highest version. A `move` writes the copies in
-//! an order that leaves at most one cell serving a name at any time (the source's copy
-//! paused first, the target's switched first), so the copies it leaves behind say how
-//! far it got, and [`move_state`] reads that back to continue.
+//! an order that leaves at most one cell serving a name at any time, also against a
+//! concurrent `move` or `move --abort` ([`switch_order`], [`plan_abort`] say why), so the
+//! copies it leaves behind say how far it got, and [`move_state`] reads that back to
+//! continue.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -49,6 +50,15 @@ pub enum PlanError {
         old: String,
         new: Option<String>,
     },
+    #[error("this would change the route epoch (the floor of their tokens' epoch) of the names under {prefix:?} in cell {cell:?} from {old} (route {old_route:?}) to {new} (route {new_route:?}): a held lock's token would change under its holder, and a lower epoch lets tokens go back; keep the route {old_route:?} as it is, and use `lockcell-cell shardmap move` to change where or how names are served")]
+    ChangesEpoch {
+        prefix: String,
+        cell: String,
+        old: u64,
+        old_route: String,
+        new: u64,
+        new_route: String,
+    },
     #[error("a move of {prefix:?} out of cell {cell:?} is unfinished (its route is paused there, and the copies disagree: {versions}); run the same `lockcell-cell shardmap move` again to finish it, or add --abort to undo it")]
     UnfinishedMove {
         prefix: String,
@@ -89,6 +99,8 @@ pub enum PlanError {
     NothingToAbort { prefix: String },
     #[error("the names under {prefix:?} have already switched to cell {cell:?}, so the move can no longer be aborted: run it again without --abort to finish it (and move them back with another move if need be)")]
     AlreadySwitched { prefix: String, cell: String },
+    #[error("the move of {prefix:?} is out of cell {cell:?}; --to names the cell it was moving to (whose keys copied by the move are deleted), not {cell:?}")]
+    AbortToSource { prefix: String, cell: String },
 }
 
 /// The map in force: the copy with the highest version.
@@ -179,8 +191,8 @@ pub fn plan_set(
     if let Some(refusal) = unfinished_move(&copies, old) {
         return Err(refusal);
     }
-    check_serving(old, &new)?;
     carry_over(old, &mut new);
+    check_serving(old, &new)?;
     new.version = old.version;
     if copies.values().all(|copy| copy.as_ref() == Some(&new)) {
         return Ok(SetPlan::Unchanged(new));
@@ -234,9 +246,12 @@ fn unfinished_move(copies: &Copies, current: &ShardMap) -> Option<PlanError> {
     })
 }
 
-/// Refuses a new map that changes the cell of a name `old` serves. Checking the union
-/// of both maps' prefixes is enough: any name's route, in either map, is the route of
-/// its longest matching prefix among them.
+/// Refuses a new map (its epochs filled in by [`carry_over`]) that changes the cell of
+/// a name `old` serves, or the epoch of its tokens: dropping a route a move raised would
+/// lower them, a route added over served names could raise them while held (the
+/// holder's release or renewal would no longer match). Checking the union of both
+/// maps' prefixes is enough: for any name, the longer of its two routes' prefixes is
+/// in the union, and old and new map route that prefix as they route the name.
 pub fn check_serving(old: &ShardMap, new: &ShardMap) -> Result<(), PlanError> {
     let prefixes: BTreeSet<&str> = old
         .routes
@@ -248,8 +263,8 @@ pub fn check_serving(old: &ShardMap, new: &ShardMap) -> Result<(), PlanError> {
         let Some(was) = old.route(prefix) else {
             continue;
         };
-        match new.route(prefix) {
-            Some(now) if now.cell == was.cell => {}
+        let now = match new.route(prefix) {
+            Some(now) if now.cell == was.cell => now,
             now => {
                 return Err(PlanError::ChangesCell {
                     prefix: prefix.to_owned(),
@@ -257,14 +272,26 @@ pub fn check_serving(old: &ShardMap, new: &ShardMap) -> Result<(), PlanError> {
                     new: now.map(|r| r.cell.clone()),
                 })
             }
+        };
+        if now.epoch != was.epoch {
+            return Err(PlanError::ChangesEpoch {
+                prefix: prefix.to_owned(),
+                cell: was.cell.clone(),
+                old: was.epoch,
+                old_route: was.prefix.clone(),
+                new: now.epoch,
+                new_route: now.prefix.clone(),
+            });
         }
     }
     Ok(())
 }
 
-/// Keeps the pause and epoch of each route that stays (same prefix, same cell). A new
-/// route takes the highest epoch of the old routes of its cell whose names overlap its
-/// own, so that carving a prefix out never lowers the tokens of its names.
+/// Fills in the pause and epoch of each route of `new`. A route that stays (same prefix,
+/// same cell) keeps both. A new route takes the epoch of the route that served its
+/// prefix in `old`, so that the names it takes over keep their tokens' epoch. A route of
+/// names no route served takes the highest epoch of its cell's old routes whose names
+/// overlap its own.
 fn carry_over(old: &ShardMap, new: &mut ShardMap) {
     for route in &mut new.routes {
         let same = old
@@ -276,6 +303,10 @@ fn carry_over(old: &ShardMap, new: &mut ShardMap) {
             route.epoch = was.epoch;
             continue;
         }
+        if let Some(served) = old.route(&route.prefix) {
+            route.epoch = served.epoch;
+            continue;
+        }
         route.epoch = old
             .routes
             .iter()
@@ -284,6 +315,42 @@ fn carry_over(old: &ShardMap, new: &mut ShardMap) {
             .map(|r| r.epoch)
             .max()
             .unwrap_or(0);
+    }
+}
+
+/// The order in which `set` writes the copies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetOrder {
+    /// The cells without a copy, the --etcd cell first. Each serves every name until its
+    /// copy is written, and grants only what its copy routes to it from then on (every
+    /// grant compares the copy's revision): so each is written, then scanned for keys of
+    /// names the map sends elsewhere, and a find deletes the copy just written. The
+    /// --etcd cell comes first because with no map anywhere it is the cell that has
+    /// served every name to the proxies started on it.
+    pub claim: Vec<String>,
+    /// The cells with a copy, once every claim was clean. Their order does not matter:
+    /// [`check_serving`] keeps the cell and the epoch of every name their copies serve,
+    /// so old and new copies side by side serve each name in one cell, at one epoch.
+    pub rest: Vec<String>,
+}
+
+/// The order of `set`'s writes to `cells` (see [`SetOrder`]); `start` is the cluster id
+/// of the --etcd cell.
+pub fn set_order(cells: &BTreeMap<String, CellView>, start: &str) -> SetOrder {
+    let mut claim: Vec<(bool, String)> = cells
+        .iter()
+        .filter(|(_, view)| view.copy.is_none())
+        .map(|(name, view)| (view.cluster_id != start, name.clone()))
+        .collect();
+    claim.sort();
+    let rest = cells
+        .iter()
+        .filter(|(_, view)| view.copy.is_some())
+        .map(|(name, _)| name.clone())
+        .collect();
+    SetOrder {
+        claim: claim.into_iter().map(|(_, name)| name).collect(),
+        rest,
     }
 }
 
@@ -460,33 +527,121 @@ pub fn switched(
     map
 }
 
-/// Plans `move --abort`: the source (whose copy has the route paused) and the map with
-/// the route unpaused, for every cell. Only before the target was switched.
-pub fn plan_abort(copies: &Copies, prefix: &str) -> Result<(String, ShardMap), PlanError> {
+/// The cells of `copies` in the order a move writes the switched map: the source, then
+/// the target, then the others. Every write compares the copy's mod revision with the
+/// one this run read (or wrote), and the run stops at the first that differs.
+///
+/// Why each step is safe, against a concurrent move of the same route (to the same or
+/// another target) and a concurrent `--abort` (which writes the target first and the
+/// source last, see [`plan_abort`]):
+/// - The source first. Its copy, which this move paused, stops routing the names to it,
+///   and no other cell serves them yet. Its compare makes the switch one decision: two
+///   moves of the route both write the source, so at most one of them goes on to write
+///   a target (written first, two targets could both serve the names); and a move and
+///   an abort both write the source, so at most one of them ends there.
+/// - The target second: the names are served there only once the source's copy no
+///   longer routes them to itself. An abort that wrote the target since this run read
+///   it makes this write fail, and then the abort cannot write the source either (this
+///   run changed it): the names are served by no cell until the move or the abort is
+///   run again, never by two.
+/// - The others last: they serve none of the names before or after; their copies tell
+///   proxies where to route, and a proxy routes by the newest copy, the switched one.
+pub fn switch_order(copies: &Copies, source: &str, target: &str) -> Vec<String> {
+    order(copies, &[source, target], None)
+}
+
+/// The names of the cells of `copies`: those of `first` in that order, then the others,
+/// then `last`.
+fn order(copies: &Copies, first: &[&str], last: Option<&str>) -> Vec<String> {
+    let mut cells: Vec<String> = first.iter().map(|c| (*c).to_owned()).collect();
+    cells.extend(
+        copies
+            .keys()
+            .filter(|c| !first.contains(&c.as_str()) && Some(c.as_str()) != last)
+            .cloned(),
+    );
+    cells.extend(last.map(str::to_owned));
+    cells
+}
+
+/// What `move --abort` does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Abort {
+    /// The cell the move was out of: it serves the names again once its copy is written.
+    pub source: String,
+    /// The map with the route unpaused in the source: for every cell.
+    pub unpaused: ShardMap,
+    /// The cells to write it to, in this order: the target, the others, the source.
+    pub order: Vec<String>,
+}
+
+/// Plans `move --abort` of the move of `prefix` to `target`: only before the target was
+/// switched; and after an abort that stopped before the source, the rest of it.
+///
+/// Why the source comes last: every write compares the copy's mod revision as read, and
+/// the abort stops at the first that fails, so the source serves the names again only
+/// once every other copy, the target's first, is the abort's. A move running on writes
+/// the source, then the target ([`switch_order`]), comparing both: if the move's source
+/// write went first, the abort's fails there; if the move's target write went first,
+/// the abort's fails there and the source stays paused; if the abort's target write
+/// went first, the move's fails. So the target never serves while the source does.
+///
+/// Before the source, the abort deletes from the target the keys the move copied there,
+/// each only while the target's copy is still the abort's: a move started meanwhile
+/// writes the target's copy before it copies keys, so none of the keys it counts as
+/// copied can go.
+pub fn plan_abort(copies: &Copies, prefix: &str, target: &str) -> Result<Abort, PlanError> {
     check_prefix(prefix)?;
     let map = current(copies).ok_or(PlanError::NoMap)?;
+    if !map.cells.contains_key(target) {
+        let known: Vec<&str> = map.cells.keys().map(String::as_str).collect();
+        return Err(PlanError::UnknownTarget {
+            cell: target.to_owned(),
+            known: known.join(", "),
+        });
+    }
     let Some(route) = map.routes.iter().find(|r| r.prefix == prefix) else {
         return Err(PlanError::NothingToAbort {
             prefix: prefix.to_owned(),
         });
     };
-    if !route.paused {
-        return Err(match switched_from(copies, map, prefix, &route.cell) {
+    let source = route.cell.clone();
+    // Unpaused in the map in force: an abort that stopped before the source, if the
+    // source's own (older) copy still has the route paused; else nothing to abort.
+    let own = copies.get(&source).and_then(Option::as_ref);
+    let aborting = own
+        .and_then(|copy| copy.routes.iter().find(|r| r.prefix == prefix))
+        .is_some_and(|r| r.paused && r.cell == source);
+    if !route.paused && !aborting {
+        return Err(match switched_from(copies, map, prefix, &source) {
             Some(_) => PlanError::AlreadySwitched {
                 prefix: prefix.to_owned(),
-                cell: route.cell.clone(),
+                cell: source,
             },
             None => PlanError::NothingToAbort {
                 prefix: prefix.to_owned(),
             },
         });
     }
-    let mut unpaused = map.clone();
-    for r in unpaused.routes.iter_mut().filter(|r| r.prefix == prefix) {
-        r.paused = false;
+    if source == target {
+        return Err(PlanError::AbortToSource {
+            prefix: prefix.to_owned(),
+            cell: source,
+        });
     }
-    unpaused.version = next_version(copies);
-    Ok((route.cell.clone(), unpaused))
+    let mut unpaused = map.clone();
+    if route.paused {
+        for r in unpaused.routes.iter_mut().filter(|r| r.prefix == prefix) {
+            r.paused = false;
+        }
+        unpaused.version = next_version(copies);
+    }
+    let order = order(copies, &[target], Some(&source));
+    Ok(Abort {
+        source,
+        unpaused,
+        order,
+    })
 }
 
 /// What a key of a cell is to a move of the route `prefix` (in `map`, the moving map).

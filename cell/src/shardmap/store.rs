@@ -1,6 +1,7 @@
 //! The etcd side of `lockcell-cell shardmap`: writing a cell's copy over the one read,
 //! and finding, copying and deleting the keys of a moving route. Each call is one etcd
-//! request or one paged scan; [`super::plan`] decides what to do with them.
+//! request or one paged scan ([`same_in`] only compares two scans' finds);
+//! [`super::plan`] decides what to do with them.
 
 use std::time::Duration;
 
@@ -197,4 +198,89 @@ pub async fn delete_key(
         .and_then([TxnOp::delete(key, None)]);
     let resp = with_timeout("delete a small key", timeout, kv.txn(txn)).await?;
     Ok(resp.succeeded())
+}
+
+/// Deletes `key` only while it is as read (last written at `mod_revision`) and the
+/// cell's copy of the shard map is still the one written at `map_revision`; whether it
+/// did. The second compare keeps `move --abort` from deleting a key that a move started
+/// since has found in the target and counts as copied: that move writes the target's
+/// copy before it copies.
+pub async fn delete_key_under_map(
+    kv: &mut KvClient,
+    key: &[u8],
+    mod_revision: i64,
+    map_revision: i64,
+    timeout: Duration,
+) -> Result<bool, CellError> {
+    let map_key = keyspace::shardmap_key();
+    let txn = Txn::new()
+        .when([
+            Compare::mod_revision(key, CompareOp::Equal, mod_revision),
+            Compare::mod_revision(map_key, CompareOp::Equal, map_revision),
+        ])
+        .and_then([TxnOp::delete(key, None)]);
+    let resp = with_timeout("delete a small key", timeout, kv.txn(txn)).await?;
+    Ok(resp.succeeded())
+}
+
+/// Deletes the cell's copy of the shard map if it is still the one written at
+/// `mod_revision`; whether it did. Without a copy the cell serves every name again.
+pub async fn remove(
+    kv: &mut KvClient,
+    mod_revision: i64,
+    timeout: Duration,
+) -> Result<bool, CellError> {
+    let key = keyspace::shardmap_key();
+    let txn = Txn::new()
+        .when([Compare::mod_revision(key, CompareOp::Equal, mod_revision)])
+        .and_then([TxnOp::delete(key, None)]);
+    let resp = with_timeout("delete shard map", timeout, kv.txn(txn)).await?;
+    Ok(resp.succeeded())
+}
+
+/// Splits `keys` into those `other` holds with the same value (a move's copies, in the
+/// cell it copied to, of the keys of the cell it copied from) and how many others.
+pub fn same_in(keys: Vec<Found>, other: &[Found]) -> (Vec<Found>, usize) {
+    let values: std::collections::BTreeMap<&[u8], &[u8]> = other
+        .iter()
+        .map(|f| (f.key.as_slice(), f.value.as_slice()))
+        .collect();
+    let (same, differ): (Vec<Found>, Vec<Found>) = keys
+        .into_iter()
+        .partition(|f| values.get(f.key.as_slice()) == Some(&f.value.as_slice()));
+    (same, differ.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn found(key: &str, value: &str, mod_revision: i64) -> Found {
+        Found {
+            key: key.as_bytes().to_vec(),
+            value: value.as_bytes().to_vec(),
+            lease: 0,
+            mod_revision,
+        }
+    }
+
+    #[test]
+    fn only_keys_with_the_same_value_count_as_copied() {
+        let target = vec![
+            found("/k/billing/rate", "7", 40),
+            found("/k/billing/owner", "eve", 41),
+            found("/k/billing/extra", "1", 42),
+        ];
+        let source = [
+            found("/k/billing/rate", "7", 3),
+            found("/k/billing/owner", "bob", 4),
+        ];
+        let (same, others) = same_in(target, &source);
+        assert_eq!(
+            same,
+            vec![found("/k/billing/rate", "7", 40)],
+            "the target's revision"
+        );
+        assert_eq!(others, 2, "changed since the copy, or not the source's");
+    }
 }

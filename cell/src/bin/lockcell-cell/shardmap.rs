@@ -45,8 +45,9 @@ enum ShardmapCommand {
     ///
     /// FILE (TOML) names the cells and routes; everything else is filled in: the
     /// version (above every copy's), each cell's cluster id (from its epoch record;
-    /// every cell must have one: `lockcell-cell init`), and the epoch and pause of
-    /// each route that keeps its prefix and cell.
+    /// every cell must have one: `lockcell-cell init`), the epoch and pause of each
+    /// route that keeps its prefix and cell, and the epoch of a new route (that of the
+    /// route that served its prefix before).
     ///
     ///     [cells.a]
     ///     endpoints = ["http://127.0.0.1:2379"]
@@ -63,11 +64,13 @@ enum ShardmapCommand {
     /// Cell names use a-z, 0-9 and '-'; a prefix is "" or a lock name, optionally
     /// followed by '/'; unknown fields are refused.
     ///
-    /// Refused: any change of the cell that serves a name already served (use
-    /// `shardmap move`), a cell name whose endpoints reach another cluster, and a set
-    /// while a move is unfinished. With no map anywhere yet, the --etcd cell has served
-    /// every name: it must be in the map, and every cell without a copy must hold keys
-    /// only of names the map routes to it. Setting the same file again writes nothing.
+    /// Refused: any change of the cell that serves a name already served, or of the
+    /// epoch of its tokens (use `shardmap move`), a cell name whose endpoints reach
+    /// another cluster, and a set while a move is unfinished. With no map anywhere yet,
+    /// the --etcd cell has served every name: it must be in the map. A cell without a
+    /// copy must hold keys only of names the map routes to it: each (the --etcd cell
+    /// first) is checked, written, and checked again, and its copy deleted if keys of
+    /// other names turned up meanwhile. Setting the same file again writes nothing.
     ///
     /// --etcd is a cell of the map; its user and TLS settings are used for every cell.
     #[command(verbatim_doc_comment)]
@@ -84,21 +87,24 @@ enum ShardmapCommand {
     ///    and writes nothing under it from then on. 3. Waits until the source holds no
     ///    lock, waiter or ephemeral key of its names (at most --wait; the prefix stays
     ///    paused after that). 4. Copies its persistent small keys to the target (refused
-    ///    when the target has one with another value). 5. Switches: the target's copy
-    ///    first, then the source's, then the other cells', with the route's epoch raised
-    ///    above both cells' so tokens keep rising. 6. Deletes the copied keys from the
-    ///    source.
+    ///    when the target has one with another value), after writing the paused map to
+    ///    the target's copy. 5. Switches: the source's copy first, then the target's,
+    ///    then the other cells', with the route's epoch raised above both cells' so
+    ///    tokens keep rising. 6. Deletes the copied keys from the source.
     ///
     /// Run again after an interruption, it goes on from where the copies say it
-    /// stopped. --abort undoes a move that has not switched yet. --etcd is a cell of
-    /// the map; its user and TLS settings are used for every cell.
+    /// stopped; run again once it is done, it says so. --abort undoes a move that has
+    /// not switched yet. --etcd is a cell of the map; its user and TLS settings are
+    /// used for every cell.
     Move {
         /// The route's prefix ("" for every name not routed elsewhere).
         prefix: String,
         /// The cell to move to.
         #[arg(long)]
         to: String,
-        /// Unpause PREFIX in every cell instead: the source serves it again.
+        /// Undo the move of PREFIX to --to instead: PREFIX unpaused in every cell, the
+        /// --to cell first and the source last, and the keys the move copied to --to
+        /// deleted there; the source serves it again.
         #[arg(long)]
         abort: bool,
         /// How long to wait for the source to let go of the names' locks, waiters and
@@ -124,7 +130,7 @@ pub async fn run(args: ShardmapArgs) -> anyhow::Result<()> {
         } => {
             let mut cells = Cells::of_map(&etcd).await?;
             if abort {
-                cells.abort(&prefix).await
+                cells.abort(&prefix, &to).await
             } else {
                 cells.move_prefix(&prefix, &to, wait).await
             }
@@ -291,22 +297,47 @@ impl Cells {
         Ok(())
     }
 
-    /// Writes `map` to every cell whose copy is not it: the cells of `first` in that
-    /// order, then the others.
-    async fn write_all(&mut self, map: &ShardMap, first: &[&str]) -> anyhow::Result<()> {
-        let mut order: Vec<String> = first.iter().map(|s| (*s).to_owned()).collect();
-        order.extend(
-            self.reached
-                .keys()
-                .filter(|n| !first.contains(&n.as_str()))
-                .cloned(),
-        );
+    /// Writes `map` to each cell of `order` whose copy is not it, in that order (which
+    /// `plan` gives, with why it is safe); stops at the first write that fails.
+    async fn write_all(&mut self, map: &ShardMap, order: &[String]) -> anyhow::Result<()> {
         for name in order {
-            if self.cell(&name)?.copy.as_ref().map(|c| &c.map) != Some(map) {
-                self.write(&name, map).await?;
+            if self.cell(name)?.copy.as_ref().map(|c| &c.map) != Some(map) {
+                self.write(name, map).await?;
             }
         }
         Ok(())
+    }
+
+    /// Deletes `name`'s copy if it is still the one this run wrote: the cell serves every
+    /// name again, as it did before.
+    async fn remove(&mut self, name: &str) -> anyhow::Result<()> {
+        let timeout = self.timeout;
+        let cell = self.cell(name)?;
+        let Some(copy) = cell.copy.as_ref() else {
+            return Ok(());
+        };
+        if !store::remove(&mut cell.kv, copy.mod_revision, timeout).await? {
+            bail!("cell {name:?}'s copy of the shard map changed while this ran (another set or move?), so it was left as it is: look with `lockcell-cell shardmap show`");
+        }
+        cell.copy = None;
+        println!("  cell {name}: its copy deleted again");
+        Ok(())
+    }
+
+    /// The refusal of `map` if cell `name` holds keys of names the map does not route to
+    /// it (the outer error: the cell could not be scanned).
+    async fn check_own(
+        &mut self,
+        name: &str,
+        map: &ShardMap,
+    ) -> anyhow::Result<Result<(), plan::PlanError>> {
+        let timeout = self.timeout;
+        let names = store::names(&mut self.cell(name)?.kv, timeout).await?;
+        Ok(plan::check_misrouted(
+            map,
+            name,
+            names.iter().map(String::as_str),
+        ))
     }
 }
 
@@ -440,24 +471,56 @@ async fn set(etcd: &EtcdArgs, path: &std::path::Path) -> anyhow::Result<()> {
         }
         SetPlan::Write(map) => map,
     };
-    // A cell without a copy has served every name: what it holds must stay its own.
-    let copyless: Vec<String> = views
-        .iter()
-        .filter(|(_, v)| v.copy.is_none())
-        .map(|(n, _)| n.clone())
-        .collect();
-    let timeout = cells.timeout;
-    for name in &copyless {
-        let names = store::names(&mut cells.cell(name)?.kv, timeout).await?;
-        plan::check_misrouted(&map, name, names.iter().map(String::as_str))?;
+    // A cell without a copy has served every name: what it holds must stay its own. A
+    // first look, before anything is written, refuses a plain mistake.
+    let order = plan::set_order(&views, &cells.start.cluster_id);
+    for name in &order.claim {
+        cells.check_own(name, &map).await??;
     }
     println!(
         "writing shard map version {} to {} cells",
         map.version,
         views.len()
     );
-    let first: Vec<&str> = copyless.iter().map(String::as_str).collect();
-    cells.write_all(&map, &first).await?;
+    // The look that counts: once a cell's copy is written it grants only what the copy
+    // routes to it (every grant compares the copy), so a key of a name routed elsewhere
+    // found now was granted before, perhaps after the first look.
+    let mut claimed: Vec<&str> = Vec::new();
+    for name in &order.claim {
+        if let Err(e) = cells.write(name, &map).await {
+            if e.downcast_ref::<lockcell_cell::error::CellError>()
+                .is_some()
+            {
+                bail!("{e:#}. Cell {name}'s copy may have been written all the same, and a rerun would not check a cell with a copy: look with `lockcell-cell shardmap show`, and if {name} holds version {}, delete its key /sys/shardmap before running the same set again", map.version);
+            }
+            return Err(e);
+        }
+        let scanned = match cells.check_own(name, &map).await {
+            Ok(scanned) => scanned,
+            // A rerun would find the copy and not look again: undo it.
+            Err(e) => match cells.remove(name).await {
+                Ok(()) => bail!("cell {name} could not be checked for keys of names routed elsewhere once its copy was written ({e:#}); the copy was deleted again: run the same set again"),
+                Err(undo) => bail!("cell {name} holds version {} but could not be checked for keys of names routed elsewhere ({e:#}), nor its copy deleted again ({undo:#}): delete its key /sys/shardmap and run the same set again, which checks it", map.version),
+            },
+        };
+        if let Err(refusal) = scanned {
+            cells
+                .remove(name)
+                .await
+                .with_context(|| refusal.to_string())?;
+            let written = match &claimed[..] {
+                [] => String::new(),
+                some => format!(
+                    "; cells {} keep version {} (they hold only keys of their own names)",
+                    some.join(", "),
+                    map.version
+                ),
+            };
+            bail!("{refusal}. The keys appeared while this ran; cell {name}'s copy was deleted again, so it serves every name as before{written}");
+        }
+        claimed.push(name);
+    }
+    cells.write_all(&map, &order.rest).await?;
     println!("every cell holds shard map version {}", map.version);
     Ok(())
 }

@@ -7,7 +7,7 @@ use anyhow::bail;
 use lockcell_cell::epoch;
 use lockcell_cell::shardmap::plan::{self, MoveState, Moving};
 use lockcell_cell::shardmap::store::{self, Copied, Found};
-use lockcell_cell::shardmap::{self, ShardMap};
+use lockcell_cell::shardmap::ShardMap;
 use tokio::time::Instant;
 
 use super::Cells;
@@ -49,9 +49,10 @@ impl Cells {
                 self.finish(prefix, target, &source, &paused, wait).await
             }
             MoveState::Switched { source, switched } => {
-                println!("steps 2-4 done before: cell {target} already holds the switched map (version {})", switched.version);
+                println!("steps 2-4 done before, and the switch begun: version {} routes {prefix:?} to cell {target}", switched.version);
                 println!("step 5/6: writing it to every cell still behind");
-                self.write_all(&switched, &[target, &source]).await?;
+                let order = plan::switch_order(&copies, &source, target);
+                self.write_all(&switched, &order).await?;
                 self.delete_copied(&source, target, prefix, &switched)
                     .await?;
                 println!("moved {prefix:?} from cell {source} to cell {target}");
@@ -76,6 +77,10 @@ impl Cells {
             "step 4/6: copying {} persistent small keys under {prefix:?} to cell {target}",
             keys.len()
         );
+        // First the moving map (which routes the names to the source, paused) to the
+        // target's copy: an abort deletes its keys only while that copy is the abort's,
+        // so none of the keys this move finds there can go before the switch.
+        self.write_all(paused, &[target.to_owned()]).await?;
         let timeout = self.timeout;
         for key in &keys {
             let kv = &mut self.cell(target)?.kv;
@@ -90,18 +95,16 @@ impl Cells {
                 );
             }
         }
-        let source_cell = self.cell(source)?;
-        let read_again = shardmap::read(&mut source_cell.kv, timeout).await?;
-        if read_again != source_cell.copy {
-            bail!("cell {source}'s copy of the shard map changed during the move (another set or move?); nothing was switched: run the move again");
-        }
         let source_epoch = self.epoch(source).await?;
         let target_epoch = self.epoch(target).await?;
         let version = plan::next_version(&self.copies());
         let switched = plan::switched(paused, prefix, target, source_epoch, target_epoch, version);
         let epoch = switched.route(prefix).map_or(0, |r| r.epoch);
-        println!("step 5/6: switching {prefix:?} to cell {target} at epoch {epoch} (version {version}): {target} first, then {source}, then the others");
-        self.write_all(&switched, &[target, source]).await?;
+        println!("step 5/6: switching {prefix:?} to cell {target} at epoch {epoch} (version {version}): {source} first, then {target}, then the others");
+        // The source's write compares its copy with this move's pause: a set, another
+        // move or an abort since then stops the switch before any target serves.
+        let order = plan::switch_order(&self.copies(), source, target);
+        self.write_all(&switched, &order).await?;
         self.delete(source, prefix, &keys).await?;
         println!("moved {prefix:?} from cell {source} to cell {target}");
         Ok(())
@@ -199,15 +202,8 @@ impl Cells {
         for cell in others {
             found += self.delete_copied(&cell, target, prefix, switched).await?;
         }
-        if found > 0 {
-            return Ok(());
-        }
-        Err(plan::PlanError::AlreadyThere {
-            prefix: prefix.to_owned(),
-            cell: target.to_owned(),
-            route: prefix.to_owned(),
-        }
-        .into())
+        println!("{}", rerun_done(prefix, target, found));
+        Ok(())
     }
 
     /// Step 6 of a move continued after an interruption: deletes from `cell` the
@@ -241,16 +237,95 @@ impl Cells {
         Ok(keys.len())
     }
 
-    /// `move --abort`: the route unpaused, in the source first, then every other cell.
-    pub(super) async fn abort(&mut self, prefix: &str) -> anyhow::Result<()> {
+    /// `move --abort`: the route unpaused in every cell, the target first and the source
+    /// last (`plan::plan_abort` says why); before the source, the keys the move copied to
+    /// the target are deleted there.
+    pub(super) async fn abort(&mut self, prefix: &str, target: &str) -> anyhow::Result<()> {
         let copies = self.copies();
-        let (source, unpaused) = plan::plan_abort(&copies, prefix)?;
+        let plan::Abort {
+            source,
+            unpaused,
+            order,
+        } = plan::plan_abort(&copies, prefix, target)?;
         println!(
-            "aborting the move of {prefix:?} out of cell {source}: version {} with it unpaused, to {source} first, then every other cell",
+            "aborting the move of {prefix:?} out of cell {source}: version {} with it unpaused, to cell {target} first, cell {source} last",
             unpaused.version
         );
-        self.write_all(&unpaused, &[&source]).await?;
+        let (before_source, source_only) = order.split_at(order.len() - 1);
+        if let Err(e) = self
+            .unpause_elsewhere(prefix, target, &source, &unpaused, before_source)
+            .await
+        {
+            bail!("{e:#}\n{prefix:?} stays paused in cell {source}: nothing is granted or written under it. Run the move again to finish it, or the abort again to undo it");
+        }
+        if let Err(e) = self.write_all(&unpaused, source_only).await {
+            bail!("{e:#}\nthe other cells hold the map with {prefix:?} unpaused in cell {source}, but {source} itself was not written: it may have been switched by a move meanwhile. Look with `lockcell-cell shardmap show`, and run the move again to finish it, or the abort again to undo it");
+        }
         println!("cell {source} serves {prefix:?} again");
         Ok(())
+    }
+
+    /// The abort up to the source: `unpaused` to the cells of `order`, then the deletion
+    /// from `target` of the persistent small keys that step 4 copied there and that
+    /// still hold the source's value (`target` no longer serves them in any copy).
+    async fn unpause_elsewhere(
+        &mut self,
+        prefix: &str,
+        target: &str,
+        source: &str,
+        unpaused: &ShardMap,
+        order: &[String],
+    ) -> anyhow::Result<()> {
+        self.write_all(unpaused, order).await?;
+        let timeout = self.timeout;
+        let originals = self.persistent(source, unpaused, prefix).await?;
+        let there = self.persistent(target, unpaused, prefix).await?;
+        let (copied, others) = store::same_in(there, &originals);
+        let target_cell = self.cell(target)?;
+        let Some(map_revision) = target_cell.copy.as_ref().map(|c| c.mod_revision) else {
+            bail!("cell {target} has no copy of the shard map after it was written");
+        };
+        let mut deleted = 0;
+        for key in &copied {
+            let kv = &mut target_cell.kv;
+            if store::delete_key_under_map(kv, &key.key, key.mod_revision, map_revision, timeout)
+                .await?
+            {
+                deleted += 1;
+            }
+        }
+        println!(
+            "  deleted {deleted} of the {} persistent small keys under {prefix:?} that the move had copied to cell {target}{}",
+            copied.len(),
+            match (copied.len() - deleted, others) {
+                (0, 0) => String::new(),
+                (changed, others) => format!(
+                    " (left there: {changed} changed meanwhile, {others} with another value than cell {source}'s)"
+                ),
+            }
+        );
+        Ok(())
+    }
+}
+
+/// What a rerun of a move that every copy has switched says, after it deleted what an
+/// interrupted step 6 left: `left` keys of the route found in other cells.
+fn rerun_done(prefix: &str, target: &str, left: usize) -> String {
+    match left {
+        0 => format!("{prefix:?} is in cell {target} in every copy of the shard map and no other cell holds its small keys: already moved; nothing to do"),
+        left => format!("moved {prefix:?} to cell {target}: {left} of its small keys were left in other cells, deleted where cell {target} holds the same value"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rerun_done;
+
+    #[test]
+    fn a_rerun_of_a_finished_move_has_nothing_to_do() {
+        let done = rerun_done("billing/", "a", 0);
+        assert!(done.ends_with("already moved; nothing to do"), "{done}");
+        let leftovers = rerun_done("billing/", "a", 3);
+        assert!(leftovers.contains("3 of its small keys"), "{leftovers}");
     }
 }
