@@ -1,0 +1,280 @@
+//! The examples of docs/client-guide.md, run against a real cell. Every ```rust block of
+//! the guide must appear here word for word, and every `lockctl` line of its ```sh
+//! blocks runs; so the guide cannot show code that does not work.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context};
+use lockcell_client::{
+    Client, Condition, Error, FencingToken, SessionEvent, SessionOptions, Wait, WatchOptions,
+};
+use lockcell_tests::{bins, EtcdCluster, ProxyOptions, ProxyProcess};
+
+// --- guide: sessions ---
+pub async fn open_a_session(proxy: &str) -> Result<(), Error> {
+    let client = Client::connect(proxy).await?;
+    let session = client
+        .open_session(SessionOptions {
+            ttl: Duration::from_secs(10),
+            identity: "billing-worker-7".to_owned(),
+        })
+        .await?;
+    println!("session {} on proxy {}", session.id(), session.proxy_id());
+    session.close().await?;
+    Ok(())
+}
+// --- end ---
+
+// --- guide: locks ---
+pub async fn run_the_nightly_report(proxy: &str, store: &ReportStore) -> Result<bool, Error> {
+    let client = Client::connect(proxy).await?;
+    let session = client.open_session(SessionOptions::default()).await?;
+    let wait = Wait::Timeout(Duration::from_secs(10));
+    let Some(guard) = session.acquire("reports/nightly", wait).await? else {
+        return Ok(false); // someone else runs it
+    };
+    // Work only while the session is valid, and hand the token to the resource.
+    tokio::select! {
+        written = store.write(guard.token(), "the nightly report") => {
+            if let Err(refused) = written {
+                eprintln!("the store refused a stale token: {refused}");
+            }
+        }
+        _ = session.jeopardy() => eprintln!("lost the right to act; stopping"),
+    }
+    guard.release().await?;
+    session.close().await?;
+    Ok(true)
+}
+// --- end ---
+
+// --- guide: fencing ---
+/// A resource that keeps the highest fencing token it has seen and refuses writes that
+/// carry an older one: a holder that lost its lock (paused, cut off) cannot overwrite
+/// the work of the next holder.
+#[derive(Default)]
+pub struct ReportStore {
+    highest: Mutex<Option<FencingToken>>,
+    reports: Mutex<Vec<(FencingToken, String)>>,
+}
+
+impl ReportStore {
+    pub async fn write(&self, token: FencingToken, report: &str) -> Result<(), String> {
+        let mut highest = self.highest.lock().unwrap();
+        if let Some(seen) = *highest {
+            if token < seen {
+                return Err(format!("token {token} is older than {seen}"));
+            }
+        }
+        *highest = Some(token);
+        self.reports
+            .lock()
+            .unwrap()
+            .push((token, report.to_owned()));
+        Ok(())
+    }
+}
+// --- end ---
+
+// --- guide: sequencer ---
+pub async fn still_the_holder(client: &Client, token: FencingToken) -> Result<bool, Error> {
+    let check = client.check_sequencer("reports/nightly", token).await?;
+    Ok(check.current)
+}
+// --- end ---
+
+// --- guide: elections ---
+pub async fn serve_as_primary(proxy: &str) -> Result<(), Error> {
+    let client = Client::connect(proxy).await?;
+    let session = client.open_session(SessionOptions::default()).await?;
+    let wait = Wait::Timeout(Duration::from_secs(10));
+    if let Some(leadership) = session
+        .campaign("db/primary", "10.0.0.7:5432", wait)
+        .await?
+    {
+        let leader = client.leader("db/primary").await?;
+        println!("leading: {leader:?}, token {}", leadership.token());
+        leadership.proclaim("10.0.0.7:5433").await?;
+        leadership.resign().await?;
+    }
+    session.close().await?;
+    Ok(())
+}
+
+pub async fn follow_the_primary(client: &Client) -> Result<Option<String>, Error> {
+    let mut leaders = client.observe("db/primary").await?;
+    // The current leader first (None: nobody leads), then every change.
+    match leaders.next().await {
+        Some(Ok(leader)) => Ok(leader.map(|l| l.value)),
+        Some(Err(e)) => Err(e),
+        None => Ok(None),
+    }
+}
+// --- end ---
+
+// --- guide: membership ---
+pub async fn join_the_web_group(proxy: &str) -> Result<Vec<String>, Error> {
+    let client = Client::connect(proxy).await?;
+    let session = client.open_session(SessionOptions::default()).await?;
+    // A member for as long as the session lives: it leaves when the session closes,
+    // expires, or its process dies.
+    session.announce("web", "host-7", b"10.0.0.7:8080").await?;
+    let members = client.members("web").await?;
+    let names = members.current().keys().cloned().collect();
+    session.close().await?;
+    Ok(names)
+}
+// --- end ---
+
+// --- guide: watches ---
+pub async fn follow_the_rates(proxy: &str) -> Result<(), Error> {
+    let client = Client::connect(proxy).await?;
+    let mut watcher = client
+        .watch("config/rates/", WatchOptions::prefix())
+        .await?;
+    client
+        .put("config/rates/eu", b"100", Condition::Always)
+        .await?;
+    // Every change in order, none missed or repeated, also across a restarted proxy.
+    let batch = watcher.next().await?;
+    for event in batch.events {
+        let value = String::from_utf8_lossy(&event.entry.value);
+        println!("{:?} {} = {value}", event.kind, event.entry.key);
+    }
+    Ok(())
+}
+// --- end ---
+
+// --- guide: events ---
+pub async fn log_session_events(proxy: &str) -> Result<(), Error> {
+    let client = Client::connect(proxy).await?;
+    let session = client.open_session(SessionOptions::default()).await?;
+    let mut events = session.events();
+    tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            match event {
+                SessionEvent::Jeopardy => eprintln!("stop acting: no word from a proxy in time"),
+                SessionEvent::Safe => eprintln!("valid again; everything still held"),
+                SessionEvent::Moved { proxy_id } => eprintln!("moved to {proxy_id}"),
+                SessionEvent::Lost { held, reason } => eprintln!("lost {held:?}: {reason}"),
+                SessionEvent::Expired { reason } => eprintln!("session over: {reason}"),
+            }
+        }
+    });
+    session.close().await?;
+    Ok(())
+}
+// --- end ---
+
+/// The ```rust blocks of the guide, trimmed.
+fn rust_blocks(guide: &str) -> Vec<String> {
+    blocks(guide, "```rust")
+}
+
+fn blocks(text: &str, fence: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut current: Option<Vec<&str>> = None;
+    for line in text.lines() {
+        match &mut current {
+            None if line.trim_start() == fence => current = Some(Vec::new()),
+            Some(lines) if line.trim_start() == "```" => {
+                out.push(lines.join("\n").trim().to_owned());
+                current = None;
+            }
+            Some(lines) => lines.push(line),
+            None => {}
+        }
+    }
+    out
+}
+
+pub async fn the_client_guides_examples_run_against_a_real_cell() -> anyhow::Result<()> {
+    let guide_path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/client-guide.md");
+    let guide = std::fs::read_to_string(guide_path).context("reading docs/client-guide.md")?;
+    let here = include_str!("guide.rs");
+    let rust = rust_blocks(&guide);
+    ensure!(
+        rust.len() >= 6,
+        "the guide has only {} rust examples",
+        rust.len()
+    );
+    for block in &rust {
+        ensure!(
+            here.contains(block.as_str()),
+            "this example of docs/client-guide.md is not the tested code of tests/tests/e2e/guide.rs:\n{block}"
+        );
+    }
+
+    let etcd = EtcdCluster::start(1).await?;
+    let proxy = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), &etcd.dir).await?;
+    let addr = proxy.url();
+    open_a_session(&addr).await?;
+    let store = ReportStore::default();
+    ensure!(
+        run_the_nightly_report(&addr, &store).await?,
+        "the report lock was not taken"
+    );
+    let first = store.reports.lock().unwrap()[0].0;
+    ensure!(
+        run_the_nightly_report(&addr, &store).await?,
+        "the report lock was not taken again"
+    );
+    let second = store.reports.lock().unwrap()[1].0;
+    ensure!(second > first, "tokens did not rise: {first} then {second}");
+    ensure!(
+        store.write(first, "late").await.is_err(),
+        "the store took a stale token"
+    );
+    let client = Client::connect(&addr).await?;
+    ensure!(
+        !still_the_holder(&client, second).await?,
+        "a released grant is still current"
+    );
+    serve_as_primary(&addr).await?;
+    ensure!(
+        follow_the_primary(&client).await?.is_none(),
+        "someone still leads after the resign"
+    );
+    ensure!(
+        join_the_web_group(&addr).await? == ["host-7"],
+        "the member did not show"
+    );
+    follow_the_rates(&addr).await?;
+    ensure!(
+        client.get("config/rates/eu").await?.map(|e| e.value) == Some(b"100".to_vec()),
+        "the watched write is not there"
+    );
+    log_session_events(&addr).await?;
+
+    // Every lockctl line of the guide's ```sh blocks runs.
+    let lockctl = bins::workspace_bin("lockctl")?;
+    let bin_dir = lockctl.parent().context("lockctl's folder")?;
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut ran = 0;
+    for block in blocks(&guide, "```sh") {
+        for line in block.lines().filter(|l| l.starts_with("lockctl ")) {
+            let out = tokio::process::Command::new("sh")
+                .arg("-c")
+                .arg(line)
+                .env("PATH", &path)
+                .env("LOCKCELL_PROXY", &addr)
+                .output()
+                .await?;
+            if !out.status.success() {
+                bail!(
+                    "the guide's `{line}` failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            ran += 1;
+        }
+    }
+    ensure!(ran >= 5, "the guide runs only {ran} lockctl lines");
+    Ok(())
+}
