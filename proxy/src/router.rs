@@ -197,6 +197,7 @@ impl SessionApi for Router {
             .collect();
         let valid_for_ms = replies.iter().map(|r| r.valid_for_ms).min().unwrap_or(0);
         let first = replies.swap_remove(0);
+        metrics::counter!(crate::metrics::SESSIONS_OPENED).increment(1);
         tracing::debug!(session.id = %id, cells = self.engines.len(), "session opened in every cell");
         Ok(Response::new(OpenResponse {
             valid_for_ms,

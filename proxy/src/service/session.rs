@@ -37,12 +37,9 @@ impl SessionApi for SessionService {
         let principal = self.state.grants.current().caller(&request)?;
         let id = new_session_id();
         tracing::Span::current().record("session.id", &*id);
-        Ok(Response::new(open_stay(
-            &self.state,
-            principal,
-            &request.into_inner(),
-            id,
-        )?))
+        let reply = open_stay(&self.state, principal, &request.into_inner(), id)?;
+        metrics::counter!(m::SESSIONS_OPENED).increment(1);
+        Ok(Response::new(reply))
     }
 
     #[tracing::instrument(skip_all, fields(session.id = %request.get_ref().session_id))]
@@ -118,7 +115,6 @@ pub fn open_stay(
     session.principal = principal.map(Into::into);
     let incarnation = session.incarnation;
     state.sessions.insert(session);
-    metrics::counter!(m::SESSIONS_OPENED).increment(1);
     metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
     tracing::debug!(ttl_ms = millis(ttl), bucket, lease, "session opened");
     Ok(OpenResponse {
