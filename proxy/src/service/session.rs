@@ -194,13 +194,16 @@ pub fn keep_alive_stream(
                 },
                 _ = shutdown.wait_for(|stop| *stop) => return,
             };
-            let mut replies = states
-                .iter()
-                .map(|state| renew(state, req.clone(), caller.as_deref(), turn));
-            let mut reply = replies.next().expect("a proxy serves at least one cell");
-            for other in replies {
-                reply = combine(reply, other);
-            }
+            let reply = match &states[..] {
+                [only] => renew(only, req, caller.as_deref(), turn),
+                [first, rest @ ..] => rest.iter().fold(
+                    renew(first, req.clone(), caller.as_deref(), turn),
+                    |reply, state| {
+                        combine(reply, renew(state, req.clone(), caller.as_deref(), turn))
+                    },
+                ),
+                [] => unreachable!("a proxy serves at least one cell"),
+            };
             if tx.send(Ok(reply)).await.is_err() {
                 return;
             }
