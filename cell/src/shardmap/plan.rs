@@ -410,8 +410,9 @@ pub enum MoveState {
     Done { switched: ShardMap },
 }
 
-/// Where a move of `prefix` to `target` stands.
-pub fn move_state(copies: &Copies, prefix: &str, target: &str) -> Result<MoveState, PlanError> {
+/// The map in force, for a move (or its abort) of `prefix` to `target`: the prefix
+/// follows the rules and `target` is a cell of the map.
+fn map_for<'c>(copies: &'c Copies, prefix: &str, target: &str) -> Result<&'c ShardMap, PlanError> {
     check_prefix(prefix)?;
     let map = current(copies).ok_or(PlanError::NoMap)?;
     if !map.cells.contains_key(target) {
@@ -421,6 +422,12 @@ pub fn move_state(copies: &Copies, prefix: &str, target: &str) -> Result<MoveSta
             known: known.join(", "),
         });
     }
+    Ok(map)
+}
+
+/// Where a move of `prefix` to `target` stands.
+pub fn move_state(copies: &Copies, prefix: &str, target: &str) -> Result<MoveState, PlanError> {
+    let map = map_for(copies, prefix, target)?;
     let exact = map.routes.iter().find(|r| r.prefix == prefix);
     match exact {
         Some(route) if route.cell == target && !route.paused => {
@@ -591,15 +598,7 @@ pub struct Abort {
 /// writes the target's copy before it copies keys, so none of the keys it counts as
 /// copied can go.
 pub fn plan_abort(copies: &Copies, prefix: &str, target: &str) -> Result<Abort, PlanError> {
-    check_prefix(prefix)?;
-    let map = current(copies).ok_or(PlanError::NoMap)?;
-    if !map.cells.contains_key(target) {
-        let known: Vec<&str> = map.cells.keys().map(String::as_str).collect();
-        return Err(PlanError::UnknownTarget {
-            cell: target.to_owned(),
-            known: known.join(", "),
-        });
-    }
+    let map = map_for(copies, prefix, target)?;
     let Some(route) = map.routes.iter().find(|r| r.prefix == prefix) else {
         return Err(PlanError::NothingToAbort {
             prefix: prefix.to_owned(),
