@@ -645,9 +645,12 @@ async fn resume_each(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Resu
 /// the client knows (such a resume did land) says where to: the resume is asked again
 /// from there.
 async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(), Status> {
-    // One correction per fence: a proxy of several cells has one per cell (`None`: the
-    // session's only fence).
-    let mut corrected: Vec<Option<String>> = Vec::new();
+    // The fences corrected so far, by cell (`None`: the session's only fence). A fence
+    // is corrected again only to a higher revision (a proxy of several cells that moved
+    // some cells before another refused may move them again on the next try), and the
+    // corrections are bounded.
+    let mut corrected: Vec<(Option<String>, i64)> = Vec::new();
+    let mut corrections_left = 2 * (session.home().cells.len() + 1);
     loop {
         let sent = Instant::now();
         let home = session.home();
@@ -692,10 +695,12 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
             Err(status) => status,
         };
         if let Some((fence, lease, cell)) = fenced_out(&status) {
-            if corrected.contains(&cell) {
+            let again = corrected.iter().any(|(c, to)| *c == cell && *to >= fence);
+            if again || corrections_left == 0 {
                 return Err(status);
             }
-            corrected.push(cell.clone());
+            corrections_left -= 1;
+            corrected.push((cell.clone(), fence));
             tracing::info!(session.id = %session.id, fence, "an earlier resume landed; resuming from there");
             session.unsettle();
             if let Some(cell) = cell {

@@ -469,14 +469,19 @@ async fn grant(
             // No new grant here now (the name is moving, or served elsewhere); but a
             // grant an earlier attempt made (its reply lost) is this session's hold all
             // the same: recorded, so the session lets go of it (a move waits for it).
-            Err(refused) => match state
-                .locklog
-                .held_by(&lock, mode, &session.id, session.lease)
-                .await?
-            {
-                Some(revision) => (revision, false, state.routes.token_epoch(lock.as_str())),
-                None => return Err(refused),
-            },
+            Err(refused) => {
+                let Some(epoch) = state.routes.paused_here(lock.as_str()) else {
+                    return Err(refused);
+                };
+                match state
+                    .locklog
+                    .held_by(&lock, mode, &session.id, session.lease)
+                    .await?
+                {
+                    Some(revision) => (revision, false, epoch),
+                    None => return Err(refused),
+                }
+            }
         };
         if fresh {
             if let Err(e) = state.cell.check_grant(revision, seen) {

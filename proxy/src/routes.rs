@@ -97,21 +97,17 @@ impl Routes {
         self.serve_in(self.copy().as_deref(), name)
     }
 
-    /// What a transaction over all of `names` is made under: each checked against one
-    /// copy (the one its transaction compares).
+    /// The map revision a transaction over all of `names` is made under: each checked
+    /// against one copy (the one its transaction compares).
     pub fn serve_all<'n>(
         &self,
         names: impl IntoIterator<Item = &'n str>,
-    ) -> Result<Served, ProxyError> {
+    ) -> Result<i64, ProxyError> {
         let copy = self.copy();
-        let mut served = Served {
-            map_revision: copy.as_ref().map_or(0, |c| c.mod_revision),
-            epoch: self.cell_epoch,
-        };
         for name in names {
-            served = self.serve_in(copy.as_deref(), name)?;
+            self.serve_in(copy.as_deref(), name)?;
         }
-        Ok(served)
+        Ok(copy.as_ref().map_or(0, |c| c.mod_revision))
     }
 
     fn serve_in(&self, copy: Option<&StoredMap>, name: &str) -> Result<Served, ProxyError> {
@@ -156,6 +152,16 @@ impl Routes {
             map_revision: copy.mod_revision,
             epoch: map.token_epoch(self.cell_epoch, name),
         })
+    }
+
+    /// When this cell's own copy routes `name` here but paused (a move of its prefix has
+    /// begun), the epoch of the holds it granted before: they are still this cell's,
+    /// though it grants nothing new.
+    pub fn paused_here(&self, name: &str) -> Option<u64> {
+        let copy = self.copy()?;
+        let route = copy.map.route(name)?;
+        let mine = own_cell(&copy.map, &self.cluster_id)? == route.cell;
+        (mine && route.paused).then(|| copy.map.token_epoch(self.cell_epoch, name))
     }
 
     /// The epoch of tokens of `name` granted under the copy in force (for the tokens of
@@ -305,6 +311,9 @@ mod tests {
             moving.contains("moving") && moving.contains("hr/"),
             "{moving}"
         );
+        assert_eq!(routes.paused_here("hr/x"), Some(100));
+        assert_eq!(routes.paused_here("orders/1"), None, "not paused");
+        assert_eq!(routes.paused_here("billing/7"), None, "not this cell's");
         // Not in its own copy: serves nothing.
         let stranger = Routes::new("cz", 1, routes.copy().map(|c| (*c).clone()));
         assert!(stranger.serve("orders/1").is_err());

@@ -26,8 +26,14 @@ const NOT_SETTINGS: &[&str] = &["help", "version", "config", "print-config"];
 /// file, when the value came from there).
 pub fn load(args: Vec<OsString>) -> Result<Loaded, clap::Error> {
     let command = ProxyConfig::command();
-    let given = command.clone().try_get_matches_from(&args)?;
+    // What the flags and the environment give, before the file: rules between settings
+    // (one requiring another) wait for the whole, on the final parse.
+    let given = command
+        .clone()
+        .ignore_errors(true)
+        .try_get_matches_from(&args)?;
     let Some(path) = given.get_one::<std::path::PathBuf>("config").cloned() else {
+        let given = command.clone().try_get_matches_from(&args)?;
         return Ok(Loaded {
             config: ProxyConfig::from_arg_matches(&given)?,
             matches: given,
@@ -51,13 +57,17 @@ pub fn load(args: Vec<OsString>) -> Result<Loaded, clap::Error> {
     all.extend(file_args);
     all.extend(args.into_iter().skip(1));
     let matches = command.clone().try_get_matches_from(all).map_err(|e| {
-        // clap's own message, first line, without its "error: ".
+        use clap::error::ErrorKind::{DisplayHelp, DisplayVersion};
+        if matches!(e.kind(), DisplayHelp | DisplayVersion) {
+            return e;
+        }
+        // clap's own message (without its usage lines and its "error: ").
         let message = e.to_string();
-        let first = message.lines().next().unwrap_or_default();
+        let message = message.split("\n\nUsage").next().unwrap_or_default().trim();
         in_file(format!(
-            "in the configuration file {}: {}",
+            "with the configuration file {}: {}",
             path.display(),
-            first.strip_prefix("error: ").unwrap_or(first)
+            message.strip_prefix("error: ").unwrap_or(message)
         ))
     })?;
     Ok(Loaded {
@@ -150,9 +160,19 @@ fn file_args(
     path: &Path,
     text: &str,
 ) -> Result<(Vec<OsString>, BTreeSet<String>), String> {
-    let table: toml::Table = text
-        .parse()
-        .map_err(|e| format!("the configuration file {} is not TOML: {e}", path.display()))?;
+    // The parser's message, and where; not its quote of the line, which may hold a
+    // password.
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        let line = e
+            .span()
+            .map(|span| text[..span.start.min(text.len())].lines().count().max(1));
+        format!(
+            "the configuration file {} is not TOML{}: {}",
+            path.display(),
+            line.map(|l| format!(" (line {l})")).unwrap_or_default(),
+            e.message()
+        )
+    })?;
     let mut args = Vec::new();
     let mut taken = BTreeSet::new();
     for (key, value) in &table {
@@ -178,7 +198,7 @@ fn file_args(
         match (arg.get_action(), value) {
             (ArgAction::SetTrue, toml::Value::Boolean(on)) => {
                 if *on {
-                    args.push(flag.into());
+                    args.push(flag.clone().into());
                 }
             }
             (ArgAction::SetTrue, _) => return Err(bad("a value that is not true or false")),
@@ -191,15 +211,14 @@ fn file_args(
                 if items.is_empty() {
                     return Err(bad("an empty array"));
                 }
+                // One argument each, so a value that starts with '-' stays a value.
                 for item in items {
-                    args.push(flag.clone().into());
-                    args.push(item.into());
+                    args.push(format!("{flag}={item}").into());
                 }
             }
             (_, value) => {
                 let value = scalar(value).ok_or_else(|| bad("a table"))?;
-                args.push(flag.into());
-                args.push(value.into());
+                args.push(format!("{flag}={value}").into());
             }
         }
         taken.insert(key.clone());
@@ -364,11 +383,45 @@ mod tests {
 
     #[test]
     fn passwords_never_show() {
-        let f = file("etcd-password = \"hunter2\"\netcd-user = \"lockcell-proxy\"\n");
+        let f = file("etcd-password = \"--hunter2\"\netcd-user = \"lockcell-proxy\"\n");
         let loaded = load(args(&["--config", f.path().to_str().unwrap()])).unwrap();
+        assert_eq!(
+            loaded.config.etcd_password.as_ref().map(|p| p.expose()),
+            Some("--hunter2"),
+            "a value that starts with '-' is a value"
+        );
         let shown = loaded.render();
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("etcd-password = \"(hidden)\""), "{shown}");
+        // Nor in the error about a broken file.
+        let broken = file("etcd-password = \"hunter2\n");
+        let e = load(args(&["--config", broken.path().to_str().unwrap()]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("not TOML (line 1)") && !e.contains("hunter2"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_setting_that_requires_another_may_find_it_in_the_file() {
+        let f = file("etcd-tls-cert = \"/etc/lockcell/client.pem\"\n");
+        let loaded = load(args(&[
+            "--config",
+            f.path().to_str().unwrap(),
+            "--etcd-tls-key",
+            "/etc/lockcell/client.key",
+        ]))
+        .unwrap();
+        assert!(loaded.config.etcd_tls.etcd_tls_cert.is_some());
+        // And a missing one is named.
+        let e = load(args(&["--config", f.path().to_str().unwrap()]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("--etcd-tls-key"), "{e}");
     }
 
     #[test]

@@ -170,8 +170,7 @@ impl KvApi for KvService {
         let map_revision = self
             .state
             .routes
-            .serve_all(names.chain(checked.writes.iter().map(|w| w.name().as_str())))?
-            .map_revision;
+            .serve_all(names.chain(checked.writes.iter().map(|w| w.name().as_str())))?;
         let outcome = self
             .state
             .kv

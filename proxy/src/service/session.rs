@@ -204,6 +204,11 @@ pub fn keep_alive_stream(
                 ),
                 [] => unreachable!("a proxy serves at least one cell"),
             };
+            metrics::counter!(m::KEEPALIVES).increment(1);
+            if reply.state == SessionState::Alive as i32 {
+                metrics::histogram!(m::VALIDITY_GRANTED)
+                    .record(Duration::from_millis(reply.valid_for_ms).as_secs_f64());
+            }
             if tx.send(Ok(reply)).await.is_err() {
                 return;
             }
@@ -212,10 +217,11 @@ pub fn keep_alive_stream(
     Box::pin(ReceiverStream::new(rx))
 }
 
-/// One renewal's reply from two cells' stays of a session.
+/// One renewal's reply from two cells' stays of a session: a stay that expired says
+/// the session expired; one that is not found, that it must resume.
 fn combine(a: KeepAliveResponse, b: KeepAliveResponse) -> KeepAliveResponse {
-    let alive = SessionState::Alive as i32;
-    if a.state != alive {
+    let (alive, expired) = (SessionState::Alive as i32, SessionState::Expired as i32);
+    if a.state == expired || (a.state != alive && b.state != expired) {
         return a;
     }
     if b.state != alive {
@@ -237,7 +243,6 @@ fn renew(
     caller: Option<&str>,
     turn: f64,
 ) -> KeepAliveResponse {
-    metrics::counter!(m::KEEPALIVES).increment(1);
     let now = Instant::now();
     let mut reply = KeepAliveResponse {
         session_id: String::new(),
@@ -255,7 +260,6 @@ fn renew(
     };
     match state.sessions.renew(&req.session_id, caller, now, validity) {
         Ok(valid_for) => {
-            metrics::histogram!(m::VALIDITY_GRANTED).record(valid_for.as_secs_f64());
             reply.valid_for_ms = millis(valid_for);
             if let Some(why) = hint {
                 reply.move_elsewhere = true;
@@ -281,5 +285,45 @@ pub fn labelled(principal: Option<&str>, label: String) -> String {
         Some(p) if label.is_empty() => p.to_owned(),
         Some(p) => format!("{p} ({label})"),
         None => label,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(state: SessionState, valid_for_ms: u64, move_elsewhere: bool) -> KeepAliveResponse {
+        KeepAliveResponse {
+            session_id: "s".into(),
+            seq: 1,
+            state: state as i32,
+            valid_for_ms,
+            reason: if move_elsewhere {
+                "draining".into()
+            } else {
+                String::new()
+            },
+            move_elsewhere,
+        }
+    }
+
+    #[test]
+    fn a_renewal_over_several_cells_grants_the_least_and_an_expiry_wins() {
+        let both = combine(
+            reply(SessionState::Alive, 900, false),
+            reply(SessionState::Alive, 400, true),
+        );
+        assert_eq!((both.valid_for_ms, both.move_elsewhere), (400, true));
+        assert_eq!(both.reason, "draining");
+        let gone = combine(
+            reply(SessionState::NotFound, 0, false),
+            reply(SessionState::Expired, 0, false),
+        );
+        assert_eq!(gone.state, SessionState::Expired as i32);
+        let lost = combine(
+            reply(SessionState::Alive, 900, false),
+            reply(SessionState::NotFound, 0, false),
+        );
+        assert_eq!(lost.state, SessionState::NotFound as i32);
     }
 }

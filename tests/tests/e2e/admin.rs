@@ -101,6 +101,9 @@ pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut
 
     // POST /drain: unready at once (while it waits for its session to move, which has
     // nowhere to go), then the proxy stops on its own.
+    let _staying = client
+        .open_session(crate::support::short_session(Duration::from_secs(5)))
+        .await?;
     let (status, _, body) = http_call(&admin, "POST", "/drain").await?;
     ensure!(
         status == 202 && body.contains("draining"),

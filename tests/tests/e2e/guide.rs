@@ -240,7 +240,9 @@ pub async fn the_client_guides_examples_run_against_a_real_cell() -> anyhow::Res
         join_the_web_group(&addr).await? == ["host-7"],
         "the member did not show"
     );
-    follow_the_rates(&addr).await?;
+    tokio::time::timeout(Duration::from_secs(20), follow_the_rates(&addr))
+        .await
+        .context("the watch example saw nothing within 20 s")??;
     ensure!(
         client.get("config/rates/eu").await?.map(|e| e.value) == Some(b"100".to_vec()),
         "the watched write is not there"
@@ -258,13 +260,16 @@ pub async fn the_client_guides_examples_run_against_a_real_cell() -> anyhow::Res
     let mut ran = 0;
     for block in blocks(&guide, "```sh") {
         for line in block.lines().filter(|l| l.starts_with("lockctl ")) {
-            let out = tokio::process::Command::new("sh")
+            let run = tokio::process::Command::new("sh")
                 .arg("-c")
                 .arg(line)
                 .env("PATH", &path)
                 .env("LOCKCELL_PROXY", &addr)
-                .output()
-                .await?;
+                .kill_on_drop(true)
+                .output();
+            let out = tokio::time::timeout(Duration::from_secs(30), run)
+                .await
+                .with_context(|| format!("the guide's `{line}` did not end within 30 s"))??;
             if !out.status.success() {
                 bail!(
                     "the guide's `{line}` failed ({}): {}",
