@@ -71,6 +71,16 @@ pub struct Granted {
     pub fresh: bool,
 }
 
+impl Granted {
+    /// The grant's fencing token.
+    pub fn token(&self) -> lockcell_proto::FencingToken {
+        lockcell_proto::FencingToken {
+            epoch: self.epoch,
+            revision: self.revision,
+        }
+    }
+}
+
 /// Acquires per the lock's class; `Ok(None)` when the wait ran out.
 pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Granted>, ProxyError> {
     let started = Instant::now();

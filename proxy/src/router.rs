@@ -23,6 +23,7 @@ use lockcell_proto::v1::lock_server::Lock as LockApi;
 use lockcell_proto::v1::session_server::Session as SessionApi;
 use lockcell_proto::v1::watch_server::Watch as WatchApi;
 use lockcell_proto::v1::*;
+use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::errors::ProxyError;
@@ -36,16 +37,36 @@ use crate::state::ProxyState;
 /// Metadata of a resume refused for an older fence in one cell: which cell.
 pub const FENCE_CELL: &str = "lockcell-fence-cell";
 
+#[derive(Clone)]
 pub struct Router {
     /// One engine per cell; the first is the cell the proxy started on.
     engines: Arc<[Arc<ProxyState>]>,
+    /// Ticks whenever any cell's copy of the shard map changes (several cells only).
+    map_changes: watch::Receiver<u64>,
 }
 
 impl Router {
+    /// The router over `engines` (call within the runtime: with several cells it
+    /// follows their copies of the map).
     pub fn new(engines: Vec<Arc<ProxyState>>) -> Self {
         assert!(!engines.is_empty(), "a proxy serves at least one cell");
+        let (changed, map_changes) = watch::channel(0u64);
+        if engines.len() > 1 {
+            let changed = Arc::new(changed);
+            for engine in &engines {
+                let mut copy = engine.routes.subscribe();
+                let changed = changed.clone();
+                // Lives as long as the engine's copy does: the whole run.
+                tokio::spawn(async move {
+                    while copy.changed().await.is_ok() {
+                        changed.send_modify(|n| *n += 1);
+                    }
+                });
+            }
+        }
         Router {
             engines: engines.into(),
+            map_changes,
         }
     }
 
@@ -507,9 +528,6 @@ impl KvApi for Router {
 
 type Replies<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
 
-/// How often a watch checks that its names are still in its cell.
-const ROUTE_CHECK: std::time::Duration = std::time::Duration::from_millis(250);
-
 #[tonic::async_trait]
 impl WatchApi for Router {
     type WatchStream = Replies<WatchResponse>;
@@ -557,20 +575,20 @@ impl Router {
         cell: Option<String>,
     ) -> Replies<T> {
         use tokio_stream::StreamExt;
-        let router = Router {
-            engines: self.engines.clone(),
-        };
+        let router = self.clone();
+        let mut changes = self.map_changes.clone();
+        changes.borrow_and_update();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
-        // Owned by the stream: ends with it, or when the watcher hangs up.
+        // Owned by the stream: ends with it, or when the watcher hangs up. Looks at the
+        // routes only when a copy of the map changed.
         tokio::spawn(async move {
-            let mut check = tokio::time::interval(ROUTE_CHECK);
             loop {
                 tokio::select! {
                     item = inner.next() => match item {
                         Some(item) => if tx.send(item).await.is_err() { return },
                         None => return,
                     },
-                    _ = check.tick() => {
+                    Ok(()) = changes.changed() => {
                         let now = match &watched {
                             Watched::Prefix(prefix) => router.engine_for_prefix(prefix),
                             Watched::Key(key) => router.engine_for(key),

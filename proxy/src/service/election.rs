@@ -13,7 +13,6 @@ use lockcell_proto::v1::{
     CampaignRequest, CampaignResponse, Leader, LeaderRequest, LeaderResponse, ProclaimRequest,
     ProclaimResponse, ResignRequest, ResignResponse,
 };
-use lockcell_proto::FencingToken;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -64,13 +63,7 @@ impl ElectionApi for ElectionService {
         let reply = match acquire::acquire(&self.state, call).await? {
             Some(granted) => CampaignResponse {
                 elected: true,
-                token: Some(
-                    FencingToken {
-                        epoch: granted.epoch,
-                        revision: granted.revision,
-                    }
-                    .into(),
-                ),
+                token: Some(granted.token().into()),
                 valid_for_ms: millis(granted.valid_for),
             },
             None => CampaignResponse {

@@ -51,13 +51,7 @@ impl LockApi for LockService {
         let reply = match acquire::acquire(&self.state, call).await? {
             Some(granted) => AcquireResponse {
                 granted: true,
-                token: Some(
-                    FencingToken {
-                        epoch: granted.epoch,
-                        revision: granted.revision,
-                    }
-                    .into(),
-                ),
+                token: Some(granted.token().into()),
                 valid_for_ms: millis(granted.valid_for),
             },
             None => AcquireResponse {
