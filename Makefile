@@ -43,7 +43,11 @@ api-doc:
 
 # docs/configuration.md from the binaries' flags; `make test` fails while it is stale.
 config-doc:
-	$(CARGO) run -q -p lockcell-proxy --bin lockcell-config-doc -- docs/configuration.md
+	$(CARGO) build -q -p lockcell-proxy -p lockcell-cell -p lockcell-client --bins
+	{ cat docs/configuration.head.md; \
+	  ./target/debug/lockcell-proxy --config-reference; \
+	  ./target/debug/lockcell-cell --config-reference; \
+	  ./target/debug/lockctl --config-reference; } > docs/configuration.md
 
 lint: setup
 	$(CARGO) fmt --all -- --check

@@ -116,6 +116,7 @@ impl Error {
     /// in the metadata. Without it, the status did not come from the proxy's watch
     /// (tonic says the same codes about oversized messages) and stays a plain status.
     pub(crate) fn from_status(status: Status, call: Call<'_>) -> Error {
+        let status = with_tls_hint(status);
         let gone = |id: &str| Error::SessionExpired {
             session: id.to_owned(),
         };
@@ -186,6 +187,21 @@ fn revision_in(status: &Status, name: &str) -> Option<i64> {
         .ok()
 }
 
+/// `status`, saying what to do when it is what plain HTTP/2 makes of a TLS server's
+/// answer (the TLS record read as a frame header).
+fn with_tls_hint(status: Status) -> Status {
+    let message = status.message();
+    if !(message.contains("frame with invalid size") || message.contains("FRAME_SIZE_ERROR")) {
+        return status;
+    }
+    Status::new(
+        status.code(),
+        format!(
+            "{message} (the proxy may serve TLS: give the CA that signed its certificate, ClientOptions::tls or lockctl --tls-ca / LOCKCELL_TLS_CA)"
+        ),
+    )
+}
+
 /// Whether the proxy's message says the session itself is gone (expired, or unknown to
 /// it), as opposed to a grant of a live session being stale.
 fn names_a_gone_session(message: &str) -> bool {
@@ -195,6 +211,26 @@ fn names_a_gone_session(message: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plain_http2_to_a_tls_proxy_says_to_give_the_ca() {
+        for status in [
+            Status::internal(
+                "h2 protocol error: http2 error: connection error detected: frame with invalid size",
+            ),
+            Status::unavailable("connection error: FRAME_SIZE_ERROR"),
+        ] {
+            let code = status.code();
+            let e = Error::from_status(status, Call::Unbound);
+            let text = e.to_string();
+            assert!(text.contains("--tls-ca"), "{text}");
+            assert_eq!(
+                matches!(e, Error::Unavailable(_)),
+                code == Code::Unavailable,
+                "the kind of error stays"
+            );
+        }
+    }
 
     const EXPIRED: &str = "session \"s1\" has expired: missed renewals";
     const UNKNOWN: &str =

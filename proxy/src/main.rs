@@ -6,6 +6,12 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    if let Some(reference) =
+        lockcell_settings::reference_requested::<lockcell_proxy::config::ProxyConfig>()
+    {
+        print!("{reference}");
+        return Ok(());
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),

@@ -5,7 +5,8 @@
 //! only its owner can read), the proxies serving TLS with certificates from a private CA
 //! made at each start (`<dir>/tls/`) and checking prefix grants (`<dir>/grants.toml`:
 //! the identity `dev`, known by a bearer token made at each start, may do everything),
-//! writes `<dir>/endpoints` (`KIND ZONE ADDR` lines), prints a ready-to-paste `lockctl`
+//! writes `<dir>/endpoints` (`KIND ZONE ADDR` lines) and `<dir>/env` (the variables lockctl
+//! needs, for a shell to source), prints a ready-to-paste `lockctl`
 //! example, and on Ctrl-C or SIGTERM stops everything it started.
 #![forbid(unsafe_code)]
 
@@ -112,6 +113,25 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(&endpoints_file, &listing)?;
 
     let lockctl = bins::bin_dir()?.join("lockctl");
+    // What a shell needs for lockctl and the client guide's examples.
+    let env_file = dir.join("env");
+    let ca_file = std::path::absolute(&ca.ca)?;
+    let bin_dir = std::path::absolute(bins::bin_dir()?)?;
+    let all_proxies: Vec<&str> = proxies.iter().map(|p| p.addr.as_str()).collect();
+    write_private(
+        &env_file,
+        &format!(
+            "# The lockcell dev cell, for a shell: `. {env}`\n\
+             export LOCKCELL_PROXY={all}\n\
+             export LOCKCELL_TLS_CA={ca}\n\
+             export LOCKCELL_AUTH_TOKEN={token}\n\
+             export PATH=\"{bin}:$PATH\"\n",
+            env = env_file.display(),
+            all = all_proxies.join(","),
+            ca = ca_file.display(),
+            bin = bin_dir.display(),
+        ),
+    )?;
     println!(
         "lockcell dev cell is up: {zones} etcd members, {zones} proxies (logs in {})",
         dir.display()
@@ -132,7 +152,11 @@ async fn main() -> anyhow::Result<()> {
         ca.ca.display(),
         grants.display()
     );
-    println!("Try, in another terminal:");
+    println!(
+        "In another terminal, `. {}` sets LOCKCELL_PROXY (the three proxies), LOCKCELL_TLS_CA and LOCKCELL_AUTH_TOKEN and puts lockctl on PATH: every lockctl line of docs/client-guide.md then runs as written.",
+        env_file.display()
+    );
+    println!("Or try, in another terminal:");
     println!(
         "LOCKCELL_TLS_CA={} LOCKCELL_AUTH_TOKEN={token} {} --proxy {} lock demo -- sh -c 'echo \"holding $LOCKCELL_LOCK with token $LOCKCELL_TOKEN\"; sleep 1'",
         ca.ca.display(),
@@ -157,6 +181,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_file(&endpoints_file);
     let _ = std::fs::remove_file(&users_file);
+    let _ = std::fs::remove_file(&env_file);
     eprintln!("lockcell-dev: stopped");
     Ok(())
 }
@@ -176,17 +201,30 @@ fn random_password() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
-/// Writes `USER PASSWORD` lines to `path`, readable by its owner only.
-fn write_users(path: &Path, passwords: &Passwords) -> anyhow::Result<()> {
-    use std::io::Write as _;
+/// A new file at `path` (replacing any), readable by its owner only.
+fn create_private(path: &Path) -> anyhow::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let _ = std::fs::remove_file(path);
-    let mut file = std::fs::OpenOptions::new()
+    std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)
-        .with_context(|| format!("creating {}", path.display()))?;
+        .with_context(|| format!("creating {}", path.display()))
+}
+
+/// Writes `text` to `path`, readable by its owner only (it holds the token).
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    create_private(path)?
+        .write_all(text.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Writes `USER PASSWORD` lines to `path`, readable by its owner only.
+fn write_users(path: &Path, passwords: &Passwords) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut file = create_private(path)?;
     for user in [
         rbac::ROOT_USER,
         rbac::PROXY_USER,

@@ -1,5 +1,6 @@
-//! `make dev`: the local cell starts, its printed lockctl example works, Ctrl-C stops
-//! every process it started.
+//! `make dev`: the local cell starts, its printed lockctl example works, so do the client
+//! guide's connection example and every `lockctl` line of the guide after sourcing the
+//! cell's `env` file (as the guide says), and Ctrl-C stops every process it started.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -73,6 +74,57 @@ pub async fn make_dev_cell_runs_the_lockctl_example_and_stops_cleanly() -> anyho
         "the example printed the token {token:?}, not EPOCH:REVISION"
     );
 
+    // What a new reader does next: `. .lockcell-dev/env`, then the guide's lines.
+    let env_file = dir.path().join("env");
+    let env = std::fs::read_to_string(&env_file).context("the dev cell's env file")?;
+    let (lines, sources_env) = crate::guide::lockctl_lines()?;
+    ensure!(
+        sources_env,
+        "the client guide does not tell the reader to source .lockcell-dev/env"
+    );
+    ensure!(
+        lines.len() >= 8,
+        "the guide has only {} lockctl lines",
+        lines.len()
+    );
+    for line in &lines {
+        let run = tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(". '{}' && {line}", env_file.display()))
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .with_context(|| format!("the guide's `{line}` did not end within 30 s"))??;
+        ensure!(
+            out.status.success(),
+            "the guide's `{line}` failed against the dev cell ({}): {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    readme_example(&env_file).await?;
+
+    // The guide's Rust connection example, with the values the env file gives.
+    let var = |name: &str| {
+        env.lines()
+            .find_map(|l| l.strip_prefix(&format!("export {name}=")))
+            .map(str::to_owned)
+            .with_context(|| format!("{name} is not in the env file:\n{env}"))
+    };
+    let client = crate::guide::connect(
+        &var("LOCKCELL_PROXY")?,
+        &var("LOCKCELL_TLS_CA")?,
+        &var("LOCKCELL_AUTH_TOKEN")?,
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("the guide's connect example: {e}"))?;
+    ensure!(
+        client.get("hello").await?.map(|e| e.value) == Some(b"world".to_vec()),
+        "the SDK does not read what the guide's lockctl put wrote"
+    );
+
     kill(
         Pid::from_raw(dev.id().context("pid")? as i32),
         Signal::SIGINT,
@@ -100,6 +152,73 @@ pub async fn make_dev_cell_runs_the_lockctl_example_and_stops_cleanly() -> anyho
     )
     .await
     .with_context(|| format!("left running: {:?}", processes_mentioning(&markers)))?;
+    Ok(())
+}
+
+/// The README's example block after `. .lockcell-dev/env`: a lock, an election, and a
+/// watch of a prefix that prints a write made from another shell.
+async fn readme_example(env_file: &std::path::Path) -> anyhow::Result<()> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))?;
+    let block = crate::guide::blocks(&readme, "```sh")
+        .into_iter()
+        .find(|b| b.starts_with(". .lockcell-dev/env"))
+        .context("the README has no example that sources .lockcell-dev/env")?;
+    let shell = |line: &str| {
+        let mut command = tokio::process::Command::new("sh");
+        command
+            .arg("-c")
+            .arg(format!(". '{}' && exec {line}", env_file.display()))
+            .kill_on_drop(true);
+        command
+    };
+    let mut watched = false;
+    for line in block.lines().filter(|l| l.starts_with("lockctl ")) {
+        let (line, other_shell) = match line.split_once('#') {
+            Some((line, comment)) => (line.trim(), comment.split_once(": ").map(|(_, c)| c)),
+            None => (line, None),
+        };
+        if !line.starts_with("lockctl watch ") {
+            let out = tokio::time::timeout(Duration::from_secs(30), shell(line).output())
+                .await
+                .with_context(|| format!("the README's `{line}` did not end within 30 s"))??;
+            ensure!(
+                out.status.success() && !out.stdout.is_empty(),
+                "the README's `{line}` failed ({}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            continue;
+        }
+        // The watch runs until stopped; the write the comment names must show in it.
+        let write = other_shell.context("the README's watch line names no write")?;
+        let key = write.split_whitespace().nth(2).context("the write's key")?;
+        let mut watch = shell(line).stdout(Stdio::piped()).spawn()?;
+        let mut out = tokio::io::BufReader::new(watch.stdout.take().context("stdout")?).lines();
+        let seen = async {
+            // Written until the watch prints it: the watch may start after a first write.
+            let mut tries = 0;
+            loop {
+                let put = shell(write).output().await?;
+                ensure!(put.status.success(), "the README's `{write}` failed");
+                tries += 1;
+                match tokio::time::timeout(Duration::from_secs(2), out.next_line()).await {
+                    Ok(Ok(Some(line))) if line.contains(&format!("put {key} ")) => {
+                        return anyhow::Ok(tries)
+                    }
+                    Ok(Ok(Some(_))) | Err(_) => continue,
+                    Ok(Ok(None)) => anyhow::bail!("the README's watch ended"),
+                    Ok(Err(e)) => return Err(e.into()),
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), seen)
+            .await
+            .with_context(|| format!("the README's `{line}` printed no write within 30 s"))??;
+        let _ = watch.kill().await;
+        watched = true;
+    }
+    ensure!(watched, "the README's example watches no prefix");
     Ok(())
 }
 

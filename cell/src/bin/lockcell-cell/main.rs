@@ -41,6 +41,19 @@ mod shardmap;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+
+    /// A TOML file of settings, each named as its long flag (`etcd =
+    /// ["http://10.0.1.5:2379"]`, `etcd-user = "lockcell-tailer"`); a table named as a
+    /// command (`[audit]`) holds settings for that command only. A flag or an
+    /// environment variable beats it.
+    #[arg(long, env = "LOCKCELL_CELL_CONFIG", global = true)]
+    config: Option<PathBuf>,
+
+    /// Prints the configuration in force for the command, each setting with where it
+    /// came from (flag, environment, file, default; passwords hidden), in the file's
+    /// format, and exits without doing anything.
+    #[arg(long, global = true)]
+    print_config: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -288,8 +301,19 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
-    if let Err(e) = run(cli.command).await {
+    if let Some(reference) = lockcell_settings::reference_requested::<Cli>() {
+        print!("{reference}");
+        return;
+    }
+    let loaded = match lockcell_settings::load::<Cli>(std::env::args_os().collect()) {
+        Ok(loaded) => loaded,
+        Err(e) => e.exit(),
+    };
+    if loaded.config.print_config {
+        print!("{}", loaded.render());
+        return;
+    }
+    if let Err(e) = run(loaded.config.command).await {
         eprintln!("lockcell-cell: {e:#}");
         if let Some(hint) = refusal_hint(&e) {
             eprintln!("lockcell-cell: {hint}");
@@ -541,5 +565,57 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsString;
+    use std::path::Path;
+
+    use clap::CommandFactory;
+
+    use super::*;
+
+    fn config_dir() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config")
+    }
+
+    #[test]
+    fn the_configuration_reference_is_up_to_date() {
+        let doc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configuration.md");
+        lockcell_settings::check_reference(&doc, &Cli::command()).unwrap();
+    }
+
+    fn load(args: &[&str]) -> Cli {
+        let file = config_dir().join("cell.toml");
+        let args = ["lockcell-cell", "--config", file.to_str().unwrap()]
+            .iter()
+            .chain(args)
+            .map(OsString::from)
+            .collect();
+        lockcell_settings::load::<Cli>(args).unwrap().config
+    }
+
+    #[test]
+    fn the_example_file_configures_the_tailer_and_the_admin_commands() {
+        let Command::Audit(audit) = load(&["audit"]).command else {
+            panic!("audit")
+        };
+        assert_eq!(audit.etcd.address.etcd_endpoints.len(), 3);
+        assert_eq!(audit.etcd.etcd_user.as_deref(), Some("lockcell-tailer"));
+        assert_eq!(audit.listen.port(), 7431);
+        assert_eq!(audit.keep_days, 90);
+        // The same file serves init, as lockcell-admin.
+        let Command::Init(init) = load(&["init"]).command else {
+            panic!("init")
+        };
+        assert_eq!(init.address.etcd_endpoints.len(), 3);
+        assert_eq!(init.etcd_user.as_deref(), Some("lockcell-admin"));
+        // A flag still wins.
+        let Command::Init(init) = load(&["init", "--etcd-user", "root"]).command else {
+            panic!("init")
+        };
+        assert_eq!(init.etcd_user.as_deref(), Some("root"));
     }
 }

@@ -82,6 +82,19 @@ struct Cli {
     #[command(flatten)]
     target: target::TargetArgs,
 
+    /// A TOML file of settings, each named as its long flag (`proxy =
+    /// "10.0.0.7:7420,10.0.1.7:7420"`, `tls-ca = "/etc/lockcell/ca.pem"`); a table named
+    /// as a command (`[lock]`) holds settings for that command only. A flag or an
+    /// environment variable beats it.
+    #[arg(long, env = "LOCKCTL_CONFIG", global = true)]
+    config: Option<std::path::PathBuf>,
+
+    /// Prints the configuration in force for the command, each setting with where it
+    /// came from (flag, environment, file, default; tokens hidden), in the file's
+    /// format, and exits without doing anything.
+    #[arg(long, global = true)]
+    print_config: bool,
+
     #[command(subcommand)]
     command: Cmd,
 }
@@ -128,9 +141,20 @@ enum Cmd {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    if let Some(reference) = lockcell_settings::reference_requested::<Cli>() {
+        print!("{reference}");
+        return ExitCode::SUCCESS;
+    }
+    let loaded = match lockcell_settings::load::<Cli>(std::env::args_os().collect()) {
+        Ok(loaded) => loaded,
+        Err(e) => e.exit(),
+    };
+    if loaded.config.print_config {
+        print!("{}", loaded.render());
+        return ExitCode::SUCCESS;
+    }
     init_tracing();
-    match run(cli).await {
+    match run(loaded.config).await {
         Ok(code) => ExitCode::from(code),
         Err(error) => {
             eprintln!("lockctl: {error:#}");
@@ -157,6 +181,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         identity,
         target,
         command,
+        ..
     } = cli;
     let proxy = target::Target::new(&proxy, &target)?;
     let mut options = SessionOptions {
@@ -323,6 +348,48 @@ mod tests {
     }
 
     #[test]
+    fn the_configuration_reference_is_up_to_date() {
+        let doc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configuration.md");
+        lockcell_settings::check_reference(&doc, &Cli::command()).unwrap();
+    }
+
+    #[test]
+    fn a_configuration_file_gives_the_proxies_and_a_commands_own_settings() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(
+            file.path(),
+            "proxy = \"10.0.0.7:7420,10.0.1.7:7420\"\ntls-ca = \"/etc/lockcell/ca.pem\"\n\n[lock]\ntimeout = \"30s\"\n",
+        )
+        .unwrap();
+        let load = |args: &[&str]| {
+            let all = ["lockctl", "--config", file.path().to_str().unwrap()]
+                .iter()
+                .chain(args)
+                .map(OsString::from)
+                .collect();
+            lockcell_settings::load::<Cli>(all).map(|loaded| loaded.config)
+        };
+        let cli = load(&["lock", "jobs/x", "--", "true"]).unwrap();
+        assert_eq!(cli.proxy, "10.0.0.7:7420,10.0.1.7:7420");
+        assert!(cli.target.tls_ca.is_some());
+        let Cmd::Lock(args) = cli.command else {
+            panic!("lock")
+        };
+        assert_eq!(args.wait(), Wait::Timeout(Duration::from_secs(30)));
+        // --try excludes --timeout: the flag wins over the file's timeout.
+        let Cmd::Lock(args) = load(&["lock", "jobs/x", "--try", "--", "true"])
+            .unwrap()
+            .command
+        else {
+            panic!("lock")
+        };
+        assert_eq!(args.wait(), Wait::Try);
+        // Another command ignores [lock].
+        let cli = load(&["leader", "db"]).unwrap();
+        assert_eq!(cli.proxy, "10.0.0.7:7420,10.0.1.7:7420");
+    }
+
+    #[test]
     fn parses_the_query_commands() {
         let Cmd::Leader(args) = parse(&["leader", "db", "--json"]).unwrap().command else {
             panic!("leader")
@@ -332,7 +399,12 @@ mod tests {
             panic!("observe")
         };
         assert_eq!((args.name.as_str(), args.json), ("db", false));
-        let Cmd::Check(args) = parse(&["check", "jobs/x", "1:4521"]).unwrap().command else {
+        let cli = parse(&["check", "jobs/x", "1:4521"]).unwrap();
+        assert_eq!(
+            cli.target.auth_token, None,
+            "the fencing token to check is not the bearer token"
+        );
+        let Cmd::Check(args) = cli.command else {
             panic!("check")
         };
         assert_eq!(
@@ -356,7 +428,7 @@ mod tests {
             (key, opts.prefix, opts.start_revision),
             ("config/a", false, 0)
         );
-        let args = watch(&["watch", "--prefix", "config/", "--from", "42", "--prev"]).unwrap();
+        let args = watch(&["watch", "config/", "--prefix", "--from", "42", "--prev"]).unwrap();
         let (key, opts) = args.target();
         assert_eq!(
             (
@@ -371,10 +443,11 @@ mod tests {
         let args = watch(&["watch", "--all"]).unwrap();
         let (key, opts) = args.target();
         assert_eq!((key, opts.prefix, opts.all_keys), ("", true, true));
-        let args = watch(&["watch", "--prefix", "", "--all"]).unwrap();
-        assert_eq!(args.target().0, "");
-        assert!(watch(&["watch"]).is_err(), "KEY, --prefix or --all");
-        assert!(watch(&["watch", "a", "--prefix", "b"]).is_err());
+        // The order of the switch and the prefix does not matter (as for get).
+        let args = watch(&["watch", "--prefix", "config/"]).unwrap();
+        assert_eq!((args.target().0, args.target().1.prefix), ("config/", true));
+        assert!(watch(&["watch"]).is_err(), "KEY or --all");
+        assert!(watch(&["watch", "--prefix"]).is_err(), "--prefix needs KEY");
         assert!(watch(&["watch", "a", "--all"]).is_err());
         assert!(
             watch(&["watch", "a", "--from", "0"]).is_err(),

@@ -45,7 +45,7 @@ pub(crate) struct TargetArgs {
         global = true,
         hide_env_values = true
     )]
-    pub(crate) token: Option<String>,
+    pub(crate) auth_token: Option<String>,
 }
 
 /// Where lockctl connects, ready to connect.
@@ -80,7 +80,7 @@ impl Target {
                 "--tls-cert needs --tls-ca (the CA that signed the proxies' certificates)"
             );
         }
-        if let Some(token) = &args.token {
+        if let Some(token) = &args.auth_token {
             options = options.token(token.clone());
         }
         Ok(Target {

@@ -26,7 +26,7 @@ REV on (e.g. one past the revision lockctl get --revision KEY printed, to follow
 that read of KEY). The watch goes on
 across a restarted proxy or a broken connection with no event missed or repeated. If it
 falls too far behind, the proxy cuts it off and lockctl resumes where it was (saying so on
-stderr). --all watches every small key (alone, or to allow --prefix \"\").
+stderr). --all watches every small key.
 
 Runs until Ctrl-C (SIGINT) or SIGTERM.
 
@@ -37,7 +37,7 @@ reached (for 30s, once watching), 1 anything else.
 
 Example:
   lockctl watch config/api/limit
-  lockctl watch --prefix config/api/ --prev
+  lockctl watch config/api/ --prefix --prev
   lockctl watch config/api/limit --from \"$(( $(lockctl get --revision config/api/limit) + 1 ))\"";
 
 pub(crate) const MEMBERS_LONG: &str = "\
@@ -66,16 +66,16 @@ Example:
     clap::ArgGroup::new("what")
         .required(true)
         .multiple(true)
-        .args(["key", "prefix", "all"])
+        .args(["key", "all"])
 ))]
 pub(crate) struct WatchArgs {
-    /// The key to watch, e.g. config/api/limit.
-    #[arg(conflicts_with = "prefix")]
+    /// The key to watch, e.g. config/api/limit; with --prefix the start of the keys,
+    /// e.g. config/api/.
     pub(crate) key: Option<String>,
 
-    /// Watch every key under P instead, e.g. config/api/.
-    #[arg(long, value_name = "P")]
-    pub(crate) prefix: Option<String>,
+    /// Watch every key under KEY (as `lockctl get KEY --prefix` reads them).
+    #[arg(long, requires = "key")]
+    pub(crate) prefix: bool,
 
     /// Print every event from revision REV on (default: from now).
     #[arg(long, value_name = "REV", value_parser = clap::value_parser!(i64).range(1..))]
@@ -85,7 +85,7 @@ pub(crate) struct WatchArgs {
     #[arg(long)]
     pub(crate) prev: bool,
 
-    /// Watch every small key (the empty prefix).
+    /// Watch every small key (the empty prefix), instead of KEY.
     #[arg(long, conflicts_with = "key")]
     pub(crate) all: bool,
 }
@@ -93,10 +93,10 @@ pub(crate) struct WatchArgs {
 impl WatchArgs {
     /// The key or prefix to watch, and how.
     pub(crate) fn target(&self) -> (&str, WatchOptions) {
-        let (key, mut opts) = match (&self.key, &self.prefix) {
-            (Some(key), _) => (key.as_str(), WatchOptions::default()),
-            (None, Some(prefix)) => (prefix.as_str(), WatchOptions::prefix()),
-            (None, None) => ("", WatchOptions::prefix()),
+        let (key, mut opts) = match &self.key {
+            Some(key) if self.prefix => (key.as_str(), WatchOptions::prefix()),
+            Some(key) => (key.as_str(), WatchOptions::default()),
+            None => ("", WatchOptions::prefix()),
         };
         if self.all {
             opts = opts.allow_all_keys();
@@ -112,10 +112,10 @@ impl WatchArgs {
 
     /// What is watched, in messages.
     fn what(&self) -> String {
-        match (&self.key, &self.prefix) {
-            (Some(key), _) => format!("key {key:?}"),
-            (None, Some(prefix)) => format!("prefix {prefix:?}"),
-            (None, None) => "every small key".to_owned(),
+        match &self.key {
+            Some(prefix) if self.prefix => format!("prefix {prefix:?}"),
+            Some(key) => format!("key {key:?}"),
+            None => "every small key".to_owned(),
         }
     }
 }
