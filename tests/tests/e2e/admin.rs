@@ -1,4 +1,4 @@
-//! The proxy's admin endpoints: alive, ready, metrics, drain.
+//! The admin endpoints of the proxy and of the audit tailer: alive, ready, metrics, drain.
 
 use std::time::Duration;
 
@@ -118,6 +118,85 @@ pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut
     ensure!(
         exit.success(),
         "the drained proxy did not stop cleanly: {exit}"
+    );
+    Ok(())
+}
+
+/// The audit tailer's admin endpoints: alive all along, ready only while etcd answers,
+/// and POST /drain stops it as SIGTERM does (everything written, exit 0).
+pub async fn the_audit_tailers_readyz_follows_etcd_and_drain_stops_it() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let link = Relay::start(&etcd.endpoints()[0]).await?;
+    let data = etcd.dir.join("cell-data");
+    let mut tailer = lockcell_tests::audit::AuditProcess::start(
+        "run",
+        &[link.url()],
+        &data,
+        &[],
+        &etcd.dir.join("audit.log"),
+    )
+    .await?;
+    let addr = tailer.addr.clone();
+    let ready = eventually(
+        "the tailer's /readyz answers 200",
+        Duration::from_secs(15),
+        || async {
+            let (status, _, body) = http_call(&addr, "GET", "/readyz").await?;
+            Ok((status == 200).then_some(body))
+        },
+    )
+    .await?;
+    ensure!(
+        ready.contains("etcd answered") && ready.contains("checkpoint revision"),
+        "/readyz does not say what it is ready on:\n{ready}"
+    );
+
+    link.cut(true);
+    let unready = eventually(
+        "the tailer's /readyz goes unready",
+        Duration::from_secs(20),
+        || async {
+            let (status, _, body) = http_call(&addr, "GET", "/readyz").await?;
+            Ok((status == 503).then_some(body))
+        },
+    )
+    .await?;
+    ensure!(
+        unready.contains("etcd has not answered"),
+        "/readyz does not say why it is unready:\n{unready}"
+    );
+    let (_, _, page) = http_call(&addr, "GET", "/metrics").await?;
+    ensure!(
+        gauge(&page, "lockcell_etcd_reachable") == Some(0.0),
+        "lockcell_etcd_reachable is not 0 with etcd cut off:\n{page}"
+    );
+    let (status, _, _) = http_call(&addr, "GET", "/healthz").await?;
+    ensure!(
+        status == 200,
+        "/healthz is not 200 while etcd is cut off: {status}"
+    );
+
+    link.cut(false);
+    eventually(
+        "the tailer's /readyz is ready again",
+        Duration::from_secs(20),
+        || async {
+            let (status, _, _) = http_call(&addr, "GET", "/readyz").await?;
+            Ok((status == 200).then_some(()))
+        },
+    )
+    .await?;
+
+    let (status, _, body) = http_call(&addr, "POST", "/drain").await?;
+    ensure!(
+        status == 202 && body.contains("draining"),
+        "/drain: {status} {body}"
+    );
+    let exit = tailer.process.wait_exit(Duration::from_secs(30)).await?;
+    ensure!(
+        exit.success(),
+        "the drained tailer did not stop cleanly: {exit}\n{}",
+        tailer.process.log_tail(20)
     );
     Ok(())
 }

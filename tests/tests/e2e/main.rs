@@ -93,6 +93,7 @@ fn main() {
         cell::a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising,
         shardmap::two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders,
         admin::the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut_off,
+        admin::the_audit_tailers_readyz_follows_etcd_and_drain_stops_it,
         guide::the_client_guides_examples_run_against_a_real_cell,
         grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
         grants::a_proxy_reaches_etcd_over_mutual_tls,

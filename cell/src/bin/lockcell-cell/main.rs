@@ -287,8 +287,9 @@ struct AuditArgs {
     #[arg(long, env = "LOCKCELL_AUDIT_SEGMENT_AGE", default_value = "5m", value_parser = humantime::parse_duration)]
     segment_age: Duration,
 
-    /// The HTTP address: /healthz, /metrics (Prometheus) and /v1/audit (what
-    /// `lockctl audit` asks).
+    /// The HTTP address: /healthz (alive), /readyz (etcd answered within the last few
+    /// seconds, and not draining), POST /drain (stop as on SIGTERM), /metrics
+    /// (Prometheus) and /v1/audit (what `lockctl audit` asks).
     #[arg(long, env = "LOCKCELL_AUDIT_LISTEN", default_value = "127.0.0.1:7431")]
     listen: SocketAddr,
 }
@@ -413,6 +414,9 @@ async fn auth_enable(args: AuthEnableArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How often the audit process checks that etcd answers (for `/readyz`).
+const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+
 async fn audit(args: AuditArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("creating the data folder {}", args.data_dir.display()))?;
@@ -456,6 +460,9 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
         .context("installing the metrics recorder")?;
     let stats = Arc::new(TailerStats::default());
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let stop_tx = Arc::new(stop_tx);
+    let etcd_timeout = args.etcd.address.etcd_timeout;
+    let readiness = Arc::new(http::Readiness::new(PROBE_INTERVAL, etcd_timeout));
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding the audit HTTP address {}", args.listen))?;
@@ -465,7 +472,8 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
         prometheus,
         store.clone(),
         stats.clone(),
-        stop.clone(),
+        readiness.clone(),
+        stop_tx.clone(),
     ));
     let housekeeping = tokio::spawn(housekeeping(
         store.clone(),
@@ -478,6 +486,13 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
         let _ = stop_tx.send(true);
     });
     let etcd = args.etcd.connect().await?;
+    tokio::spawn(http::probe(
+        etcd.clone(),
+        readiness,
+        PROBE_INTERVAL,
+        etcd_timeout,
+        stop.clone(),
+    ));
     let options = TailerOptions {
         segment_events: args.segment_events,
         segment_age: args.segment_age,
