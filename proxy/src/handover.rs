@@ -87,9 +87,11 @@ pub async fn resume(
 ) -> Result<ResumeResponse, ProxyError> {
     let started = Instant::now();
     let result = take_over(state, req, principal).await;
-    let outcome = if result.is_ok() { "ok" } else { "refused" };
-    metrics::histogram!(m::RESUME_SECONDS, "outcome" => outcome)
-        .record(started.elapsed().as_secs_f64());
+    if state.counts_sessions {
+        let outcome = if result.is_ok() { "ok" } else { "refused" };
+        metrics::histogram!(m::RESUME_SECONDS, "outcome" => outcome)
+            .record(started.elapsed().as_secs_f64());
+    }
     result
 }
 
@@ -232,7 +234,7 @@ async fn resume_named(
     session.principal = principal.map(Into::into);
     let incarnation = session.incarnation;
     let earlier = state.sessions.replace(session);
-    metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+    state.publish_sessions_open();
     let resumed = state
         .locklog
         .resume(
@@ -357,7 +359,9 @@ fn resumed_here(
             });
         }
     }
-    metrics::counter!(m::SESSIONS_RESUMED).increment(1);
+    if state.counts_sessions {
+        metrics::counter!(m::SESSIONS_RESUMED).increment(1);
+    }
     metrics::counter!(m::KEYS_MOVED).increment((named.len() - lost.len()) as u64);
     metrics::counter!(m::KEYS_LOST_ON_RESUME).increment(lost.len() as u64);
     // Counted from now, as for an Open: the session was renewed when it was recorded.
@@ -393,7 +397,7 @@ fn resumed_here(
 fn forget(state: &ProxyState, id: &str, incarnation: u64, bucket: usize) {
     if state.sessions.withdraw(id, incarnation).is_some() {
         state.leases.unassign(bucket);
-        metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+        state.publish_sessions_open();
     }
 }
 

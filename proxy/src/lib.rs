@@ -148,7 +148,15 @@ pub async fn run(
                 endpoints.join(",")
             );
         }
-        engines.push(Engine::start(&config, &shared, name, connection)?);
+        // A session has a stay in every cell: the first cell's engine counts it.
+        let counts_sessions = engines.is_empty();
+        engines.push(Engine::start(
+            &config,
+            &shared,
+            name,
+            connection,
+            counts_sessions,
+        )?);
     }
     // Asked to stop: drain every cell's sessions, then stop serving.
     let draining = tokio::spawn({
@@ -312,6 +320,7 @@ impl Engine {
         shared: &Shared,
         name: Option<String>,
         connection: Connection,
+        counts_sessions: bool,
     ) -> anyhow::Result<Engine> {
         let Connection {
             etcd,
@@ -344,6 +353,7 @@ impl Engine {
         let state = Arc::new(ProxyState {
             proxy_id: shared.proxy_id.clone(),
             cell_name: name,
+            counts_sessions,
             routes: Arc::new(routes),
             cell,
             sessions: Default::default(),

@@ -23,13 +23,15 @@ pub async fn run(state: Arc<ProxyState>) {
         let now = Instant::now();
         for session in state.sessions.take_expired(now) {
             tracing::info!(session.id = %session.id, locks = session.held.len(), "session expired");
-            metrics::counter!(m::SESSIONS_EXPIRED).increment(1);
+            if state.counts_sessions {
+                metrics::counter!(m::SESSIONS_EXPIRED).increment(1);
+            }
             state.leases.unassign(session.bucket);
             state.cleanup.push(session.lease, session.held);
         }
         state.sessions.prune_tombstones(now);
         state.events.prune(state.classes.current().max_lock_delay());
-        metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+        state.publish_sessions_open();
         if !state.cleanup.is_empty() {
             state.cleanup.run(&state).await;
         }

@@ -25,6 +25,10 @@ pub struct ProxyState {
     pub cell: Arc<crate::cellguard::CellGuard>,
     /// The cell's name in the shard map, when the proxy serves several cells.
     pub cell_name: Option<String>,
+    /// Whether this engine counts session events (expiries, resumes, sessions open):
+    /// with several cells a session has a stay in each, and only the first cell's
+    /// engine counts it, so the metrics count sessions, not stays.
+    pub counts_sessions: bool,
     /// The cell's copy of the shard map: which names this proxy grants and writes here.
     pub routes: Arc<crate::routes::Routes>,
     pub sessions: SessionTable,
@@ -58,6 +62,14 @@ pub struct ProxyState {
 }
 
 impl ProxyState {
+    /// Sets `lockcell_sessions_open` from this engine's table, when it is the one that
+    /// counts sessions.
+    pub fn publish_sessions_open(&self) {
+        if self.counts_sessions {
+            metrics::gauge!(crate::metrics::SESSIONS_OPEN).set(self.sessions.len() as f64);
+        }
+    }
+
     pub fn is_draining(&self) -> bool {
         *self.drain.borrow()
     }

@@ -115,7 +115,7 @@ pub fn open_stay(
     session.principal = principal.map(Into::into);
     let incarnation = session.incarnation;
     state.sessions.insert(session);
-    metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+    state.publish_sessions_open();
     tracing::debug!(ttl_ms = millis(ttl), bucket, lease, "session opened");
     Ok(OpenResponse {
         session_id: id.to_string(),
@@ -145,7 +145,7 @@ pub async fn close_stay(
         return Ok(0);
     };
     state.leases.unassign(session.bucket);
-    metrics::gauge!(m::SESSIONS_OPEN).set(state.sessions.len() as f64);
+    state.publish_sessions_open();
     if session.held.is_empty() {
         return Ok(0);
     }

@@ -382,6 +382,7 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
         holder(&cell_a, "/l/orders/2/!x").await?,
         holder(&cell_b, "/l/inventory/2/!x").await?,
     );
+    let resumed_before = proxy_a.metric("lockcell_sessions_resumed_total").await?;
     proxy_b.signal(Signal::SIGKILL)?;
     eventually(
         "the session resumes on the other proxy",
@@ -391,6 +392,12 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
         },
     )
     .await?;
+    // One session resumed, with a stay in each cell: counted once.
+    let resumed_after = proxy_a.metric("lockcell_sessions_resumed_total").await?;
+    ensure!(
+        resumed_after - resumed_before == 1.0,
+        "lockcell_sessions_resumed_total went from {resumed_before} to {resumed_after} for one session"
+    );
     // Past the dead proxy's lease TTL its leases are gone in both cells, and what was on
     // them with them: the moved keys are not.
     eventually(
