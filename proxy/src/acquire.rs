@@ -139,6 +139,8 @@ async fn arbitrated(
     // lock may be this session's own. Only another grant attempt (which finds its own
     // key) tells; a read would see the lock held and wait on it forever.
     let mut unsettled = false;
+    // When this waiter was last woken by a release, for the handover latency.
+    let mut woken = None;
     loop {
         let session = match first.take() {
             Some(s) => s,
@@ -159,6 +161,7 @@ async fn arbitrated(
             if !ticket.may_try() {
                 continue;
             }
+            woken = Some(Instant::now());
             // Heads on other proxies were woken by the same release: a read (not a
             // proposal) tells whether one of them already has it.
             if tried && !unsettled {
@@ -186,6 +189,7 @@ async fn arbitrated(
         match grant(state, call, &session, None).await {
             Ok(Some(granted)) => {
                 ticket.granted();
+                handed_over(woken, "arbitrated");
                 return Ok(Some(granted));
             }
             Ok(None) => {
@@ -198,6 +202,14 @@ async fn arbitrated(
             }
         }
         tried = true;
+    }
+}
+
+/// Records a handover: a waiter woken at `woken` by a release was just granted.
+fn handed_over(woken: Option<Instant>, queueing: &'static str) {
+    if let Some(woken) = woken {
+        metrics::histogram!(m::HANDOVER_SECONDS, "queueing" => queueing)
+            .record(woken.elapsed().as_secs_f64());
     }
 }
 
@@ -261,6 +273,7 @@ async fn fair(
         session: call.session_id.clone(),
         lease: session.lease,
         done: false,
+        woken: None,
     };
     loop {
         let turn = fair_turn(state, call, class, give_up, &id, queued, &mut line).await;
@@ -322,6 +335,7 @@ async fn fair_turn(
                 };
                 if again == predecessor {
                     sub.changed_after(seen_at, patience).await;
+                    line.woken = Some(Instant::now());
                 }
             }
         }
@@ -339,6 +353,7 @@ async fn fair_turn(
             if !held {
                 if let Some(granted) = grant(state, call, &session, Some((id, queued))).await? {
                     line.left();
+                    handed_over(line.woken, "fair");
                     return Ok(Turn::Over(Some(granted)));
                 }
                 // Free, yet not granted: someone got in first, or this waiter's key is
@@ -366,6 +381,7 @@ async fn fair_turn(
                     return Ok(Turn::Over(None));
                 };
                 sub.changed_after(seen_at, wait).await;
+                line.woken = Some(Instant::now());
             }
         }
     }
@@ -379,6 +395,8 @@ struct LeaveLine {
     session: String,
     lease: i64,
     done: bool,
+    /// When the waiter was last woken by a change ahead of it, for the handover latency.
+    woken: Option<Instant>,
 }
 
 impl LeaveLine {

@@ -73,6 +73,10 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
             metrics::ETCD_BUCKETS,
         )?
         .set_buckets_for_metric(
+            Matcher::Full(metrics::HANDOVER_SECONDS.to_owned()),
+            metrics::ETCD_BUCKETS,
+        )?
+        .set_buckets_for_metric(
             Matcher::Full(metrics::VALIDITY_GRANTED.to_owned()),
             metrics::VALIDITY_BUCKETS,
         )?

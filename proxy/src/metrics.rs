@@ -10,6 +10,7 @@ pub const KEEPALIVES: &str = "lockcell_keepalives_received_total";
 pub const LEASE_RENEWALS: &str = "lockcell_etcd_lease_renewals_total";
 pub const LEASES_LOST: &str = "lockcell_etcd_leases_lost_total";
 pub const ACQUIRE_SECONDS: &str = "lockcell_acquire_duration_seconds";
+pub const HANDOVER_SECONDS: &str = "lockcell_lock_handover_duration_seconds";
 pub const LOCKS_GRANTED: &str = "lockcell_locks_granted_total";
 pub const LOCKS_RELEASED: &str = "lockcell_locks_released_total";
 pub const CLEANUPS_PENDING: &str = "lockcell_cleanups_pending";
@@ -133,6 +134,11 @@ pub fn describe() {
     describe_counter!(
         LEASES_LOST,
         "Proxy etcd leases given up (revoked by etcd, or not renewed before their lower bound)."
+    );
+    describe_histogram!(
+        HANDOVER_SECONDS,
+        Unit::Seconds,
+        "Time from a waiter hearing that the lock it waits for was let go (its proxy's watch saw the release, expiry or the waiter ahead leave) to its grant: the proxy's part of a handover, by the lock's queueing (`fair` or `arbitrated`)."
     );
     describe_histogram!(
         ACQUIRE_SECONDS,

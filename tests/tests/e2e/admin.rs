@@ -44,7 +44,35 @@ pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut
         )
         .await?
         .context("admin/x not granted")?;
+    // A handover: a second session waits for admin/x and gets it on the release.
+    let waiting = client
+        .open_session(crate::support::short_session(Duration::from_secs(5)))
+        .await?;
+    let waiter = tokio::spawn(async move {
+        let lock = waiting
+            .acquire(
+                "admin/x",
+                lockcell_client::Wait::Timeout(Duration::from_secs(10)),
+            )
+            .await;
+        (waiting, lock)
+    });
+    eventually(
+        "the second session waits",
+        Duration::from_secs(10),
+        || async {
+            let page = proxy.metrics().await?;
+            Ok((gauge(&page, "lockcell_waiters") == Some(1.0)).then_some(()))
+        },
+    )
+    .await?;
     lock.release().await?;
+    let (waiting, handed) = waiter.await?;
+    handed?
+        .context("admin/x was not handed over")?
+        .release()
+        .await?;
+    waiting.close().await?;
     let page = eventually(
         "the metrics show renewals",
         Duration::from_secs(10),
@@ -60,6 +88,7 @@ pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut
         gauge(&page, "lockcell_etcd_reachable") == Some(1.0)
             && gauge(&page, "lockcell_etcd_lease_remaining_seconds").is_some_and(|s| s > 0.0)
             && gauge(&page, "lockcell_etcd_watches").is_some_and(|n| n >= 3.0)
+            && page.contains("lockcell_lock_handover_duration_seconds_count{queueing=\"arbitrated\"} 1")
             && page.contains("lockcell_etcd_request_duration_seconds_bucket{call=\"acquire txn\",outcome=\"ok\"")
             && page.contains("lockcell_etcd_request_duration_seconds_bucket{call=\"lease keepalive\",outcome=\"ok\""),
         "the metrics do not show a proxy that renews its leases, watches etcd and grants:\n{page}"
