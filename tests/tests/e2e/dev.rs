@@ -21,8 +21,10 @@ pub async fn make_dev_cell_runs_the_lockctl_example_and_stops_cleanly() -> anyho
         .args(["--lease-ttl", "3s"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
+        .process_group(0)
         .kill_on_drop(true)
         .spawn()?;
+    let _group = KillGroup(dev.id().context("pid")? as i32);
     let mut lines = tokio::io::BufReader::new(dev.stdout.take().context("stdout")?).lines();
     let example = tokio::time::timeout(Duration::from_secs(90), async {
         while let Some(line) = lines.next_line().await? {
@@ -153,6 +155,17 @@ pub async fn make_dev_cell_runs_the_lockctl_example_and_stops_cleanly() -> anyho
     .await
     .with_context(|| format!("left running: {:?}", processes_mentioning(&markers)))?;
     Ok(())
+}
+
+/// Kills the dev cell's process group (lockcell-dev, its etcd members and proxies) when
+/// the test ends early on a failed check, so none of them outlives it; after a clean
+/// stop the group is gone and this does nothing.
+struct KillGroup(i32);
+
+impl Drop for KillGroup {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::killpg(Pid::from_raw(self.0), Signal::SIGKILL);
+    }
 }
 
 /// The README's example block after `. .lockcell-dev/env`: a lock, an election, and a
