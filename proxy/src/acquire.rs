@@ -103,13 +103,11 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
         .check_ttl(call.lock.as_str(), session.ttl)
         .map_err(ProxyError::Refused)?;
     let give_up = call.wait.map(|d| started + d);
-    metrics::gauge!(m::WAITERS).increment(1.0);
     let result = if class.fair {
         fair(state, &call, &class, give_up, session).await
     } else {
         arbitrated(state, &call, &class, give_up, session).await
     };
-    metrics::gauge!(m::WAITERS).decrement(1.0);
     if let Ok(Some(g)) = &result {
         if g.fresh {
             metrics::counter!(m::LOCKS_GRANTED).increment(1);
@@ -128,6 +126,7 @@ async fn arbitrated(
     session: Session,
 ) -> Result<Option<Granted>, ProxyError> {
     let mut ticket = state.queues.join(&call.lock, call.mode);
+    let _waiting = Waiting::counted();
     // The first attempt needs no wait; after a failed one, a waiter waits for its turn
     // and reads before it tries again.
     let mut tried = false;
@@ -157,11 +156,13 @@ async fn arbitrated(
                 }
                 return trouble.map_or(Ok(None), Err);
             };
-            ticket.turn(patience).await;
+            let woke = ticket.turn(patience).await;
             if !ticket.may_try() {
                 continue;
             }
-            woken = Some(Instant::now());
+            if woke {
+                woken = Some(Instant::now());
+            }
             // Heads on other proxies were woken by the same release: a read (not a
             // proposal) tells whether one of them already has it.
             if tried && !unsettled {
@@ -202,6 +203,23 @@ async fn arbitrated(
             }
         }
         tried = true;
+    }
+}
+
+/// One acquire in line (in the proxy's queue, or in etcd's for a fair class), counted
+/// in [`m::WAITERS`] while it lives.
+struct Waiting(());
+
+impl Waiting {
+    fn counted() -> Waiting {
+        metrics::gauge!(m::WAITERS).increment(1.0);
+        Waiting(())
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        metrics::gauge!(m::WAITERS).decrement(1.0);
     }
 }
 
@@ -275,6 +293,7 @@ async fn fair(
         done: false,
         woken: None,
     };
+    let _waiting = Waiting::counted();
     loop {
         let turn = fair_turn(state, call, class, give_up, &id, queued, &mut line).await;
         let trouble = match turn {
@@ -333,8 +352,7 @@ async fn fair_turn(
                 let Some(patience) = wait_budget(&session, give_up) else {
                     return Ok(Turn::Over(None));
                 };
-                if again == predecessor {
-                    sub.changed_after(seen_at, patience).await;
+                if again == predecessor && sub.changed_after(seen_at, patience).await {
                     line.woken = Some(Instant::now());
                 }
             }
@@ -380,8 +398,9 @@ async fn fair_turn(
                 let Some(wait) = wait_budget(&session, give_up) else {
                     return Ok(Turn::Over(None));
                 };
-                sub.changed_after(seen_at, wait).await;
-                line.woken = Some(Instant::now());
+                if sub.changed_after(seen_at, wait).await {
+                    line.woken = Some(Instant::now());
+                }
             }
         }
     }

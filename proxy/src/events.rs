@@ -239,9 +239,12 @@ impl LockEvents {
 
 impl<K: Eq + std::hash::Hash + Clone> Subscription<K> {
     /// Waits until a delete newer than `seen_at` is seen, or `patience` has passed.
-    pub async fn changed_after(&mut self, seen_at: i64, patience: Duration) {
+    pub async fn changed_after(&mut self, seen_at: i64, patience: Duration) -> bool {
         let rx = self.rx.as_mut().expect("receiver lives until drop");
-        let _ = tokio::time::timeout(patience, rx.wait_for(|rev| *rev > seen_at)).await;
+        matches!(
+            tokio::time::timeout(patience, rx.wait_for(|rev| *rev > seen_at)).await,
+            Ok(Ok(_))
+        )
     }
 }
 

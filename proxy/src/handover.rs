@@ -86,13 +86,29 @@ pub async fn resume(
     principal: Option<String>,
 ) -> Result<ResumeResponse, ProxyError> {
     let started = Instant::now();
-    let result = take_over(state, req, principal).await;
-    if state.counts_sessions {
-        let outcome = if result.is_ok() { "ok" } else { "refused" };
-        metrics::histogram!(m::RESUME_SECONDS, "outcome" => outcome)
-            .record(started.elapsed().as_secs_f64());
-    }
+    let result = resume_stay(state, req, principal).await;
+    record_resume(started, result.is_ok());
     result
+}
+
+/// [`resume`] of one cell's stay of a session, for a proxy of several cells, which
+/// records the whole resume itself ([`record_resume`]).
+pub async fn resume_stay(
+    state: &ProxyState,
+    req: ResumeRequest,
+    principal: Option<String>,
+) -> Result<ResumeResponse, ProxyError> {
+    take_over(state, req, principal).await
+}
+
+/// Counts one session's resume (in every cell it has a stay in) begun at `started`.
+pub fn record_resume(started: Instant, ok: bool) {
+    let outcome = if ok { "ok" } else { "refused" };
+    metrics::histogram!(m::RESUME_SECONDS, "outcome" => outcome)
+        .record(started.elapsed().as_secs_f64());
+    if ok {
+        metrics::counter!(m::SESSIONS_RESUMED).increment(1);
+    }
 }
 
 /// [`resume`] itself.
@@ -358,9 +374,6 @@ fn resumed_here(
                 reason,
             });
         }
-    }
-    if state.counts_sessions {
-        metrics::counter!(m::SESSIONS_RESUMED).increment(1);
     }
     metrics::counter!(m::KEYS_MOVED).increment((named.len() - lost.len()) as u64);
     metrics::counter!(m::KEYS_LOST_ON_RESUME).increment(lost.len() as u64);

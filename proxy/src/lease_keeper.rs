@@ -172,7 +172,9 @@ fn lose(state: &Arc<ProxyState>, bucket: usize, lease: i64, reason: &'static str
         "proxy lease lost"
     );
     metrics::counter!(m::LEASES_LOST).increment(1);
-    metrics::counter!(m::SESSIONS_EXPIRED).increment(sessions.len() as u64);
+    if state.counts_sessions {
+        metrics::counter!(m::SESSIONS_EXPIRED).increment(sessions.len() as u64);
+    }
     for s in &sessions {
         state.leases.unassign(s.bucket);
     }

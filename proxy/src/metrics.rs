@@ -121,7 +121,7 @@ pub fn describe() {
     );
     describe_counter!(
         SESSIONS_EXPIRED,
-        "Client sessions expired (no renewal within TTL, or their proxy lease was lost)."
+        "Client sessions expired (no renewal within TTL, or their proxy lease was lost); with several cells, counted by each session's stay in the proxy's first cell."
     );
     describe_counter!(
         KEEPALIVES,
@@ -138,7 +138,7 @@ pub fn describe() {
     describe_histogram!(
         HANDOVER_SECONDS,
         Unit::Seconds,
-        "Time from a waiter hearing that the lock it waits for was let go (its proxy's watch saw the release, expiry or the waiter ahead leave) to its grant: the proxy's part of a handover, by the lock's queueing (`fair` or `arbitrated`)."
+        "Time from a waiter hearing that the lock it waits for was let go (its proxy's watch saw the release, expiry or the waiter ahead leave) to its grant, a class's lock delay included: the proxy's part of a handover, by the lock's queueing (`fair` or `arbitrated`)."
     );
     describe_histogram!(
         ACQUIRE_SECONDS,
@@ -151,6 +151,30 @@ pub fn describe() {
     );
     describe_counter!(LOCKS_RELEASED, "Locks released by their holder.");
     describe_gauge!(WATCHERS, "Watch streams open on this proxy.");
+    describe_gauge!(
+        WAITERS,
+        "Acquires in line now: in the proxy's queue, or, for a fair class, in the lock's line in etcd."
+    );
+    describe_counter!(
+        GRANT_ATTEMPTS,
+        "Grant transactions tried (a waiter's turn, or an acquire's first try)."
+    );
+    describe_counter!(
+        CLASSES_RELOADS,
+        "Lock classes files loaded (at start, on SIGHUP or when the file changed)."
+    );
+    describe_counter!(
+        CLASSES_RELOAD_FAILURES,
+        "Lock classes files refused (the last good one stays in force)."
+    );
+    describe_counter!(
+        GRANTS_RELOADS,
+        "Prefix grants files loaded (at start, on SIGHUP or when the file changed)."
+    );
+    describe_counter!(
+        GRANTS_RELOAD_FAILURES,
+        "Prefix grants files refused (the last good one stays in force)."
+    );
     describe_counter!(
         WAIT_RETRIES,
         "Turns of waiting acquires that etcd failed (slow or away); the waiter tried again."
@@ -195,4 +219,29 @@ pub fn describe() {
         CLEANUPS_PENDING,
         "Key clean-ups of ended sessions still waiting for etcd."
     );
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every metric this file names has its help text in [`super::describe`], which is
+    /// what `/metrics` shows an operator.
+    #[test]
+    fn every_metric_is_described() {
+        let source = include_str!("metrics.rs");
+        let body = &source[source.find("pub fn describe()").expect("describe")..];
+        let names = source
+            .lines()
+            .filter_map(|l| l.strip_prefix("pub const "))
+            .filter_map(|l| l.split_once(": &str").map(|(name, _)| name));
+        let missing: Vec<&str> = names
+            .filter(|name| {
+                !body.contains(&format!("({name},"))
+                    && !body.contains(&format!("        {name},\n"))
+            })
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "metrics without a description: {missing:?}"
+        );
+    }
 }

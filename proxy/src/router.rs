@@ -240,6 +240,7 @@ impl SessionApi for Router {
         }
         let principal = self.engines[0].grants.current().caller(&request)?;
         let req = request.into_inner();
+        let started = tokio::time::Instant::now();
         // Each key moves in the cell that serves its name.
         let mut keys: Vec<Vec<HeldKey>> = vec![Vec::new(); self.engines.len()];
         let mut lost = Vec::new();
@@ -293,9 +294,10 @@ impl SessionApi for Router {
                 epoch,
                 cells: Vec::new(),
             };
-            match crate::handover::resume(engine, sub, principal.clone()).await {
+            match crate::handover::resume_stay(engine, sub, principal.clone()).await {
                 Ok(reply) => replies.push(reply),
                 Err(e) => {
+                    crate::handover::record_resume(started, false);
                     let fenced = matches!(e, ProxyError::FencedOut { .. });
                     let mut status: Status = e.into();
                     if !replies.is_empty() {
@@ -334,6 +336,7 @@ impl SessionApi for Router {
             lost.append(&mut r.lost);
         }
         let first = replies.swap_remove(0);
+        crate::handover::record_resume(started, true);
         Ok(Response::new(ResumeResponse {
             valid_for_ms,
             lost,

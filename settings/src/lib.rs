@@ -87,13 +87,20 @@ pub fn load<T: Parser>(args: Vec<OsString>) -> Result<Loaded<T>, clap::Error> {
         all.splice(at..at, inserted);
     }
     let matches = command.clone().try_get_matches_from(all).map_err(|e| {
-        use clap::error::ErrorKind::{DisplayHelp, DisplayVersion};
+        use clap::error::ErrorKind::{DisplayHelp, DisplayVersion, MissingRequiredArgument};
         if matches!(e.kind(), DisplayHelp | DisplayVersion) {
             return e;
         }
-        // clap's own message (without its usage lines and its "error: ").
+        // A mistake in the arguments themselves is theirs, not the file's (but for a
+        // setting they lack, which the file may be the one to give).
+        if let Err(own) = command.clone().try_get_matches_from(&args) {
+            if own.kind() != MissingRequiredArgument {
+                return own;
+            }
+        }
+        // clap's own message (without its usage and help lines and its "error: ").
         let message = e.to_string();
-        let message = message.split("\n\nUsage").next().unwrap_or_default().trim();
+        let message = message.split("\n\n").next().unwrap_or_default().trim();
         in_file(format!(
             "with the configuration file {}: {}",
             path.display(),
@@ -188,6 +195,7 @@ fn setting_line(arg: &Arg, key: &str, matches: &ArgMatches) -> String {
         .get_raw(arg.get_id().as_str())
         .map(|raw| raw.map(|v| v.to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
+    let values: Vec<String> = values.iter().map(|v| hide_credentials(v)).collect();
     if values.is_empty() {
         format!("# {key} =")
     } else if is_secret(key) {
@@ -294,7 +302,10 @@ impl<'a> Running<'a> {
                 command
                     .get_arguments()
                     .chain(inherited.iter().copied())
-                    .find(|a| a.get_long() == Some(long))
+                    .find(|a| {
+                        a.get_long() == Some(long)
+                            || a.get_all_aliases().is_some_and(|all| all.contains(&long))
+                    })
             };
             let shorts = |short: char| {
                 command
@@ -314,10 +325,16 @@ impl<'a> Running<'a> {
                         at += 1;
                     }
                 } else if let Some(cluster) = token.strip_prefix('-').filter(|c| !c.is_empty()) {
-                    // -abc: the last short flag may take the next token as its value.
-                    let last = cluster.chars().last().unwrap_or_default();
-                    if cluster.chars().count() == 1 && shorts(last).is_some_and(takes_value) {
-                        at += 1;
+                    // -abc: the first short flag that takes a value takes the rest of
+                    // the cluster, or the next token when it ends the cluster.
+                    let mut chars = cluster.chars();
+                    while let Some(short) = chars.next() {
+                        if shorts(short).is_some_and(takes_value) {
+                            if chars.as_str().is_empty() {
+                                at += 1;
+                            }
+                            break;
+                        }
                     }
                 } else if command
                     .find_subcommand(token.as_ref())
@@ -439,6 +456,46 @@ fn is_secret(key: &str) -> bool {
         .any(|word| key.contains(word))
 }
 
+/// `value` with the password of a URL's user (`http://bob:PASSWORD@host`) and the
+/// values of its query parameters named as secrets (`?password=...`) hidden: a store's
+/// URL may carry them.
+fn hide_credentials(value: &str) -> String {
+    let Some(scheme) = value.find("://") else {
+        return value.to_owned();
+    };
+    let start = scheme + 3;
+    let end = value[start..]
+        .find(['/', '?', '#'])
+        .map_or(value.len(), |i| start + i);
+    let authority = &value[start..end];
+    let authority = match authority.rsplit_once('@') {
+        Some((user, host)) => match user.split_once(':') {
+            Some((name, _)) => format!("{name}:(hidden)@{host}"),
+            None => authority.to_owned(),
+        },
+        None => authority.to_owned(),
+    };
+    let rest = &value[end..];
+    let rest = match rest.split_once('?') {
+        Some((path, query)) => {
+            let (query, fragment) = match query.split_once('#') {
+                Some((q, f)) => (q, format!("#{f}")),
+                None => (query, String::new()),
+            };
+            let query: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((k, _)) if is_secret(&k.to_ascii_lowercase()) => format!("{k}=(hidden)"),
+                    _ => pair.to_owned(),
+                })
+                .collect();
+            format!("{path}?{}{fragment}", query.join("&"))
+        }
+        None => rest.to_owned(),
+    };
+    format!("{}{authority}{rest}", &value[..start])
+}
+
 fn quote(value: &str) -> String {
     toml::Value::String(value.to_owned()).to_string()
 }
@@ -449,7 +506,7 @@ fn parse(path: &Path, text: &str) -> Result<toml::Table, String> {
     text.parse().map_err(|e: toml::de::Error| {
         let line = e
             .span()
-            .map(|span| text[..span.start.min(text.len())].lines().count().max(1));
+            .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
         format!(
             "the configuration file {} is not TOML{}: {}",
             path.display(),
@@ -553,7 +610,8 @@ pub fn reference(root: &Command) -> String {
          array, a switch as `true`).{commands} A setting {name} does not know is refused, \
          naming it. `{name} --print-config` prints the configuration in force in the file's \
          format, each setting with where it came from (passwords and tokens hidden). Values \
-         are checked at start; an error names the setting (and the file).\n\n"
+         are checked when the command that takes them runs; an error names the setting \
+         (and the file).\n\n"
     );
     table(&mut out, root, &[]);
     out

@@ -295,3 +295,50 @@ fn the_reference_names_every_command_and_setting() {
     assert!(doc.contains("| `timeout` |  | `1s` |"), "{doc}");
     assert!(!doc.contains("print-config` |"), "{doc}");
 }
+
+#[test]
+fn a_urls_credentials_never_show() {
+    assert_eq!(
+        hide_credentials("http://bob:hunter2@ch:8123/?database=x&password=hunter2#f"),
+        "http://bob:(hidden)@ch:8123/?database=x&password=(hidden)#f"
+    );
+    assert_eq!(hide_credentials("s3://bucket/prefix"), "s3://bucket/prefix");
+    assert_eq!(hide_credentials("/var/lib/audit.db"), "/var/lib/audit.db");
+    let loaded = load_with(
+        "[serve]\ncert = \"http://bob:hunter2@ch:8123/?Password=hunter2\"\nkey = \"k\"\n",
+        &["serve"],
+    )
+    .unwrap();
+    let shown = loaded.render();
+    assert!(!shown.contains("hunter2"), "{shown}");
+}
+
+#[test]
+fn a_mistake_in_the_arguments_is_not_blamed_on_the_file() {
+    let e = load_with(FILE, &["serve", "--bogus"]).err().unwrap();
+    assert!(
+        e.contains("--bogus") && !e.contains("configuration file"),
+        "{e}"
+    );
+    // One the file makes is.
+    let e = load_with("[serve]\ncert = \"c.pem\"\n", &["serve"])
+        .err()
+        .unwrap();
+    assert!(e.contains("configuration file"), "{e}");
+    assert_eq!(
+        e.matches("For more information").count(),
+        1,
+        "clap's help line is not repeated: {e}"
+    );
+}
+
+#[test]
+fn a_broken_files_line_is_the_line_of_the_mistake() {
+    let e = load_with(
+        "proxy = \"a\"\ntimeout = \"1s\"\nproxy = \"b\"\n",
+        &["serve"],
+    )
+    .err()
+    .unwrap();
+    assert!(e.contains("(line 3)"), "{e}");
+}

@@ -125,11 +125,11 @@ async fn main() -> anyhow::Result<()> {
              export LOCKCELL_PROXY={all}\n\
              export LOCKCELL_TLS_CA={ca}\n\
              export LOCKCELL_AUTH_TOKEN={token}\n\
-             export PATH=\"{bin}:$PATH\"\n",
+             export PATH={bin}:\"$PATH\"\n",
             env = env_file.display(),
-            all = all_proxies.join(","),
-            ca = ca_file.display(),
-            bin = bin_dir.display(),
+            all = shell_quote(&all_proxies.join(",")),
+            ca = shell_quote(&ca_file.display().to_string()),
+            bin = shell_quote(&bin_dir.display().to_string()),
         ),
     )?;
     println!(
@@ -199,6 +199,11 @@ fn dev_grants(token: &str) -> String {
 
 fn random_password() -> String {
     format!("{:032x}", rand::random::<u128>())
+}
+
+/// `value` as one shell word, whatever it holds (a checkout path with spaces).
+fn shell_quote(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "'\\''"))
 }
 
 /// A new file at `path` (replacing any), readable by its owner only.

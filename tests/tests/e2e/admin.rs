@@ -57,6 +57,7 @@ pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut
             .await;
         (waiting, lock)
     });
+    // In the proxy's queue (counted once it joined it): the release is what wakes it.
     eventually(
         "the second session waits",
         Duration::from_secs(10),
@@ -88,7 +89,7 @@ pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut
         gauge(&page, "lockcell_etcd_reachable") == Some(1.0)
             && gauge(&page, "lockcell_etcd_lease_remaining_seconds").is_some_and(|s| s > 0.0)
             && gauge(&page, "lockcell_etcd_watches").is_some_and(|n| n >= 3.0)
-            && page.contains("lockcell_lock_handover_duration_seconds_count{queueing=\"arbitrated\"} 1")
+            && gauge(&page, "lockcell_lock_handover_duration_seconds_count{queueing=\"arbitrated\"}") == Some(1.0)
             && page.contains("lockcell_etcd_request_duration_seconds_bucket{call=\"acquire txn\",outcome=\"ok\"")
             && page.contains("lockcell_etcd_request_duration_seconds_bucket{call=\"lease keepalive\",outcome=\"ok\""),
         "the metrics do not show a proxy that renews its leases, watches etcd and grants:\n{page}"

@@ -90,11 +90,20 @@ pub async fn make_dev_cell_runs_the_lockctl_example_and_stops_cleanly() -> anyho
         lines.len()
     );
     for line in &lines {
-        let run = tokio::process::Command::new("sh")
+        // Its own process group: a line that hangs is killed whole (sh and lockctl) when
+        // the timeout drops it. Not `exec`: a line may be `lockctl ... || echo ...`.
+        let mut command = tokio::process::Command::new("sh");
+        command
             .arg("-c")
             .arg(format!(". '{}' && {line}", env_file.display()))
-            .kill_on_drop(true)
-            .output();
+            .process_group(0)
+            .kill_on_drop(true);
+        let child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let _group = KillGroup(child.id().context("pid")? as i32);
+        let run = child.wait_with_output();
         let out = tokio::time::timeout(Duration::from_secs(30), run)
             .await
             .with_context(|| format!("the guide's `{line}` did not end within 30 s"))??;
@@ -112,7 +121,8 @@ pub async fn make_dev_cell_runs_the_lockctl_example_and_stops_cleanly() -> anyho
     let var = |name: &str| {
         env.lines()
             .find_map(|l| l.strip_prefix(&format!("export {name}=")))
-            .map(str::to_owned)
+            // One shell word, quoted: the paths here have no quote of their own.
+            .map(|v| v.trim_matches('\'').to_owned())
             .with_context(|| format!("{name} is not in the env file:\n{env}"))
     };
     let client = crate::guide::connect(

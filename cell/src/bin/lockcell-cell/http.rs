@@ -1,6 +1,7 @@
 //! The audit process's HTTP server: `/healthz` (alive), `/readyz` (etcd answered lately
 //! and not draining), `POST /drain` (stop as on SIGTERM: write what it has, flush the
-//! archive, exit), `/metrics` (Prometheus) and
+//! archive, exit; taken from this host only, as the port also serves every `lockctl
+//! audit` user), `/metrics` (Prometheus) and
 //! `GET /v1/audit?name=NAME[&since_ms=T][&limit=N]`, the history of one lock, election or
 //! small key as JSON (what `lockctl audit` shows).
 
@@ -8,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::{Query, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -123,6 +124,7 @@ pub async fn serve(
             readiness,
             stop,
         });
+    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             let _ = stopped.wait_for(|s| *s).await;
@@ -168,8 +170,19 @@ async fn readyz(State(audit): State<Audit>) -> Response {
 }
 
 /// Stops the tailer as SIGTERM does: it writes what it has, flushes the archive and
-/// exits.
-async fn drain(State(audit): State<Audit>) -> Response {
+/// exits. Only from this host (a preStop hook, an operator on the machine): the port
+/// serves the audit history to every `lockctl audit` user, who may not stop it.
+async fn drain(
+    State(audit): State<Audit>,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+) -> Response {
+    if !peer.ip().is_loopback() {
+        return (
+            StatusCode::FORBIDDEN,
+            format!("POST /drain is taken from this host only, not from {peer}\n"),
+        )
+            .into_response();
+    }
     let _ = audit.stop.send(true);
     (
         StatusCode::ACCEPTED,
