@@ -48,59 +48,14 @@ mod tests {
         assert_eq!(c.etcd_endpoints, ["http://e1:2379", "http://e2:2379"]);
         assert_eq!(c.leases, 8);
         assert!(c.grants_without_tls);
+        // How the sources show is the settings crate's to test; one line here.
         let shown = loaded.render();
-        assert!(shown.contains("lease-ttl = \"12s\""), "{shown}");
-        assert!(
-            shown
-                .lines()
-                .any(|l| l.starts_with("zone = \"c\"") && l.ends_with("# flag")),
-            "{shown}"
-        );
         assert!(
             shown
                 .lines()
                 .any(|l| l.starts_with("leases = \"8\"") && l.ends_with("# file")),
             "{shown}"
         );
-        assert!(
-            shown
-                .lines()
-                .any(|l| l.starts_with("session-ttl =") && l.ends_with("# default")),
-            "{shown}"
-        );
-    }
-
-    #[test]
-    fn a_bad_file_is_refused_naming_the_setting_and_the_file() {
-        let unknown = file("lease-tll = \"3s\"\n");
-        let e = load(args(&["--config", unknown.path().to_str().unwrap()]))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("lease-tll") && e.contains("unknown setting"),
-            "{e}"
-        );
-        let bad_value = file("lease-ttl = \"soon\"\n");
-        let e = load(args(&["--config", bad_value.path().to_str().unwrap()]))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("configuration file") && e.contains("lease-ttl") && e.contains("soon"),
-            "{e}"
-        );
-        let not_toml = file("lease-ttl = \n");
-        let e = load(args(&["--config", not_toml.path().to_str().unwrap()]))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("not TOML"), "{e}");
-        let e = load(args(&["--config", "/nonexistent/lockcell.toml"]))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("/nonexistent/lockcell.toml"), "{e}");
     }
 
     #[test]
@@ -124,16 +79,6 @@ mod tests {
         let shown = loaded.render();
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("etcd-password = \"(hidden)\""), "{shown}");
-        // Nor in the error about a broken file.
-        let broken = file("etcd-password = \"hunter2\n");
-        let e = load(args(&["--config", broken.path().to_str().unwrap()]))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("not TOML (line 1)") && !e.contains("hunter2"),
-            "{e}"
-        );
     }
 
     #[test]
