@@ -83,6 +83,11 @@ struct Hold {
 ///   until the client stopped believing, never past the latest deadline it saw);
 /// - every act was decided before the deadline the client believed at the time;
 /// - a lock's tokens rise with every grant, in the order the grants arrived.
+///
+/// A grant whose reply arrived at or after the deadline it carried (a reply held up on
+/// a slow link while the session ran out) was never a hold: the client knew at once it
+/// could not act on it, so it takes no part in the order and overlap rules (an act on
+/// it is still caught, as past its deadline).
 pub fn check(records: &[Record]) -> Verdict {
     let mut verdict = Verdict::default();
     // (lock, client, token) -> hold under construction
@@ -165,6 +170,7 @@ pub fn check(records: &[Record]) -> Verdict {
         by_lock.entry(key.0).or_default().push(hold);
     }
     for (lock, mut holds) in by_lock {
+        holds.retain(|h| h.end > h.start);
         holds.sort_by_key(|h| (h.start, h.token));
         for pair in holds.windows(2) {
             if pair[1].token <= pair[0].token {
@@ -359,6 +365,33 @@ mod tests {
             act("c", "1:7", 350, 400, true),
         ]);
         assert_eq!(v.violations.len(), 2, "{:?}", v.violations);
+    }
+
+    #[test]
+    fn a_grant_that_arrived_past_its_deadline_is_no_hold() {
+        // 1:5's reply was held up until after its deadline, and after 1:9 came and went.
+        let v = check(&[
+            grant("b", "1:9", 100, 300),
+            end("b", "1:9", 200),
+            grant("a", "1:5", 400, 350),
+            end("a", "1:5", 401),
+        ]);
+        assert!(v.violations.is_empty(), "{:?}", v.violations);
+        // But an act on it is caught.
+        let v = check(&[
+            grant("b", "1:9", 100, 300),
+            grant("a", "1:5", 400, 350),
+            act("a", "1:5", 402, 350, false),
+        ]);
+        assert_eq!(v.violations.len(), 1, "{:?}", v.violations);
+        assert!(
+            v.violations[0].contains("past its deadline"),
+            "{:?}",
+            v.violations
+        );
+        // A late grant with a deadline still ahead is a hold, and its token must rise.
+        let v = check(&[grant("b", "1:9", 100, 300), grant("a", "1:5", 400, 900)]);
+        assert_eq!(v.violations.len(), 1, "{:?}", v.violations);
     }
 
     #[test]
