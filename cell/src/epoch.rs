@@ -9,11 +9,12 @@
 
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, KvClient, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, KvClient, Txn, TxnOp};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{with_timeout, CellError};
 use crate::keyspace;
+use crate::kv::{put_if_absent, PutIfAbsent};
 use crate::shardmap::{self, ShardMap};
 
 /// The content of `/sys/epoch`.
@@ -147,19 +148,11 @@ pub async fn ensure(kv: &mut KvClient, timeout: Duration) -> Result<EpochRecord,
     let key = keyspace::epoch_key();
     let fresh = EpochRecord::fresh();
     let body = serde_json::to_vec(&fresh).expect("epoch record serializes");
-    let txn = Txn::new()
-        .when([Compare::version(key, CompareOp::Equal, 0)])
-        .and_then([TxnOp::put(key, body, None)])
-        .or_else([TxnOp::get(key, None)]);
-    let resp = with_timeout("epoch create-if-absent", timeout, kv.txn(txn)).await?;
-    if resp.succeeded() {
+    let put = put_if_absent(kv, key.as_bytes(), body, "epoch create-if-absent", timeout).await?;
+    let PutIfAbsent::Present(stored) = put else {
         tracing::info!(cluster.id = %fresh.cluster_id, epoch = fresh.epoch, "created epoch record");
         return Ok(fresh);
-    }
-    let stored = resp.op_responses().into_iter().find_map(|op| match op {
-        TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
-        _ => None,
-    });
+    };
     let Some(stored) = stored else {
         return Err(CellError::CorruptRecord {
             key: key.to_owned(),

@@ -12,6 +12,39 @@ use crate::error::{with_timeout, CellError};
 use crate::keyspace::{self, prefix_end, LockName};
 use crate::locklog::{check_map, map_guard};
 
+/// What [`put_if_absent`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PutIfAbsent {
+    Written,
+    /// The key was there, with this value (`None`: gone again by the read).
+    Present(Option<Vec<u8>>),
+}
+
+/// Writes `key` (without a lease) only if it does not exist, in one transaction; else
+/// reads what is there. `call` names the etcd call in errors and metrics.
+pub async fn put_if_absent(
+    kv: &mut KvClient,
+    key: &[u8],
+    value: Vec<u8>,
+    call: &'static str,
+    timeout: Duration,
+) -> Result<PutIfAbsent, CellError> {
+    let txn = Txn::new()
+        .when([Compare::version(key, CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(key, value, None)])
+        .or_else([TxnOp::get(key, None)]);
+    let resp = with_timeout(call, timeout, kv.txn(txn)).await?;
+    if resp.succeeded() {
+        return Ok(PutIfAbsent::Written);
+    }
+    Ok(PutIfAbsent::Present(
+        resp.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        }),
+    ))
+}
+
 /// When a conditional write applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Condition {

@@ -126,7 +126,7 @@ async fn arbitrated(
     session: Session,
 ) -> Result<Option<Granted>, ProxyError> {
     let mut ticket = state.queues.join(&call.lock, call.mode);
-    let _waiting = Waiting::counted();
+    let _waiting = m::Counted::in_gauge(m::WAITERS);
     // The first attempt needs no wait; after a failed one, a waiter waits for its turn
     // and reads before it tries again.
     let mut tried = false;
@@ -206,23 +206,6 @@ async fn arbitrated(
     }
 }
 
-/// One acquire in line (in the proxy's queue, or in etcd's for a fair class), counted
-/// in [`m::WAITERS`] while it lives.
-struct Waiting(());
-
-impl Waiting {
-    fn counted() -> Waiting {
-        metrics::gauge!(m::WAITERS).increment(1.0);
-        Waiting(())
-    }
-}
-
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        metrics::gauge!(m::WAITERS).decrement(1.0);
-    }
-}
-
 /// Records a handover: a waiter woken at `woken` by a release was just granted.
 fn handed_over(woken: Option<Instant>, queueing: &'static str) {
     if let Some(woken) = woken {
@@ -293,7 +276,7 @@ async fn fair(
         done: false,
         woken: None,
     };
-    let _waiting = Waiting::counted();
+    let _waiting = m::Counted::in_gauge(m::WAITERS);
     loop {
         let turn = fair_turn(state, call, class, give_up, &id, queued, &mut line).await;
         let trouble = match turn {

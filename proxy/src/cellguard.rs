@@ -166,7 +166,7 @@ impl CellGuard {
                     continue;
                 }
             };
-            let _counted = crate::metrics::UpstreamWatch::opened();
+            let _counted = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_WATCHES);
             while let Ok(Some(resp)) = stream.message().await {
                 if let Some(event) = resp.events().first() {
                     let at = event.kv().map(|kv| kv.mod_revision()).unwrap_or_default();

@@ -282,7 +282,7 @@ pub async fn follow(
                 continue;
             }
         };
-        let _counted = crate::metrics::UpstreamWatch::opened();
+        let _counted = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_WATCHES);
         loop {
             match stream.message().await {
                 Ok(Some(resp)) => {

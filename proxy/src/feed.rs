@@ -277,7 +277,7 @@ async fn follow(
                 continue;
             }
         };
-        let _counted = crate::metrics::UpstreamWatch::opened();
+        let _counted = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_WATCHES);
         loop {
             let message = tokio::select! {
                 message = stream.message() => message,

@@ -59,27 +59,18 @@ use state::ProxyState;
 
 /// Installs the Prometheus recorder for this process and describes the metrics.
 pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
-    let handle = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Full(metrics::ACQUIRE_SECONDS.to_owned()),
-            metrics::ACQUIRE_BUCKETS,
-        )?
-        .set_buckets_for_metric(
-            Matcher::Full(metrics::ETCD_REQUEST_SECONDS.to_owned()),
-            metrics::ETCD_BUCKETS,
-        )?
-        .set_buckets_for_metric(
-            Matcher::Full(metrics::RESUME_SECONDS.to_owned()),
-            metrics::ETCD_BUCKETS,
-        )?
-        .set_buckets_for_metric(
-            Matcher::Full(metrics::HANDOVER_SECONDS.to_owned()),
-            metrics::ETCD_BUCKETS,
-        )?
-        .set_buckets_for_metric(
-            Matcher::Full(metrics::VALIDITY_GRANTED.to_owned()),
-            metrics::VALIDITY_BUCKETS,
-        )?
+    let buckets = [
+        (metrics::ACQUIRE_SECONDS, metrics::ACQUIRE_BUCKETS),
+        (metrics::ETCD_REQUEST_SECONDS, metrics::ETCD_BUCKETS),
+        (metrics::RESUME_SECONDS, metrics::ETCD_BUCKETS),
+        (metrics::HANDOVER_SECONDS, metrics::ETCD_BUCKETS),
+        (metrics::VALIDITY_GRANTED, metrics::VALIDITY_BUCKETS),
+    ];
+    let handle = buckets
+        .into_iter()
+        .try_fold(PrometheusBuilder::new(), |builder, (name, buckets)| {
+            builder.set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)
+        })?
         .install_recorder()
         .context("installing the metrics recorder")?;
     metrics::describe();

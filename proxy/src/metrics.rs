@@ -55,19 +55,21 @@ pub const ETCD_BUCKETS: &[f64] = &[
 /// Histogram buckets for the validity granted to clients, in seconds.
 pub const VALIDITY_BUCKETS: &[f64] = &[0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0];
 
-/// One etcd watch stream of the proxy's own, counted in [`ETCD_WATCHES`] while it lives.
-pub struct UpstreamWatch(());
+/// One of something counted in a gauge while it lives (an etcd watch stream of the
+/// proxy's own in [`ETCD_WATCHES`], a client watch in [`WATCHERS`], an acquire in line
+/// in [`WAITERS`]): counted down when dropped, also when its task is cancelled.
+pub struct Counted(&'static str);
 
-impl UpstreamWatch {
-    pub fn opened() -> Self {
-        metrics::gauge!(ETCD_WATCHES).increment(1.0);
-        UpstreamWatch(())
+impl Counted {
+    pub fn in_gauge(gauge: &'static str) -> Self {
+        metrics::gauge!(gauge).increment(1.0);
+        Counted(gauge)
     }
 }
 
-impl Drop for UpstreamWatch {
+impl Drop for Counted {
     fn drop(&mut self) {
-        metrics::gauge!(ETCD_WATCHES).decrement(1.0);
+        metrics::gauge!(self.0).decrement(1.0);
     }
 }
 

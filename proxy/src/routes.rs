@@ -209,7 +209,7 @@ pub async fn follow(
                     source,
                 }
             })?;
-            let _counted = crate::metrics::UpstreamWatch::opened();
+            let _counted = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_WATCHES);
             while let Ok(Some(resp)) = stream.message().await {
                 for event in resp.events() {
                     let Some(kv) = event.kv() else { continue };

@@ -5,12 +5,13 @@
 
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, KvClient, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, GetOptions, KvClient, Txn, TxnOp};
 
 use super::plan::{self, Moving};
 use super::ShardMap;
 use crate::error::{with_timeout, CellError};
 use crate::keyspace;
+use crate::kv::{put_if_absent, PutIfAbsent};
 
 /// Keys per page of a scan.
 const PAGE: i64 = 1000;
@@ -152,22 +153,11 @@ pub async fn copy_key(
     value: &[u8],
     timeout: Duration,
 ) -> Result<Copied, CellError> {
-    let txn = Txn::new()
-        .when([Compare::version(key, CompareOp::Equal, 0)])
-        .and_then([TxnOp::put(key, value, None)])
-        .or_else([TxnOp::get(key, None)]);
-    let resp = with_timeout("copy a small key", timeout, kv.txn(txn)).await?;
-    if resp.succeeded() {
+    let put = put_if_absent(kv, key, value.to_vec(), "copy a small key", timeout).await?;
+    let PutIfAbsent::Present(there) = put else {
         return Ok(Copied::Written);
-    }
-    let there = resp
-        .op_responses()
-        .into_iter()
-        .find_map(|op| match op {
-            TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
-            _ => None,
-        })
-        .unwrap_or_default();
+    };
+    let there = there.unwrap_or_default();
     Ok(if there == value {
         Copied::AlreadyThere
     } else {

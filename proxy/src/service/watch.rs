@@ -162,9 +162,8 @@ enum CatchUpError {
 
 impl Pump {
     async fn run(mut self, mut sub: Subscription, catch_up: Option<CatchUp>) {
-        ::metrics::gauge!(metrics::WATCHERS).increment(1.0);
+        let _counted = metrics::Counted::in_gauge(metrics::WATCHERS);
         self.deliver(&mut sub, catch_up).await;
-        ::metrics::gauge!(metrics::WATCHERS).decrement(1.0);
     }
 
     async fn deliver(&mut self, sub: &mut Subscription, catch_up: Option<CatchUp>) {
@@ -352,7 +351,7 @@ impl Pump {
             .await
             .map_err(|e| CatchUpError::Etcd(e.to_string()))?;
         ::metrics::counter!(metrics::WATCH_CATCH_UPS).increment(1);
-        let _counted = metrics::UpstreamWatch::opened();
+        let _counted = metrics::Counted::in_gauge(metrics::ETCD_WATCHES);
         let mut seen = self.start - 1;
         loop {
             let resp = match stream.message().await {
