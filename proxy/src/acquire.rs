@@ -126,7 +126,8 @@ async fn arbitrated(
     session: Session,
 ) -> Result<Option<Granted>, ProxyError> {
     let mut ticket = state.queues.join(&call.lock, call.mode);
-    let _waiting = m::Counted::in_gauge(m::WAITERS);
+    // Counted in `lockcell_waiters` from its first wait for a turn on.
+    let mut waiting = None;
     // The first attempt needs no wait; after a failed one, a waiter waits for its turn
     // and reads before it tries again.
     let mut tried = false;
@@ -156,6 +157,7 @@ async fn arbitrated(
                 }
                 return trouble.map_or(Ok(None), Err);
             };
+            waiting.get_or_insert_with(|| m::Counted::in_gauge(m::WAITERS));
             let woke = ticket.turn(patience).await;
             if !ticket.may_try() {
                 continue;

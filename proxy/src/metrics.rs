@@ -155,7 +155,7 @@ pub fn describe() {
     describe_gauge!(WATCHERS, "Watch streams open on this proxy.");
     describe_gauge!(
         WAITERS,
-        "Acquires in line now: in the proxy's queue, or, for a fair class, in the lock's line in etcd."
+        "Acquires waiting now: for their turn in the proxy's queue, or, for a fair class, in the lock's line in etcd."
     );
     describe_counter!(
         GRANT_ATTEMPTS,

@@ -57,7 +57,7 @@ pub async fn the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut
             .await;
         (waiting, lock)
     });
-    // In the proxy's queue (counted once it joined it): the release is what wakes it.
+    // Waiting for its turn (counted once it waits): the release is what wakes it.
     eventually(
         "the second session waits",
         Duration::from_secs(10),
