@@ -34,6 +34,15 @@ pub enum CellError {
     /// new map, which may route it elsewhere or refuse it while its prefix moves.
     #[error("the shard map in this cell changed (now at revision {now}) while the call was in flight; nothing was written")]
     MapChanged { now: i64 },
+    /// The session already holds the lock through another call (an acquire, campaign
+    /// or grant it made earlier): a lock is not re-entrant, and a second call sharing
+    /// the first one's grant would let either call's release end the other's hold.
+    #[error("this session already holds lock {lock:?} {mode} (token revision {revision}) through another acquire; a lock is not re-entrant: release that hold first, or retry the same call (same call id) to get it back")]
+    AlreadyHeld {
+        lock: String,
+        mode: crate::keyspace::Mode,
+        revision: i64,
+    },
 }
 
 impl CellError {

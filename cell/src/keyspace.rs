@@ -164,6 +164,25 @@ pub enum Mode {
     Shared,
 }
 
+impl Mode {
+    /// The other mode.
+    pub fn other(self) -> Mode {
+        match self {
+            Mode::Exclusive => Mode::Shared,
+            Mode::Shared => Mode::Exclusive,
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Exclusive => "exclusively",
+            Mode::Shared => "shared",
+        })
+    }
+}
+
 /// What a key under `/l/` or `/q/` is, for the watch that follows them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyKind {

@@ -22,10 +22,16 @@ pub const MAX_DELETES_PER_TXN: usize = 64;
 
 /// The value of a holder key: who holds the lock, for idempotent retries, for elections
 /// (the leader's value) and for people reading etcd during an investigation.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HolderRecord {
-    /// The session that holds the lock; a retried acquire by it gets the same grant.
+    /// The session that holds the lock.
     pub session: String,
+    /// The acquire (or campaign) call that made the grant: the same call retried gets
+    /// this grant back; any other call of the session is a new acquire and is refused
+    /// while this grant stands (a lock is not re-entrant). Empty in records written
+    /// before calls were named.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub call: String,
     /// The proxy that made the grant.
     pub proxy: String,
     /// The identity the client gave when it opened its session.
@@ -47,7 +53,7 @@ pub struct HolderRecord {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Acquired {
     /// The session holds the lock; `revision` is the holder key's create revision.
-    /// `fresh` is false when the session already held it (a retried acquire).
+    /// `fresh` is false when the same call had already been granted it (a retry).
     Granted { revision: i64, fresh: bool },
     /// Another holder is in the way. `seen_at` is the store revision the transaction
     /// saw: any release that lets a waiter in happens after it.
@@ -103,7 +109,11 @@ impl LockLog {
     /// Grants `lock` in `mode` to `record.session` on `lease` unless a holder is in the
     /// way. With `queued` (fair classes: the waiter's id and the create revision of its
     /// waiter key) the waiter key must still be there and goes in the same transaction.
-    /// Idempotent for the session that holds it.
+    ///
+    /// Idempotent per call, never per session: the call that made the grant
+    /// (`record.call`) gets it back when it asks again; any other call of a session that
+    /// holds the lock, in either mode, fails with [`CellError::AlreadyHeld`] and writes
+    /// nothing, since two calls sharing one grant would let one release end the other's.
     pub async fn acquire(
         &self,
         lock: &LockName,
@@ -114,8 +124,16 @@ impl LockLog {
         map_revision: i64,
     ) -> Result<Acquired, CellError> {
         let key = lock.holder_key(mode, &record.session);
+        // The session's key in the other mode: it would hold the lock too.
+        let other = lock.holder_key(mode.other(), &record.session);
         let body = serde_json::to_vec(record).expect("holder record serializes");
-        let mut when = vec![holders_compatible(lock, mode), map_guard(map_revision)];
+        let mut when = vec![
+            holders_compatible(lock, mode),
+            // A shared grant never writes over the session's own shared key (an
+            // exclusive one is covered by the compare above).
+            Compare::create_revision(key.as_bytes(), CompareOp::Equal, 0),
+            map_guard(map_revision),
+        ];
         let mut then = vec![
             TxnOp::put(
                 key.as_bytes(),
@@ -137,14 +155,9 @@ impl LockLog {
             when.push(Compare::lease(waiter.as_bytes(), CompareOp::Equal, lease));
             then.push(TxnOp::delete(waiter.as_bytes(), None));
         }
-        // A shared session that already held the lock rewrites its own key, which keeps
-        // its create revision (its token): read it back in the same transaction. An
-        // exclusive grant always creates its key, at the transaction's revision.
-        if mode == Mode::Shared {
-            then.push(TxnOp::get(key.as_bytes(), None));
-        }
         let mut otherwise = vec![
             TxnOp::get(key.as_bytes(), None),
+            TxnOp::get(other.as_bytes(), None),
             TxnOp::get(keyspace::shardmap_key(), None),
         ];
         if let Some(epoch_revision) = self.epoch_revision {
@@ -167,39 +180,40 @@ impl LockLog {
                 key: key.clone(),
                 reason: "etcd's reply to the acquire carries no revision".to_owned(),
             })?;
-        let ops = resp.op_responses();
-        if !resp.succeeded() {
-            self.check_epoch(&ops)?;
-            check_map(&ops, map_revision)?;
-        }
-        let mine = kv_of(&ops, &key)
-            .map(|kv| decode(&key, kv.value()).map(|r| (r, kv.create_revision(), kv.lease())))
-            .transpose()?;
-        if resp.succeeded() && mode == Mode::Exclusive {
+        if resp.succeeded() {
+            // The key was absent, so the put created it: its create revision is the
+            // transaction's.
             return Ok(Acquired::Granted {
                 revision: seen_at,
                 fresh: true,
             });
         }
-        match mine {
-            Some((_, revision, _)) if resp.succeeded() => Ok(Acquired::Granted {
-                revision,
-                fresh: revision == seen_at,
-            }),
-            Some((held, revision, held_lease))
-                if held.session == record.session && held_lease == lease =>
-            {
-                Ok(Acquired::Granted {
-                    revision,
-                    fresh: false,
-                })
+        let ops = resp.op_responses();
+        self.check_epoch(&ops)?;
+        check_map(&ops, map_revision)?;
+        for (held_key, held_mode) in [(&key, mode), (&other, mode.other())] {
+            let Some(kv) = kv_of(&ops, held_key) else {
+                continue;
+            };
+            let held = decode(held_key, kv.value())?;
+            // The exclusive key is every session's; a key on another lease is being
+            // moved or cleaned up and is waited for like any holder.
+            if held.session != record.session || kv.lease() != lease {
+                continue;
             }
-            _ if resp.succeeded() => Err(CellError::CorruptRecord {
-                key,
-                reason: "granted, but the holder key did not read back".to_owned(),
-            }),
-            _ => Ok(Acquired::Busy { seen_at }),
+            if held_mode == mode && !held.call.is_empty() && held.call == record.call {
+                return Ok(Acquired::Granted {
+                    revision: kv.create_revision(),
+                    fresh: false,
+                });
+            }
+            return Err(CellError::AlreadyHeld {
+                lock: lock.as_str().to_owned(),
+                mode: held_mode,
+                revision: kv.create_revision(),
+            });
         }
+        Ok(Acquired::Busy { seen_at })
     }
 
     /// Fails when the epoch record read back by a refused grant is not the one this
@@ -366,15 +380,16 @@ impl LockLog {
         })
     }
 
-    /// The create revision of `session`'s `mode` hold of `lock` on `lease`, if it has
-    /// one: a retried acquire on a fair class finds its grant without joining the line.
+    /// `session`'s `mode` hold of `lock` on `lease`, if it has one: the caller compares
+    /// its call with the record's (a retried call finds its grant without joining the
+    /// line; another call of the session is refused).
     pub async fn held_by(
         &self,
         lock: &LockName,
         mode: Mode,
         session: &str,
         lease: i64,
-    ) -> Result<Option<i64>, CellError> {
+    ) -> Result<Option<Holder>, CellError> {
         let key = lock.holder_key(mode, session);
         let resp = with_timeout(
             "holder read",
@@ -383,8 +398,13 @@ impl LockLog {
         )
         .await?;
         for kv in resp.kvs() {
-            if kv.lease() == lease && decode(&key, kv.value())?.session == session {
-                return Ok(Some(kv.create_revision()));
+            let record = decode(&key, kv.value())?;
+            if kv.lease() == lease && record.session == session {
+                return Ok(Some(Holder {
+                    record,
+                    revision: kv.create_revision(),
+                    lease: kv.lease(),
+                }));
             }
         }
         Ok(None)
@@ -573,12 +593,22 @@ impl LockLog {
     /// transactions as etcd allows. `clean` marks the deletes as releases (a closed
     /// session) rather than a holder that vanished (an expired one), for lock-delay.
     /// Returns how many keys it deleted.
+    ///
+    /// A grant whose outcome was unknown (revision 0, see [`Grant::unsettled_hold`]) is
+    /// read first and deleted only if it turns out to be that call's key on `lease`.
     pub async fn delete_guarded(
         &self,
         grants: &[Grant],
         lease: i64,
         clean: bool,
     ) -> Result<usize, CellError> {
+        let (unknown, mut grants): (Vec<Grant>, Vec<Grant>) =
+            grants.iter().cloned().partition(Grant::is_unsettled);
+        for found in self.settle(&unknown, lease).await? {
+            if !grants.contains(&found) {
+                grants.push(found);
+            }
+        }
         let mut deleted = 0;
         for chunk in grants.chunks(MAX_DELETES_PER_TXN) {
             // One release marker per lock per transaction: etcd refuses a request that
@@ -611,9 +641,60 @@ pub struct Grant {
     /// The lock (or, for an ephemeral key, the key's name).
     pub lock: LockName,
     pub key: String,
+    /// The key's create revision; 0 while unsettled (see `made_by`).
     pub revision: i64,
     /// Not a hold (a waiter key or an ephemeral key): deleting it releases nothing.
     pub waiter: bool,
+    /// Set while the transaction that would create the key has an unknown outcome (sent,
+    /// not answered in time): the call it belongs to, so that reading the key tells
+    /// whether it is this call's. Such a key is still the session's to delete.
+    pub made_by: Option<MadeBy>,
+}
+
+/// The call behind an unsettled key: a holder key is that call's if its record names
+/// the session and the call; a waiter key if its value is the waiter id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MadeBy {
+    pub session: String,
+    /// The acquire's call id; for a waiter key, the waiter id.
+    pub call: String,
+}
+
+impl LockLog {
+    /// Reads each unsettled grant in `unknown` and returns, with its create revision,
+    /// every one that turns out to exist on `lease` as its call's key; the others were
+    /// never made (or are gone).
+    pub async fn settle(&self, unknown: &[Grant], lease: i64) -> Result<Vec<Grant>, CellError> {
+        let mut found = Vec::new();
+        for grant in unknown {
+            let Some(made_by) = &grant.made_by else {
+                continue;
+            };
+            let resp = with_timeout(
+                "settle read",
+                self.timeout,
+                self.kv.clone().get(grant.key.as_bytes(), None),
+            )
+            .await?;
+            let Some(kv) = resp.kvs().first().filter(|kv| kv.lease() == lease) else {
+                continue;
+            };
+            let mine = if grant.waiter {
+                kv.value() == made_by.call.as_bytes()
+            } else {
+                decode(&grant.key, kv.value())
+                    .is_ok_and(|r| r.session == made_by.session && r.call == made_by.call)
+            };
+            if mine {
+                found.push(Grant {
+                    revision: kv.create_revision(),
+                    made_by: None,
+                    ..grant.clone()
+                });
+            }
+        }
+        Ok(found)
+    }
 }
 
 impl Grant {
@@ -625,6 +706,7 @@ impl Grant {
             key: crate::keyspace::session_fence_key(session.as_str()),
             revision,
             waiter: true,
+            made_by: None,
         }
     }
 
@@ -635,6 +717,7 @@ impl Grant {
             key: crate::keyspace::kv_key(name),
             revision,
             waiter: true,
+            made_by: None,
         }
     }
 }
@@ -646,6 +729,7 @@ impl Grant {
             key: lock.holder_key(mode, session),
             revision,
             waiter: false,
+            made_by: None,
         }
     }
 
@@ -655,7 +739,37 @@ impl Grant {
             key: lock.waiter_key(mode, waiter),
             revision,
             waiter: true,
+            made_by: None,
         }
+    }
+
+    /// The hold call `call` of `session` asks for, before etcd has answered: recorded
+    /// in the session first, so that a grant whose answer never arrives is still the
+    /// session's (deleted when it ends, after a read shows it is this call's).
+    pub fn unsettled_hold(lock: &LockName, mode: Mode, session: &str, call: &str) -> Grant {
+        Grant {
+            made_by: Some(MadeBy {
+                session: session.to_owned(),
+                call: call.to_owned(),
+            }),
+            ..Grant::hold(lock, mode, session, 0)
+        }
+    }
+
+    /// The waiter key `waiter` of `session` before etcd has answered its enqueue.
+    pub fn unsettled_waiter(lock: &LockName, mode: Mode, session: &str, waiter: &str) -> Grant {
+        Grant {
+            made_by: Some(MadeBy {
+                session: session.to_owned(),
+                call: waiter.to_owned(),
+            }),
+            ..Grant::waiting(lock, mode, waiter, 0)
+        }
+    }
+
+    /// Whether the key's outcome is still unknown.
+    pub fn is_unsettled(&self) -> bool {
+        self.made_by.is_some()
     }
 }
 

@@ -36,17 +36,19 @@ impl Session {
         value: &str,
         wait: Wait,
     ) -> Result<Option<Leadership>, Error> {
+        self.before_grant_of(election).await?;
         let mut request = tonic::Request::new(CampaignRequest {
             session_id: self.id().to_owned(),
             election: election.to_owned(),
             value: value.to_owned(),
             wait_timeout_ms: wait.wait_timeout_ms(),
+            call_id: crate::lock::call_id(),
         });
         if let Some(timeout) = wait.call_timeout() {
             request.set_timeout(timeout);
         }
-        let mut client = ElectionClient::new(self.client().channel());
-        let (reply, sent) = self.grant_request(client.campaign(request)).await?;
+        let call = |channel| async move { ElectionClient::new(channel).campaign(request).await };
+        let (reply, sent) = self.grant_request(call).await?;
         if !reply.elected {
             return Ok(None);
         }
@@ -143,7 +145,10 @@ impl Leadership {
     /// it); the proxy may also say so with [`Error::NotHolder`].
     pub async fn resign(mut self) -> Result<bool, Error> {
         self.resigned = true;
-        self.session.shared().holdings.remove(&self.holding);
+        let holdings = &self.session.shared().holdings;
+        // A campaign of this election by another task of the session waits for this.
+        let _resigning = holdings.releasing(&self.election);
+        holdings.remove(&self.holding);
         if self.session.shared().is_expired() {
             return Err(self.session.expired_error());
         }
@@ -153,14 +158,20 @@ impl Leadership {
 
 impl Drop for Leadership {
     fn drop(&mut self) {
-        self.session.shared().holdings.remove(&self.holding);
+        let holdings = &self.session.shared().holdings;
         if self.resigned || self.session.shared().is_expired() || self.holding.is_lost() {
+            holdings.remove(&self.holding);
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // Nothing to send from; the leadership goes when the session does.
+            holdings.remove(&self.holding);
             return;
         };
+        // Counted before the hold is forgotten: the session's next campaign (or
+        // acquire) of this name waits for the resignation.
+        let resigning = holdings.releasing(&self.election);
+        holdings.remove(&self.holding);
         let session = self.session.clone();
         let election = std::mem::take(&mut self.election);
         let token = self.token;
@@ -169,6 +180,7 @@ impl Drop for Leadership {
         let span =
             tracing::debug_span!("resign", session.id = %session.id(), election.name = %election);
         let task = async move {
+            let _resigning = resigning;
             match resign(&session, &election, token).await {
                 Ok(resigned) => tracing::debug!(resigned, "dropped leadership resigned"),
                 Err(error) => tracing::warn!(%error, "dropped leadership not resigned"),

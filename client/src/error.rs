@@ -36,6 +36,11 @@ pub enum Error {
     /// token. Stop acting as holder or leader; the session itself may still be fine.
     #[error("{0}")]
     NotHolder(String),
+    /// The session already holds the lock (or leads the election) it asked for, through
+    /// another guard: a lock is not re-entrant. Release (or drop) that guard first; the
+    /// text names the lock and the hold.
+    #[error("{0}")]
+    AlreadyHeld(String),
     /// The proxy's prefix grants do not let this client do that to that name; the text
     /// names the identity, the right and the name.
     #[error("{0}")]
@@ -98,6 +103,9 @@ pub(crate) enum Call<'a> {
 
 /// Metadata of an OUT_OF_RANGE that ends a Watch: the oldest revision still available.
 pub(crate) const COMPACT_REVISION: &str = "lockcell-compact-revision";
+/// Metadata of a FAILED_PRECONDITION refusing an acquire or campaign because the
+/// session holds the lock through another call: that hold's revision.
+pub(crate) const ALREADY_HELD: &str = "lockcell-already-held";
 /// Metadata of a RESOURCE_EXHAUSTED that ends a Watch: where to watch from to go on with
 /// no gap and no duplicate.
 pub(crate) const RESUME_REVISION: &str = "lockcell-resume-revision";
@@ -136,6 +144,9 @@ impl Error {
                     },
                     None => Error::Status(status),
                 }
+            }
+            (Code::FailedPrecondition, _) if status.metadata().get(ALREADY_HELD).is_some() => {
+                Error::AlreadyHeld(status.message().to_owned())
             }
             (Code::InvalidArgument, _) => Error::InvalidArgument(status.message().to_owned()),
             (Code::PermissionDenied, _) => Error::PermissionDenied(status.message().to_owned()),

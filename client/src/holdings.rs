@@ -2,6 +2,7 @@
 //! another proxy can name every key to move, and the events the application follows:
 //! jeopardy, safe again, moved, a hold lost, expired.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -27,6 +28,17 @@ pub enum Held {
 }
 
 impl Held {
+    /// For messages: how it is held, with its token.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Held::Exclusive { token, .. } => format!("exclusively, token {token}"),
+            Held::Shared { token, .. } => format!("shared, token {token}"),
+            Held::Ephemeral {
+                create_revision, ..
+            } => format!("an ephemeral key created at revision {create_revision}"),
+        }
+    }
+
     /// On the wire, on `lease` as far as the client knows.
     pub(crate) fn wire(&self, lease: i64) -> HeldKey {
         let (kind, name, revision) = match self {
@@ -102,6 +114,10 @@ pub(crate) struct Holdings {
     /// Raised by every hold added, so a resume can tell whether it named them all.
     version: AtomicU64,
     events: broadcast::Sender<SessionEvent>,
+    /// Releases of dropped guards still under way, by lock name: the session's next
+    /// acquire of that lock waits for them, so it is never sent while the old hold
+    /// stands (the proxy would refuse it as a second hold of one lock).
+    releasing: Mutex<HashMap<String, Arc<watch::Sender<usize>>>>,
 }
 
 impl Default for Holdings {
@@ -110,7 +126,18 @@ impl Default for Holdings {
             held: Mutex::default(),
             version: AtomicU64::new(0),
             events: broadcast::Sender::new(EVENT_BACKLOG),
+            releasing: Mutex::default(),
         }
+    }
+}
+
+/// A release of `lock` under way (a dropped guard's); it counts until dropped.
+#[derive(Debug)]
+pub(crate) struct Releasing(Arc<watch::Sender<usize>>);
+
+impl Drop for Releasing {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n -= 1);
     }
 }
 
@@ -144,7 +171,43 @@ impl Holdings {
             .retain(|h| !Arc::ptr_eq(h, holding));
     }
 
-    /// Every key to name in a resume, each once (two guards of one grant name one key).
+    /// The live hold of `lock` in either mode (a lock or a leadership), if the session
+    /// has one: a second acquire of it is refused, since a lock is not re-entrant.
+    pub(crate) fn holding_of(&self, lock: &str) -> Option<Held> {
+        self.held
+            .lock()
+            .expect("holdings")
+            .iter()
+            .find(|h| match &h.held {
+                Held::Exclusive { lock: l, .. } | Held::Shared { lock: l, .. } => l == lock,
+                Held::Ephemeral { .. } => false,
+            })
+            .map(|h| h.held.clone())
+    }
+
+    /// Counts a release of `lock` as under way until the returned value is dropped.
+    pub(crate) fn releasing(&self, lock: &str) -> Releasing {
+        let mut all = self.releasing.lock().expect("releasing");
+        all.retain(|_, n| *n.borrow() > 0);
+        let count = all
+            .entry(lock.to_owned())
+            .or_insert_with(|| Arc::new(watch::Sender::new(0)))
+            .clone();
+        count.send_modify(|n| *n += 1);
+        Releasing(count)
+    }
+
+    /// Resolves once no release of `lock` is under way (each is bounded by its own
+    /// deadline).
+    pub(crate) async fn released(&self, lock: &str) {
+        let count = self.releasing.lock().expect("releasing").get(lock).cloned();
+        if let Some(count) = count {
+            let mut rx = count.subscribe();
+            let _ = rx.wait_for(|n| *n == 0).await;
+        }
+    }
+
+    /// Every key to name in a resume, each once.
     pub(crate) fn wire(&self) -> Vec<HeldKey> {
         let all = self.held.lock().expect("holdings");
         let mut keys: Vec<HeldKey> = Vec::with_capacity(all.len());
@@ -293,8 +356,10 @@ mod tests {
         let holdings = Holdings::default();
         let mut events = holdings.subscribe();
         let a = holdings.add(lock("a", 5), 10);
-        let _a_again = holdings.add(lock("a", 5), 10); // a retried acquire: two guards
+        let _a_again = holdings.add(lock("a", 5), 10); // the same key recorded twice
         let b = holdings.add(lock("b", 7), 11);
+        assert_eq!(holdings.holding_of("a"), Some(lock("a", 5)));
+        assert_eq!(holdings.holding_of("c"), None);
         let wire = holdings.wire();
         assert_eq!(wire.len(), 2, "one key named once: {wire:?}");
         assert_eq!((wire[0].lease_id, wire[1].lease_id), (10, 11));
@@ -320,6 +385,25 @@ mod tests {
         );
         assert_eq!(holdings.wire().len(), 1, "a lost hold is not named again");
         holdings.remove(&a);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_acquire_waits_for_the_releases_of_its_lock_under_way() {
+        use std::time::Duration;
+        let holdings = Holdings::default();
+        holdings.released("a").await; // none under way
+        let first = holdings.releasing("a");
+        let second = holdings.releasing("a");
+        let other = holdings.releasing("b");
+        drop(first);
+        drop(other);
+        let waited = tokio::time::timeout(Duration::from_secs(1), holdings.released("a")).await;
+        assert!(waited.is_err(), "one release of a is still under way");
+        holdings.released("b").await;
+        drop(second);
+        tokio::time::timeout(Duration::from_secs(1), holdings.released("a"))
+            .await
+            .expect("the wait ends once every release of a is done");
     }
 
     #[test]

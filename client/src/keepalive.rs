@@ -347,12 +347,17 @@ impl Driver {
                     continue;
                 }
             };
-            if let Err(status) = resume_all(&channel, &sessions).await {
+            let resumed = resume_all(&channel, &sessions).await;
+            if let Err(status) = resumed {
+                end_moves(&sessions);
                 tracing::warn!(proxy = %addr, status = %brief(&status), "resume failed there");
                 continue;
             }
             tracing::info!(proxy = %addr, sessions = sessions.len(), "sessions resumed");
+            // Calls read the channel after the move epoch: switched before the move
+            // ends, a call sent to the old proxy always counts as sent during the move.
             self.proxies.switch(index, channel);
+            end_moves(&sessions);
             self.book.stream_lost();
             self.backoff = backoff();
             self.open();
@@ -415,7 +420,9 @@ impl Driver {
             .filter_map(|id| self.sessions.get(id).map(|s| s.value().clone()))
             .filter(|s| !s.is_expired())
             .collect();
-        match resume_all(&self.proxies.channel(), &sessions).await {
+        let resumed = resume_all(&self.proxies.channel(), &sessions).await;
+        end_moves(&sessions);
+        match resumed {
             Ok(()) => self.adopt_backoff = MOVE_RETRY,
             // No answer: the proxy is gone; move.
             Err(status) if crate::session::left_behind(&status) => {
@@ -599,17 +606,23 @@ impl Driver {
 /// Resumes `sessions` on the proxy behind `channel`, at most [`RESUMES_AT_ONCE`] at a
 /// time. Fails (with the first failure) if the proxy did not answer one of them: the
 /// move goes elsewhere. A session the proxy refused outright expires.
+///
+/// The move begins here and is ended by the caller with [`end_moves`], once calls go to
+/// the proxy the sessions are on now.
 async fn resume_all(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Result<(), Status> {
     // From here a grant whose request went out earlier may be missing from the keys the
     // resumes name: such a grant unsettles its session (see `Session::accept_grant`).
     for session in sessions {
         session.begin_move();
     }
-    let result = resume_each(channel, sessions).await;
+    resume_each(channel, sessions).await
+}
+
+/// Ends the move [`resume_all`] began.
+fn end_moves(sessions: &[Arc<SessionShared>]) {
     for session in sessions {
         session.end_move();
     }
-    result
 }
 
 async fn resume_each(channel: &Channel, sessions: &[Arc<SessionShared>]) -> Result<(), Status> {

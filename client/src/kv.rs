@@ -253,8 +253,9 @@ impl Session {
         condition: Condition,
     ) -> Result<Written, Error> {
         let request = put_request(key, value, condition, self.id().to_owned());
-        let mut kv = KvClient::new(self.client().channel());
-        let (reply, sent) = self.grant_request(kv.put(request)).await?;
+        let (reply, sent) = self
+            .grant_request(|channel| async move { KvClient::new(channel).put(request).await })
+            .await?;
         let written = written(reply);
         if let (true, Some(entry)) = (written.succeeded, &written.current) {
             let held = crate::holdings::Held::Ephemeral {

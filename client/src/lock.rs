@@ -65,13 +65,33 @@ impl Wait {
     }
 }
 
-/// A fresh 64-bit id (for call ids, which need only be unique within a session).
-fn rand_id() -> u64 {
+/// A fresh id for one acquire or campaign (it need only be unique within a session),
+/// sent on every retry of that call.
+pub(crate) fn call_id() -> String {
     use std::hash::{BuildHasher, Hasher};
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-    h.finish()
+    format!("{:016x}", h.finish())
+}
+
+impl Session {
+    /// Before an acquire or campaign of `lock`: refused while the session holds it (a
+    /// lock is not re-entrant), and held back until the releases of dropped guards of
+    /// it are done, so the proxy never sees the new call while the old hold stands.
+    pub(crate) async fn before_grant_of(&self, lock: &str) -> Result<(), Error> {
+        let holdings = &self.shared().holdings;
+        holdings.released(lock).await;
+        match holdings.holding_of(lock) {
+            Some(held) => Err(Error::AlreadyHeld(format!(
+                "session {} already holds {lock:?} ({}); a lock is not re-entrant: release \
+                 that guard (or drop it) before acquiring or campaigning again",
+                self.id(),
+                held.describe()
+            ))),
+            None => Ok(()),
+        }
+    }
 }
 
 /// How a lock is held.
@@ -102,6 +122,11 @@ impl Session {
     /// race the work against [`Session::jeopardy`], and pass [`LockGuard::token`] to
     /// every resource touched, so a stale holder is refused.
     ///
+    /// A lock is not re-entrant: while the session holds `lock` (a guard of it is
+    /// alive, in either mode), acquiring it again fails with [`Error::AlreadyHeld`].
+    /// A guard dropped just before is no obstacle: its release is sent in the
+    /// background, and this acquire waits for it first.
+    ///
     /// If this future is dropped while the proxy is deciding, the lock may still have
     /// been granted to the session; it is then released when the session closes.
     pub async fn acquire(&self, lock: &str, wait: Wait) -> Result<Option<LockGuard>, Error> {
@@ -121,8 +146,10 @@ impl Session {
         mode: Mode,
         wait: Wait,
     ) -> Result<Option<LockGuard>, Error> {
-        // The same id on every retry: a fair waiter keeps its place in line.
-        let call_id = format!("{:016x}", rand_id());
+        self.before_grant_of(lock).await?;
+        // The same id on every retry: a retry gets the call's grant back, and a fair
+        // waiter keeps its place in line.
+        let call_id = call_id();
         let started = tokio::time::Instant::now();
         let (reply, sent) = loop {
             let wait = wait.remaining(started.elapsed());
@@ -137,8 +164,8 @@ impl Session {
                 request.set_timeout(timeout);
             }
             let generation = self.client().proxies().generation();
-            let mut client = LockClient::new(self.client().channel());
-            match self.grant_call(client.acquire(request)).await {
+            let call = |channel| async move { LockClient::new(channel).acquire(request).await };
+            match self.grant_call(call).await {
                 // The proxy went away mid-call: once the session has moved, ask the new
                 // one (an acquire is idempotent for its session).
                 Err(failed)
@@ -240,7 +267,10 @@ impl LockGuard {
     /// [`Error::NotHolder`].
     pub async fn release(mut self) -> Result<bool, Error> {
         self.released = true;
-        self.session.shared().holdings.remove(&self.holding);
+        let holdings = &self.session.shared().holdings;
+        // An acquire of this lock by another task of the session waits for this.
+        let _releasing = holdings.releasing(&self.lock);
+        holdings.remove(&self.holding);
         if self.session.shared().is_expired() {
             return Err(self.session.expired_error());
         }
@@ -253,14 +283,20 @@ impl Drop for LockGuard {
         if self.released || self.session.shared().is_expired() {
             return;
         }
-        self.session.shared().holdings.remove(&self.holding);
+        let holdings = &self.session.shared().holdings;
         if self.holding.is_lost() {
+            holdings.remove(&self.holding);
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // Nothing to send from; the lock goes when the session does.
+            holdings.remove(&self.holding);
             return;
         };
+        // Counted before the hold is forgotten: the session's next acquire of this
+        // lock waits for this release.
+        let releasing = holdings.releasing(&self.lock);
+        holdings.remove(&self.holding);
         let session = self.session.clone();
         let lock = std::mem::take(&mut self.lock);
         let (mode, token) = (self.mode, self.token);
@@ -268,6 +304,7 @@ impl Drop for LockGuard {
         // so the session is closed only after the release.
         let span = tracing::debug_span!("release", session.id = %session.id(), lock.name = %lock);
         let task = async move {
+            let _releasing = releasing;
             match release(&session, &lock, mode, token).await {
                 Ok(released) => tracing::debug!(released, "dropped guard released"),
                 Err(error) => tracing::warn!(%error, "dropped guard not released"),

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::proxies::Channel;
 use lockcell_proto::v1::session_client::SessionClient;
 use lockcell_proto::v1::CloseRequest;
 use tokio::time::Instant;
@@ -201,30 +202,43 @@ impl Session {
     /// the call waits: the proxy would refuse the grant anyway. A refusal from a proxy
     /// the session started leaving meanwhile does not end the session (it lives on
     /// elsewhere): it is an [`Error::Unavailable`], to ask again.
-    pub(crate) async fn grant_request<T>(
+    pub(crate) async fn grant_request<T, F>(
         &self,
-        call: impl Future<Output = Result<tonic::Response<T>, Status>>,
-    ) -> Result<(T, Sent), Error> {
+        call: impl FnOnce(Channel) -> F,
+    ) -> Result<(T, Sent), Error>
+    where
+        F: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
         self.grant_call(call).await.map_err(|failed| failed.error)
     }
 
     /// As [`grant_request`](Session::grant_request), saying also whether the call
     /// failed because its proxy is gone or the session has left it (worth asking again
     /// once the session has moved).
-    pub(crate) async fn grant_call<T>(
+    ///
+    /// `call` is given the channel to send on, read only after the move epoch: a move
+    /// switches the channel before it ends, so a request that went to the proxy the
+    /// session was leaving always carries an epoch from before the move's end, and its
+    /// grant is never taken as settled (see [`accept_grant`](Session::accept_grant)).
+    pub(crate) async fn grant_call<T, F>(
         &self,
-        call: impl Future<Output = Result<tonic::Response<T>, Status>>,
-    ) -> Result<(T, Sent), CallFailed> {
+        call: impl FnOnce(Channel) -> F,
+    ) -> Result<(T, Sent), CallFailed>
+    where
+        F: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
         let shared = self.shared();
         if shared.is_expired() {
             return Err(CallFailed::final_(self.expired_error()));
         }
-        // Taken before the call is first polled, which is when the request goes out.
+        // Taken before the channel is read and the call first polled (which is when
+        // the request goes out).
         let sent = Sent {
             at: Instant::now(),
             epoch: shared.move_epoch(),
             lease: shared.home().lease,
         };
+        let call = call(self.client().channel());
         tokio::select! {
             reply = call => match reply {
                 Ok(reply) => Ok((reply.into_inner(), sent)),

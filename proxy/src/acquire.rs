@@ -44,21 +44,25 @@ pub struct Call {
     /// Whether the lock is an election (said in the holder record, for the audit trail).
     pub election: bool,
     /// The client's id for this acquire, the same on every retry (checked: letters and
-    /// digits): a fair waiter that retries, here or on another proxy, keeps its place.
-    pub call_id: Option<String>,
+    /// digits; a random one when the client gave none, so such calls are never taken
+    /// for one another). A retried call gets its grant back, and a fair waiter that
+    /// retries, here or on another proxy, keeps its place; another call of a session
+    /// that holds the lock is refused.
+    pub call_id: String,
 }
 
-/// Checks a client's call id: empty (none), or up to 32 ASCII letters and digits.
-pub fn call_id(id: String) -> Result<Option<String>, ProxyError> {
+/// Checks a client's call id: up to 32 ASCII letters and digits; an empty one is
+/// replaced by a fresh random id (the call is then its own, never a retry).
+pub fn call_id(id: String) -> Result<String, ProxyError> {
     if id.is_empty() {
-        return Ok(None);
+        return Ok(format!("p{:016x}", rand::random::<u64>()));
     }
     if id.len() > 32 || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
         return Err(ProxyError::BadArgument(format!(
             "call id {id:?} must be 1 to 32 ASCII letters and digits"
         )));
     }
-    Ok(Some(id))
+    Ok(id)
 }
 
 /// A grant as the caller sees it.
@@ -240,35 +244,16 @@ async fn fair(
     session: Session,
 ) -> Result<Option<Granted>, ProxyError> {
     // A retried call that already holds the lock must not join the line behind the
-    // waiters its own hold keeps out.
+    // waiters its own hold keeps out (and another call of the session is refused).
     if let Some(granted) = own_grant(state, call, &session).await? {
         return Ok(Some(granted));
     }
     // One key per call: two calls of one session never share (or remove) a place; a
     // retried call (same call id) finds its key, also if it was queued elsewhere.
-    let id = match &call.call_id {
-        Some(call_id) => format!("{}-{call_id}", call.session_id),
-        None => format!("{}-{:016x}", call.session_id, rand::random::<u64>()),
-    };
+    let id = format!("{}-{}", call.session_id, call.call_id);
     let served = state.routes.serve(call.lock.as_str())?;
-    let queued = state
-        .locklog
-        .enqueue(
-            &call.lock,
-            call.mode,
-            &id,
-            session.lease,
-            served.map_revision,
-        )
-        .await?;
-    let waiter = Grant::waiting(&call.lock, call.mode, &id, queued);
-    if !state
-        .sessions
-        .record_grant(&call.session_id, session.incarnation, waiter.clone(), None)
-    {
-        state.cleanup.push(session.lease, vec![waiter]);
-        return Err(gone(state, &call.session_id));
-    }
+    let waiter = enqueue(state, call, &session, &id, served.map_revision).await?;
+    let queued = waiter.revision;
     // Out of line on every way out but a grant (which deletes the key itself).
     let mut line = LeaveLine {
         state: state.clone(),
@@ -304,6 +289,64 @@ async fn fair(
             return trouble.map_or(Ok(None), Err);
         }
     }
+}
+
+/// Puts the fair waiter `id` in line and records its key in the session. The key is
+/// recorded as unsettled before the enqueue goes out, so that an enqueue whose answer
+/// never came (applied or not, nobody knows) still leaves a key the session owns: it is
+/// looked for and taken out of line at once, and if etcd does not answer that either,
+/// when the session ends.
+async fn enqueue(
+    state: &Arc<ProxyState>,
+    call: &Call,
+    session: &Session,
+    id: &str,
+    map_revision: i64,
+) -> Result<Grant, ProxyError> {
+    let pending = Grant::unsettled_waiter(&call.lock, call.mode, &call.session_id, id);
+    if !state
+        .sessions
+        .record_grant(&call.session_id, session.incarnation, pending.clone(), None)
+    {
+        return Err(gone(state, &call.session_id));
+    }
+    let queued = state
+        .locklog
+        .enqueue(&call.lock, call.mode, id, session.lease, map_revision)
+        .await;
+    let queued = match queued {
+        Ok(queued) => queued,
+        Err(e) if unknown_outcome(&e) => {
+            // Left in line, perhaps: a waiter nobody follows would keep the lock from
+            // every waiter behind it. The clean-up looks for it (and takes it out) as
+            // soon as etcd answers; the session keeps its record too, for its end.
+            tracing::warn!(lock = %call.lock, error = %e, "an enqueue's outcome is unknown; taking the waiter out of line");
+            state.cleanup.push(session.lease, vec![pending]);
+            return Err(e.into());
+        }
+        Err(e) => {
+            state.sessions.forget(&call.session_id, &pending);
+            return Err(e.into());
+        }
+    };
+    let waiter = Grant::waiting(&call.lock, call.mode, id, queued);
+    let recorded =
+        state
+            .sessions
+            .record_grant(&call.session_id, session.incarnation, waiter.clone(), None);
+    state.sessions.forget(&call.session_id, &pending);
+    if !recorded {
+        state.cleanup.push(session.lease, vec![waiter]);
+        return Err(gone(state, &call.session_id));
+    }
+    Ok(waiter)
+}
+
+/// Whether a failed etcd call may have been applied all the same: it went out and no
+/// answer came back (a deadline, a broken connection). An answer, even a refusal, or a
+/// request etcd turned away before proposing it, settles it.
+fn unknown_outcome(e: &CellError) -> bool {
+    matches!(e, CellError::Timeout { .. } | CellError::Etcd { .. }) && !e.turned_away()
 }
 
 /// What one turn in line ended with.
@@ -444,6 +487,10 @@ impl Drop for LeaveLine {
 
 /// One grant attempt, run to completion even if the caller hangs up meanwhile, so a
 /// grant etcd made is always recorded in the session (or undone).
+///
+/// The hold is recorded as unsettled before the transaction goes out: if etcd's answer
+/// never comes, the key it may have written is still the session's (read back now, and
+/// deleted when the session ends), never a key nobody owns.
 async fn grant(
     state: &Arc<ProxyState>,
     call: &Call,
@@ -452,6 +499,7 @@ async fn grant(
 ) -> Result<Option<Granted>, ProxyError> {
     let record = HolderRecord {
         session: call.session_id.clone(),
+        call: call.call_id.clone(),
         proxy: state.proxy_id.clone(),
         identity: session.identity.clone(),
         zone: state.config.zone.clone(),
@@ -468,92 +516,22 @@ async fn grant(
     let queued = queued.map(|(id, rev)| (id.to_owned(), rev));
     let attempt = tokio::spawn(async move {
         metrics::counter!(m::GRANT_ATTEMPTS).increment(1);
-        let queued = queued.as_ref().map(|(id, rev)| (id.as_str(), *rev));
-        // Waiters already in line when the cell was found changed grant nothing more.
-        if let Some(reason) = state.cell.changed() {
-            return Err(CellError::CellChanged {
-                reason: reason.to_owned(),
-            }
-            .into());
-        }
-        let seen = state.cell.seen();
-        let (revision, fresh, epoch) = match state.routes.serve(lock.as_str()) {
-            Ok(served) => {
-                let outcome = state
-                    .locklog
-                    .acquire(
-                        &lock,
-                        mode,
-                        session.lease,
-                        &record,
-                        queued,
-                        served.map_revision,
-                    )
-                    .await?;
-                match outcome {
-                    Acquired::Granted { revision, fresh } => (revision, fresh, served.epoch),
-                    Acquired::Busy { seen_at } => {
-                        state.cell.saw(seen_at);
-                        return Ok(None);
-                    }
-                }
-            }
-            // No new grant here now (the name is moving, or served elsewhere); but a
-            // grant an earlier attempt made (its reply lost) is this session's hold all
-            // the same: recorded, so the session lets go of it (a move waits for it).
-            Err(refused) => {
-                let Some(epoch) = state.routes.paused_here(lock.as_str()) else {
-                    return Err(refused);
-                };
-                match state
-                    .locklog
-                    .held_by(&lock, mode, &session.id, session.lease)
-                    .await?
-                {
-                    Some(revision) => (revision, false, epoch),
-                    None => return Err(refused),
-                }
-            }
-        };
-        if fresh {
-            if let Err(e) = state.cell.check_grant(revision, seen) {
-                // Made in a store that is not the one this proxy knew: take it back.
-                state.cleanup.push(
-                    session.lease,
-                    vec![Grant::hold(&lock, mode, &session.id, revision)],
-                );
-                return Err(e.into());
-            }
-        }
-        if *state.shutdown.borrow() {
-            // The proxy's leases are about to be revoked with every key on them.
-            return Err(ProxyError::ShuttingDown);
-        }
-        let now = Instant::now();
-        // Never past the session's own end: the client counts this validity from its
-        // request, and the session may expire a TTL after its last renewal, which can
-        // be most of a TTL before this grant. (A grant does not renew the session.)
-        let valid_for = state
-            .leases
-            .valid_for(session.bucket, session.lease, session.ttl, now)
-            .min(session.lapses_at().saturating_duration_since(now));
-        let hold = Grant::hold(&lock, mode, &session.id, revision);
-        if !state.sessions.record_grant(
-            &session.id,
-            session.incarnation,
-            hold.clone(),
-            Some(now + valid_for),
-        ) {
-            // The session ended while the grant was in flight: undo it.
-            state.cleanup.push(session.lease, vec![hold]);
+        let pending = Grant::unsettled_hold(&lock, mode, &session.id, &record.call);
+        if !state
+            .sessions
+            .record_grant(&session.id, session.incarnation, pending.clone(), None)
+        {
             return Err(gone(&state, &session.id));
         }
-        Ok(Some(Granted {
-            revision,
-            epoch,
-            valid_for,
-            fresh,
-        }))
+        let queued = queued.as_ref().map(|(id, rev)| (id.as_str(), *rev));
+        let outcome = attempt_grant(&state, &lock, mode, &session, &record, queued).await;
+        match &outcome {
+            Err(ProxyError::Store(e)) if unknown_outcome(e) => {
+                settle_unknown(&state, &session, pending).await;
+            }
+            _ => state.sessions.forget(&session.id, &pending),
+        }
+        outcome
     });
     let outcome = attempt
         .await
@@ -564,8 +542,133 @@ async fn grant(
     outcome
 }
 
-/// The grant this session already holds on the lock, recorded again: for a retried
-/// call, and for a grant attempt that failed midway but was applied.
+/// The transaction of one grant attempt, and the grant recorded in the session.
+async fn attempt_grant(
+    state: &Arc<ProxyState>,
+    lock: &LockName,
+    mode: Mode,
+    session: &Session,
+    record: &HolderRecord,
+    queued: Option<(&str, i64)>,
+) -> Result<Option<Granted>, ProxyError> {
+    // Waiters already in line when the cell was found changed grant nothing more.
+    if let Some(reason) = state.cell.changed() {
+        return Err(CellError::CellChanged {
+            reason: reason.to_owned(),
+        }
+        .into());
+    }
+    let seen = state.cell.seen();
+    let (revision, fresh, epoch) = match state.routes.serve(lock.as_str()) {
+        Ok(served) => {
+            let outcome = state
+                .locklog
+                .acquire(
+                    lock,
+                    mode,
+                    session.lease,
+                    record,
+                    queued,
+                    served.map_revision,
+                )
+                .await?;
+            match outcome {
+                Acquired::Granted { revision, fresh } => (revision, fresh, served.epoch),
+                Acquired::Busy { seen_at } => {
+                    state.cell.saw(seen_at);
+                    return Ok(None);
+                }
+            }
+        }
+        // No new grant here now (the name is moving, or served elsewhere); but a grant
+        // this call made earlier (its reply lost) is this session's hold all the same:
+        // recorded, so the session lets go of it (a move waits for it).
+        Err(refused) => {
+            let Some(epoch) = state.routes.paused_here(lock.as_str()) else {
+                return Err(refused);
+            };
+            match state
+                .locklog
+                .held_by(lock, mode, &session.id, session.lease)
+                .await?
+            {
+                Some(held) if held.record.call == record.call => (held.revision, false, epoch),
+                _ => return Err(refused),
+            }
+        }
+    };
+    if fresh {
+        if let Err(e) = state.cell.check_grant(revision, seen) {
+            // Made in a store that is not the one this proxy knew: take it back.
+            state.cleanup.push(
+                session.lease,
+                vec![Grant::hold(lock, mode, &session.id, revision)],
+            );
+            return Err(e.into());
+        }
+    }
+    if *state.shutdown.borrow() {
+        // The proxy's leases are about to be revoked with every key on them.
+        return Err(ProxyError::ShuttingDown);
+    }
+    let now = Instant::now();
+    // Never past the session's own end: the client counts this validity from its
+    // request, and the session may expire a TTL after its last renewal, which can be
+    // most of a TTL before this grant. (A grant does not renew the session.)
+    let valid_for = state
+        .leases
+        .valid_for(session.bucket, session.lease, session.ttl, now)
+        .min(session.lapses_at().saturating_duration_since(now));
+    let hold = Grant::hold(lock, mode, &session.id, revision);
+    if !state.sessions.record_grant(
+        &session.id,
+        session.incarnation,
+        hold.clone(),
+        Some(now + valid_for),
+    ) {
+        // The session ended while the grant was in flight: undo it.
+        state.cleanup.push(session.lease, vec![hold]);
+        return Err(gone(state, &session.id));
+    }
+    Ok(Some(Granted {
+        revision,
+        epoch,
+        valid_for,
+        fresh,
+    }))
+}
+
+/// After a grant transaction whose outcome is unknown: reads whether it was applied.
+/// Found, it is recorded as the session's hold (its call gets it back when retried; it
+/// goes when the session ends); not found, or not readable now, the unsettled record
+/// stays, and the session's end looks again.
+async fn settle_unknown(state: &ProxyState, session: &Session, pending: Grant) {
+    match state
+        .locklog
+        .settle(std::slice::from_ref(&pending), session.lease)
+        .await
+    {
+        Ok(found) => {
+            for hold in found {
+                if state
+                    .sessions
+                    .record_grant(&session.id, session.incarnation, hold.clone(), None)
+                {
+                    state.sessions.forget(&session.id, &pending);
+                } else {
+                    state.cleanup.push(session.lease, vec![hold]);
+                }
+            }
+        }
+        Err(e) => {
+            tracing::warn!(session.id = %session.id, key = %pending.key, error = %e, "a grant's outcome is unknown; the session's end looks for it again");
+        }
+    }
+}
+
+/// The grant this call already has on the lock, recorded again: for a retried call,
+/// and for a grant attempt that failed midway but was applied. Another call of the
+/// session holding it is refused ([`CellError::AlreadyHeld`]).
 async fn own_grant(
     state: &Arc<ProxyState>,
     call: &Call,
@@ -576,7 +679,13 @@ async fn own_grant(
         .held_by(&call.lock, call.mode, &call.session_id, session.lease)
         .await?;
     match held {
-        Some(_) => grant(state, call, session, None).await,
+        Some(held) if held.record.call == call.call_id => grant(state, call, session, None).await,
+        Some(held) => Err(CellError::AlreadyHeld {
+            lock: call.lock.as_str().to_owned(),
+            mode: call.mode,
+            revision: held.revision,
+        }
+        .into()),
         None => Ok(None),
     }
 }

@@ -72,6 +72,9 @@ impl ProxyError {
 /// Metadata of a resume refused for an older fence: the fence's revision and lease now.
 pub const FENCE_REVISION: &str = "lockcell-fence-revision";
 pub const FENCE_LEASE: &str = "lockcell-fence-lease";
+/// Metadata of an acquire refused because the session holds the lock through another
+/// call: the revision of that hold.
+pub const ALREADY_HELD: &str = "lockcell-already-held";
 
 impl From<ProxyError> for Status {
     fn from(e: ProxyError) -> Status {
@@ -103,6 +106,13 @@ impl From<ProxyError> for Status {
                 status
             }
             ProxyError::Store(CellError::BadKey { .. }) => Status::invalid_argument(message),
+            ProxyError::Store(CellError::AlreadyHeld { revision, .. }) => {
+                let mut status = Status::failed_precondition(message);
+                status
+                    .metadata_mut()
+                    .insert(ALREADY_HELD, revision.to_string().parse().expect("digits"));
+                status
+            }
             // Another proxy, started on the changed cell, may serve the call.
             ProxyError::Store(CellError::CellChanged { .. }) => Status::unavailable(message),
             ProxyError::Store(ref c) | ProxyError::StoreDuring { source: ref c, .. } => {

@@ -286,6 +286,13 @@ impl SessionTable {
         }
     }
 
+    /// Forgets exactly `grant` (an unsettled record once its outcome is known).
+    pub fn forget(&self, id: &str, grant: &Grant) {
+        if let Some(mut s) = self.live.get_mut(id) {
+            s.held.retain(|g| g != grant);
+        }
+    }
+
     /// Removes a session that its client closed; with `incarnation`, only that stay of
     /// it (`Ok(None)`: the session is here, but as a later stay).
     pub fn close(&self, id: &str, incarnation: Option<u64>) -> Result<Option<Session>, Gone> {

@@ -2,7 +2,7 @@
 //! losing a reply after the server acted on the request, or partitioning a proxy.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -18,7 +18,20 @@ pub struct Relay {
     requests_cut: Arc<AtomicBool>,
     /// Milliseconds every chunk waits before it is passed on, both ways.
     delay_ms: Arc<AtomicU64>,
+    /// A one-shot trap: the first request chunk that holds the pattern passes, and
+    /// every reply on every connection is dropped for a while from then on.
+    trap: TrapSlot,
     accept: JoinHandle<()>,
+}
+
+/// Where a relay keeps its trap until it is sprung.
+type TrapSlot = Arc<Mutex<Option<Trap>>>;
+
+/// See [`Relay::cut_replies_after`].
+#[derive(Clone)]
+struct Trap {
+    pattern: Vec<u8>,
+    cut_for: std::time::Duration,
 }
 
 impl Relay {
@@ -31,7 +44,9 @@ impl Relay {
         );
         let target = target.to_owned();
         let delay_ms = Arc::new(AtomicU64::new(0));
+        let trap: TrapSlot = Arc::default();
         let (rc, qc, delay) = (replies_cut.clone(), requests_cut.clone(), delay_ms.clone());
+        let traps = trap.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(&target).await else {
@@ -39,8 +54,18 @@ impl Relay {
                 };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
-                tokio::spawn(pump(client_read, server_write, qc.clone(), delay.clone()));
-                tokio::spawn(pump(server_read, client_write, rc.clone(), delay.clone()));
+                let requests = Pump {
+                    cut: qc.clone(),
+                    delay_ms: delay.clone(),
+                    trap: Some((traps.clone(), rc.clone())),
+                };
+                let replies = Pump {
+                    cut: rc.clone(),
+                    delay_ms: delay.clone(),
+                    trap: None,
+                };
+                tokio::spawn(requests.run(client_read, server_write));
+                tokio::spawn(replies.run(server_read, client_write));
             }
         });
         Ok(Relay {
@@ -48,6 +73,7 @@ impl Relay {
             replies_cut,
             requests_cut,
             delay_ms,
+            trap,
             accept,
         })
     }
@@ -73,6 +99,24 @@ impl Relay {
         self.cut_replies(cut);
     }
 
+    /// Lets the next request chunk that contains `pattern` (for a gRPC peer, a key or
+    /// value in a request's body) through, and from that moment drops every reply on
+    /// every connection for `cut_for`: the server acts on the request, and its sender
+    /// hears nothing back (nor of anything else it asks meanwhile) until its deadline
+    /// has passed: an outcome it cannot know.
+    pub fn cut_replies_after(&self, pattern: &[u8], cut_for: std::time::Duration) {
+        *self.trap.lock().expect("trap") = Some(Trap {
+            pattern: pattern.to_vec(),
+            cut_for,
+        });
+    }
+
+    /// Whether the trap set by [`cut_replies_after`](Relay::cut_replies_after) has not
+    /// been sprung yet.
+    pub fn trap_pending(&self) -> bool {
+        self.trap.lock().expect("trap").is_some()
+    }
+
     /// Holds every chunk back this long before passing it on, both ways (zero: none).
     pub fn delay(&self, delay: std::time::Duration) {
         self.delay_ms
@@ -86,27 +130,70 @@ impl Drop for Relay {
     }
 }
 
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
+/// How many traps have been sprung, in this process.
+static SPRUNG: AtomicU64 = AtomicU64::new(0);
+
+/// One direction of a relayed connection.
+struct Pump {
     cut: Arc<AtomicBool>,
     delay_ms: Arc<AtomicU64>,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
+    /// Requests only: the one-shot trap to look out for, and the replies' cut switch.
+    trap: Option<(TrapSlot, Arc<AtomicBool>)>,
+}
+
+impl Pump {
+    async fn run(
+        self,
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if self.cut.load(Ordering::SeqCst) {
+                continue;
+            }
+            self.spring(&buf[..n]);
+            let delay = self.delay_ms.load(Ordering::SeqCst);
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
+            if to.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Springs the trap if this chunk holds its pattern (once): replies are cut from
+    /// now, before the chunk goes on, and restored after the trap's time.
+    fn spring(&self, chunk: &[u8]) {
+        let Some((trap, replies_cut)) = &self.trap else {
+            return;
         };
-        if cut.load(Ordering::SeqCst) {
-            continue;
-        }
-        let delay = delay_ms.load(Ordering::SeqCst);
-        if delay > 0 {
-            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
+        let mut trap = trap.lock().expect("trap");
+        let Some(set) = trap.as_ref() else {
+            return;
+        };
+        if !chunk
+            .windows(set.pattern.len())
+            .any(|w| w == set.pattern.as_slice())
+        {
             return;
         }
+        let cut_for = set.cut_for;
+        *trap = None;
+        replies_cut.store(true, Ordering::SeqCst);
+        // A later trap's cut outlasts this one's restore.
+        let sprung = SPRUNG.fetch_add(1, Ordering::SeqCst) + 1;
+        let replies_cut = replies_cut.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(cut_for).await;
+            if SPRUNG.load(Ordering::SeqCst) == sprung {
+                replies_cut.store(false, Ordering::SeqCst);
+            }
+        });
     }
 }

@@ -564,15 +564,7 @@ impl Reading {
                 let holder = if put { Some(kv) } else { prev };
                 let record: Option<HolderRecord> =
                     holder.and_then(|h| serde_json::from_slice(h.value()).ok());
-                let record = record.unwrap_or_else(|| HolderRecord {
-                    session: String::new(),
-                    proxy: String::new(),
-                    identity: String::new(),
-                    zone: String::new(),
-                    election: false,
-                    acquired_at_ms: 0,
-                    value: String::new(),
-                });
+                let record = record.unwrap_or_default();
                 let kind = if !put {
                     if released.contains(&lock) {
                         EventKind::Released

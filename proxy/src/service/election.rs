@@ -58,7 +58,7 @@ impl ElectionApi for ElectionService {
             wait: req.wait_timeout_ms.map(Duration::from_millis),
             value: req.value,
             election: true,
-            call_id: None,
+            call_id: acquire::call_id(req.call_id)?,
         };
         let reply = match acquire::acquire(&self.state, call).await? {
             Some(granted) => CampaignResponse {

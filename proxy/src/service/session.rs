@@ -146,6 +146,14 @@ pub async fn close_stay(
     };
     state.leases.unassign(session.bucket);
     state.publish_sessions_open();
+    // Keys whose transaction had no answer may still be applied: looked for a while.
+    let unsettled: Vec<_> = session
+        .held
+        .iter()
+        .filter(|g| g.is_unsettled())
+        .cloned()
+        .collect();
+    state.cleanup.push(session.lease, unsettled);
     if session.held.is_empty() {
         return Ok(0);
     }

@@ -77,10 +77,13 @@ pub async fn bad_lock_names_are_refused_with_the_rule() -> anyhow::Result<()> {
 pub async fn unknown_and_expired_sessions_are_told_apart() -> anyhow::Result<()> {
     let (_etcd, proxies) = cell(&["a"]).await?;
     let (mut sessions, mut locks) = raw(&proxies[0]).await?;
+    // One call, asked again until the session is gone (a new call of a session that
+    // holds the lock would be refused as a second hold).
     let acquire = |session_id: &str| AcquireRequest {
         session_id: session_id.to_owned(),
         lock: "x".into(),
         wait_timeout_ms: Some(0),
+        call_id: "poll".into(),
         ..Default::default()
     };
     let status = locks

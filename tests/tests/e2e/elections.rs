@@ -160,6 +160,7 @@ pub async fn a_leader_whose_session_expires_is_replaced() -> anyhow::Result<()> 
             election: ELECTION.into(),
             value: "silent".into(),
             wait_timeout_ms: Some(0),
+            ..Default::default()
         })
         .await?
         .into_inner();

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use lockcell_client::{
-    Client, ClientOptions, ClientTls, Condition, Error, FencingToken, SessionEvent, SessionOptions,
-    Wait, WatchOptions,
+    Client, ClientOptions, ClientTls, Condition, Error, FencingToken, Session, SessionEvent,
+    SessionOptions, Wait, WatchOptions,
 };
 use lockcell_tests::{EtcdCluster, ProxyOptions, ProxyProcess};
 
@@ -65,6 +65,29 @@ pub async fn run_the_nightly_report(proxy: &str, store: &ReportStore) -> Result<
     guard.release().await?;
     session.close().await?;
     Ok(true)
+}
+// --- end ---
+
+// --- guide: a lock in a loop ---
+/// Writes one report per round; each round's guard is dropped at the end of the round,
+/// and the next round's acquire waits for its release: every grant is a new one.
+pub async fn report_in_rounds(
+    session: &Session,
+    rounds: usize,
+    store: &ReportStore,
+) -> Result<(), Error> {
+    for round in 0..rounds {
+        let wait = Wait::Timeout(Duration::from_secs(10));
+        let Some(guard) = session.acquire("reports/rounds", wait).await? else {
+            continue; // held elsewhere all along: try the next round
+        };
+        let again = session.acquire("reports/rounds", Wait::Try).await;
+        assert!(matches!(again, Err(Error::AlreadyHeld(_)))); // not re-entrant
+        if let Err(refused) = store.write(guard.token(), &format!("round {round}")).await {
+            eprintln!("the store refused a stale token: {refused}");
+        }
+    }
+    Ok(())
 }
 // --- end ---
 
@@ -276,6 +299,15 @@ pub async fn the_client_guides_examples_run_against_a_real_cell() -> anyhow::Res
         !still_the_holder(&client, second).await?,
         "a released grant is still current"
     );
+    let looping = client.open_session(SessionOptions::default()).await?;
+    let rounds = ReportStore::default();
+    report_in_rounds(&looping, 20, &rounds).await?;
+    let tokens: Vec<FencingToken> = rounds.reports.lock().unwrap().iter().map(|r| r.0).collect();
+    ensure!(
+        tokens.len() == 20 && tokens.windows(2).all(|w| w[0] < w[1]),
+        "the rounds did not each get a new grant: {tokens:?}"
+    );
+    looping.close().await?;
     serve_as_primary(&addr).await?;
     ensure!(
         follow_the_primary(&client).await?.is_none(),

@@ -6,7 +6,8 @@ use std::time::Duration;
 use anyhow::{ensure, Context};
 use lockcell_client::{Client, FencingToken, SessionState, Wait};
 use lockcell_proto::v1::{
-    AcquireRequest, KeepAliveRequest, OpenRequest, ReleaseRequest, SessionState as WireState,
+    AcquireRequest, KeepAliveRequest, LockMode, OpenRequest, ReleaseRequest,
+    SessionState as WireState,
 };
 use lockcell_tests::{eventually, FencedResource};
 
@@ -137,8 +138,11 @@ pub async fn two_clients_hammering_one_lock_are_fenced() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Idempotency is per call, never per session: the same call again gets its grant
+/// back; another call of the session that holds the lock (in either mode, or with no
+/// call id) is refused by name and changes nothing; a retried release deletes nothing.
 pub async fn retried_acquire_and_release_are_idempotent() -> anyhow::Result<()> {
-    let (_etcd, proxies) = cell(&["a"]).await?;
+    let (etcd, proxies) = cell(&["a"]).await?;
     let (mut sessions, mut locks) = raw(&proxies[0]).await?;
     let session = sessions
         .open(OpenRequest {
@@ -147,21 +151,61 @@ pub async fn retried_acquire_and_release_are_idempotent() -> anyhow::Result<()> 
         })
         .await?
         .into_inner();
-    let request = AcquireRequest {
+    let request = |call: &str, mode: LockMode| AcquireRequest {
         session_id: session.session_id.clone(),
         lock: "idem".into(),
         wait_timeout_ms: Some(0),
-        ..Default::default()
+        mode: mode as i32,
+        call_id: call.into(),
     };
     // As if the first reply were lost: the same call again.
-    let first = locks.acquire(request.clone()).await?.into_inner();
-    let again = locks.acquire(request).await?.into_inner();
+    let first = locks
+        .acquire(request("c1", LockMode::Exclusive))
+        .await?
+        .into_inner();
+    let again = locks
+        .acquire(request("c1", LockMode::Exclusive))
+        .await?
+        .into_inner();
     ensure!(first.granted && again.granted);
     ensure!(
         first.token == again.token,
         "a retried acquire got {:?}, not the first grant {:?}",
         again.token,
         first.token
+    );
+    let revision = first.token.context("token")?.revision;
+    for (call, mode) in [
+        ("c2", LockMode::Exclusive),
+        ("", LockMode::Exclusive),
+        ("c3", LockMode::Shared),
+    ] {
+        let refused = locks
+            .acquire(request(call, mode))
+            .await
+            .err()
+            .with_context(|| {
+                format!("a second call ({call:?}, {mode:?}) of the holding session was granted")
+            })?;
+        ensure!(
+            refused.code() == tonic::Code::FailedPrecondition
+                && refused.metadata().get("lockcell-already-held").is_some()
+                && refused.message().contains("\"idem\"")
+                && refused.message().contains("not re-entrant"),
+            "a second call was refused without naming the rule: {refused:?}"
+        );
+    }
+    let key = etcd
+        .client()
+        .await?
+        .get("/l/idem/!x", None)
+        .await?
+        .kvs()
+        .first()
+        .map(|kv| (kv.create_revision(), kv.mod_revision()));
+    ensure!(
+        key == Some((revision, revision)),
+        "the refused calls changed the holder key: {key:?}"
     );
     let release = ReleaseRequest {
         session_id: session.session_id.clone(),
@@ -173,6 +217,15 @@ pub async fn retried_acquire_and_release_are_idempotent() -> anyhow::Result<()> 
     ensure!(
         !locks.release(release).await?.into_inner().released,
         "a retried release deleted something"
+    );
+    // Released, the lock is the next call's: a new grant.
+    let next = locks
+        .acquire(request("c2", LockMode::Exclusive))
+        .await?
+        .into_inner();
+    ensure!(
+        next.granted && next.token.context("token")?.revision > revision,
+        "after the release a new call got {next:?}"
     );
     Ok(())
 }
@@ -210,7 +263,7 @@ pub async fn a_lost_acquire_reply_and_its_retry_make_one_grant() -> anyhow::Resu
         lock: "lost/reply".into(),
         wait_timeout_ms: Some(wait),
         mode: 0,
-        call_id: String::new(),
+        call_id: "lostreply".into(),
     };
     let held = locks
         .acquire(request(&holder.session_id, 0))

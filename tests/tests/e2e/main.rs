@@ -24,6 +24,7 @@ mod members;
 mod modes;
 mod rbac;
 mod reads;
+mod safety;
 mod sessions;
 mod shardmap;
 mod support;
@@ -52,6 +53,10 @@ fn main() {
         locks::two_clients_hammering_one_lock_are_fenced,
         locks::retried_acquire_and_release_are_idempotent,
         locks::a_lost_acquire_reply_and_its_retry_make_one_grant,
+        safety::a_dropped_guard_and_the_next_acquire_never_share_a_grant,
+        safety::a_second_acquire_of_a_held_lock_is_refused_by_name,
+        safety::a_grant_etcd_applied_after_the_deadline_is_still_the_sessions,
+        safety::an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line,
         contention::two_hundred_waiters_each_get_it_once_at_one_grant_per_proxy,
         contention::two_hundred_waiters_on_a_fair_class_go_in_arrival_order,
         modes::readers_share_and_a_writer_excludes_them,

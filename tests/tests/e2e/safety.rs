@@ -1,0 +1,422 @@
+//! The lock's first promise against what real clients do: guards dropped and the lock
+//! taken again at once, a second acquire of a lock the session holds, and etcd
+//! answering a grant or an enqueue after the proxy's deadline (the outcome unknown).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context};
+use lockcell_client::{Client, Error, FencingToken, Wait};
+use lockcell_proto::v1::{AcquireRequest, CloseRequest, OpenRequest, ReleaseRequest};
+use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
+
+use crate::contention::CLASSES;
+use crate::support::{cell, raw, short_session};
+
+/// The most common loop there is: acquire, work, drop the guard, acquire again at
+/// once, against a second session that wants the lock too. Each grant must be a new
+/// one (its token above the last), and while a guard is in hand the lock's holder key
+/// in etcd must be that grant's. A session whose next acquire was handed its previous
+/// grant (whose release was still on its way) broke both.
+pub async fn a_dropped_guard_and_the_next_acquire_never_share_a_grant() -> anyhow::Result<()> {
+    const ROUNDS: usize = 300;
+    const LOCK: &str = "job";
+    let (etcd, proxies) = cell(&["a", "b"]).await?;
+    let store = etcd.client().await?;
+    let a = Client::connect(&proxies[0].url()).await?;
+    let session = a
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+
+    // The rival takes the lock whenever it is free, and drops its guard at once too.
+    let stop = Arc::new(AtomicBool::new(false));
+    let rival_grants = Arc::new(AtomicUsize::new(0));
+    let rival = tokio::spawn({
+        let (url, stop, grants, mut store) = (
+            proxies[1].url(),
+            stop.clone(),
+            rival_grants.clone(),
+            store.clone(),
+        );
+        async move {
+            let b = Client::connect(&url).await?;
+            let s = b
+                .open_session(short_session(Duration::from_secs(10)))
+                .await?;
+            while !stop.load(Ordering::SeqCst) {
+                let Some(guard) = s
+                    .acquire(LOCK, Wait::Timeout(Duration::from_millis(200)))
+                    .await?
+                else {
+                    continue;
+                };
+                grants.fetch_add(1, Ordering::SeqCst);
+                let held = holder_revision(&mut store, LOCK).await?;
+                ensure!(
+                    !guard.is_valid() || held == Some(guard.token().revision),
+                    "the rival holds a valid guard with token {} while etcd's holder is {held:?}",
+                    guard.token()
+                );
+                drop(guard);
+            }
+            anyhow::Ok(())
+        }
+    });
+
+    let mut store_a = store.clone();
+    let mut last: Option<FencingToken> = None;
+    for round in 0..ROUNDS {
+        let guard = session
+            .acquire(LOCK, Wait::Timeout(Duration::from_secs(10)))
+            .await?
+            .with_context(|| format!("round {round}: not granted within 10 s"))?;
+        let token = guard.token();
+        if let Some(last) = last {
+            ensure!(
+                token > last,
+                "round {round}: the acquire was handed token {token}, not a grant above the last one ({last})"
+            );
+        }
+        last = Some(token);
+        // The work: a sequencer check, as a resource would make.
+        let current = a.check_sequencer(LOCK, token).await?.current;
+        let held = holder_revision(&mut store_a, LOCK).await?;
+        ensure!(
+            !guard.is_valid() || (current && held == Some(token.revision)),
+            "round {round}: a valid guard with token {token}, but the sequencer says current={current} and etcd's holder is {held:?}"
+        );
+        drop(guard);
+    }
+    stop.store(true, Ordering::SeqCst);
+    rival.await??;
+    ensure!(
+        rival_grants.load(Ordering::SeqCst) > 0,
+        "the rival never got the lock: the test raced nothing"
+    );
+    Ok(())
+}
+
+/// A session asking again for what it holds is refused with a clear error, whatever
+/// the mode and whether lock or election; a guard just dropped is no obstacle.
+pub async fn a_second_acquire_of_a_held_lock_is_refused_by_name() -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a", "b"]).await?;
+    let client = Client::connect(&proxies[0].url()).await?;
+    let s = client
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let other = Client::connect(&proxies[1].url())
+        .await?
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+
+    let first = s
+        .acquire("twice", Wait::Try)
+        .await?
+        .context("free lock not granted")?;
+    for (what, again) in [
+        ("exclusive", s.acquire("twice", Wait::Try).await),
+        ("shared", s.acquire_shared("twice", Wait::Try).await),
+        (
+            "campaign",
+            s.campaign("twice", "v", Wait::Try).await.map(|_| None),
+        ),
+    ] {
+        match again {
+            Err(Error::AlreadyHeld(message)) => ensure!(
+                message.contains("\"twice\"") && message.contains("not re-entrant"),
+                "the {what} refusal does not name the lock and the rule: {message}"
+            ),
+            other => bail!(
+                "a second {what} acquire of a held lock gave {}",
+                outcome(&other)
+            ),
+        }
+    }
+    ensure!(first.is_valid(), "a refused second acquire broke the first");
+    ensure!(
+        other.acquire("twice", Wait::Try).await?.is_none(),
+        "another session got a held lock"
+    );
+    let token = first.token();
+    ensure!(first.release().await?, "the release deleted nothing");
+    let next = s
+        .acquire("twice", Wait::Try)
+        .await?
+        .context("the lock released was not granted again")?;
+    ensure!(next.token() > token, "the new grant reused token {token}");
+
+    let shared = s
+        .acquire_shared("readers", Wait::Try)
+        .await?
+        .context("shared not granted")?;
+    match s.acquire_shared("readers", Wait::Try).await {
+        Err(Error::AlreadyHeld(_)) => {}
+        other => bail!(
+            "a second shared hold of one session gave {}",
+            outcome(&other)
+        ),
+    }
+    drop(shared);
+
+    let leader = s
+        .campaign("leader", "v1", Wait::Try)
+        .await?
+        .context("not elected in an empty election")?;
+    match s.campaign("leader", "v2", Wait::Try).await {
+        Err(Error::AlreadyHeld(_)) => {}
+        other => bail!(
+            "a second campaign of the leader gave {}",
+            outcome(&other.map(|l| l.map(|l| l.token())))
+        ),
+    }
+    drop(leader);
+    // Dropped guards release in the background; the next acquire waits for that.
+    for name in ["readers", "leader"] {
+        let _guard = s
+            .acquire(name, Wait::Try)
+            .await?
+            .with_context(|| format!("{name} not granted just after its guard was dropped"))?;
+    }
+    Ok(())
+}
+
+/// A grant transaction etcd applies after the proxy's deadline: the proxy does not
+/// know whether it granted. The key is the session's all the same: the same call
+/// retried gets that grant back, and the session's close deletes it.
+pub async fn a_grant_etcd_applied_after_the_deadline_is_still_the_sessions() -> anyhow::Result<()> {
+    let (etcd, link, proxy) = proxy_through_link("a", None).await?;
+    let store = etcd.client().await?;
+    let (mut sessions, mut locks) = raw(&proxy).await?;
+    let session = sessions
+        .open(OpenRequest {
+            ttl_ms: 60_000,
+            identity: "late".into(),
+        })
+        .await?
+        .into_inner();
+    let acquire = |lock: &str, call: &str| AcquireRequest {
+        session_id: session.session_id.clone(),
+        lock: lock.into(),
+        wait_timeout_ms: Some(0),
+        mode: 0,
+        call_id: call.into(),
+    };
+
+    for (lock, call) in [("late/a", "c1"), ("late/b", "c2")] {
+        // etcd applies the grant, and the proxy hears nothing from etcd for longer
+        // than a try-once acquire takes (two attempts and a read after each, 2 s
+        // apiece): the client hears that the outcome is unknown.
+        link.cut_replies_after(format!("/l/{lock}/").as_bytes(), Duration::from_secs(10));
+        let refused = locks.acquire(acquire(lock, call)).await;
+        ensure!(!link.trap_pending(), "the grant never crossed the link");
+        let refused = refused
+            .err()
+            .context("the grant was answered in time: the test injected nothing")?;
+        ensure!(
+            refused.code() == tonic::Code::Unavailable,
+            "an unknown outcome is not UNAVAILABLE: {refused:?}"
+        );
+        eventually(
+            "etcd applies the late grant",
+            Duration::from_secs(15),
+            || {
+                let mut store = store.clone();
+                async move { holder_revision(&mut store, lock).await }
+            },
+        )
+        .await?;
+    }
+
+    // The call retried (as a client does after UNAVAILABLE, until the proxy's link to
+    // etcd is back): its grant, not a new one.
+    let made = holder_revision(&mut store.clone(), "late/a").await?;
+    let again = eventually(
+        "the retried call is answered",
+        Duration::from_secs(15),
+        || {
+            let mut locks = locks.clone();
+            let request = acquire("late/a", "c1");
+            async move {
+                match locks.acquire(request).await {
+                    Ok(reply) => Ok(Some(reply.into_inner())),
+                    Err(s) if s.code() == tonic::Code::Unavailable => Ok(None),
+                    Err(s) => Err(s.into()),
+                }
+            }
+        },
+    )
+    .await?;
+    ensure!(
+        again.granted && again.token.map(|t| t.revision) == made,
+        "the retried call got {again:?}, not the grant made at {made:?}"
+    );
+    locks
+        .release(ReleaseRequest {
+            session_id: session.session_id.clone(),
+            lock: "late/a".into(),
+            token: again.token,
+            mode: 0,
+        })
+        .await?;
+
+    // The other is never asked for again: the session's close takes it away.
+    sessions
+        .close(CloseRequest {
+            session_id: session.session_id.clone(),
+            ..Default::default()
+        })
+        .await?;
+    eventually(
+        "the close deletes the grant whose answer never came",
+        Duration::from_secs(10),
+        || {
+            let mut store = store.clone();
+            async move {
+                Ok(holder_revision(&mut store, "late/b")
+                    .await?
+                    .is_none()
+                    .then_some(()))
+            }
+        },
+    )
+    .await?;
+    let next = lockcell_client::Client::connect(&proxy.url())
+        .await?
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let _guard = next
+        .acquire("late/b", Wait::Try)
+        .await?
+        .context("the lock was not free after the session closed")?;
+    Ok(())
+}
+
+/// A fair waiter's enqueue etcd applies after the proxy's deadline: the waiter key
+/// must not stay in line with nobody behind it, or every later waiter waits forever.
+pub async fn an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line(
+) -> anyhow::Result<()> {
+    const LOCK: &str = "fair/q";
+    let (etcd, link, slow) = proxy_through_link("a", Some(CLASSES)).await?;
+    let mut options = ProxyOptions::new("b", etcd.endpoints());
+    options.extra_args = vec![
+        "--classes".into(),
+        etcd.dir.join("classes.toml").to_string_lossy().into_owned(),
+    ];
+    let fast = ProxyProcess::start(&options, &etcd.dir).await?;
+    let fast_client = Client::connect(&fast.url()).await?;
+    let holder = fast_client
+        .open_session(short_session(Duration::from_secs(20)))
+        .await?;
+    let held = holder
+        .acquire(LOCK, Wait::Try)
+        .await?
+        .context("free lock not granted")?;
+
+    let (mut sessions, mut locks) = raw(&slow).await?;
+    let waiter = sessions
+        .open(OpenRequest {
+            ttl_ms: 30_000,
+            identity: "late waiter".into(),
+        })
+        .await?
+        .into_inner();
+    link.cut_replies_after(format!("/q/{LOCK}/").as_bytes(), Duration::from_secs(3));
+    let refused = locks
+        .acquire(AcquireRequest {
+            session_id: waiter.session_id.clone(),
+            lock: LOCK.into(),
+            wait_timeout_ms: Some(20_000),
+            mode: 0,
+            call_id: "w1".into(),
+        })
+        .await;
+    ensure!(!link.trap_pending(), "the enqueue never crossed the link");
+    let refused = refused
+        .err()
+        .context("the enqueue was answered in time: the test injected nothing")?;
+    ensure!(
+        refused.code() == tonic::Code::Unavailable,
+        "an unknown outcome is not UNAVAILABLE: {refused:?}"
+    );
+
+    // The holder lets go; a waiter that comes after must get the lock.
+    held.release().await?;
+    let next = fast_client
+        .open_session(short_session(Duration::from_secs(20)))
+        .await?;
+    let _guard = next
+        .acquire(LOCK, Wait::Timeout(Duration::from_secs(10)))
+        .await?
+        .context("a waiter queued after a late enqueue was not granted a free lock")?;
+    let mut store = etcd.client().await?;
+    let left = store
+        .get(
+            format!("/q/{LOCK}/"),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_count_only(),
+            ),
+        )
+        .await?
+        .count();
+    ensure!(left == 0, "{left} waiter keys left in line");
+    Ok(())
+}
+
+/// What an acquire gave, in a few words.
+fn outcome<T: Tokened>(result: &Result<Option<T>, Error>) -> String {
+    match result {
+        Ok(Some(held)) => format!("a grant with token {}", held.token()),
+        Ok(None) => "no grant".to_owned(),
+        Err(e) => format!("error: {e}"),
+    }
+}
+
+/// Whatever carries a fencing token.
+trait Tokened {
+    fn token(&self) -> FencingToken;
+}
+
+impl Tokened for lockcell_client::LockGuard {
+    fn token(&self) -> FencingToken {
+        lockcell_client::LockGuard::token(self)
+    }
+}
+
+impl Tokened for FencingToken {
+    fn token(&self) -> FencingToken {
+        *self
+    }
+}
+
+/// The create revision of `lock`'s exclusive holder key, if it has one.
+async fn holder_revision(
+    store: &mut etcd_client::Client,
+    lock: &str,
+) -> anyhow::Result<Option<i64>> {
+    let resp = store.get(format!("/l/{lock}/!x"), None).await?;
+    Ok(resp.kvs().first().map(|kv| kv.create_revision()))
+}
+
+/// A one-member etcd and a proxy of `zone` that reaches it through a relay the test
+/// can stall, with a lease TTL long enough to ride out the stalls (the proxy's lease
+/// renewals cross the same link). With `classes`, the proxy reads that classes file
+/// (written to `classes.toml` in the cell's directory).
+async fn proxy_through_link(
+    zone: &str,
+    classes: Option<&str>,
+) -> anyhow::Result<(EtcdCluster, Relay, ProxyProcess)> {
+    let etcd = EtcdCluster::start(1).await?;
+    let link = Relay::start(&etcd.endpoints()[0]).await?;
+    let mut options = ProxyOptions::new(zone, vec![link.addr.clone()]);
+    options.lease_ttl = Duration::from_secs(30);
+    if let Some(classes) = classes {
+        let file = etcd.dir.join("classes.toml");
+        std::fs::write(&file, classes)?;
+        options.extra_args = vec!["--classes".into(), file.to_string_lossy().into_owned()];
+    }
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    Ok((etcd, link, proxy))
+}
