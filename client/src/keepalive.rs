@@ -52,9 +52,11 @@ const RESUMES_AT_ONCE: usize = 16;
 /// Registrations waiting for the driver. Opening sessions is rare; a full queue only
 /// makes `open_session` wait a moment.
 const COMMAND_QUEUE: usize = 64;
-/// Renewals queued for the stream. If the stream cannot take more, a renewal is skipped
-/// (its session is retried at its next interval) rather than piling up stale requests.
+/// Renewals queued for the stream. If the stream cannot take more, the renewals due are
+/// put off by [`FULL_RETRY`] rather than piling up stale requests.
 const OUTBOUND_QUEUE: usize = 256;
+/// When the outbound queue is full, renewals due are tried again this much later.
+const FULL_RETRY: Duration = Duration::from_millis(5);
 /// When the stream fails to deliver, retry at this pace: quickly at first, because the
 /// deadlines keep running while it is down.
 const RECONNECT_MIN: Duration = Duration::from_millis(50);
@@ -515,6 +517,7 @@ impl Driver {
             return;
         };
         let mut closed = false;
+        let mut full = false;
         for id in self.book.take_due(now) {
             // Gone from the table: the application dropped or closed it. Not rescheduled.
             let Some(session) = self.sessions.get(&id).map(|s| s.value().clone()) else {
@@ -528,6 +531,13 @@ impl Driver {
                 self.book.schedule(&id, now);
                 continue;
             }
+            if full {
+                // Sent as soon as the stream has room, not a whole interval later: a
+                // burst of renewals due at once (sessions opened together) must not
+                // push most of them past their TTL.
+                self.book.schedule(&id, now + FULL_RETRY);
+                continue;
+            }
             let interval = session.renew_interval();
             let seq = session.next_seq();
             let sent = Instant::now();
@@ -537,7 +547,10 @@ impl Driver {
             }) {
                 Ok(()) => self.book.sent(&id, seq, sent, interval),
                 Err(mpsc::error::TrySendError::Full(_)) => {
-                    tracing::debug!(session.id = %id, "keep-alive stream full; renewal skipped");
+                    tracing::debug!(session.id = %id, "keep-alive stream full; renewal put off");
+                    full = true;
+                    self.book.schedule(&id, now + FULL_RETRY);
+                    continue;
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
                     closed = true;
