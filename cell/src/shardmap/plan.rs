@@ -191,7 +191,7 @@ pub fn plan_set(
     if let Some(refusal) = unfinished_move(&copies, old) {
         return Err(refusal);
     }
-    carry_over(old, &mut new);
+    carry_over(old, &mut new, cells);
     check_serving(old, &new)?;
     new.version = old.version;
     if copies.values().all(|copy| copy.as_ref() == Some(&new)) {
@@ -290,9 +290,16 @@ pub fn check_serving(old: &ShardMap, new: &ShardMap) -> Result<(), PlanError> {
 /// Fills in the pause and epoch of each route of `new`. A route that stays (same prefix,
 /// same cell) keeps both. A new route takes the epoch of the route that served its
 /// prefix in `old`, so that the names it takes over keep their tokens' epoch. A route of
-/// names no route served takes the highest epoch of its cell's old routes whose names
-/// overlap its own.
-fn carry_over(old: &ShardMap, new: &mut ShardMap) {
+/// names no route served starts above every epoch any cell (`cells`) or route has used:
+/// those names were granted somewhere before (by the first cell, before there was a
+/// map), and their next tokens must be above every token they ever had.
+fn carry_over(old: &ShardMap, new: &mut ShardMap, cells: &BTreeMap<String, CellView>) {
+    let highest = cells
+        .values()
+        .map(|view| view.epoch)
+        .chain(old.routes.iter().map(|r| r.epoch))
+        .max()
+        .unwrap_or(0);
     for route in &mut new.routes {
         let same = old
             .routes
@@ -307,14 +314,7 @@ fn carry_over(old: &ShardMap, new: &mut ShardMap) {
             route.epoch = served.epoch;
             continue;
         }
-        route.epoch = old
-            .routes
-            .iter()
-            .filter(|r| r.cell == route.cell)
-            .filter(|r| r.prefix.starts_with(&route.prefix) || route.prefix.starts_with(&r.prefix))
-            .map(|r| r.epoch)
-            .max()
-            .unwrap_or(0);
+        route.epoch = next_epoch(highest);
     }
 }
 

@@ -762,3 +762,35 @@ fn a_move_concerns_only_the_names_whose_longest_route_is_its_own() {
     assert_eq!(name_of(b"/q/a/b/!s/w").as_deref(), Some("a/b"));
     assert_eq!(name_of(b"/k/a/b").as_deref(), Some("a/b"));
 }
+
+#[test]
+fn a_route_of_names_no_route_served_starts_above_every_epoch_used() {
+    // The first map routed only billing/ (to b): every other name a served before any
+    // map had its tokens at a's epoch, and is unrouted now.
+    let mut old = map(1, &[("billing/", "b")]);
+    route_of_mut(&mut old, "billing/").epoch = 300;
+    let mut cells = views(Some(&old));
+    cells.get_mut("a").unwrap().epoch = 900;
+    cells.get_mut("c").unwrap().epoch = 5;
+    // Routing them to c, whose epoch is far lower, must not send their tokens back.
+    let wanted = file(&[("billing/", "b"), ("jobs/", "c"), ("", "c")]);
+    let SetPlan::Write(new) = plan_set(&wanted, &cells, "ca").unwrap() else {
+        panic!("the same map")
+    };
+    for prefix in ["jobs/", ""] {
+        let epoch = route_of(&new, prefix).epoch;
+        assert!(
+            epoch > 900,
+            "route {prefix:?} starts at epoch {epoch}, not above the 900 names of a had"
+        );
+        assert!(new.token_epoch(5, &format!("{prefix}x")) > 900);
+    }
+    assert_eq!(
+        route_of(&new, "billing/").epoch,
+        300,
+        "served names keep theirs"
+    );
+    // Set again: the routes it added keep the epoch they were given.
+    let again = plan_set(&wanted, &views(Some(&new)), "ca").unwrap();
+    assert_eq!(again, SetPlan::Unchanged(new));
+}
