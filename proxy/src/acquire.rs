@@ -615,10 +615,12 @@ async fn attempt_grant(
     // Never past the session's own end: the client counts this validity from its
     // request, and the session may expire a TTL after its last renewal, which can be
     // most of a TTL before this grant. (A grant does not renew the session.)
-    let valid_for = state
-        .leases
-        .valid_for(session.bucket, session.lease, session.ttl, now)
-        .min(session.lapses_at().saturating_duration_since(now));
+    let valid_for = state.leases.valid_for(
+        session.bucket,
+        session.lease,
+        session.lapses_at().saturating_duration_since(now),
+        now,
+    );
     let hold = Grant::hold(lock, mode, &session.id, revision);
     if !state.sessions.record_grant(
         &session.id,

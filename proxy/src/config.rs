@@ -73,10 +73,20 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_SESSION_TTL_MAX", default_value = "120s", value_parser = humantime::parse_duration)]
     pub session_ttl_max: Duration,
 
-    /// Safety margin taken off every validity the proxy grants, for clock-rate drift
-    /// between this machine and the etcd leader.
+    /// Safety margin taken off every validity the proxy grants that its etcd lease
+    /// backs, for the time a lease renewal spends on the way and in etcd.
     #[arg(long, env = "LOCKCELL_VALIDITY_MARGIN", default_value = "500ms", value_parser = humantime::parse_duration)]
     pub validity_margin: Duration,
+
+    /// How much faster or slower than this machine's clock the clocks of etcd's members
+    /// and of clients may run, as a percentage (`1%`) or a fraction (`0.01`). Every span
+    /// the proxy tells a client it may act for, and its own count of etcd's lease TTL,
+    /// is shortened by it, so a client whose clock runs that much slow still stops
+    /// before its session ends here, and this proxy before etcd can revoke its lease.
+    /// NTP slewing stays well within 1 %; a clock that runs further off breaks the
+    /// locks' promise. Below 50 %.
+    #[arg(long, env = "LOCKCELL_CLOCK_RATE_BOUND", default_value = "1%")]
+    pub clock_rate_bound: Rate,
 
     /// Deadline of each call to etcd; a store that does not answer in time is reported
     /// to clients as Unavailable.
@@ -169,6 +179,8 @@ pub struct ProxyConfig {
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    #[error("--clock-rate-bound ({rate}) must be at least 0 % and below 50 %")]
+    Rate { rate: Rate },
     #[error("--session-ttl-min ({min:?}) is above --session-ttl-max ({max:?})")]
     TtlBounds { min: Duration, max: Duration },
     #[error("--session-ttl ({ttl:?}) is outside --session-ttl-min..--session-ttl-max ({min:?}..{max:?})")]
@@ -211,6 +223,11 @@ impl ProxyConfig {
                 ttl: self.lease_ttl,
             });
         }
+        if !(0.0..0.5).contains(&self.clock_rate_bound.0) {
+            return Err(ConfigError::Rate {
+                rate: self.clock_rate_bound,
+            });
+        }
         if self.validity_margin * 2 >= self.lease_ttl {
             return Err(ConfigError::Margin {
                 margin: self.validity_margin,
@@ -245,6 +262,36 @@ fn whole_seconds(s: &str) -> Result<Duration, String> {
         ));
     }
     Ok(d)
+}
+
+/// A clock-rate bound: a fraction, written as a percentage (`1%`) or a plain fraction
+/// (`0.01`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rate(pub f64);
+
+impl std::str::FromStr for Rate {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Rate, String> {
+        let s = s.trim();
+        let (number, scale) = match s.strip_suffix('%') {
+            Some(percent) => (percent.trim(), 100.0),
+            None => (s, 1.0),
+        };
+        let value: f64 = number
+            .parse()
+            .map_err(|_| format!("{s:?} is not a percentage (1%) or a fraction (0.01)"))?;
+        if !value.is_finite() {
+            return Err(format!("{s:?} is not a finite number"));
+        }
+        Ok(Rate(value / scale))
+    }
+}
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}%", self.0 * 100.0)
+    }
 }
 
 #[cfg(test)]
@@ -301,5 +348,32 @@ mod tests {
             .to_string()
             .contains("--session-ttl-min"));
         assert!(ProxyConfig::try_parse_from(["p", "--lease-ttl", "1500ms"]).is_err());
+    }
+
+    #[test]
+    fn the_clock_rate_bound_is_a_percentage_or_a_fraction_below_half() {
+        assert_eq!(parse(&[]).clock_rate_bound, Rate(0.01));
+        assert_eq!(
+            parse(&["--clock-rate-bound", "2.5%"]).clock_rate_bound,
+            Rate(0.025)
+        );
+        assert_eq!(
+            parse(&["--clock-rate-bound", "0.002"]).clock_rate_bound,
+            Rate(0.002)
+        );
+        assert_eq!(
+            parse(&["--clock-rate-bound", "1%"])
+                .clock_rate_bound
+                .to_string(),
+            "1%"
+        );
+        let err = ProxyConfig::try_parse_from(["p", "--clock-rate-bound", "fast"]).unwrap_err();
+        assert!(err.to_string().contains("percentage"), "{err}");
+        for bad in ["50%", "-1%", "0.7"] {
+            let flag = format!("--clock-rate-bound={bad}");
+            let c = parse(&[flag.as_str()]);
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("--clock-rate-bound"), "{bad}: {err}");
+        }
     }
 }

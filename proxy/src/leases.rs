@@ -1,10 +1,13 @@
 //! The lease multiplexer's bookkeeping: K buckets, each with the proxy's current etcd
 //! lease and a lower bound of when etcd could revoke it.
 //!
-//! The lower bound is `time the renewal was sent + TTL etcd granted`: etcd starts the
-//! TTL no earlier than it receives the request, so the lease cannot expire before then.
-//! Every validity the proxy grants a client ends before it (DESIGN.md section 5). This
-//! module is plain data; [`crate::lease_keeper`] performs the renewals.
+//! The lower bound is `time the renewal was sent + TTL etcd granted`, the TTL shortened
+//! by the clock-rate bound: etcd starts the TTL no earlier than it receives the request
+//! and counts it on its own clock, which may run that much faster than this one, so the
+//! lease cannot expire before then. Every validity the proxy grants a client ends before
+//! it, and before the session's own end, each shortened again by the clock-rate bound
+//! for the client's clock (docs/architecture.md, "Timing"). This module is plain data;
+//! [`crate::lease_keeper`] performs the renewals.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -20,8 +23,12 @@ pub struct LeaseBook {
     /// keepalive can read a bucket without a lock.
     base: Instant,
     buckets: Vec<Bucket>,
-    /// Taken off every validity, for clock-rate drift between proxy and etcd leader.
+    /// Taken off every validity, for the time a renewal spends in etcd and on the way.
     margin: Duration,
+    /// The clock-rate bound: how much faster or slower than this proxy's clock the
+    /// clocks of etcd's members and of clients may run (0.01: 1 %). Every span the proxy
+    /// counts on another's behalf is shortened by it.
+    rate: f64,
 }
 
 struct Bucket {
@@ -34,7 +41,7 @@ struct Bucket {
 }
 
 impl LeaseBook {
-    pub fn new(k: usize, margin: Duration, base: Instant) -> Self {
+    pub fn new(k: usize, margin: Duration, rate: f64, base: Instant) -> Self {
         let buckets = (0..k)
             .map(|_| Bucket {
                 lease: AtomicI64::new(NO_LEASE),
@@ -46,6 +53,7 @@ impl LeaseBook {
             base,
             buckets,
             margin,
+            rate,
         }
     }
 
@@ -73,7 +81,8 @@ impl LeaseBook {
     /// Puts a freshly granted lease in `bucket`. `sent` is when the grant request left.
     pub fn install(&self, bucket: usize, lease: i64, sent: Instant, ttl: Duration) {
         let b = &self.buckets[bucket];
-        b.bound.store(self.nanos(sent + ttl), Ordering::Release);
+        b.bound
+            .store(self.nanos(sent + self.within(ttl)), Ordering::Release);
         b.lease.store(lease, Ordering::Release);
     }
 
@@ -82,7 +91,8 @@ impl LeaseBook {
     pub fn renewed(&self, bucket: usize, lease: i64, sent: Instant, ttl: Duration) {
         let b = &self.buckets[bucket];
         if b.lease.load(Ordering::Acquire) == lease {
-            b.bound.fetch_max(self.nanos(sent + ttl), Ordering::AcqRel);
+            b.bound
+                .fetch_max(self.nanos(sent + self.within(ttl)), Ordering::AcqRel);
         }
     }
 
@@ -99,21 +109,30 @@ impl LeaseBook {
         self.nanos(now) >= self.buckets[bucket].bound.load(Ordering::Acquire)
     }
 
-    /// How long a client of a session on (`bucket`, `lease`) with `ttl` may act from
-    /// `now`: `min(ttl, lower bound - now - margin)`, zero when the lease is gone.
+    /// How long a client of a session on (`bucket`, `lease`) that ends `ttl` from `now`
+    /// (on this proxy's clock) may act, counted on its own clock from `now`:
+    /// `min(within(ttl), left)`, zero when the lease is gone.
     pub fn valid_for(&self, bucket: usize, lease: i64, ttl: Duration, now: Instant) -> Duration {
-        self.left(bucket, lease, now).min(ttl)
+        self.left(bucket, lease, now).min(self.within(ttl))
     }
 
     /// How long from `now` the lease can still back a client's validity: its lower
-    /// bound less the margin, zero when the lease is gone.
+    /// bound, as a client's clock may count it, less the margin; zero when the lease is
+    /// gone.
     pub fn left(&self, bucket: usize, lease: i64, now: Instant) -> Duration {
         let b = &self.buckets[bucket];
         if b.lease.load(Ordering::Acquire) != lease {
             return Duration::ZERO;
         }
         let bound = b.bound.load(Ordering::Acquire);
-        Duration::from_nanos(bound.saturating_sub(self.nanos(now))).saturating_sub(self.margin)
+        self.within(Duration::from_nanos(bound.saturating_sub(self.nanos(now))))
+            .saturating_sub(self.margin)
+    }
+
+    /// A span of this proxy's clock as another clock may count it at most, running up
+    /// to the clock-rate bound slower: the span it may be told.
+    pub fn within(&self, span: Duration) -> Duration {
+        span.mul_f64(1.0 - self.rate)
     }
 
     /// Picks the bucket with a live lease and the fewest sessions, and counts the new
@@ -156,7 +175,7 @@ mod tests {
     #[test]
     fn validity_ends_before_the_lease_lower_bound() {
         let t0 = Instant::now();
-        let book = LeaseBook::new(2, Duration::from_millis(500), t0);
+        let book = LeaseBook::new(2, Duration::from_millis(500), 0.0, t0);
         book.install(0, 7, t0, 10 * S);
         // Right after the grant: capped by the session TTL.
         assert_eq!(book.valid_for(0, 7, 5 * S, t0), 5 * S);
@@ -173,9 +192,27 @@ mod tests {
     }
 
     #[test]
+    fn the_clock_rate_bound_shortens_the_ttl_and_the_lease_bound() {
+        let t0 = Instant::now();
+        // 1 %: a client's clock (or etcd's) may run 1 % slower (faster) than this one.
+        let book = LeaseBook::new(1, Duration::from_millis(500), 0.01, t0);
+        book.install(0, 7, t0, 10 * S);
+        // The session's own end, 2 s away, is told as 1.98 s.
+        assert_eq!(book.valid_for(0, 7, 2 * S, t0), Duration::from_millis(1980));
+        // etcd's 10 s may be 9.9 s here; what is left, 9.9 s, may be 9.801 s to a
+        // client; less the margin.
+        assert_eq!(
+            book.valid_for(0, 7, 60 * S, t0),
+            Duration::from_millis(9801 - 500)
+        );
+        assert!(book.past_bound(0, t0 + Duration::from_millis(9900)));
+        assert!(!book.past_bound(0, t0 + Duration::from_millis(9899)));
+    }
+
+    #[test]
     fn renewals_move_the_bound_forward_only_for_the_current_lease() {
         let t0 = Instant::now();
-        let book = LeaseBook::new(1, Duration::ZERO, t0);
+        let book = LeaseBook::new(1, Duration::ZERO, 0.0, t0);
         book.install(0, 7, t0, 10 * S);
         book.renewed(0, 7, t0 + 3 * S, 10 * S);
         assert_eq!(book.valid_for(0, 7, 60 * S, t0), 13 * S);
@@ -196,7 +233,7 @@ mod tests {
     #[test]
     fn assigns_to_the_emptiest_bucket_with_a_lease() {
         let t0 = Instant::now();
-        let book = LeaseBook::new(3, Duration::ZERO, t0);
+        let book = LeaseBook::new(3, Duration::ZERO, 0.0, t0);
         assert_eq!(book.assign(), None);
         book.install(1, 11, t0, 10 * S);
         book.install(2, 12, t0, 10 * S);

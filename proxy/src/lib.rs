@@ -355,6 +355,7 @@ impl Engine {
             leases: leases::LeaseBook::new(
                 config.leases as usize,
                 config.validity_margin,
+                config.clock_rate_bound.0,
                 Instant::now(),
             ),
             locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout)
