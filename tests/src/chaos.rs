@@ -25,7 +25,7 @@ use std::process::Command;
 use crate::checker::{self, Verdict};
 use crate::fenced_server::FencedServer;
 use crate::process::Managed;
-use crate::{bins, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
+use crate::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
 /// The kinds of fault a run injects, each once, in an order the seed picks.
 pub const FAULTS: [&str; 8] = [
@@ -241,6 +241,20 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
     }
     let mut verdict = checker::check(&records);
     let kv_writes = check_writes(&etcd, &records, &mut verdict.violations).await?;
+    // Every client is gone: once their sessions have expired (and a dead proxy's leases
+    // with them), no holder or waiter key may be left. One that is belongs to nobody.
+    let within = options.ttl.max(lease_ttl) * 3 + Duration::from_secs(5);
+    if let Err(left) = eventually("every lock and queue is empty", within, || async {
+        let left = keys_left(&etcd).await?;
+        Ok(left.is_empty().then_some(()))
+    })
+    .await
+    {
+        let keys = keys_left(&etcd).await.unwrap_or_default();
+        verdict.violations.push(format!(
+            "{left}: after every client was gone, keys were left that nobody owns: {keys:?}"
+        ));
+    }
     for lock in &locks {
         if let Some(resource) = fenced.resource(lock) {
             let accepted = resource.accepted();
@@ -260,6 +274,26 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         records,
         kv_writes,
     })
+}
+
+/// The holder keys under `/l/` (release markers aside) and the waiter keys under `/q/`
+/// in the store, each with its value.
+async fn keys_left(etcd: &EtcdCluster) -> anyhow::Result<Vec<String>> {
+    let mut client = etcd.client().await?;
+    let mut left = Vec::new();
+    for prefix in ["/l/", "/q/"] {
+        let resp = client
+            .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+            .await?;
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key());
+            if key.ends_with("!r") {
+                continue;
+            }
+            left.push(format!("{key} = {}", String::from_utf8_lossy(kv.value())));
+        }
+    }
+    Ok(left)
 }
 
 /// Checks that every acknowledged small-key write is in the store's history: the key

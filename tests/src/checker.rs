@@ -43,6 +43,14 @@ pub enum Record {
         at_ns: u64,
         why: String,
     },
+    /// The client saw the service break a promise it can judge alone (a second grant of
+    /// a lock its session held): a violation as it stands.
+    Broken {
+        client: String,
+        lock: String,
+        what: String,
+        at_ns: u64,
+    },
     /// A small-key write the service acknowledged: `key` holds `value` at `revision`.
     KvWrite {
         client: String,
@@ -82,7 +90,10 @@ struct Hold {
 /// - no two clients' holds of one lock overlap (a hold lasts from the grant's arrival
 ///   until the client stopped believing, never past the latest deadline it saw);
 /// - every act was decided before the deadline the client believed at the time;
-/// - a lock's tokens rise with every grant, in the order the grants arrived.
+/// - a lock's tokens rise with every grant, in the order the grants arrived;
+/// - every grant is a new one: no token of a lock is handed out twice (a session's
+///   second acquire once got its first grant back, and one release ended both);
+/// - nothing a client saw the service break on its own ([`Record::Broken`]).
 ///
 /// A grant whose reply arrived at or after the deadline it carried (a reply held up on
 /// a slow link while the session ran out) was never a hold: the client knew at once it
@@ -93,6 +104,8 @@ pub fn check(records: &[Record]) -> Verdict {
     // (lock, client, token) -> hold under construction
     let mut holds: HashMap<(String, String, String), Hold> = HashMap::new();
     let mut ends: HashMap<(String, String, String), u64> = HashMap::new();
+    // (lock, token) -> the client it was granted to
+    let mut granted: HashMap<(String, String), String> = HashMap::new();
     let token_of = |t: &str, v: &mut Verdict| -> Option<FencingToken> {
         match t.parse() {
             Ok(t) => Some(t),
@@ -115,6 +128,11 @@ pub fn check(records: &[Record]) -> Verdict {
                 let Some(t) = token_of(token, &mut verdict) else {
                     continue;
                 };
+                if let Some(first) = granted.insert((lock.clone(), token.clone()), client.clone()) {
+                    verdict.violations.push(format!(
+                        "{lock}: token {token} was granted twice (to {first}, then to {client})"
+                    ));
+                }
                 holds
                     .entry((lock.clone(), client.clone(), token.clone()))
                     .and_modify(|h| h.end = h.end.max(*deadline_ns))
@@ -158,6 +176,14 @@ pub fn check(records: &[Record]) -> Verdict {
             } => {
                 ends.insert((lock.clone(), client.clone(), token.clone()), *at_ns);
             }
+            Record::Broken {
+                client,
+                lock,
+                what,
+                at_ns,
+            } => verdict
+                .violations
+                .push(format!("{client} on {lock} at {at_ns} ns: {what}")),
             // Checked against the store's history by the run (see `chaos`).
             Record::KvWrite { .. } => {}
         }
@@ -391,6 +417,31 @@ mod tests {
         );
         // A late grant with a deadline still ahead is a hold, and its token must rise.
         let v = check(&[grant("b", "1:9", 100, 300), grant("a", "1:5", 400, 900)]);
+        assert_eq!(v.violations.len(), 1, "{:?}", v.violations);
+    }
+
+    #[test]
+    fn a_token_granted_twice_and_a_broken_promise_are_violations() {
+        // A session's re-acquire handed its old grant back: one token, two grants, even
+        // to one client and with no overlap.
+        let v = check(&[
+            grant("a", "1:5", 100, 900),
+            end("a", "1:5", 150),
+            grant("a", "1:5", 160, 900),
+            end("a", "1:5", 170),
+        ]);
+        assert_eq!(v.violations.len(), 1, "{:?}", v.violations);
+        assert!(
+            v.violations[0].contains("granted twice"),
+            "{:?}",
+            v.violations
+        );
+        let v = check(&[Record::Broken {
+            client: "a".into(),
+            lock: "l".into(),
+            what: "a second acquire of a held lock was granted".into(),
+            at_ns: 5,
+        }]);
         assert_eq!(v.violations.len(), 1, "{:?}", v.violations);
     }
 

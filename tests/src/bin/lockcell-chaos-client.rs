@@ -5,6 +5,12 @@
 //! It knows every proxy (its own first): when its proxy dies, stops answering, cannot
 //! reach etcd or drains, the SDK resumes its session on another one, locks and tokens
 //! unchanged. When its session expires it opens a new one.
+//!
+//! It uses the SDK as real programs do, in a mix its seed picks: a hold ends with an
+//! explicit release or with the guard dropped and the same lock asked for again at
+//! once; a holder asks again for the lock it holds (which must be refused); an acquire
+//! is given up (its future dropped) at a random point; its membership key is written
+//! and written again as an ephemeral key.
 
 use std::fs::File;
 use std::io::Write;
@@ -212,7 +218,7 @@ async fn open(client: &Client, ttl: Duration, name: &str) -> Result<Session, Err
         .await
 }
 
-/// Takes locks in turn until the session is lost.
+/// Takes locks in turn until the session is lost (or must be closed: see below).
 async fn hold_locks(
     args: &Args,
     client: &Client,
@@ -224,6 +230,8 @@ async fn hold_locks(
 ) -> anyhow::Result<()> {
     let mut next_write = Instant::now();
     let mut after_error = retries().build();
+    // The lock to ask for at once: the one whose guard was just dropped.
+    let mut again: Option<String> = None;
     loop {
         if session.state() == SessionState::Expired {
             return Ok(());
@@ -231,18 +239,38 @@ async fn hold_locks(
         if Instant::now() >= next_write {
             next_write = Instant::now() + WRITE_EVERY;
             write_key(args, client, clock, recorder).await?;
+            write_member(args, session, clock, recorder).await?;
         }
-        let lock = &args.locks[rng.random_range(0..args.locks.len())];
-        let guard = match session
-            .acquire(lock, Wait::Timeout(Duration::from_secs(1)))
-            .await
-        {
+        let lock = again
+            .take()
+            .unwrap_or_else(|| args.locks[rng.random_range(0..args.locks.len())].clone());
+        let lock = &lock;
+        let asked = session.acquire(lock, Wait::Timeout(Duration::from_secs(1)));
+        let outcome = if rng.random_ratio(1, 8) {
+            // Given up at a random point: a grant that raced in belongs to the session,
+            // which no longer knows of it (released when the session closes).
+            let patience = Duration::from_millis(rng.random_range(1..300));
+            match tokio::time::timeout(patience, asked).await {
+                Ok(outcome) => outcome,
+                Err(_) => continue,
+            }
+        } else {
+            asked.await
+        };
+        let guard = match outcome {
             Ok(Some(guard)) => {
                 after_error = retries().build();
                 guard
             }
             Ok(None) => continue,
             Err(Error::SessionExpired { .. }) => return Ok(()),
+            Err(Error::AlreadyHeld(why)) => {
+                // A given-up acquire was granted after all: the session holds the lock
+                // with no guard, and only its close lets go of it.
+                eprintln!("{}: acquire {lock}: {why}; closing the session", args.name);
+                let _ = session.clone().close().await;
+                return Ok(());
+            }
             Err(e) => {
                 // etcd away for a moment, say: try again, backing off.
                 eprintln!("{}: acquire {lock}: {e}", args.name);
@@ -259,6 +287,22 @@ async fn hold_locks(
             at_ns: clock.ns(Instant::now()),
             deadline_ns: clock.ns(session.deadline()),
         })?;
+        if rng.random_ratio(1, 4) {
+            // Asked again while held: never a second grant, never "busy".
+            match session.acquire(lock, Wait::Try).await {
+                Err(Error::AlreadyHeld(_)) => {}
+                Err(_) => {}
+                Ok(granted) => recorder.write(&Record::Broken {
+                    client: name.clone(),
+                    lock: lock.clone(),
+                    what: format!(
+                        "a second acquire of a lock the session holds (token {token}) gave {}",
+                        granted.map_or("no grant".to_owned(), |g| format!("token {}", g.token()))
+                    ),
+                    at_ns: clock.ns(Instant::now()),
+                })?,
+            }
+        }
         let until = Instant::now() + Duration::from_millis(rng.random_range(50..300));
         let mut pace = tokio::time::interval(ACT_EVERY);
         let why = loop {
@@ -293,7 +337,44 @@ async fn hold_locks(
             why: why.into(),
         })?;
         if why == RELEASED {
-            let _ = guard.release().await;
+            if rng.random_bool(0.5) {
+                let _ = guard.release().await;
+            } else {
+                // Dropped: released in the background, and the same lock asked for at
+                // once, as a loop around `acquire` does.
+                drop(guard);
+                again = Some(lock.clone());
+            }
+        }
+    }
+}
+
+/// Writes the client's membership key (`chaos/members/<name>`), ephemeral, with a value
+/// no write before it had, and records the write if the service acknowledged it.
+async fn write_member(
+    args: &Args,
+    session: &Session,
+    clock: &Clock,
+    recorder: &mut Recorder,
+) -> anyhow::Result<()> {
+    let key = format!("chaos/members/{}", args.name);
+    let at_ns = clock.ns(Instant::now());
+    let value = format!("{}@{at_ns}", args.name);
+    match session
+        .put_ephemeral(&key, value.as_bytes(), Condition::Always)
+        .await
+    {
+        Ok(written) if written.succeeded => recorder.write(&Record::KvWrite {
+            client: args.name.clone(),
+            key,
+            value,
+            revision: written.revision,
+            at_ns,
+        }),
+        Ok(_) => Ok(()),
+        Err(e) => {
+            eprintln!("{}: put ephemeral {key}: {e}", args.name);
+            Ok(())
         }
     }
 }
