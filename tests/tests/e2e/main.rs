@@ -97,6 +97,7 @@ fn main() {
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
         cell::a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising,
         shardmap::two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders,
+        shardmap::a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves_back,
         admin::the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut_off,
         admin::the_audit_tailers_readyz_follows_etcd_and_drain_stops_it,
         guide::the_client_guides_examples_run_against_a_real_cell,

@@ -440,3 +440,71 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
     );
     Ok(())
 }
+
+/// A prefix moves from cell a to b; a key of it is deleted (and another changed) in b;
+/// the cell a is left holding their old copies, as a move whose last step (deleting the
+/// copies from the source) was interrupted leaves them. Moving the prefix back to a
+/// must not serve the deleted key again, nor the old value.
+pub async fn a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves_back(
+) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cell_a = EtcdCluster::start(1).await?;
+    let cell_b = EtcdCluster::start(1).await?;
+    let map = dir.path().join("shardmap.toml");
+    std::fs::write(
+        &map,
+        format!(
+            "[cells.a]\nendpoints = [{:?}]\n[cells.b]\nendpoints = [{:?}]\n\n\
+             [[route]]\nprefix = \"cfg/\"\ncell = \"a\"\n\n\
+             [[route]]\nprefix = \"other/\"\ncell = \"b\"\n",
+            cell_a.endpoints()[0],
+            cell_b.endpoints()[0]
+        ),
+    )?;
+    let a_endpoint = cell_a.endpoints()[0].clone();
+    let shardmap = |args: &[&str]| {
+        let mut all = vec!["shardmap"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--etcd", &a_endpoint]);
+        lockcell_cell(&all)
+    };
+    shardmap(&["set", &map.display().to_string()])?;
+    let proxy =
+        ProxyProcess::start(&ProxyOptions::new("a", cell_a.endpoints()), dir.path()).await?;
+    let client = Client::connect(&proxy.url()).await?;
+    for key in ["cfg/gone", "cfg/kept", "cfg/changed"] {
+        client.put(key, b"v1", Condition::Always).await?;
+    }
+
+    let read = |key: &'static str| {
+        let client = client.clone();
+        async move { Ok::<_, anyhow::Error>(client.get(key).await?.map(|e| e.value)) }
+    };
+    let mut a = cell_a.client().await?;
+
+    // A key deleted while cfg/ lived in b.
+    shardmap(&["move", "cfg/", "--to", "b"])?;
+    client.delete("cfg/gone", Condition::Always).await?;
+    a.put("/k/cfg/gone", "v1", None).await?; // what an interrupted step 6 leaves in a
+    shardmap(&["move", "cfg/", "--to", "a"])?;
+    ensure!(
+        read("cfg/gone").await?.is_none(),
+        "a key deleted in b came back when cfg/ moved back to a"
+    );
+    ensure!(read("cfg/kept").await? == Some(b"v1".to_vec()));
+
+    // A key changed while cfg/ lived in b.
+    shardmap(&["move", "cfg/", "--to", "b"])?;
+    client.put("cfg/changed", b"v2", Condition::Always).await?;
+    a.put("/k/cfg/changed", "v1", None).await?;
+    shardmap(&["move", "cfg/", "--to", "a"])?;
+    ensure!(
+        read("cfg/changed").await? == Some(b"v2".to_vec()),
+        "cfg/changed does not read as last written in b"
+    );
+    ensure!(
+        keys_under(&cell_b, "/k/cfg/").await?.is_empty(),
+        "cell b still holds keys of cfg/ after it moved away"
+    );
+    Ok(())
+}

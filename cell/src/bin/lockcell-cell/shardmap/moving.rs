@@ -81,6 +81,8 @@ impl Cells {
         // target's copy: an abort deletes its keys only while that copy is the abort's,
         // so none of the keys this move finds there can go before the switch.
         self.write_all(paused, &[target.to_owned()]).await?;
+        self.delete_stale(target, source, prefix, paused, &keys)
+            .await?;
         let timeout = self.timeout;
         for key in &keys {
             let kv = &mut self.cell(target)?.kv;
@@ -107,6 +109,35 @@ impl Cells {
         self.write_all(&switched, &order).await?;
         self.delete(source, prefix, &keys).await?;
         println!("moved {prefix:?} from cell {source} to cell {target}");
+        Ok(())
+    }
+
+    /// Step 4, first: deletes the persistent small keys of the route that `target` holds
+    /// and `source` (whose `keys` are the route's now) does not hold with that value.
+    /// `target` does not serve the route; such a key is left from a time it did (a move
+    /// away whose last step was interrupted), and was deleted or changed since in the
+    /// cell that served it: left in place, it would be served again once the route is
+    /// switched here.
+    async fn delete_stale(
+        &mut self,
+        target: &str,
+        source: &str,
+        prefix: &str,
+        paused: &ShardMap,
+        keys: &[Found],
+    ) -> anyhow::Result<()> {
+        let timeout = self.timeout;
+        let there = self.persistent(target, paused, prefix).await?;
+        let kv = &mut self.cell(target)?.kv;
+        let current = |t: &&Found| keys.iter().any(|k| k.key == t.key && k.value == t.value);
+        for stale in there.iter().filter(|t| !current(t)) {
+            if store::delete_key(kv, &stale.key, stale.mod_revision, timeout).await? {
+                println!(
+                    "  deleted {} from cell {target}: left there from before, and cell {source}, which serves it, has it with another value or not at all",
+                    stale.shown()
+                );
+            }
+        }
         Ok(())
     }
 
@@ -206,10 +237,11 @@ impl Cells {
         Ok(())
     }
 
-    /// Step 6 of a move continued after an interruption: deletes from `cell` the
-    /// persistent small keys of the route that `target` holds with the same value, and
-    /// names the others (their copies were changed or deleted in the target since the
-    /// switch; `cell` no longer serves them). How many keys `cell` held.
+    /// Step 6 of a move continued after an interruption: deletes from `cell`, which no
+    /// longer serves the route, every persistent small key of it: those `target` holds
+    /// with the same value (copied), and those it holds with another value or not at all
+    /// (changed or deleted in `target` since the switch: stale here, and served again if
+    /// the route ever came back). How many keys `cell` held.
     async fn delete_copied(
         &mut self,
         cell: &str,
@@ -219,20 +251,17 @@ impl Cells {
     ) -> anyhow::Result<usize> {
         let timeout = self.timeout;
         let keys = self.persistent(cell, switched, prefix).await?;
-        let mut copied = Vec::new();
         for key in &keys {
             let there = store::value(&mut self.cell(target)?.kv, &key.key, timeout).await?;
-            if there.as_deref() == Some(key.value.as_slice()) {
-                copied.push(key.clone());
-            } else {
+            if there.as_deref() != Some(key.value.as_slice()) {
                 println!(
-                    "  cell {cell} holds {}, which cell {target} holds with another value or not at all: left for you to check (no cell serves it in {cell})",
+                    "  cell {cell} holds {}, which cell {target} holds with another value or not at all: stale (no cell serves it in {cell}), deleted",
                     key.shown()
                 );
             }
         }
-        if !copied.is_empty() {
-            self.delete(cell, prefix, &copied).await?;
+        if !keys.is_empty() {
+            self.delete(cell, prefix, &keys).await?;
         }
         Ok(keys.len())
     }
