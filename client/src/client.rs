@@ -8,13 +8,13 @@ use std::time::Duration;
 use crate::proxies::Channel;
 use lockcell_proto::v1::session_client::SessionClient;
 use lockcell_proto::v1::OpenRequest;
-use tokio::time::Instant;
 
 use crate::error::{Call, Error};
 use crate::keepalive::KeepAlive;
 use crate::proxies::{ClientTls, Proxies, Security};
 use crate::session::{Session, SessionOptions};
 use crate::shared::{Home, SessionShared};
+use crate::validity::Stamp;
 
 /// Bound on unary calls that touch only the proxy's memory or one etcd write (Open,
 /// Close, Release): a hung call must not hang the application.
@@ -148,7 +148,7 @@ impl Client {
         });
         request.set_timeout(UNARY_TIMEOUT);
         let generation = self.inner.proxies.generation();
-        let sent = Instant::now();
+        let sent = Stamp::now();
         let reply = SessionClient::new(self.channel())
             .open(request)
             .await
@@ -169,7 +169,7 @@ impl Client {
             cells: reply.cells.clone(),
         });
         let shared = Arc::new(shared);
-        let first_due = sent + shared.renew_interval();
+        let first_due = sent.at + shared.renew_interval();
         tracing::debug!(
             session.id = %shared.id,
             proxy.id = %reply.proxy_id,

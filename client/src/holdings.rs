@@ -12,6 +12,7 @@ use tokio::sync::{broadcast, watch};
 use tokio::time::{sleep_until, Instant};
 
 use crate::validity::{SessionState, Validity};
+use lockcell_proto::suspend;
 
 /// Events kept for a slow reader of [`SessionEvents`] before the oldest are dropped.
 const EVENT_BACKLOG: usize = 64;
@@ -280,7 +281,9 @@ impl SessionEvents {
         discrete: broadcast::Receiver<SessionEvent>,
         validity: watch::Receiver<Validity>,
     ) -> Self {
-        let last = validity.borrow().state_at(Instant::now());
+        let last = validity
+            .borrow()
+            .state_at(Instant::now(), suspend::generation());
         SessionEvents {
             _session: session,
             discrete,
@@ -305,7 +308,8 @@ impl SessionEvents {
             }
             let (state, deadline, reason) = {
                 let v = self.validity.borrow_and_update();
-                (v.state_at(Instant::now()), v.deadline, v.expired.clone())
+                let state = v.state_at(Instant::now(), suspend::generation());
+                (state, v.deadline, v.expired.clone())
             };
             if state == SessionState::Expired
                 && self.last == SessionState::Valid

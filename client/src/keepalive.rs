@@ -36,6 +36,8 @@ use crate::error::Error;
 use crate::proxies::Proxies;
 use crate::renewals::Renewals;
 use crate::shared::{Home, SessionShared};
+use crate::validity::Stamp;
+use lockcell_proto::suspend;
 
 /// How long a Resume may take before the proxy counts as unreachable.
 const RESUME_TIMEOUT: Duration = Duration::from_secs(3);
@@ -96,6 +98,7 @@ impl KeepAlive {
         let sessions = Arc::new(SessionTable::new());
         let (commands, rx) = mpsc::channel(COMMAND_QUEUE);
         let driver = Driver {
+            sent_generation: suspend::generation(),
             proxies,
             grace,
             sessions: sessions.clone(),
@@ -230,6 +233,9 @@ impl Link {
 
 /// The task that owns the stream. Ends when its [`KeepAlive`] is dropped.
 struct Driver {
+    /// The suspend generation the renewals in flight were sent in: replies to renewals
+    /// sent before a suspend of the machine grant nothing.
+    sent_generation: u64,
     proxies: Arc<Proxies>,
     /// How long a session may stay in jeopardy, no proxy reached, before it expires.
     grace: Duration,
@@ -295,6 +301,7 @@ impl Driver {
     /// period (no proxy could be reached to resume it), and queues every unsettled
     /// session for a resume where the client is now.
     fn sweep(&mut self) {
+        self.notice_suspend();
         let now = Instant::now();
         for entry in self.sessions.iter() {
             let session = entry.value();
@@ -307,6 +314,28 @@ impl Driver {
                      after its deadline",
                     self.grace
                 ));
+            }
+        }
+    }
+
+    /// After a suspend of the machine: every deadline (an `Instant`, stopped while the
+    /// machine slept) is junk, and so is every renewal in flight. Each session stops
+    /// acting (its state says so already) and is resumed where the client is, which
+    /// tells whether the proxy still has it.
+    fn notice_suspend(&mut self) {
+        let generation = suspend::generation();
+        if generation == self.sent_generation {
+            return;
+        }
+        self.sent_generation = generation;
+        self.book.stream_lost();
+        tracing::warn!(
+            "this machine was suspended: every session stops acting until it is resumed"
+        );
+        for entry in self.sessions.iter() {
+            if !entry.value().is_expired() {
+                entry.value().unsettle();
+                self.orphans.insert(entry.value().id.clone());
             }
         }
     }
@@ -508,6 +537,7 @@ impl Driver {
     }
 
     fn on_timer(&mut self) {
+        self.notice_suspend();
         let now = Instant::now();
         if self.book.stalled(now) {
             self.lost("the proxy stopped answering renewals");
@@ -583,10 +613,14 @@ impl Driver {
         };
         match WireState::try_from(reply.state) {
             Ok(WireState::Alive) => {
+                let sent = Stamp {
+                    at: sent,
+                    generation: self.sent_generation,
+                };
                 session.grant(sent, reply.valid_for_ms);
                 // A shorter grant than before calls for an earlier renewal.
                 self.book
-                    .schedule_no_later(&session.id, sent + session.renew_interval());
+                    .schedule_no_later(&session.id, sent.at + session.renew_interval());
                 if reply.move_elsewhere && self.leave.is_none() {
                     self.leave = Some(reply.reason);
                 }
@@ -678,7 +712,7 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
     let mut corrected: Vec<(Option<String>, i64)> = Vec::new();
     let mut corrections_left = 2 * (session.home().cells.len() + 1);
     loop {
-        let sent = Instant::now();
+        let sent = Stamp::now();
         let home = session.home();
         // What to name, then how long the client may act: a grant taken in after the
         // first is not named (and keeps the session unsettled, see `moved`), one taken
@@ -686,7 +720,7 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
         let version = session.holdings.version();
         let keys = session.holdings.wire();
         // Rounded up: the proxy must cover at least the whole of it.
-        let acting_for = session.acting_for(sent).as_millis() as u64 + 1;
+        let acting_for = session.acting_for(sent.at).as_millis() as u64 + 1;
         let mut request = tonic::Request::new(ResumeRequest {
             session_id: session.id.clone(),
             ttl_ms: session.ttl.as_millis() as u64,

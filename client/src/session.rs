@@ -16,7 +16,7 @@ use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
 use crate::holdings::{Held, Holding, SessionEvents};
 use crate::shared::SessionShared;
-use crate::validity::SessionState;
+use crate::validity::{SessionState, Stamp};
 
 /// What to ask for when opening a session.
 #[derive(Clone, Debug)]
@@ -84,7 +84,7 @@ const MOVE_PATIENCE: Duration = Duration::from_secs(10);
 /// from, the session's move epoch, and the lease its keys were on.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sent {
-    pub(crate) at: Instant,
+    pub(crate) at: Stamp,
     epoch: u64,
     lease: i64,
 }
@@ -234,7 +234,7 @@ impl Session {
         // Taken before the channel is read and the call first polled (which is when
         // the request goes out).
         let sent = Sent {
-            at: Instant::now(),
+            at: Stamp::now(),
             epoch: shared.move_epoch(),
             lease: shared.home().lease,
         };

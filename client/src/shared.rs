@@ -10,7 +10,8 @@ use tokio::sync::watch;
 use tokio::time::{sleep_until, Instant};
 
 use crate::holdings::{Holdings, SessionEvent, SessionEvents};
-use crate::validity::{deadline_from, renew_interval, SessionState, Validity};
+use crate::validity::{deadline_from, renew_interval, SessionState, Stamp, Validity};
+use lockcell_proto::suspend;
 
 /// Where a session lives: its proxy, the etcd lease its keys are on (a resume names
 /// the lease they move from) and its stay there (a close of the session left behind
@@ -58,7 +59,7 @@ pub(crate) struct SessionShared {
 
 impl SessionShared {
     /// A session just opened: `sent` is when the Open request went out.
-    pub(crate) fn new(id: String, ttl: Duration, sent: Instant, valid_for_ms: u64) -> Self {
+    pub(crate) fn new(id: String, ttl: Duration, sent: Stamp, valid_for_ms: u64) -> Self {
         SessionShared {
             id,
             ttl,
@@ -69,16 +70,24 @@ impl SessionShared {
             moving: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             last_valid_for_ms: AtomicU64::new(valid_for_ms),
-            validity: watch::Sender::new(Validity::new(deadline_from(sent, valid_for_ms))),
+            validity: watch::Sender::new(Validity::new(
+                deadline_from(sent.at, valid_for_ms),
+                sent.generation,
+            )),
         }
     }
 
-    /// Applies a grant of `valid_for_ms` for a request sent at `sent`.
-    pub(crate) fn grant(&self, sent: Instant, valid_for_ms: u64) {
+    /// Applies a grant of `valid_for_ms` for a request sent at `sent`; nothing if the
+    /// machine was suspended since (the grant's time is not what the clock says).
+    pub(crate) fn grant(&self, sent: Stamp, valid_for_ms: u64) {
+        if sent.generation != suspend::generation() {
+            return;
+        }
         self.last_valid_for_ms
             .store(valid_for_ms, Ordering::Relaxed);
-        let candidate = deadline_from(sent, valid_for_ms);
-        self.validity.send_if_modified(|v| v.extend(candidate));
+        let candidate = deadline_from(sent.at, valid_for_ms);
+        self.validity
+            .send_if_modified(|v| v.extend(candidate, sent.generation));
     }
 
     /// Records where the session lives.
@@ -104,7 +113,7 @@ impl SessionShared {
     pub(crate) fn moved(
         &self,
         home: Home,
-        sent: Instant,
+        sent: Stamp,
         valid_for_ms: u64,
         named: &[lockcell_proto::v1::HeldKey],
         version: u64,
@@ -193,7 +202,9 @@ impl SessionShared {
     }
 
     pub(crate) fn state(&self) -> SessionState {
-        self.validity.borrow().state_at(Instant::now())
+        self.validity
+            .borrow()
+            .state_at(Instant::now(), suspend::generation())
     }
 
     pub(crate) fn is_expired(&self) -> bool {
@@ -211,7 +222,7 @@ impl SessionShared {
         loop {
             let deadline = {
                 let v = rx.borrow_and_update();
-                if v.state_at(Instant::now()) != SessionState::Valid {
+                if v.state_at(Instant::now(), suspend::generation()) != SessionState::Valid {
                     return;
                 }
                 v.deadline
@@ -246,6 +257,14 @@ mod tests {
         Duration::from_millis(n)
     }
 
+    /// A request sent at `instant`, with no suspend since.
+    fn at(instant: Instant) -> Stamp {
+        Stamp {
+            at: instant,
+            generation: suspend::generation(),
+        }
+    }
+
     /// Lets spawned tasks run to their next await point (time is paused, so this does
     /// not wait for anything real).
     async fn settle() {
@@ -257,7 +276,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn jeopardy_resolves_at_the_deadline() {
         let t0 = Instant::now();
-        let s = Arc::new(SessionShared::new("s".into(), ms(900), t0, 900));
+        let s = Arc::new(SessionShared::new("s".into(), ms(900), at(t0), 900));
         let waiter = tokio::spawn({
             let s = s.clone();
             async move {
@@ -273,13 +292,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_renewal_before_the_deadline_postpones_jeopardy() {
         let t0 = Instant::now();
-        let s = Arc::new(SessionShared::new("s".into(), ms(900), t0, 900));
+        let s = Arc::new(SessionShared::new("s".into(), ms(900), at(t0), 900));
         let waiter = tokio::spawn({
             let s = s.clone();
             async move { s.jeopardy().await }
         });
         tokio::time::advance(ms(600)).await;
-        s.grant(t0 + ms(500), 900); // new deadline t0 + 1400
+        s.grant(at(t0 + ms(500)), 900); // new deadline t0 + 1400
         settle().await;
         tokio::time::advance(ms(400)).await; // t0 + 1000: past the old deadline
         settle().await;
@@ -294,7 +313,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn expiry_resolves_jeopardy_and_expired_at_once() {
         let t0 = Instant::now();
-        let s = Arc::new(SessionShared::new("s".into(), ms(12_000), t0, 12_000));
+        let s = Arc::new(SessionShared::new("s".into(), ms(12_000), at(t0), 12_000));
         let jeopardy = tokio::spawn({
             let s = s.clone();
             async move { s.jeopardy().await }
@@ -319,11 +338,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_unsettled_session_stops_acting_and_takes_no_grant_until_it_moves() {
         let t0 = Instant::now();
-        let s = SessionShared::new("s".into(), ms(9_000), t0, 9_000);
+        let s = SessionShared::new("s".into(), ms(9_000), at(t0), 9_000);
         tokio::time::advance(ms(1_000)).await;
         s.unsettle();
         assert_eq!(s.state(), SessionState::Jeopardy, "stops acting at once");
-        s.grant(Instant::now(), 9_000);
+        s.grant(at(Instant::now()), 9_000);
         assert_eq!(
             s.state(),
             SessionState::Jeopardy,
@@ -347,12 +366,12 @@ mod tests {
             7,
         );
         // ...but a hold came in after it read them: still unsettled.
-        s.moved(home.clone(), Instant::now(), 9_000, &[], version);
+        s.moved(home.clone(), at(Instant::now()), 9_000, &[], version);
         assert!(s.is_unsettled());
         assert_eq!(s.state(), SessionState::Jeopardy);
         // A resume that named everything settles it.
         let (version, named) = (s.holdings.version(), s.holdings.wire());
-        s.moved(home.clone(), Instant::now(), 9_000, &named, version);
+        s.moved(home.clone(), at(Instant::now()), 9_000, &named, version);
         assert!(!s.is_unsettled());
         assert_eq!(s.state(), SessionState::Valid, "a resume settles it");
         assert_eq!(s.home(), home);
@@ -360,7 +379,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_grant_sent_before_or_during_a_move_counts_as_moved() {
-        let s = SessionShared::new("s".into(), ms(9_000), Instant::now(), 9_000);
+        let s = SessionShared::new("s".into(), ms(9_000), at(Instant::now()), 9_000);
         let epoch = s.move_epoch();
         assert!(!s.moved_since_epoch(epoch));
         s.begin_move();
@@ -375,9 +394,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn renewal_interval_tracks_the_last_grant() {
         let t0 = Instant::now();
-        let s = SessionShared::new("s".into(), ms(12_000), t0, 12_000);
+        let s = SessionShared::new("s".into(), ms(12_000), at(t0), 12_000);
         assert_eq!(s.renew_interval(), ms(4_000));
-        s.grant(t0, 1_500);
+        s.grant(at(t0), 1_500);
         assert_eq!(s.renew_interval(), ms(500));
         assert_eq!(
             s.deadline(),

@@ -26,6 +26,24 @@ pub enum SessionState {
     Expired,
 }
 
+/// When a request went out: the instant, and the suspend generation then (see
+/// [`lockcell_proto::suspend`]). A reply to a request sent before a suspend of the
+/// machine grants nothing: its instant is earlier than the clock says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Stamp {
+    pub(crate) at: Instant,
+    pub(crate) generation: u64,
+}
+
+impl Stamp {
+    pub(crate) fn now() -> Stamp {
+        Stamp {
+            generation: lockcell_proto::suspend::generation(),
+            at: Instant::now(),
+        }
+    }
+}
+
 /// The deadline a grant gives: the instant the request was *sent* plus `valid_for`.
 ///
 /// Measuring from the send (not the reply) is what makes the deadline end before the
@@ -50,6 +68,10 @@ pub(crate) fn renew_interval(ttl: Duration, last_valid_for: Duration) -> Duratio
 pub(crate) struct Validity {
     /// Until when the application may act as holder (exclusive).
     pub(crate) deadline: Instant,
+    /// The suspend generation the deadline was counted in
+    /// ([`lockcell_proto::suspend::generation`]): after a suspend of the machine the
+    /// deadline, an `Instant`, is late by the time it slept, and counts for nothing.
+    pub(crate) generation: u64,
     /// Set once the session is gone; the text says why (from the proxy, or "closed").
     pub(crate) expired: Option<Arc<str>>,
     /// Set while where the session's keys are is unknown: no grant moves the deadline.
@@ -57,22 +79,30 @@ pub(crate) struct Validity {
 }
 
 impl Validity {
-    pub(crate) fn new(deadline: Instant) -> Self {
+    pub(crate) fn new(deadline: Instant, generation: u64) -> Self {
         Validity {
             deadline,
+            generation,
             expired: None,
             unsettled: false,
         }
     }
 
-    /// Applies a grant's deadline. Deadlines only move forward: an older reply that
-    /// arrives late (or a grant measured from a long-ago send, like a slow Acquire) must
-    /// never shorten what a newer reply already granted. Returns whether anything changed.
-    pub(crate) fn extend(&mut self, candidate: Instant) -> bool {
-        if self.expired.is_some() || self.unsettled || candidate <= self.deadline {
+    /// Applies a grant's deadline, counted from a request sent in suspend generation
+    /// `generation` (the caller drops a grant whose request went out before a suspend).
+    /// Deadlines only move forward: an older reply that arrives late (or a grant measured
+    /// from a long-ago send, like a slow Acquire) must never shorten what a newer reply
+    /// already granted; but a deadline of an earlier generation counts for nothing, and
+    /// any of this one replaces it. Returns whether anything changed.
+    pub(crate) fn extend(&mut self, candidate: Instant, generation: u64) -> bool {
+        if self.expired.is_some() || self.unsettled {
+            return false;
+        }
+        if generation == self.generation && candidate <= self.deadline {
             return false;
         }
         self.deadline = candidate;
+        self.generation = generation;
         true
     }
 
@@ -100,10 +130,11 @@ impl Validity {
         true
     }
 
-    pub(crate) fn state_at(&self, now: Instant) -> SessionState {
+    /// Where the session stands at `now`, in suspend generation `generation`.
+    pub(crate) fn state_at(&self, now: Instant, generation: u64) -> SessionState {
         if self.expired.is_some() {
             SessionState::Expired
-        } else if now >= self.deadline {
+        } else if now >= self.deadline || generation != self.generation {
             SessionState::Jeopardy
         } else {
             SessionState::Valid
@@ -129,41 +160,60 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn deadline_only_moves_forward() {
         let t0 = Instant::now();
-        let mut v = Validity::new(t0 + Duration::from_secs(10));
+        let mut v = Validity::new(t0 + Duration::from_secs(10), 0);
         assert!(
-            !v.extend(t0 + Duration::from_secs(4)),
+            !v.extend(t0 + Duration::from_secs(4), 0),
             "a shorter grant must not shorten"
         );
         assert_eq!(v.deadline, t0 + Duration::from_secs(10));
-        assert!(!v.extend(t0 + Duration::from_secs(10)));
-        assert!(v.extend(t0 + Duration::from_secs(12)));
+        assert!(!v.extend(t0 + Duration::from_secs(10), 0));
+        assert!(v.extend(t0 + Duration::from_secs(12), 0));
         assert_eq!(v.deadline, t0 + Duration::from_secs(12));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_suspend_ends_the_deadline_and_a_grant_after_it_starts_anew() {
+        let t0 = Instant::now();
+        let mut v = Validity::new(t0 + Duration::from_secs(10), 0);
+        // The machine slept: the monotonic clock says 1 s passed, the deadline is junk.
+        let later = t0 + Duration::from_secs(1);
+        assert_eq!(v.state_at(later, 1), SessionState::Jeopardy);
+        // A grant of the new generation counts, even if shorter than the old deadline.
+        assert!(v.extend(t0 + Duration::from_secs(4), 1));
+        assert_eq!(v.state_at(later, 1), SessionState::Valid);
+        assert!(
+            !v.extend(t0 + Duration::from_secs(3), 1),
+            "forward only again"
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn state_follows_the_clock_and_expiry_is_terminal() {
         let t0 = Instant::now();
-        let mut v = Validity::new(t0 + Duration::from_secs(1));
-        assert_eq!(v.state_at(t0), SessionState::Valid);
+        let mut v = Validity::new(t0 + Duration::from_secs(1), 0);
+        assert_eq!(v.state_at(t0, 0), SessionState::Valid);
         assert_eq!(
-            v.state_at(t0 + Duration::from_millis(999)),
+            v.state_at(t0 + Duration::from_millis(999), 0),
             SessionState::Valid
         );
         assert_eq!(
-            v.state_at(t0 + Duration::from_secs(1)),
+            v.state_at(t0 + Duration::from_secs(1), 0),
             SessionState::Jeopardy
         );
         // A renewal brings a session in jeopardy back.
-        assert!(v.extend(t0 + Duration::from_secs(3)));
-        assert_eq!(v.state_at(t0 + Duration::from_secs(2)), SessionState::Valid);
+        assert!(v.extend(t0 + Duration::from_secs(3), 0));
+        assert_eq!(
+            v.state_at(t0 + Duration::from_secs(2), 0),
+            SessionState::Valid
+        );
         assert!(v.expire("gone".into()));
         assert!(!v.expire("again".into()), "first reason wins");
         assert_eq!(v.expired.as_deref(), Some("gone"));
         assert!(
-            !v.extend(t0 + Duration::from_secs(30)),
+            !v.extend(t0 + Duration::from_secs(30), 0),
             "no grant revives an expired session"
         );
-        assert_eq!(v.state_at(t0), SessionState::Expired);
+        assert_eq!(v.state_at(t0, 0), SessionState::Expired);
     }
 
     #[test]

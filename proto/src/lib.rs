@@ -1,11 +1,13 @@
-//! The `lockcell.v1` wire protocol shared by the proxy, the SDK and the tests, and the
-//! fencing token type that every grant carries.
+//! The `lockcell.v1` wire protocol shared by the proxy, the SDK and the tests, the
+//! fencing token type that every grant carries, and the one timing fact both sides
+//! must notice alike: that the machine was suspended ([`suspend`]).
 //!
 //! The messages are generated from `proto/lockcell/v1/lockcell.proto`; read that file, or
 //! `docs/api.md` rendered from its comments by [`api_doc`], for the meaning of each field.
 #![forbid(unsafe_code)]
 
 pub mod api_doc;
+pub mod suspend;
 pub mod token;
 
 pub use token::{FencingToken, TokenParseError};

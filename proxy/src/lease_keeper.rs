@@ -36,11 +36,11 @@ async fn grant(state: &ProxyState, bucket: usize) -> i64 {
     let ttl = state.config.lease_ttl.as_secs() as i64;
     let mut pause = Duration::from_millis(100);
     loop {
-        let sent = Instant::now();
+        let sent = (Instant::now(), state.leases.generation());
         let mut client = state.etcd.lease_client();
         let call = client.grant(ttl, None);
         let result = tokio::time::timeout(state.config.etcd_timeout, call).await;
-        record("lease grant", &result, sent);
+        record("lease grant", &result, sent.0);
         match result {
             Ok(Ok(resp)) => {
                 let granted = Duration::from_secs(resp.ttl().max(0) as u64);
@@ -103,14 +103,14 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
                 }
             }
         };
-        let sent = Instant::now();
+        let sent = (Instant::now(), state.leases.generation());
         metrics::counter!(m::LEASE_RENEWALS).increment(1);
         let exchange = async {
             keeper.keep_alive().await?;
             replies.message().await
         };
         let result = tokio::time::timeout(state.config.etcd_timeout, exchange).await;
-        record("lease keepalive", &result, sent);
+        record("lease keepalive", &result, sent.0);
         match result {
             Ok(Ok(Some(reply))) if reply.id() == lease && reply.ttl() > 0 => {
                 let ttl = Duration::from_secs(reply.ttl() as u64);
@@ -140,7 +140,7 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
 pub async fn renew_now(state: &ProxyState, bucket: usize, lease: i64) -> bool {
     let exchange = async {
         let (mut keeper, mut replies) = state.etcd.lease_client().keep_alive(lease).await?;
-        let sent = Instant::now();
+        let sent = (Instant::now(), state.leases.generation());
         keeper.keep_alive().await?;
         Ok::<_, etcd_client::Error>((sent, replies.message().await?))
     };

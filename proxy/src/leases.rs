@@ -12,6 +12,7 @@
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use lockcell_proto::suspend;
 use tokio::time::Instant;
 
 /// A lease id etcd never hands out; marks a bucket whose lease is being replaced.
@@ -29,6 +30,8 @@ pub struct LeaseBook {
     /// clocks of etcd's members and of clients may run (0.01: 1 %). Every span the proxy
     /// counts on another's behalf is shortened by it.
     rate: f64,
+    /// Reads the suspend generation ([`suspend::generation`]; another in unit tests).
+    generation: fn() -> u64,
 }
 
 struct Bucket {
@@ -36,6 +39,10 @@ struct Bucket {
     lease: AtomicI64,
     /// Lower bound of the lease's expiry, in nanoseconds after `base`.
     bound: AtomicU64,
+    /// The suspend generation the bound was counted in ([`suspend::generation`]): after
+    /// a suspend of this machine the bound, counted on the monotonic clock, which stopped
+    /// while etcd's time went on, backs no validity until a renewal sent since moves it.
+    generation: AtomicU64,
     /// Sessions assigned here, so new sessions go to the emptiest bucket.
     sessions: AtomicUsize,
 }
@@ -46,6 +53,7 @@ impl LeaseBook {
             .map(|_| Bucket {
                 lease: AtomicI64::new(NO_LEASE),
                 bound: AtomicU64::new(0),
+                generation: AtomicU64::new(0),
                 sessions: AtomicUsize::new(0),
             })
             .collect();
@@ -54,7 +62,14 @@ impl LeaseBook {
             buckets,
             margin,
             rate,
+            generation: suspend::generation,
         }
+    }
+
+    /// The suspend generation now, as this book reads it: pass it with a renewal's
+    /// send time.
+    pub fn generation(&self) -> u64 {
+        (self.generation)()
     }
 
     pub fn len(&self) -> usize {
@@ -78,21 +93,30 @@ impl LeaseBook {
         (0..self.len()).filter_map(|b| self.lease(b)).collect()
     }
 
-    /// Puts a freshly granted lease in `bucket`. `sent` is when the grant request left.
-    pub fn install(&self, bucket: usize, lease: i64, sent: Instant, ttl: Duration) {
+    /// Puts a freshly granted lease in `bucket`. `sent` is when the grant request left,
+    /// with the suspend generation then.
+    pub fn install(&self, bucket: usize, lease: i64, sent: (Instant, u64), ttl: Duration) {
         let b = &self.buckets[bucket];
-        b.bound
-            .store(self.nanos(sent + self.within(ttl)), Ordering::Release);
+        b.bound.store(0, Ordering::Release);
         b.lease.store(lease, Ordering::Release);
+        self.renewed(bucket, lease, sent, ttl);
     }
 
-    /// Records a successful renewal of `lease` sent at `sent` for which etcd granted
-    /// `ttl`. Ignored when the bucket holds another lease by now.
-    pub fn renewed(&self, bucket: usize, lease: i64, sent: Instant, ttl: Duration) {
+    /// Records a successful renewal of `lease` sent at `sent` (an instant and the
+    /// suspend generation then) for which etcd granted `ttl`. Ignored when the bucket
+    /// holds another lease by now, or when the machine was suspended since it was sent.
+    pub fn renewed(&self, bucket: usize, lease: i64, sent: (Instant, u64), ttl: Duration) {
+        let (sent, generation) = sent;
         let b = &self.buckets[bucket];
-        if b.lease.load(Ordering::Acquire) == lease {
-            b.bound
-                .fetch_max(self.nanos(sent + self.within(ttl)), Ordering::AcqRel);
+        if b.lease.load(Ordering::Acquire) != lease || generation != (self.generation)() {
+            return;
+        }
+        let bound = self.nanos(sent + self.within(ttl));
+        if b.generation.swap(generation, Ordering::AcqRel) == generation {
+            b.bound.fetch_max(bound, Ordering::AcqRel);
+        } else {
+            // The bound of before the suspend is junk, larger or not.
+            b.bound.store(bound, Ordering::Release);
         }
     }
 
@@ -121,7 +145,9 @@ impl LeaseBook {
     /// gone.
     pub fn left(&self, bucket: usize, lease: i64, now: Instant) -> Duration {
         let b = &self.buckets[bucket];
-        if b.lease.load(Ordering::Acquire) != lease {
+        if b.lease.load(Ordering::Acquire) != lease
+            || b.generation.load(Ordering::Acquire) != (self.generation)()
+        {
             return Duration::ZERO;
         }
         let bound = b.bound.load(Ordering::Acquire);
@@ -176,7 +202,7 @@ mod tests {
     fn validity_ends_before_the_lease_lower_bound() {
         let t0 = Instant::now();
         let book = LeaseBook::new(2, Duration::from_millis(500), 0.0, t0);
-        book.install(0, 7, t0, 10 * S);
+        book.install(0, 7, (t0, book.generation()), 10 * S);
         // Right after the grant: capped by the session TTL.
         assert_eq!(book.valid_for(0, 7, 5 * S, t0), 5 * S);
         // Later: capped by bound - now - margin.
@@ -196,7 +222,7 @@ mod tests {
         let t0 = Instant::now();
         // 1 %: a client's clock (or etcd's) may run 1 % slower (faster) than this one.
         let book = LeaseBook::new(1, Duration::from_millis(500), 0.01, t0);
-        book.install(0, 7, t0, 10 * S);
+        book.install(0, 7, (t0, book.generation()), 10 * S);
         // The session's own end, 2 s away, is told as 1.98 s.
         assert_eq!(book.valid_for(0, 7, 2 * S, t0), Duration::from_millis(1980));
         // etcd's 10 s may be 9.9 s here; what is left, 9.9 s, may be 9.801 s to a
@@ -209,20 +235,45 @@ mod tests {
         assert!(!book.past_bound(0, t0 + Duration::from_millis(9899)));
     }
 
+    thread_local! {
+        static GENERATION: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    fn fake_generation() -> u64 {
+        GENERATION.with(|g| g.get())
+    }
+
+    #[test]
+    fn after_a_suspend_the_lease_backs_nothing_until_a_renewal_sent_since() {
+        let t0 = Instant::now();
+        let mut book = LeaseBook::new(1, Duration::ZERO, 0.0, t0);
+        book.generation = fake_generation;
+        book.install(0, 7, (t0, 0), 10 * S);
+        assert_eq!(book.valid_for(0, 7, 60 * S, t0), 10 * S);
+        GENERATION.with(|g| g.set(1)); // the machine slept
+        assert_eq!(book.valid_for(0, 7, 60 * S, t0), Duration::ZERO);
+        // A reply to a renewal sent before the suspend counts for nothing.
+        book.renewed(0, 7, (t0, 0), 10 * S);
+        assert_eq!(book.valid_for(0, 7, 60 * S, t0), Duration::ZERO);
+        // One sent since does, even with a bound below the junk one of before.
+        book.renewed(0, 7, (t0 + S, 1), 5 * S);
+        assert_eq!(book.valid_for(0, 7, 60 * S, t0 + S), 5 * S);
+    }
+
     #[test]
     fn renewals_move_the_bound_forward_only_for_the_current_lease() {
         let t0 = Instant::now();
         let book = LeaseBook::new(1, Duration::ZERO, 0.0, t0);
-        book.install(0, 7, t0, 10 * S);
-        book.renewed(0, 7, t0 + 3 * S, 10 * S);
+        book.install(0, 7, (t0, book.generation()), 10 * S);
+        book.renewed(0, 7, (t0 + 3 * S, book.generation()), 10 * S);
         assert_eq!(book.valid_for(0, 7, 60 * S, t0), 13 * S);
         // A late reply to an older renewal does not pull the bound back.
-        book.renewed(0, 7, t0 + S, 10 * S);
+        book.renewed(0, 7, (t0 + S, book.generation()), 10 * S);
         assert_eq!(book.valid_for(0, 7, 60 * S, t0), 13 * S);
         // A renewal of a replaced lease is ignored.
         assert!(book.clear(0, 7));
-        book.install(0, 9, t0, 2 * S);
-        book.renewed(0, 7, t0 + 5 * S, 10 * S);
+        book.install(0, 9, (t0, book.generation()), 2 * S);
+        book.renewed(0, 7, (t0 + 5 * S, book.generation()), 10 * S);
         assert_eq!(book.valid_for(0, 9, 60 * S, t0), 2 * S);
         assert!(
             !book.clear(0, 7),
@@ -235,8 +286,8 @@ mod tests {
         let t0 = Instant::now();
         let book = LeaseBook::new(3, Duration::ZERO, 0.0, t0);
         assert_eq!(book.assign(), None);
-        book.install(1, 11, t0, 10 * S);
-        book.install(2, 12, t0, 10 * S);
+        book.install(1, 11, (t0, book.generation()), 10 * S);
+        book.install(2, 12, (t0, book.generation()), 10 * S);
         let picks: Vec<usize> = (0..4).map(|_| book.assign().unwrap().0).collect();
         assert_eq!(picks.iter().filter(|b| **b == 1).count(), 2);
         assert_eq!(picks.iter().filter(|b| **b == 2).count(), 2);
