@@ -41,6 +41,10 @@ pub struct ClientOptions {
     /// A bearer token for proxies that check prefix grants without client
     /// certificates (the dev cell); none by default.
     pub token: Option<String>,
+    /// Test hook: how long a move of the sessions waits between resuming them on the
+    /// new proxy and sending calls there (zero outside tests). See
+    /// [`ClientOptions::stall_moves_for_tests`].
+    pub(crate) move_stall: Duration,
 }
 
 impl std::fmt::Debug for ClientOptions {
@@ -64,6 +68,7 @@ impl ClientOptions {
             fail_back_after: Duration::from_secs(30),
             tls: None,
             token: None,
+            move_stall: Duration::ZERO,
         }
     }
 
@@ -88,6 +93,15 @@ impl ClientOptions {
     /// Sets how long before trying to go back to a more preferred proxy.
     pub fn fail_back_after(mut self, after: Duration) -> Self {
         self.fail_back_after = after;
+        self
+    }
+
+    /// For tests only: every move of the sessions to another proxy waits `stall` after
+    /// they were resumed there and before calls go there, widening the moment in which
+    /// a call can still reach the proxy being left (which must never count as settled).
+    #[doc(hidden)]
+    pub fn stall_moves_for_tests(mut self, stall: Duration) -> Self {
+        self.move_stall = stall;
         self
     }
 }
@@ -131,7 +145,12 @@ impl Client {
         }
         let security = Security::new(options.tls, options.token.as_deref())?;
         let proxies = Arc::new(Proxies::connect(options.proxies, security).await?);
-        let keepalive = KeepAlive::start(proxies.clone(), options.grace, options.fail_back_after);
+        let keepalive = KeepAlive::start(
+            proxies.clone(),
+            options.grace,
+            options.fail_back_after,
+            options.move_stall,
+        );
         Ok(Client {
             inner: Arc::new(ClientInner { proxies, keepalive }),
         })

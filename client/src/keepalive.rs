@@ -94,6 +94,7 @@ impl KeepAlive {
         proxies: Arc<Proxies>,
         grace: Duration,
         fail_back_after: Duration,
+        move_stall: Duration,
     ) -> KeepAlive {
         let sessions = Arc::new(SessionTable::new());
         let (commands, rx) = mpsc::channel(COMMAND_QUEUE);
@@ -116,6 +117,7 @@ impl KeepAlive {
             adopt_backoff: MOVE_RETRY,
             home_again_at: Instant::now() + fail_back_after,
             fail_back_after,
+            move_stall,
             orphans: HashSet::new(),
         };
         let task = tokio::spawn(driver.run());
@@ -258,6 +260,8 @@ struct Driver {
     /// When to try going back to a more preferred proxy (see [`Driver::fail_back`]).
     home_again_at: Instant,
     fail_back_after: Duration,
+    /// Test hook (zero otherwise): a wait between resuming and switching in a move.
+    move_stall: Duration,
     /// Sessions the current proxy does not know (opened before a move, or a proxy that
     /// restarted on its address): resumed there.
     orphans: HashSet<String>,
@@ -385,6 +389,9 @@ impl Driver {
                 continue;
             }
             tracing::info!(proxy = %addr, sessions = sessions.len(), "sessions resumed");
+            if !self.move_stall.is_zero() {
+                tokio::time::sleep(self.move_stall).await;
+            }
             // Calls read the channel after the move epoch: switched before the move
             // ends, a call sent to the old proxy always counts as sent during the move.
             self.proxies.switch(index, channel);

@@ -57,6 +57,7 @@ fn main() {
         safety::a_second_acquire_of_a_held_lock_is_refused_by_name,
         safety::a_grant_etcd_applied_after_the_deadline_is_still_the_sessions,
         safety::an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line,
+        safety::a_grant_from_the_proxy_a_session_is_leaving_never_counts_as_settled,
         contention::two_hundred_waiters_each_get_it_once_at_one_grant_per_proxy,
         contention::two_hundred_waiters_on_a_fair_class_go_in_arrival_order,
         modes::readers_share_and_a_writer_excludes_them,

@@ -365,6 +365,86 @@ pub async fn an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line
     Ok(())
 }
 
+/// A session moves from proxy b back to a (its first choice) while it acquires lock
+/// after lock; the move is held open between the resume on a and the switch of calls to
+/// a (a test hook of the SDK), so acquires reach b, the proxy being left, during the
+/// move. b grants them on its own lease and then closes the session's stay there,
+/// deleting what is still on that lease. A guard that counts such a grant as settled is
+/// valid with no holder key behind it; every guard must be either valid with its key in
+/// etcd, or not valid.
+pub async fn a_grant_from_the_proxy_a_session_is_leaving_never_counts_as_settled(
+) -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let mut store = etcd.client().await?;
+    let mut a_options = ProxyOptions::new("a", etcd.endpoints());
+    let a_addr = format!("127.0.0.1:{}", lockcell_tests::ports::free_port());
+    a_options.listen = Some(a_addr.clone());
+    let b = ProxyProcess::start(&ProxyOptions::new("b", etcd.endpoints()), &etcd.dir).await?;
+    let options = lockcell_client::ClientOptions::new([format!("http://{a_addr}"), b.url()])
+        .fail_back_after(Duration::from_secs(1))
+        .stall_moves_for_tests(Duration::from_millis(600));
+    let client = Client::connect_with(options).await?;
+    let session = client
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    ensure!(
+        session.proxy_id().starts_with("b-"),
+        "the session is not on b"
+    );
+    let _a = ProxyProcess::start(&a_options, &etcd.dir).await?;
+
+    // Acquire until well after the session moved to a.
+    let mut guards = Vec::new();
+    // Grants b made after the session was resumed on a: in the move's open moment.
+    let mut granted_by_b = 0;
+    let mut after_move = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while after_move < 20 {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the session never moved to a"
+        );
+        let lock = format!("moving/{}", guards.len());
+        let Some(guard) = session.acquire(&lock, Wait::Try).await? else {
+            bail!("free lock {lock} not granted");
+        };
+        let record = store.get(format!("/l/{lock}/!x"), None).await?;
+        let by_b = record
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.value_str().is_ok_and(|v| v.contains("\"b-")));
+        if session.proxy_id().starts_with("a-") {
+            after_move += 1;
+            granted_by_b += usize::from(by_b);
+        }
+        guards.push((lock, guard));
+    }
+    // Settled: on a, valid, b's stay closed.
+    eventually("the move settles", Duration::from_secs(15), || async {
+        let settled = session.state() == lockcell_client::SessionState::Valid
+            && b.metric("lockcell_sessions_open").await? == 0.0;
+        Ok(settled.then_some(()))
+    })
+    .await?;
+    let mut valid = 0;
+    for (lock, guard) in &guards {
+        let held = holder_revision(&mut store, lock).await?;
+        if guard.is_valid() {
+            valid += 1;
+            ensure!(
+                held == Some(guard.token().revision),
+                "{lock}: a valid guard with token {} while etcd's holder is {held:?}",
+                guard.token()
+            );
+        }
+    }
+    ensure!(
+        granted_by_b > 0 && valid > 0,
+        "nothing to check: {granted_by_b} grants by b during the move, {valid} valid guards"
+    );
+    Ok(())
+}
+
 /// What an acquire gave, in a few words.
 fn outcome<T: Tokened>(result: &Result<Option<T>, Error>) -> String {
     match result {
