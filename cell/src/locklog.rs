@@ -201,7 +201,10 @@ impl LockLog {
             if held.session != record.session || kv.lease() != lease {
                 continue;
             }
-            if held_mode == mode && !held.call.is_empty() && held.call == record.call {
+            let same_call = !held.call.is_empty()
+                && held.call == record.call
+                && held.election == record.election;
+            if held_mode == mode && same_call {
                 return Ok(Acquired::Granted {
                     revision: kv.create_revision(),
                     fresh: false,
@@ -658,6 +661,9 @@ pub struct MadeBy {
     pub session: String,
     /// The acquire's call id; for a waiter key, the waiter id.
     pub call: String,
+    /// Tells two attempts of one call apart, so that the record of one whose outcome
+    /// is still unknown is never taken for (and forgotten with) another's.
+    pub attempt: u64,
 }
 
 impl LockLog {
@@ -751,6 +757,7 @@ impl Grant {
             made_by: Some(MadeBy {
                 session: session.to_owned(),
                 call: call.to_owned(),
+                attempt: rand::random(),
             }),
             ..Grant::hold(lock, mode, session, 0)
         }
@@ -762,6 +769,7 @@ impl Grant {
             made_by: Some(MadeBy {
                 session: session.to_owned(),
                 call: waiter.to_owned(),
+                attempt: rand::random(),
             }),
             ..Grant::waiting(lock, mode, waiter, 0)
         }
@@ -912,10 +920,10 @@ fn move_outcome(grant: &Grant, op: &TxnOpResponse) -> Option<String> {
             kv.create_revision(),
             grant.revision
         ),
-        Some(kv) => format!(
-            "{} is on lease {:x}, not the session's",
-            grant.key,
-            kv.lease()
+        // The lease is not said: lease ids are no one else's business.
+        Some(_) => format!(
+            "{} is another session's, or on a lease this session does not have",
+            grant.key
         ),
     })
 }

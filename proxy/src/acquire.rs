@@ -107,6 +107,19 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
         .check_ttl(call.lock.as_str(), session.ttl)
         .map_err(ProxyError::Refused)?;
     let give_up = call.wait.map(|d| started + d);
+    // The session holds this lock here already (in either mode): this call is a retry
+    // of the call that holds it, or a second hold, which the grant transaction tells
+    // apart at once (a retry gets its grant, another call is refused), never a wait in
+    // line behind its own hold.
+    if session
+        .held
+        .iter()
+        .any(|g| !g.waiter && g.lock == call.lock)
+    {
+        if let Some(granted) = grant(state, &call, &session, None).await? {
+            return Ok(Some(granted));
+        }
+    }
     let result = if class.fair {
         fair(state, &call, &class, give_up, session).await
     } else {
@@ -592,7 +605,12 @@ async fn attempt_grant(
                 .held_by(lock, mode, &session.id, session.lease)
                 .await?
             {
-                Some(held) if held.record.call == record.call => (held.revision, false, epoch),
+                Some(held)
+                    if held.record.call == record.call
+                        && held.record.election == record.election =>
+                {
+                    (held.revision, false, epoch)
+                }
                 _ => return Err(refused),
             }
         }
@@ -676,12 +694,29 @@ async fn own_grant(
     call: &Call,
     session: &Session,
 ) -> Result<Option<Granted>, ProxyError> {
+    let other = call.mode.other();
+    let held_other = state
+        .locklog
+        .held_by(&call.lock, other, &call.session_id, session.lease)
+        .await?;
+    if let Some(held) = held_other {
+        // A call never changes mode: whatever call holds the lock in the other mode,
+        // this one is a second hold.
+        return Err(CellError::AlreadyHeld {
+            lock: call.lock.as_str().to_owned(),
+            mode: other,
+            revision: held.revision,
+        }
+        .into());
+    }
     let held = state
         .locklog
         .held_by(&call.lock, call.mode, &call.session_id, session.lease)
         .await?;
     match held {
-        Some(held) if held.record.call == call.call_id => grant(state, call, session, None).await,
+        Some(held) if held.record.call == call.call_id && held.record.election == call.election => {
+            grant(state, call, session, None).await
+        }
         Some(held) => Err(CellError::AlreadyHeld {
             lock: call.lock.as_str().to_owned(),
             mode: call.mode,

@@ -23,8 +23,8 @@ use crate::state::ProxyState;
 
 /// How long an unsettled key is looked for. etcd gives up on a request it has not
 /// applied within its request timeout (about 7 s with default settings); the rest is
-/// for the way there.
-pub const LOOKOUT: Duration = Duration::from_secs(15);
+/// for a request held up on the way there (a stalled link).
+pub const LOOKOUT: Duration = Duration::from_secs(60);
 /// How often an unsettled key is looked for.
 const LOOK_EVERY: Duration = Duration::from_secs(1);
 

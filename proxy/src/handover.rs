@@ -206,6 +206,7 @@ async fn resume_named(
             moving.push((grant.clone(), *from));
         }
     }
+    not_anothers(state, &req.session_id, &mut moving).await?;
     let ttl = state
         .config
         .session_ttl_for(Duration::from_millis(req.ttl_ms));
@@ -307,6 +308,41 @@ async fn resume_named(
         state.sessions.replace(earlier);
     }
     Err(refused)
+}
+
+/// Never from a lease: the guarded move of a key named with it fails, and the key is
+/// reported lost.
+const NOT_ITS_OWN: i64 = -1;
+
+/// Marks every exclusive holder key among `moving` whose record names another session
+/// than `session` so that it does not move (its guarded move compares this lease).
+/// The exclusive key of a lock is every session's; a resume naming another's grant
+/// (its revision is public: Leader and CheckSequencer show it) must not move it, or a
+/// close of the resumed session would end another session's hold. A shared holder key
+/// is named by its session, and a moved key keeps its record, so this read is enough:
+/// the move compares the create revision, which no other grant can have.
+async fn not_anothers(
+    state: &ProxyState,
+    session: &str,
+    moving: &mut [(Grant, i64)],
+) -> Result<(), ProxyError> {
+    for (grant, from) in moving.iter_mut() {
+        if grant.waiter || grant.key != grant.lock.exclusive_key() {
+            continue;
+        }
+        let (holder, _) = state
+            .locklog
+            .exclusive_holder(&grant.lock)
+            .await
+            .map_err(|source| ProxyError::StoreDuring {
+                context: format!("reading the holder of lock {:?}", grant.lock.as_str()),
+                source,
+            })?;
+        if holder.is_some_and(|h| h.revision == grant.revision && h.record.session != session) {
+            *from = NOT_ITS_OWN;
+        }
+    }
+    Ok(())
 }
 
 /// A stay whose keys moved here.

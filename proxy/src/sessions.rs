@@ -559,4 +559,25 @@ mod tests {
         );
         assert!(table.get("b", t0).is_ok());
     }
+
+    #[test]
+    fn each_attempt_of_one_call_keeps_its_own_unsettled_record() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        table.insert(session("a", 7, 10 * S, t0));
+        let incarnation = table.get("a", t0).unwrap().incarnation;
+        let lock = lockcell_cell::LockName::parse("jobs/x").unwrap();
+        let mode = lockcell_cell::Mode::Exclusive;
+        // Two attempts of call c1; the first's outcome is unknown, the second's known.
+        let first = Grant::unsettled_hold(&lock, mode, "a", "c1");
+        let second = Grant::unsettled_hold(&lock, mode, "a", "c1");
+        assert!(table.record_grant("a", incarnation, first.clone(), None));
+        assert!(table.record_grant("a", incarnation, second.clone(), None));
+        table.forget("a", &second);
+        assert_eq!(
+            table.get("a", t0).unwrap().held,
+            vec![first],
+            "the first attempt's record stays: its key may still appear"
+        );
+    }
 }

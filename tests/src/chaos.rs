@@ -28,16 +28,21 @@ use crate::process::Managed;
 use crate::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
 /// The kinds of fault a run injects, each once, in an order the seed picks.
-pub const FAULTS: [&str; 8] = [
+pub const FAULTS: [&str; 9] = [
     "pause-client",
     "kill-proxy",
     "pause-proxy",
     "partition-proxy-from-etcd",
     "delay-proxy-etcd",
+    "unknown-outcomes",
     "cut-clients-from-proxy",
     "kill-etcd-leader",
     "lose-zone",
 ];
+
+/// How long the "unknown-outcomes" fault keeps etcd's answers from proxy c: past its
+/// etcd deadline (2 s), within its lease TTL (3 s).
+const ANSWERS_LOST_FOR: Duration = Duration::from_millis(2500);
 
 /// How much the slowed link holds back every chunk.
 const LINK_DELAY: Duration = Duration::from_millis(150);
@@ -178,6 +183,21 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 relay.delay(LINK_DELAY);
                 tokio::time::sleep(lease_ttl * 2).await;
                 relay.delay(Duration::ZERO);
+            }
+            "unknown-outcomes" => {
+                // The next grant proxy c sends reaches etcd and is applied, but neither
+                // its answer nor any other comes back before c's etcd deadline: c does
+                // not know whether it granted, and its session must still own the key.
+                relay.cut_replies_after(b"/l/chaos/", ANSWERS_LOST_FOR);
+                let sprung = eventually("proxy c sends a grant", options.ttl * 10, || async {
+                    Ok((!relay.trap_pending()).then_some(()))
+                })
+                .await;
+                if sprung.is_err() {
+                    // No client used c meanwhile: nothing to lose.
+                    relay.disarm();
+                }
+                tokio::time::sleep(ANSWERS_LOST_FOR).await;
             }
             "cut-clients-from-proxy" => {
                 let p = rng.random_range(0..client_relays.len());

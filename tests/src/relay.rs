@@ -111,6 +111,12 @@ impl Relay {
         });
     }
 
+    /// Takes back a trap set by [`cut_replies_after`](Relay::cut_replies_after) that has
+    /// not been sprung.
+    pub fn disarm(&self) {
+        *self.trap.lock().expect("trap") = None;
+    }
+
     /// Whether the trap set by [`cut_replies_after`](Relay::cut_replies_after) has not
     /// been sprung yet.
     pub fn trap_pending(&self) -> bool {

@@ -264,7 +264,7 @@ fn renew(
     let validity = |r: Renewed| {
         let left = state.leases.left(r.bucket, r.lease, now);
         hint = crate::handover::move_hint(state, turn, left, now);
-        left.min(r.ttl)
+        left.min(state.leases.within(r.ttl))
     };
     match state.sessions.renew(&req.session_id, caller, now, validity) {
         Ok(valid_for) => {

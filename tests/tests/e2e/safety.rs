@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
 use lockcell_client::{Client, Error, FencingToken, Wait};
-use lockcell_proto::v1::{AcquireRequest, CloseRequest, OpenRequest, ReleaseRequest};
+use lockcell_proto::v1::{AcquireRequest, CloseRequest, LockMode, OpenRequest, ReleaseRequest};
 use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
 use crate::contention::CLASSES;
@@ -462,6 +462,204 @@ pub async fn a_grant_from_the_proxy_a_session_is_leaving_never_counts_as_settled
         "{} looks found a valid guard without its key, e.g. {}",
         broken.len(),
         broken[..broken.len().min(3)].join("; ")
+    );
+    Ok(())
+}
+
+/// A second call of a session that holds a lock is refused at once whatever the class
+/// and the wait: on a fair class in the other mode (it would otherwise queue behind its
+/// own hold), and on an arbitrated class while another session waits in the proxy's
+/// line (it would otherwise wait there, never the head, and time out).
+pub async fn a_second_call_is_refused_at_once_in_line_and_in_the_other_mode() -> anyhow::Result<()>
+{
+    let (_etcd, proxies, _) = crate::contention::classed_cell(CLASSES).await?;
+    let (mut sessions, mut locks) = raw(&proxies[0]).await?;
+    let open = |identity: &str| OpenRequest {
+        ttl_ms: 20_000,
+        identity: identity.into(),
+    };
+    let s = sessions.open(open("holder")).await?.into_inner();
+    let request = |lock: &str, mode: LockMode, call: &str, wait: u64| AcquireRequest {
+        session_id: s.session_id.clone(),
+        lock: lock.into(),
+        wait_timeout_ms: Some(wait),
+        mode: mode as i32,
+        call_id: call.into(),
+    };
+    let refused_at_once =
+        |what: &str, outcome: Result<tonic::Response<_>, tonic::Status>| match outcome {
+            Err(status)
+                if status.code() == tonic::Code::FailedPrecondition
+                    && status.metadata().get("lockcell-already-held").is_some() =>
+            {
+                Ok(())
+            }
+            Err(status) => Err(anyhow::anyhow!("{what}: refused otherwise: {status:?}")),
+            Ok(reply) => {
+                let reply: lockcell_proto::v1::AcquireResponse = reply.into_inner();
+                Err(anyhow::anyhow!("{what}: answered {reply:?}, not refused"))
+            }
+        };
+    for (held, asked) in [
+        (LockMode::Exclusive, LockMode::Shared),
+        (LockMode::Shared, LockMode::Exclusive),
+    ] {
+        let lock = format!("fair/{held:?}");
+        let first = locks
+            .acquire(request(&lock, held, "c1", 0))
+            .await?
+            .into_inner();
+        ensure!(first.granted, "{lock}: not granted");
+        let started = std::time::Instant::now();
+        let again = locks.acquire(request(&lock, asked, "c2", 5_000)).await;
+        refused_at_once(&format!("{lock}: a {asked:?} call"), again)?;
+        ensure!(
+            started.elapsed() < Duration::from_secs(4),
+            "{lock}: the refusal waited out the call's wait"
+        );
+        let same = locks.acquire(request(&lock, asked, "c1", 0)).await;
+        refused_at_once(&format!("{lock}: the holding call in the other mode"), same)?;
+    }
+
+    // Arbitrated: another session waits in the proxy's line for the held lock.
+    let held = locks
+        .acquire(request("arb/x", LockMode::Exclusive, "c1", 0))
+        .await?
+        .into_inner();
+    ensure!(held.granted, "arb/x not granted");
+    let other = sessions.open(open("waiter")).await?.into_inner();
+    let mut waiting = locks.clone();
+    let waiter = tokio::spawn(async move {
+        waiting
+            .acquire(AcquireRequest {
+                session_id: other.session_id,
+                lock: "arb/x".into(),
+                wait_timeout_ms: Some(15_000),
+                mode: 0,
+                call_id: "w".into(),
+            })
+            .await
+    });
+    eventually(
+        "the other session waits",
+        Duration::from_secs(10),
+        || async { Ok((proxies[0].metric("lockcell_waiters").await? >= 1.0).then_some(())) },
+    )
+    .await?;
+    let started = std::time::Instant::now();
+    let again = locks
+        .acquire(request("arb/x", LockMode::Exclusive, "c2", 5_000))
+        .await;
+    refused_at_once("arb/x: a second call while another waits", again)?;
+    ensure!(
+        started.elapsed() < Duration::from_secs(4),
+        "arb/x: the refusal waited out the call's wait"
+    );
+    let retried = locks
+        .acquire(request("arb/x", LockMode::Exclusive, "c1", 5_000))
+        .await?
+        .into_inner();
+    ensure!(
+        retried.granted && retried.token == held.token,
+        "arb/x: the holding call retried got {retried:?}"
+    );
+    waiter.abort();
+    Ok(())
+}
+
+/// A session resumes naming another session's exclusive grant (its revision is public;
+/// say the lease was guessed): the key must not move, and closing the resuming session
+/// must leave the other's hold alone.
+pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::Result<()> {
+    use lockcell_proto::v1::{HeldKey, HeldKind, ResumeRequest};
+    let (etcd, proxies) = cell(&["a", "b"]).await?;
+    let mut store = etcd.client().await?;
+    let (mut sessions_a, mut locks_a) = raw(&proxies[0]).await?;
+    let victim = sessions_a
+        .open(OpenRequest {
+            ttl_ms: 20_000,
+            identity: "victim".into(),
+        })
+        .await?
+        .into_inner();
+    let granted = locks_a
+        .acquire(AcquireRequest {
+            session_id: victim.session_id.clone(),
+            lock: "jobs/nightly".into(),
+            wait_timeout_ms: Some(0),
+            mode: 0,
+            call_id: "v1".into(),
+        })
+        .await?
+        .into_inner();
+    let token = granted.token.context("no token")?;
+    let key = store.get("/l/jobs/nightly/!x", None).await?;
+    let victim_lease = key.kvs().first().context("no holder key")?.lease();
+
+    let (mut sessions_b, mut locks_b) = raw(&proxies[1]).await?;
+    let attacker = sessions_b
+        .open(OpenRequest {
+            ttl_ms: 20_000,
+            identity: "attacker".into(),
+        })
+        .await?
+        .into_inner();
+    let resumed = sessions_b
+        .resume(ResumeRequest {
+            session_id: attacker.session_id.clone(),
+            ttl_ms: 20_000,
+            identity: "attacker".into(),
+            from_lease_id: attacker.lease_id,
+            keys: vec![HeldKey {
+                kind: HeldKind::Exclusive as i32,
+                name: "jobs/nightly".into(),
+                revision: token.revision,
+                lease_id: victim_lease,
+            }],
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        resumed.lost.len() == 1,
+        "the resume did not report the other's key lost: {resumed:?}"
+    );
+    ensure!(
+        !format!("{resumed:?}").contains(&format!("{victim_lease:x}")),
+        "the resume's reply shows the other session's lease"
+    );
+    sessions_b
+        .close(CloseRequest {
+            session_id: attacker.session_id.clone(),
+            ..Default::default()
+        })
+        .await?;
+    let key = store.get("/l/jobs/nightly/!x", None).await?;
+    let kv = key.kvs().first().context("the victim's hold was deleted")?;
+    ensure!(
+        kv.create_revision() == token.revision && kv.lease() == victim_lease,
+        "the victim's hold was moved"
+    );
+    let third = sessions_b
+        .open(OpenRequest {
+            ttl_ms: 20_000,
+            identity: "third".into(),
+        })
+        .await?
+        .into_inner();
+    let taken = locks_b
+        .acquire(AcquireRequest {
+            session_id: third.session_id,
+            lock: "jobs/nightly".into(),
+            wait_timeout_ms: Some(0),
+            mode: 0,
+            call_id: "t".into(),
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        !taken.granted,
+        "a third session was granted the victim's lock"
     );
     Ok(())
 }
