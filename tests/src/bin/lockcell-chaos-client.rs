@@ -182,31 +182,44 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-/// Writes the client's small key (`chaos/kv/<name>`) with a value no write before it
-/// had, and records the write if the service acknowledged it.
-async fn write_key(
+/// Writes the client's small key (`chaos/kv/<name>`) and its ephemeral membership key
+/// (`chaos/members/<name>`, through `session`), each with a value no write before it
+/// had, and records each write the service acknowledged.
+async fn write_keys(
     args: &Args,
     client: &Client,
+    session: &Session,
     clock: &Clock,
     recorder: &mut Recorder,
 ) -> anyhow::Result<()> {
-    let key = format!("chaos/kv/{}", args.name);
-    let at_ns = clock.ns(Instant::now());
-    let value = format!("{}@{at_ns}", args.name);
-    match client.put(&key, value.as_bytes(), Condition::Always).await {
-        Ok(written) if written.succeeded => recorder.write(&Record::KvWrite {
-            client: args.name.clone(),
-            key,
-            value,
-            revision: written.revision,
-            at_ns,
-        }),
-        Ok(_) => Ok(()),
-        Err(e) => {
-            eprintln!("{}: put {key}: {e}", args.name);
-            Ok(())
+    for ephemeral in [false, true] {
+        let key = if ephemeral {
+            format!("chaos/members/{}", args.name)
+        } else {
+            format!("chaos/kv/{}", args.name)
+        };
+        let at_ns = clock.ns(Instant::now());
+        let value = format!("{}@{at_ns}", args.name);
+        let written = if ephemeral {
+            session
+                .put_ephemeral(&key, value.as_bytes(), Condition::Always)
+                .await
+        } else {
+            client.put(&key, value.as_bytes(), Condition::Always).await
+        };
+        match written {
+            Ok(written) if written.succeeded => recorder.write(&Record::KvWrite {
+                client: args.name.clone(),
+                key,
+                value,
+                revision: written.revision,
+                at_ns,
+            })?,
+            Ok(_) => {}
+            Err(e) => eprintln!("{}: put {key}: {e}", args.name),
         }
     }
+    Ok(())
 }
 
 async fn open(client: &Client, ttl: Duration, name: &str) -> Result<Session, Error> {
@@ -238,8 +251,7 @@ async fn hold_locks(
         }
         if Instant::now() >= next_write {
             next_write = Instant::now() + WRITE_EVERY;
-            write_key(args, client, clock, recorder).await?;
-            write_member(args, session, clock, recorder).await?;
+            write_keys(args, client, session, clock, recorder).await?;
         }
         let lock = again
             .take()
@@ -345,36 +357,6 @@ async fn hold_locks(
                 drop(guard);
                 again = Some(lock.clone());
             }
-        }
-    }
-}
-
-/// Writes the client's membership key (`chaos/members/<name>`), ephemeral, with a value
-/// no write before it had, and records the write if the service acknowledged it.
-async fn write_member(
-    args: &Args,
-    session: &Session,
-    clock: &Clock,
-    recorder: &mut Recorder,
-) -> anyhow::Result<()> {
-    let key = format!("chaos/members/{}", args.name);
-    let at_ns = clock.ns(Instant::now());
-    let value = format!("{}@{at_ns}", args.name);
-    match session
-        .put_ephemeral(&key, value.as_bytes(), Condition::Always)
-        .await
-    {
-        Ok(written) if written.succeeded => recorder.write(&Record::KvWrite {
-            client: args.name.clone(),
-            key,
-            value,
-            revision: written.revision,
-            at_ns,
-        }),
-        Ok(_) => Ok(()),
-        Err(e) => {
-            eprintln!("{}: put ephemeral {key}: {e}", args.name);
-            Ok(())
         }
     }
 }

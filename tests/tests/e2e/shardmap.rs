@@ -44,6 +44,34 @@ async fn keys_under(etcd: &EtcdCluster, prefix: &str) -> anyhow::Result<Vec<Stri
         .collect())
 }
 
+/// Cells a and b (one etcd member each), and a shard map file routing `routes`
+/// (prefix, cell) in a fresh folder.
+async fn two_cells(
+    routes: &[(&str, &str)],
+) -> anyhow::Result<(
+    tempfile::TempDir,
+    EtcdCluster,
+    EtcdCluster,
+    std::path::PathBuf,
+)> {
+    let dir = tempfile::tempdir()?;
+    let cell_a = EtcdCluster::start(1).await?;
+    let cell_b = EtcdCluster::start(1).await?;
+    let mut file = format!(
+        "[cells.a]\nendpoints = [{:?}]\n[cells.b]\nendpoints = [{:?}]\n",
+        cell_a.endpoints()[0],
+        cell_b.endpoints()[0]
+    );
+    for (prefix, cell) in routes {
+        file.push_str(&format!(
+            "\n[[route]]\nprefix = {prefix:?}\ncell = {cell:?}\n"
+        ));
+    }
+    let map = dir.path().join("shardmap.toml");
+    std::fs::write(&map, file)?;
+    Ok((dir, cell_a, cell_b, map))
+}
+
 async fn epoch_of(etcd: &EtcdCluster) -> anyhow::Result<u64> {
     let mut kv = etcd.client().await?.kv_client();
     let stored = lockcell_cell::epoch::read(&mut kv, Duration::from_secs(5))
@@ -102,21 +130,8 @@ async fn worker(
 
 pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders(
 ) -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let cell_a = EtcdCluster::start(1).await?;
-    let cell_b = EtcdCluster::start(1).await?;
-    let map = dir.path().join("shardmap.toml");
-    std::fs::write(
-        &map,
-        format!(
-            "[cells.a]\nendpoints = [{:?}]\n[cells.b]\nendpoints = [{:?}]\n\n\
-             [[route]]\nprefix = \"orders/\"\ncell = \"a\"\n\n\
-             [[route]]\nprefix = \"billing/\"\ncell = \"b\"\n\n\
-             [[route]]\nprefix = \"inventory/\"\ncell = \"b\"\n",
-            cell_a.endpoints()[0],
-            cell_b.endpoints()[0]
-        ),
-    )?;
+    let (dir, cell_a, cell_b, map) =
+        two_cells(&[("orders/", "a"), ("billing/", "b"), ("inventory/", "b")]).await?;
     let a_endpoint = cell_a.endpoints()[0].clone();
     lockcell_cell(&[
         "shardmap",
@@ -447,20 +462,7 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
 /// must not serve the deleted key again, nor the old value.
 pub async fn a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves_back(
 ) -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let cell_a = EtcdCluster::start(1).await?;
-    let cell_b = EtcdCluster::start(1).await?;
-    let map = dir.path().join("shardmap.toml");
-    std::fs::write(
-        &map,
-        format!(
-            "[cells.a]\nendpoints = [{:?}]\n[cells.b]\nendpoints = [{:?}]\n\n\
-             [[route]]\nprefix = \"cfg/\"\ncell = \"a\"\n\n\
-             [[route]]\nprefix = \"other/\"\ncell = \"b\"\n",
-            cell_a.endpoints()[0],
-            cell_b.endpoints()[0]
-        ),
-    )?;
+    let (dir, cell_a, cell_b, map) = two_cells(&[("cfg/", "a"), ("other/", "b")]).await?;
     let a_endpoint = cell_a.endpoints()[0].clone();
     let shardmap = |args: &[&str]| {
         let mut all = vec!["shardmap"];
