@@ -874,8 +874,14 @@ fn move_outcomes<'a>(
         .map(|((grant, _), op)| move_outcome(grant, op))
 }
 
+/// A `from` lease that marks a key as not the moving session's own: it is only read,
+/// never moved, and reported lost (no lease has this id).
+pub const NOT_ITS_OWN: i64 = -1;
+
 /// Already on `to` at `revision`: nothing to do. Otherwise, on `from` at `revision`:
-/// put it on `to`, keeping its value. Otherwise read it, to say what became of it.
+/// put it on `to`, keeping its value. Otherwise read it, to say what became of it. A key
+/// marked [`NOT_ITS_OWN`] is only read, even if it is on `to` already (another session
+/// of the same lease bucket holds it).
 fn guarded_move(key: &str, revision: i64, from: i64, to: i64) -> Txn {
     let unchanged = |lease| {
         [
@@ -883,6 +889,14 @@ fn guarded_move(key: &str, revision: i64, from: i64, to: i64) -> Txn {
             Compare::lease(key.as_bytes(), CompareOp::Equal, lease),
         ]
     };
+    if from == NOT_ITS_OWN {
+        let read = Txn::new()
+            .when(unchanged(NOT_ITS_OWN))
+            .or_else([TxnOp::get(key.as_bytes(), None)]);
+        return Txn::new()
+            .when(unchanged(NOT_ITS_OWN))
+            .or_else([TxnOp::txn(read)]);
+    }
     let take = Txn::new()
         .when(unchanged(from))
         .and_then([TxnOp::put(

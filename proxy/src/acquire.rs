@@ -381,6 +381,18 @@ async fn fair_turn(
     line: &mut LeaveLine,
 ) -> Result<Turn, ProxyError> {
     let session = live(state, &call.session_id)?;
+    // The session came to hold this lock while this call waited (another call of it
+    // was granted): this call is a second hold, refused now rather than at the end of
+    // its wait (its key leaves the line as the wait ends).
+    if session
+        .held
+        .iter()
+        .any(|g| !g.waiter && g.lock == call.lock)
+    {
+        if let Some(granted) = grant(state, call, &session, None).await? {
+            return Ok(Turn::Over(Some(granted)));
+        }
+    }
     match state.locklog.place(&call.lock, call.mode, queued).await? {
         Place::Behind { predecessor, .. } => {
             let mut sub = state.events.subscribe_key(&predecessor);

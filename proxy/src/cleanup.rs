@@ -142,12 +142,16 @@ impl CleanupQueue {
                 .await
             {
                 Ok(found) if !found.is_empty() => {
-                    // Unless a retry of the same call has since taken it as its own.
+                    // Unless a retry of the same call has since taken it as its own, or
+                    // is about to (its own record of the key is there, settled or not).
                     let session = grant.made_by.as_ref().map(|m| m.session.as_str());
                     let found: Vec<Grant> = found
                         .into_iter()
                         .filter(|g| {
-                            !session.is_some_and(|s| state.sessions.holds(s, &g.key, g.revision))
+                            !session.is_some_and(|s| {
+                                state.sessions.holds(s, &g.key, g.revision)
+                                    || state.sessions.has_other_record(s, &g.key, &grant)
+                            })
                         })
                         .collect();
                     if !found.is_empty() {

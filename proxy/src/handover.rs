@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockcell_cell::locklog::NOT_ITS_OWN;
 use lockcell_cell::locklog::{Grant, Resume};
 use lockcell_cell::{LockName, Mode};
 use lockcell_proto::v1::{HeldKey, HeldKind, LostKey, ResumeRequest, ResumeResponse};
@@ -236,7 +237,13 @@ async fn resume_named(
     }
     let id: Arc<str> = req.session_id.as_str().into();
     let now = Instant::now();
-    let held: Vec<Grant> = moving.iter().map(|(g, _)| g.clone()).collect();
+    // Keys not proven its own are never the stay's, not even while the move runs (a
+    // close meanwhile would delete them under this stay's lease, which may be theirs).
+    let held: Vec<Grant> = moving
+        .iter()
+        .filter(|(_, from)| *from != NOT_ITS_OWN)
+        .map(|(g, _)| g.clone())
+        .collect();
     // Never before the client's old deadline: the keys moved here are what it acts on.
     let acting_until = now + Duration::from_millis(req.acting_for_ms);
     let mut session = Session::arriving(
@@ -310,17 +317,15 @@ async fn resume_named(
     Err(refused)
 }
 
-/// Never from a lease: the guarded move of a key named with it fails, and the key is
-/// reported lost.
-const NOT_ITS_OWN: i64 = -1;
-
-/// Marks every exclusive holder key among `moving` whose record names another session
-/// than `session` so that it does not move (its guarded move compares this lease).
-/// The exclusive key of a lock is every session's; a resume naming another's grant
-/// (its revision is public: Leader and CheckSequencer show it) must not move it, or a
-/// close of the resumed session would end another session's hold. A shared holder key
-/// is named by its session, and a moved key keeps its record, so this read is enough:
-/// the move compares the create revision, which no other grant can have.
+/// Marks every exclusive holder key among `moving` that is not proven `session`'s own
+/// ([`NOT_ITS_OWN`]: it is read, never moved, and reported lost). The exclusive key of a
+/// lock is every session's; a resume naming another's grant (its revision is public:
+/// Leader and CheckSequencer show it) must not move it, or a close of the resumed
+/// session would end another session's hold. So the key must exist now, at the revision
+/// named, with a record naming this session: a key granted later at that revision (to
+/// whoever waits) is not moved either. A shared holder key is named by its session, and
+/// a moved key keeps its record, so this read is enough: the move compares the create
+/// revision, which no other grant can have.
 async fn not_anothers(
     state: &ProxyState,
     session: &str,
@@ -338,7 +343,7 @@ async fn not_anothers(
                 context: format!("reading the holder of lock {:?}", grant.lock.as_str()),
                 source,
             })?;
-        if holder.is_some_and(|h| h.revision == grant.revision && h.record.session != session) {
+        if !holder.is_some_and(|h| h.revision == grant.revision && h.record.session == session) {
             *from = NOT_ITS_OWN;
         }
     }

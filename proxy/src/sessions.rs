@@ -286,6 +286,14 @@ impl SessionTable {
         }
     }
 
+    /// Whether `id` has a record of `key` other than `except` (another attempt's, or a
+    /// settled one).
+    pub fn has_other_record(&self, id: &str, key: &str, except: &Grant) -> bool {
+        self.live
+            .get(id)
+            .is_some_and(|s| s.held.iter().any(|g| g.key == key && g != except))
+    }
+
     /// Forgets exactly `grant` (an unsettled record once its outcome is known).
     pub fn forget(&self, id: &str, grant: &Grant) {
         if let Some(mut s) = self.live.get_mut(id) {

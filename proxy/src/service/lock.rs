@@ -135,6 +135,17 @@ pub async fn release(
             other.lock.as_str()
         )));
     }
+    let key = lock.holder_key(mode, session_id);
+    if !session
+        .held
+        .iter()
+        .any(|g| !g.waiter && g.key == key && g.revision == token.revision)
+    {
+        // Not a grant of this session's (the exclusive key and the lease are every
+        // session's on this lease; the token is public): nothing of it is ours to
+        // delete, whoever holds it.
+        return Ok(false);
+    }
     let released = state
         .locklog
         .release(&lock, mode, session_id, token.revision, session.lease)

@@ -664,6 +664,90 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
     Ok(())
 }
 
+/// Sessions of one proxy share its leases (here one), and a grant's token is public
+/// (CheckSequencer shows it): another session of the same lease must neither release
+/// the grant with it, nor take it over by resuming a fresh session that names it, even
+/// one that lands on the very lease the grant is on.
+pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_grant(
+) -> anyhow::Result<()> {
+    use lockcell_proto::v1::{HeldKey, HeldKind, ResumeRequest};
+    let etcd = EtcdCluster::start(1).await?;
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.leases = 1;
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    let mut store = etcd.client().await?;
+    let (mut sessions, mut locks) = raw(&proxy).await?;
+    let open = |identity: &str| OpenRequest {
+        ttl_ms: 20_000,
+        identity: identity.into(),
+    };
+    let victim = sessions.open(open("victim")).await?.into_inner();
+    let granted = locks
+        .acquire(AcquireRequest {
+            session_id: victim.session_id.clone(),
+            lock: "jobs/shared-lease".into(),
+            wait_timeout_ms: Some(0),
+            mode: 0,
+            call_id: "v1".into(),
+        })
+        .await?
+        .into_inner();
+    let token = granted.token.context("no token")?;
+    let attacker = sessions.open(open("attacker")).await?.into_inner();
+    ensure!(
+        attacker.lease_id == victim.lease_id,
+        "the two sessions are on different leases"
+    );
+    let released = locks
+        .release(ReleaseRequest {
+            session_id: attacker.session_id.clone(),
+            lock: "jobs/shared-lease".into(),
+            token: Some(token),
+            mode: 0,
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        !released.released,
+        "another session released the grant with its public token"
+    );
+    // A fresh session id resumed here, on the same lease, naming the grant.
+    let fresh = format!("{:032x}", 0xfeed_u128);
+    let resumed = sessions
+        .resume(ResumeRequest {
+            session_id: fresh.clone(),
+            ttl_ms: 20_000,
+            identity: "attacker".into(),
+            from_lease_id: victim.lease_id,
+            keys: vec![HeldKey {
+                kind: HeldKind::Exclusive as i32,
+                name: "jobs/shared-lease".into(),
+                revision: token.revision,
+                lease_id: victim.lease_id,
+            }],
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        resumed.lost.len() == 1,
+        "the resume did not report the other's key lost: {resumed:?}"
+    );
+    sessions
+        .close(CloseRequest {
+            session_id: fresh,
+            ..Default::default()
+        })
+        .await?;
+    let key = store.get("/l/jobs/shared-lease/!x", None).await?;
+    let kv = key.kvs().first().context("the victim's hold was deleted")?;
+    ensure!(
+        kv.create_revision() == token.revision,
+        "the victim's hold changed"
+    );
+    Ok(())
+}
+
 /// What an acquire gave, in a few words.
 fn outcome<T: Tokened>(result: &Result<Option<T>, Error>) -> String {
     match result {
