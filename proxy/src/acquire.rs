@@ -107,18 +107,8 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
         .check_ttl(call.lock.as_str(), session.ttl)
         .map_err(ProxyError::Refused)?;
     let give_up = call.wait.map(|d| started + d);
-    // The session holds this lock here already (in either mode): this call is a retry
-    // of the call that holds it, or a second hold, which the grant transaction tells
-    // apart at once (a retry gets its grant, another call is refused), never a wait in
-    // line behind its own hold.
-    if session
-        .held
-        .iter()
-        .any(|g| !g.waiter && g.lock == call.lock)
-    {
-        if let Some(granted) = grant(state, &call, &session, None).await? {
-            return Ok(Some(granted));
-        }
+    if let Some(granted) = decided_by_own_hold(state, &call, &session).await? {
+        return Ok(Some(granted));
     }
     let result = if class.fair {
         fair(state, &call, &class, give_up, session).await
@@ -161,7 +151,14 @@ async fn arbitrated(
     loop {
         let session = match first.take() {
             Some(s) => s,
-            None => live(state, &call.session_id)?,
+            None => {
+                let session = live(state, &call.session_id)?;
+                if let Some(granted) = decided_by_own_hold(state, call, &session).await? {
+                    ticket.granted();
+                    return Ok(Some(granted));
+                }
+                session
+            }
         };
         if tried || !ticket.may_try() {
             let Some(patience) = wait_budget(&session, give_up) else {
@@ -381,17 +378,9 @@ async fn fair_turn(
     line: &mut LeaveLine,
 ) -> Result<Turn, ProxyError> {
     let session = live(state, &call.session_id)?;
-    // The session came to hold this lock while this call waited (another call of it
-    // was granted): this call is a second hold, refused now rather than at the end of
-    // its wait (its key leaves the line as the wait ends).
-    if session
-        .held
-        .iter()
-        .any(|g| !g.waiter && g.lock == call.lock)
-    {
-        if let Some(granted) = grant(state, call, &session, None).await? {
-            return Ok(Turn::Over(Some(granted)));
-        }
+    // Its key leaves the line as the wait ends, whichever way.
+    if let Some(granted) = decided_by_own_hold(state, call, &session).await? {
+        return Ok(Turn::Over(Some(granted)));
     }
     match state.locklog.place(&call.lock, call.mode, queued).await? {
         Place::Behind { predecessor, .. } => {
@@ -696,6 +685,27 @@ async fn settle_unknown(state: &ProxyState, session: &Session, pending: Grant) {
             tracing::warn!(session.id = %session.id, key = %pending.key, error = %e, "a grant's outcome is unknown; the session's end looks for it again");
         }
     }
+}
+
+/// When the session holds `call`'s lock here (in either mode, this call's grant or
+/// another's), the grant transaction decides at once, never a wait in line behind the
+/// session's own hold: this call's grant comes back; another call is refused
+/// ([`CellError::AlreadyHeld`]). Checked as a call starts and at each turn of its wait
+/// (another call of the session may be granted meanwhile). `None`: no hold here, or it
+/// went meanwhile; wait as usual.
+async fn decided_by_own_hold(
+    state: &Arc<ProxyState>,
+    call: &Call,
+    session: &Session,
+) -> Result<Option<Granted>, ProxyError> {
+    if !session
+        .held
+        .iter()
+        .any(|g| !g.waiter && g.lock == call.lock)
+    {
+        return Ok(None);
+    }
+    grant(state, call, session, None).await
 }
 
 /// The grant this call already has on the lock, recorded again: for a retried call,

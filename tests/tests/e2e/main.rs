@@ -61,6 +61,7 @@ fn main() {
         safety::a_second_call_is_refused_at_once_in_line_and_in_the_other_mode,
         safety::a_resume_naming_another_sessions_grant_moves_nothing,
         safety::another_session_on_the_same_lease_can_neither_release_nor_take_a_grant,
+        safety::concurrent_calls_of_one_session_make_one_grant,
         contention::two_hundred_waiters_each_get_it_once_at_one_grant_per_proxy,
         contention::two_hundred_waiters_on_a_fair_class_go_in_arrival_order,
         modes::readers_share_and_a_writer_excludes_them,

@@ -474,11 +474,7 @@ pub async fn a_second_call_is_refused_at_once_in_line_and_in_the_other_mode() ->
 {
     let (_etcd, proxies, _) = crate::contention::classed_cell(CLASSES).await?;
     let (mut sessions, mut locks) = raw(&proxies[0]).await?;
-    let open = |identity: &str| OpenRequest {
-        ttl_ms: 20_000,
-        identity: identity.into(),
-    };
-    let s = sessions.open(open("holder")).await?.into_inner();
+    let s = sessions.open(opening("holder")).await?.into_inner();
     let request = |lock: &str, mode: LockMode, call: &str, wait: u64| AcquireRequest {
         session_id: s.session_id.clone(),
         lock: lock.into(),
@@ -527,7 +523,7 @@ pub async fn a_second_call_is_refused_at_once_in_line_and_in_the_other_mode() ->
         .await?
         .into_inner();
     ensure!(held.granted, "arb/x not granted");
-    let other = sessions.open(open("waiter")).await?.into_inner();
+    let other = sessions.open(opening("waiter")).await?.into_inner();
     let mut waiting = locks.clone();
     let waiter = tokio::spawn(async move {
         waiting
@@ -575,13 +571,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
     let (etcd, proxies) = cell(&["a", "b"]).await?;
     let mut store = etcd.client().await?;
     let (mut sessions_a, mut locks_a) = raw(&proxies[0]).await?;
-    let victim = sessions_a
-        .open(OpenRequest {
-            ttl_ms: 20_000,
-            identity: "victim".into(),
-        })
-        .await?
-        .into_inner();
+    let victim = sessions_a.open(opening("victim")).await?.into_inner();
     let granted = locks_a
         .acquire(AcquireRequest {
             session_id: victim.session_id.clone(),
@@ -597,13 +587,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
     let victim_lease = key.kvs().first().context("no holder key")?.lease();
 
     let (mut sessions_b, mut locks_b) = raw(&proxies[1]).await?;
-    let attacker = sessions_b
-        .open(OpenRequest {
-            ttl_ms: 20_000,
-            identity: "attacker".into(),
-        })
-        .await?
-        .into_inner();
+    let attacker = sessions_b.open(opening("attacker")).await?.into_inner();
     let resumed = sessions_b
         .resume(ResumeRequest {
             session_id: attacker.session_id.clone(),
@@ -640,13 +624,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
         kv.create_revision() == token.revision && kv.lease() == victim_lease,
         "the victim's hold was moved"
     );
-    let third = sessions_b
-        .open(OpenRequest {
-            ttl_ms: 20_000,
-            identity: "third".into(),
-        })
-        .await?
-        .into_inner();
+    let third = sessions_b.open(opening("third")).await?.into_inner();
     let taken = locks_b
         .acquire(AcquireRequest {
             session_id: third.session_id,
@@ -677,11 +655,7 @@ pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_gr
     let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
     let mut store = etcd.client().await?;
     let (mut sessions, mut locks) = raw(&proxy).await?;
-    let open = |identity: &str| OpenRequest {
-        ttl_ms: 20_000,
-        identity: identity.into(),
-    };
-    let victim = sessions.open(open("victim")).await?.into_inner();
+    let victim = sessions.open(opening("victim")).await?.into_inner();
     let granted = locks
         .acquire(AcquireRequest {
             session_id: victim.session_id.clone(),
@@ -693,7 +667,7 @@ pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_gr
         .await?
         .into_inner();
     let token = granted.token.context("no token")?;
-    let attacker = sessions.open(open("attacker")).await?.into_inner();
+    let attacker = sessions.open(opening("attacker")).await?.into_inner();
     ensure!(
         attacker.lease_id == victim.lease_id,
         "the two sessions are on different leases"
@@ -744,6 +718,57 @@ pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_gr
     ensure!(
         kv.create_revision() == token.revision,
         "the victim's hold changed"
+    );
+    Ok(())
+}
+
+/// A raw Open of a 20 s session labelled `identity`.
+fn opening(identity: &str) -> OpenRequest {
+    OpenRequest {
+        ttl_ms: 20_000,
+        identity: identity.into(),
+    }
+}
+
+/// Eight acquires of one free lock by one session at once, each a call of its own:
+/// exactly one is granted; the others are refused as second holds or not granted, and
+/// etcd holds one key for the lock.
+pub async fn concurrent_calls_of_one_session_make_one_grant() -> anyhow::Result<()> {
+    let (etcd, proxies) = cell(&["a"]).await?;
+    let (mut sessions, locks) = raw(&proxies[0]).await?;
+    let s = sessions.open(opening("racer")).await?.into_inner();
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..8 {
+        let mut locks = locks.clone();
+        let request = AcquireRequest {
+            session_id: s.session_id.clone(),
+            lock: "race/one".into(),
+            wait_timeout_ms: Some(1_000),
+            mode: 0,
+            call_id: format!("c{i}"),
+        };
+        calls.spawn(async move { locks.acquire(request).await });
+    }
+    let mut tokens = Vec::new();
+    while let Some(outcome) = calls.join_next().await {
+        match outcome? {
+            Ok(reply) if reply.get_ref().granted => tokens.push(reply.into_inner().token),
+            Ok(_) => {}
+            Err(status) if status.metadata().get("lockcell-already-held").is_some() => {}
+            Err(status) => bail!("a concurrent call failed otherwise: {status:?}"),
+        }
+    }
+    ensure!(
+        tokens.len() == 1,
+        "{} of 8 concurrent calls were granted",
+        tokens.len()
+    );
+    let mut store = etcd.client().await?;
+    let held = holder_revision(&mut store, "race/one").await?;
+    ensure!(
+        held == tokens[0].map(|t| t.revision),
+        "etcd's holder {held:?} is not the one grant {:?}",
+        tokens[0]
     );
     Ok(())
 }
