@@ -438,4 +438,44 @@ mod tests {
         assert_eq!(prefix_end(&[b'a', 0xff]), b"b".to_vec());
         assert_eq!(prefix_end(&[0xff]), vec![0]);
     }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        /// Names from the characters that matter to the rules (separators, dots, the
+        /// reserved byte, a control character, non-ASCII), often enough to break each.
+        fn name() -> impl Strategy<Value = String> {
+            prop_oneof![
+                proptest::collection::vec(
+                    prop_oneof![
+                        Just('a'),
+                        Just('/'),
+                        Just('.'),
+                        Just('!'),
+                        Just('\n'),
+                        Just('é'),
+                        Just('\u{7f}')
+                    ],
+                    0..12,
+                )
+                .prop_map(|c| c.into_iter().collect::<String>()),
+                "\\PC{0,40}",
+                "[a/]{500,520}",
+            ]
+        }
+
+        proptest! {
+            /// Whatever passes keeps every rule, and whatever keeps every rule passes.
+            #[test]
+            fn a_name_passes_exactly_when_it_keeps_every_rule(name in name()) {
+                let keeps = !name.is_empty()
+                    && name.len() <= MAX_NAME_BYTES
+                    && !name.chars().any(char::is_control)
+                    && !name.contains(RESERVED)
+                    && name.split('/').all(|s| !s.is_empty() && s != "." && s != "..");
+                prop_assert_eq!(LockName::parse(&name).is_ok(), keeps, "{:?}", name);
+            }
+        }
+    }
 }

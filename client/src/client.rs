@@ -173,12 +173,15 @@ impl Client {
             .await
             .map_err(|status| Error::from_status(status, Call::Unbound))?
             .into_inner();
-        if reply.session_id.is_empty() {
-            return Err(Error::Protocol("Open answered without a session id".into()));
+        if reply.session_id.is_empty() || reply.session_secret.is_empty() {
+            return Err(Error::Protocol(
+                "Open answered without a session id and secret".into(),
+            ));
         }
         let ttl = Duration::from_millis(reply.ttl_ms);
-        let shared = SessionShared::new(reply.session_id, ttl, sent, reply.valid_for_ms)
+        let mut shared = SessionShared::new(reply.session_id, ttl, sent, reply.valid_for_ms)
             .with_identity(opts.identity);
+        shared.secret = reply.session_secret;
         shared.set_home(Home {
             proxy_id: reply.proxy_id.clone(),
             lease: reply.lease_id,

@@ -39,6 +39,7 @@ impl Session {
         self.before_grant_of(election).await?;
         let mut request = tonic::Request::new(CampaignRequest {
             session_id: self.id().to_owned(),
+            session_secret: self.secret().to_owned(),
             election: election.to_owned(),
             value: value.to_owned(),
             wait_timeout_ms: wait.wait_timeout_ms(),
@@ -129,6 +130,7 @@ impl Leadership {
         }
         let mut request = tonic::Request::new(ProclaimRequest {
             session_id: self.session.id().to_owned(),
+            session_secret: self.session.secret().to_owned(),
             election: self.election.clone(),
             token: Some(self.token.into()),
             value: value.to_owned(),
@@ -193,6 +195,7 @@ impl Drop for Leadership {
 async fn resign(session: &Session, election: &str, token: FencingToken) -> Result<bool, Error> {
     let mut request = tonic::Request::new(ResignRequest {
         session_id: session.id().to_owned(),
+        session_secret: session.secret().to_owned(),
         election: election.to_owned(),
         token: Some(token.into()),
     });

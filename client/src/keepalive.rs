@@ -366,11 +366,16 @@ impl Driver {
         let sessions = self.live_sessions();
         let from = self.proxies.current();
         let old = self.proxies.channel();
-        let left: Vec<(String, u64, Vec<CellStay>)> = sessions
+        let left: Vec<LeftBehind> = sessions
             .iter()
             .map(|s| {
                 let home = s.home();
-                (s.id.clone(), home.incarnation, home.cells)
+                LeftBehind {
+                    id: s.id.clone(),
+                    secret: s.secret.clone(),
+                    incarnation: home.incarnation,
+                    cells: home.cells,
+                }
             })
             .collect();
         for index in candidates {
@@ -408,8 +413,8 @@ impl Driver {
         // No candidate took them all; the client stays where it is. A session that one
         // of them did take lives there now, not here: renewals from here must not count
         // for it until it is resumed here again.
-        for (session, (_, before, _)) in sessions.iter().zip(&left) {
-            if session.home().incarnation != *before {
+        for (session, before) in sessions.iter().zip(&left) {
+            if session.home().incarnation != before.incarnation {
                 session.unsettle();
             }
         }
@@ -581,6 +586,7 @@ impl Driver {
             match tx.try_send(KeepAliveRequest {
                 session_id: id.clone(),
                 seq,
+                session_secret: session.secret.clone(),
             }) {
                 Ok(()) => self.book.sent(&id, seq, sent, interval),
                 Err(mpsc::error::TrySendError::Full(_)) => {
@@ -738,6 +744,7 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
             fence_revision: home.fence,
             epoch: home.epoch,
             cells: home.cells.clone(),
+            session_secret: session.secret.clone(),
         });
         request.set_timeout(RESUME_TIMEOUT);
         let status = match SessionClient::new(channel.clone()).resume(request).await {
@@ -833,16 +840,30 @@ const FENCE_CELL: &str = "lockcell-fence-cell";
 const FENCE_REVISION: &str = "lockcell-fence-revision";
 const FENCE_LEASE: &str = "lockcell-fence-lease";
 
+/// A session's stay on the proxy it moved away from, to close there.
+struct LeftBehind {
+    id: String,
+    secret: String,
+    incarnation: u64,
+    cells: Vec<CellStay>,
+}
+
 /// Closes the moved sessions on the proxy they left, in the background: it then deletes
 /// what is still on its lease (keys the client never heard of, such as a grant whose
 /// reply was lost) and, draining, sees them gone. What moved is not on its lease.
 ///
 /// Each close names the stay it ends, so one that arrives late (after the client came
 /// back to that proxy) closes nothing.
-fn close_left_behind(channel: Channel, left: Vec<(String, u64, Vec<CellStay>)>) {
+fn close_left_behind(channel: Channel, left: Vec<LeftBehind>) {
     tokio::spawn(async move {
         let mut tasks = tokio::task::JoinSet::new();
-        for (id, incarnation, cells) in left {
+        for LeftBehind {
+            id,
+            secret,
+            incarnation,
+            cells,
+        } in left
+        {
             while tasks.len() >= RESUMES_AT_ONCE {
                 tasks.join_next().await;
             }
@@ -850,6 +871,7 @@ fn close_left_behind(channel: Channel, left: Vec<(String, u64, Vec<CellStay>)>) 
                 session_id: id.clone(),
                 incarnation,
                 cells,
+                session_secret: secret,
             });
             request.set_timeout(UNARY_TIMEOUT);
             let mut client = SessionClient::new(channel.clone());

@@ -46,7 +46,9 @@ pub struct Written {
     pub succeeded: bool,
     /// The store revision after the call.
     pub revision: i64,
-    /// The key after the write, or as it was when the condition failed.
+    /// The key after the write, or as it was when the condition failed. To a caller
+    /// who may write the key but not read it, without its value (empty) and never
+    /// `ephemeral`: its revisions and version only.
     pub current: Option<Entry>,
 }
 
@@ -167,8 +169,7 @@ impl Client {
         value: &[u8],
         condition: Condition,
     ) -> Result<Written, Error> {
-        self.write(key, value, condition, String::new(), Call::Unbound)
-            .await
+        self.write(key, value, condition, None, Call::Unbound).await
     }
 
     /// Deletes `key` if `condition` holds; returns whether it deleted it.
@@ -206,11 +207,11 @@ impl Client {
         key: &str,
         value: &[u8],
         condition: Condition,
-        session_id: String,
+        session: Option<(&str, &str)>,
         call: Call<'_>,
     ) -> Result<Written, Error> {
         let reply = KvClient::new(self.channel())
-            .put(put_request(key, value, condition, session_id))
+            .put(put_request(key, value, condition, session))
             .await
             .map_err(|s| Error::from_status(s, call))?
             .into_inner();
@@ -222,13 +223,15 @@ fn put_request(
     key: &str,
     value: &[u8],
     condition: Condition,
-    session_id: String,
+    session: Option<(&str, &str)>,
 ) -> tonic::Request<PutRequest> {
+    let (session_id, session_secret) = session.unwrap_or_default();
     let mut request = tonic::Request::new(PutRequest {
         key: key.to_owned(),
         value: value.to_vec(),
         condition: wire(condition),
-        session_id,
+        session_id: session_id.to_owned(),
+        session_secret: session_secret.to_owned(),
     });
     request.set_timeout(UNARY_TIMEOUT);
     request
@@ -252,7 +255,7 @@ impl Session {
         value: &[u8],
         condition: Condition,
     ) -> Result<Written, Error> {
-        let request = put_request(key, value, condition, self.id().to_owned());
+        let request = put_request(key, value, condition, Some((self.id(), self.secret())));
         let (reply, sent) = self
             .grant_request(|channel| async move { KvClient::new(channel).put(request).await })
             .await?;

@@ -155,6 +155,7 @@ impl Session {
             let wait = wait.remaining(started.elapsed());
             let mut request = tonic::Request::new(AcquireRequest {
                 session_id: self.id().to_owned(),
+                session_secret: self.secret().to_owned(),
                 lock: lock.to_owned(),
                 wait_timeout_ms: wait.wait_timeout_ms(),
                 mode: mode.wire().into(),
@@ -322,6 +323,7 @@ async fn release(
 ) -> Result<bool, Error> {
     let mut request = tonic::Request::new(ReleaseRequest {
         session_id: session.id().to_owned(),
+        session_secret: session.secret().to_owned(),
         lock: lock.to_owned(),
         token: Some(token.into()),
         mode: mode.wire().into(),

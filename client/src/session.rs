@@ -119,9 +119,18 @@ impl Session {
         }
     }
 
-    /// The session id the proxy assigned.
+    /// The session id the proxy assigned. It is public (Leader shows it): on its own it
+    /// lets no one act for the session.
     pub fn id(&self) -> &str {
         &self.inner.shared.id
+    }
+
+    /// The session's secret: what proves to any proxy that a call on the session is
+    /// this client's. The SDK sends it with every call; a program needs it only to
+    /// speak the wire protocol itself. Never log it, and hand it only to a process you
+    /// would hand this client's own credentials to.
+    pub fn secret(&self) -> &str {
+        &self.inner.shared.secret
     }
 
     /// The TTL the proxy granted (not necessarily the one requested).
@@ -178,6 +187,7 @@ impl Session {
             session_id: inner.shared.id.clone(),
             incarnation: 0,
             cells: Vec::new(),
+            session_secret: inner.shared.secret.clone(),
         });
         request.set_timeout(UNARY_TIMEOUT);
         let reply = SessionClient::new(inner.client.channel())
@@ -358,12 +368,14 @@ impl Drop for SessionInner {
         };
         let channel = self.client.channel();
         let id = self.shared.id.clone();
+        let secret = self.shared.secret.clone();
         // Owned by its own bound: it ends when the call answers or times out.
         runtime.spawn(async move {
             let mut request = tonic::Request::new(CloseRequest {
                 session_id: id.clone(),
                 incarnation: 0,
                 cells: Vec::new(),
+                session_secret: secret,
             });
             request.set_timeout(UNARY_TIMEOUT);
             match SessionClient::new(channel).close(request).await {

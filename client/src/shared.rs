@@ -35,6 +35,8 @@ pub(crate) struct Home {
 #[derive(Debug)]
 pub(crate) struct SessionShared {
     pub(crate) id: String,
+    /// The session's credential from its Open reply, sent with every call naming it.
+    pub(crate) secret: String,
     /// The TTL the proxy granted.
     pub(crate) ttl: Duration,
     /// As given at open; named again in a resume.
@@ -62,6 +64,7 @@ impl SessionShared {
     pub(crate) fn new(id: String, ttl: Duration, sent: Stamp, valid_for_ms: u64) -> Self {
         SessionShared {
             id,
+            secret: String::new(),
             ttl,
             identity: String::new(),
             home: Mutex::default(),

@@ -29,7 +29,11 @@ use crate::etcdpb::{LeaseGrantRequest, LeaseKeepAliveRequest};
 /// A session's handle for lock calls.
 #[derive(Debug, Clone)]
 pub enum SessionKey {
-    Lockcell(Arc<str>),
+    /// A session's id and the secret every call on it carries.
+    Lockcell {
+        id: Arc<str>,
+        secret: Arc<str>,
+    },
     Etcd(i64),
 }
 
@@ -220,7 +224,10 @@ async fn open_one(target: Target, channel: &Channel, ttl: Duration) -> anyhow::R
             .await
             .context("opening a lockcell session")?
             .into_inner();
-        Ok(SessionKey::Lockcell(reply.session_id.into()))
+        Ok(SessionKey::Lockcell {
+            id: reply.session_id.into(),
+            secret: reply.session_secret.into(),
+        })
     } else {
         let reply = LeaseClient::new(channel.clone())
             .lease_grant(LeaseGrantRequest {
@@ -327,7 +334,11 @@ impl Worker {
                     let local = job - first;
                     seq += 1;
                     let request = match &members[local].key {
-                        SessionKey::Lockcell(id) => Request::Lockcell(KeepAliveRequest { session_id: id.to_string(), seq }),
+                        SessionKey::Lockcell { id, secret } => Request::Lockcell(KeepAliveRequest {
+                            session_id: id.to_string(),
+                            seq,
+                            session_secret: secret.to_string(),
+                        }),
                         SessionKey::Etcd(id) => Request::Etcd(LeaseKeepAliveRequest { id: *id }),
                     };
                     let sent = Instant::now();
@@ -373,7 +384,7 @@ impl Index {
         };
         for (i, m) in members.iter().enumerate() {
             match &m.key {
-                SessionKey::Lockcell(id) => index.lockcell.insert(id.clone(), i),
+                SessionKey::Lockcell { id, .. } => index.lockcell.insert(id.clone(), i),
                 SessionKey::Etcd(id) => index.etcd.insert(*id, i),
             };
         }

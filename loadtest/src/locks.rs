@@ -46,11 +46,12 @@ impl Locker {
         wait: Duration,
     ) -> anyhow::Result<Option<Grant>> {
         match (self, session) {
-            (Locker::Lockcell(client), SessionKey::Lockcell(id)) => {
+            (Locker::Lockcell(client), SessionKey::Lockcell { id, secret }) => {
                 let reply = client
                     .clone()
                     .acquire(AcquireRequest {
                         session_id: id.to_string(),
+                        session_secret: secret.to_string(),
                         lock: lock.to_owned(),
                         wait_timeout_ms: Some(wait.as_millis() as u64),
                         ..Default::default()
@@ -76,11 +77,12 @@ impl Locker {
         grant: Grant,
     ) -> anyhow::Result<()> {
         match (self, session) {
-            (Locker::Lockcell(client), SessionKey::Lockcell(id)) => {
+            (Locker::Lockcell(client), SessionKey::Lockcell { id, secret }) => {
                 client
                     .clone()
                     .release(ReleaseRequest {
                         session_id: id.to_string(),
+                        session_secret: secret.to_string(),
                         lock: lock.to_owned(),
                         token: Some(FencingToken {
                             epoch: grant.epoch,

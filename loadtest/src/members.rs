@@ -72,12 +72,13 @@ impl Plan {
         let key = membership::member_key(p.service as usize, p.process as usize);
         let value = p.member.to_string();
         match (self.client(&p), &self.sessions[p.member as usize]) {
-            (Client::Lockcell(channel), SessionKey::Lockcell(session)) => {
+            (Client::Lockcell(channel), SessionKey::Lockcell { id, secret }) => {
                 KvClient::new(channel)
                     .put(PutRequest {
                         key: key.clone(),
                         value: value.into_bytes(),
-                        session_id: session.to_string(),
+                        session_id: id.to_string(),
+                        session_secret: secret.to_string(),
                         ..Default::default()
                     })
                     .await

@@ -107,19 +107,33 @@ async fn probe(channel: Channel, ttl: Duration, mut stop: watch::Receiver<bool>)
 }
 
 /// Opens a session; `None` while the address does not serve (down, draining, no lease).
-async fn open(channel: &Channel, ttl: Duration) -> Option<String> {
+/// An open session: its id and the secret every call on it carries.
+struct Credential {
+    id: String,
+    secret: String,
+}
+
+async fn open(channel: &Channel, ttl: Duration) -> Option<Credential> {
     let mut request = tonic::Request::new(OpenRequest {
         ttl_ms: ttl.as_millis() as u64,
         identity: "loadtest/probe".into(),
     });
     request.set_timeout(CALL_TIMEOUT);
     let reply = SessionClient::new(channel.clone()).open(request).await;
-    reply.ok().map(|r| r.into_inner().session_id)
+    reply.ok().map(|r| {
+        let r = r.into_inner();
+        Credential {
+            id: r.session_id,
+            secret: r.session_secret,
+        }
+    })
 }
 
-async fn close(channel: &Channel, id: &str) {
+async fn close(channel: &Channel, session: &Credential) {
+    let id = &session.id;
     let mut request = tonic::Request::new(CloseRequest {
         session_id: id.to_owned(),
+        session_secret: session.secret.clone(),
         incarnation: 0,
         cells: Vec::new(),
     });
@@ -132,7 +146,7 @@ async fn close(channel: &Channel, id: &str) {
 /// Renews `id` every [`PROBE_INTERVAL`] on one stream, recording round trips.
 async fn renew(
     channel: &Channel,
-    id: &str,
+    session: &Credential,
     stats: &mut ProbeStats,
     stop: &mut watch::Receiver<bool>,
 ) -> Ended {
@@ -154,7 +168,11 @@ async fn renew(
             _ = tick.tick() => {
                 seq += 1;
                 in_flight.insert(seq, Instant::now());
-                let request = KeepAliveRequest { session_id: id.to_owned(), seq };
+                let request = KeepAliveRequest {
+                    session_id: session.id.clone(),
+                    seq,
+                    session_secret: session.secret.clone(),
+                };
                 if tx.send(request).await.is_err() {
                     break Ended::Broken;
                 }

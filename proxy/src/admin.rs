@@ -1,12 +1,21 @@
 //! The admin HTTP server: `/metrics` for Prometheus, `/healthz` (alive), `/readyz`
 //! (etcd answers and every lease is held), and `POST /drain` (what SIGTERM does: ask
 //! every client to move to another proxy, wait up to the drain timeout, then stop).
+//!
+//! `POST /drain` stops the proxy, so it answers only a caller it can trust: one with
+//! the admin token, when `--admin-token-file` is set, or else one on this host's
+//! loopback. A proxy stopped by it exits with [`EXIT_DRAINED`], not 0: a supervisor
+//! that restarts on failure starts it again, and a drain no operator asked for shows.
 
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use anyhow::Context as _;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -16,11 +25,36 @@ use tokio::time::Instant;
 use crate::metrics as m;
 use crate::state::ProxyState;
 
+/// The exit status of a proxy stopped by `POST /drain` (SIGTERM's drain exits 0).
+pub const EXIT_DRAINED: i32 = 3;
+
+/// Shortest admin token taken: long enough that guessing it is hopeless.
+pub const MIN_TOKEN_LEN: usize = 32;
+
 #[derive(Clone)]
 struct Admin {
     metrics: PrometheusHandle,
     /// Every cell's engine; the first is the cell the proxy started on.
     states: Arc<[Arc<ProxyState>]>,
+    /// The file holding the token `POST /drain` requires, if any.
+    token_file: Option<PathBuf>,
+    /// Set when `POST /drain` started the drain.
+    drained: Arc<AtomicBool>,
+}
+
+/// The admin token in `path`: its first line, trimmed, at least [`MIN_TOKEN_LEN`]
+/// characters.
+pub fn read_token(path: &Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the admin token file {}", path.display()))?;
+    let token = text.lines().next().unwrap_or("").trim().to_owned();
+    anyhow::ensure!(
+        token.len() >= MIN_TOKEN_LEN,
+        "the admin token in {} has {} characters; it needs at least {MIN_TOKEN_LEN}",
+        path.display(),
+        token.len()
+    );
+    Ok(token)
 }
 
 impl Admin {
@@ -30,18 +64,27 @@ impl Admin {
 }
 
 /// Serves the admin endpoints on `listener` until the proxy shuts down.
+/// `drained` is set when `POST /drain` starts the drain.
 pub async fn serve(
     listener: TcpListener,
     metrics: PrometheusHandle,
     states: Arc<[Arc<ProxyState>]>,
+    drained: Arc<AtomicBool>,
 ) {
     let mut shutdown = states[0].shutdown.clone();
+    let token_file = states[0].config.admin_token_file.clone();
     let app = Router::new()
         .route("/metrics", get(render_metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/drain", post(drain))
-        .with_state(Admin { metrics, states });
+        .with_state(Admin {
+            metrics,
+            states,
+            token_file,
+            drained,
+        });
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             let _ = shutdown.wait_for(|stop| *stop).await;
@@ -103,10 +146,22 @@ async fn render_metrics(State(admin): State<Admin>) -> String {
     admin.metrics.render()
 }
 
-/// Starts the drain that ends with the proxy stopping.
-async fn drain(State(admin): State<Admin>) -> (StatusCode, String) {
+/// Starts the drain that ends with the proxy stopping, for a caller it trusts.
+async fn drain(
+    State(admin): State<Admin>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> (StatusCode, String) {
+    if let Err(refused) = trusted(&admin, peer, &headers) {
+        tracing::warn!(%peer, "POST /drain refused: {}", refused.1.trim_end());
+        return refused;
+    }
     let state = admin.first();
+    admin.drained.store(true, Ordering::SeqCst);
     let started = state.start_drain();
+    if started {
+        tracing::warn!(%peer, "POST /drain: draining, then stopping");
+    }
     let body = format!(
         "{}; {} sessions here, drain timeout {:?}\n",
         if started {
@@ -118,6 +173,63 @@ async fn drain(State(admin): State<Admin>) -> (StatusCode, String) {
         state.config.drain_timeout
     );
     (StatusCode::ACCEPTED, body)
+}
+
+/// Whether `POST /drain` from `peer` with `headers` may stop the proxy: with the admin
+/// token when there is one (from anywhere; loopback proves nothing behind a mesh
+/// sidecar), else from loopback only.
+fn trusted(
+    admin: &Admin,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+) -> Result<(), (StatusCode, String)> {
+    let Some(file) = &admin.token_file else {
+        return if is_loopback(peer) {
+            Ok(())
+        } else {
+            Err((
+                StatusCode::FORBIDDEN,
+                format!(
+                    "POST /drain answers only callers on this host's loopback, not {}; \
+                     set --admin-token-file to drain from elsewhere\n",
+                    peer.ip()
+                ),
+            ))
+        };
+    };
+    let token = read_token(file).map_err(|e| {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("POST /drain cannot check the admin token: {e:#}\n"),
+        )
+    })?;
+    let offered = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match offered {
+        Some(offered) if same_secret(offered, &token) => Ok(()),
+        _ => Err((
+            StatusCode::UNAUTHORIZED,
+            "POST /drain needs the admin token: Authorization: Bearer TOKEN\n".into(),
+        )),
+    }
+}
+
+fn is_loopback(peer: SocketAddr) -> bool {
+    match peer.ip() {
+        std::net::IpAddr::V4(ip) => ip.is_loopback(),
+        std::net::IpAddr::V6(ip) => {
+            ip.is_loopback() || ip.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
+}
+
+/// Compares two secrets by their digests, so the time taken tells nothing about how
+/// much of a guess was right.
+fn same_secret(a: &str, b: &str) -> bool {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(a.as_bytes()) == Sha256::digest(b.as_bytes())
 }
 
 /// Alive: the process answers (a liveness probe; readiness is `/readyz`).

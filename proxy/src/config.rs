@@ -21,9 +21,17 @@ pub struct ProxyConfig {
     pub listen: SocketAddr,
 
     /// Address of the admin HTTP server (/metrics for Prometheus, /healthz, /readyz,
-    /// POST /drain).
+    /// POST /drain). POST /drain stops the proxy, so it answers only callers on this
+    /// host's loopback, or only callers with --admin-token-file's token when that is set.
     #[arg(long, env = "LOCKCELL_ADMIN_LISTEN", default_value = "127.0.0.1:7421")]
     pub admin_listen: SocketAddr,
+
+    /// File holding the token POST /drain requires (`Authorization: Bearer TOKEN`) from
+    /// every caller, loopback included: set it where a loopback address proves nothing
+    /// (a service-mesh sidecar forwards from 127.0.0.6). At least 32 characters; read
+    /// again on every call, so replacing the file rotates it.
+    #[arg(long, env = "LOCKCELL_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<std::path::PathBuf>,
 
     /// etcd client endpoints of the cell, comma-separated. When the cell holds a shard
     /// map of several cells, the proxy serves every cell of it (connecting to the
@@ -96,6 +104,16 @@ pub struct ProxyConfig {
     /// Largest value a small key (Kv Put) may hold, in bytes.
     #[arg(long, env = "LOCKCELL_MAX_VALUE_BYTES", default_value_t = 64 * 1024)]
     pub max_value_bytes: usize,
+
+    /// Most calls one client connection may have open at once (HTTP/2 streams: each
+    /// waiting acquire, watch and keep-alive stream is one). A client's further calls
+    /// wait for one to end; one connection cannot hold unbounded proxy memory.
+    #[arg(
+        long,
+        env = "LOCKCELL_MAX_STREAMS_PER_CONNECTION",
+        default_value_t = 1000
+    )]
+    pub max_streams_per_connection: u32,
 
     /// Lock classes file (TOML; see deploy/config/classes.toml). Reloaded on SIGHUP and
     /// when it changes; a bad file is refused and the last good one stays in force.

@@ -175,8 +175,20 @@ impl Declared for Grants {
     }
 }
 
-/// A prefix is a lock or key name's beginning: no control characters, no `!`, no `..`
-/// segment. `""` grants every name.
+/// Whether a grant's entry covers `name`: `""` covers every name, an entry ending in
+/// `/` every name under it, and any other entry that one name alone. An entry is never
+/// a bare beginning of a name: `billing` must not cover `billingx/…`.
+pub fn covers(entry: &str, name: &str) -> bool {
+    entry.is_empty() || name == entry || (entry.ends_with('/') && name.starts_with(entry))
+}
+
+/// Whether a grant's entry covers every name under `prefix`.
+pub fn covers_prefix(entry: &str, prefix: &str) -> bool {
+    entry.is_empty() || (entry.ends_with('/') && prefix.starts_with(entry))
+}
+
+/// A grant entry is `""`, a prefix ending in `/`, or one whole name: no control
+/// characters, no `!`, no `..` segment.
 fn check_prefix(prefix: &str) -> Result<(), &'static str> {
     if prefix.starts_with('/') || prefix.contains("//") {
         return Err("starts with '/' or has an empty segment; names start with their first segment (\"billing/\", not \"/billing/\")");
@@ -242,6 +254,42 @@ impl Grants {
     /// Refuses `identity` `right` on `name` (a lock, election or key name, or a prefix
     /// being read or watched) unless one of its grants, or a `*` grant, covers it.
     pub fn check(&self, identity: &str, right: Right, name: &str) -> Result<(), Status> {
+        self.check_by(identity, right, name, covers)
+    }
+
+    /// As [`Self::check`] for a request on every name under `prefix` (a prefix Get or
+    /// Watch): only `""` and entries ending in `/` cover a prefix.
+    pub fn check_prefix(&self, identity: &str, right: Right, prefix: &str) -> Result<(), Status> {
+        self.check_by(identity, right, prefix, covers_prefix)
+    }
+
+    /// Identifies the caller and checks `right` on `key`, or on every name under it when
+    /// `prefix` is set.
+    pub fn authorize_key<T>(
+        &self,
+        request: &Request<T>,
+        right: Right,
+        key: &str,
+        prefix: bool,
+    ) -> Result<(), Status> {
+        if !self.enforced {
+            return Ok(());
+        }
+        let identity = self.identify(request)?;
+        if prefix {
+            self.check_prefix(&identity, right, key)
+        } else {
+            self.check(&identity, right, key)
+        }
+    }
+
+    fn check_by(
+        &self,
+        identity: &str,
+        right: Right,
+        name: &str,
+        covered: fn(&str, &str) -> bool,
+    ) -> Result<(), Status> {
         let covering = self
             .grants
             .iter()
@@ -249,7 +297,7 @@ impl Grants {
         let mut held: Vec<&str> = Vec::new();
         for grant in covering {
             for prefix in grant.prefixes(right) {
-                if name.starts_with(prefix.as_str()) {
+                if covered(prefix, name) {
                     return Ok(());
                 }
                 held.push(prefix);
@@ -428,5 +476,78 @@ sha256 = "5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8"
         assert!(g
             .authorize(&Request::new(()), Right::Write, &["anything"])
             .is_ok());
+    }
+
+    #[test]
+    fn an_entry_is_everything_a_subtree_or_one_name_never_a_bare_beginning() {
+        assert!(covers("", "anything/at/all"));
+        assert!(covers("billing/", "billing/nightly"));
+        assert!(covers("billing/", "billing/"));
+        assert!(!covers("billing/", "billingx/nightly"));
+        assert!(covers("billing", "billing"));
+        assert!(!covers("billing", "billingx/nightly"));
+        assert!(!covers("billing", "billing/nightly"));
+        assert!(!covers("cfg/db", "cfg/db2"));
+        // A prefix read or watch is covered by a subtree only.
+        assert!(covers_prefix("cfg/", "cfg/app/"));
+        assert!(covers_prefix("", "cfg"));
+        assert!(!covers_prefix("cfg/db", "cfg/db"));
+        assert!(!covers_prefix("cfg/", "cf"));
+    }
+
+    mod properties {
+        use super::grants;
+        use crate::grants::{covers, covers_prefix, Right};
+        use proptest::prelude::*;
+
+        /// Names and entries from a small alphabet, so that near misses are common:
+        /// shared beginnings, slashes in every place, and some non-ASCII letters.
+        fn text() -> impl Strategy<Value = String> {
+            proptest::collection::vec(
+                prop_oneof![Just('a'), Just('b'), Just('/'), Just('é'), Just('x')],
+                0..8,
+            )
+            .prop_map(|chars| chars.into_iter().collect())
+        }
+
+        proptest! {
+            /// An entry covers a name only if the name is the entry, lies under it
+            /// (the entry ends in '/'), or the entry is empty: never because the name
+            /// merely begins with it.
+            #[test]
+            fn covering_never_crosses_a_segment(entry in text(), name in text()) {
+                if covers(&entry, &name) {
+                    prop_assert!(
+                        entry.is_empty()
+                            || name == entry
+                            || (entry.ends_with('/') && name.starts_with(&entry))
+                    );
+                    if !entry.is_empty() && !entry.ends_with('/') {
+                        prop_assert_eq!(&name, &entry);
+                    }
+                }
+            }
+
+            /// Whatever a prefix request covers, each name under it is covered by the
+            /// same entry: a prefix read never reaches a name the entry does not grant.
+            #[test]
+            fn a_covered_prefix_covers_only_covered_names(entry in text(), prefix in text(), rest in text()) {
+                if covers_prefix(&entry, &prefix) {
+                    let name = format!("{prefix}{rest}");
+                    prop_assert!(covers(&entry, &name), "{:?} under {:?}", name, entry);
+                }
+            }
+
+            /// A check by one identity never passes on another identity's grant.
+            #[test]
+            fn a_grant_serves_its_identity_only(name in text(), who in "[a-z]{1,4}") {
+                let g = grants("[[grant]]\nidentity = \"owner\"\nlock = [\"\"]\n").unwrap();
+                if who != "owner" {
+                    prop_assert!(g.check(&who, Right::Lock, &name).is_err());
+                }
+                prop_assert!(g.check("owner", Right::Lock, &name).is_ok());
+                prop_assert!(g.check("owner", Right::Read, &name).is_err());
+            }
+        }
     }
 }

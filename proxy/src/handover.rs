@@ -118,16 +118,11 @@ async fn take_over(
     mut req: ResumeRequest,
     principal: Option<String>,
 ) -> Result<ResumeResponse, ProxyError> {
-    if let Some(caller) = &principal {
-        if let Some(owner) = state.sessions.principal(&req.session_id) {
-            if *owner != **caller {
-                return Err(ProxyError::PermissionDenied(format!(
-                    "session {:?} belongs to another identity; {caller:?} may not resume it",
-                    req.session_id
-                )));
-            }
-        }
-    }
+    // Only the session's opener may move it: its secret and identity, checked here on
+    // whatever proxy the resume reaches (a proxy that never saw the session included).
+    crate::credential::check(&req.session_id, &req.session_secret, principal.as_deref())
+        .map_err(|refused| ProxyError::PermissionDenied(refused.message().to_owned()))?;
+    crate::service::session::check_label(&req.identity)?;
     // Keys of another epoch move nowhere: after a restore from backup their revisions
     // may be other grants' now. Keys the caller's grants do not cover move nowhere
     // either. The session resumes without them.

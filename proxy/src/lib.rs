@@ -15,6 +15,7 @@ pub mod cellguard;
 pub mod classes;
 pub mod cleanup;
 pub mod config;
+pub mod credential;
 pub mod declared;
 pub mod errors;
 pub mod events;
@@ -88,8 +89,11 @@ pub async fn run(
     config: ProxyConfig,
     prometheus: PrometheusHandle,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Stopped> {
     config.validate()?;
+    if let Some(file) = &config.admin_token_file {
+        admin::read_token(file)?;
+    }
     let proxy_id = config
         .proxy_id
         .clone()
@@ -171,7 +175,8 @@ pub async fn run(
     let first = engines[0].state.clone();
     let mut tasks = tokio::task::JoinSet::new();
     let states: Arc<[Arc<ProxyState>]> = engines.iter().map(|e| e.state.clone()).collect();
-    tasks.spawn(admin::serve(admin, prometheus, states));
+    let drained = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    tasks.spawn(admin::serve(admin, prometheus, states, drained.clone()));
     tasks.spawn(
         shared
             .classes
@@ -210,12 +215,18 @@ pub async fn run(
             .tls_config(tls)
             .context("setting up TLS on the gRPC service")?;
     }
+    let sizes = MessageSizes::for_config(&first.config);
     let server = builder
-        .add_service(SessionServer::from_arc(router.clone()))
-        .add_service(LockServer::from_arc(router.clone()))
-        .add_service(ElectionServer::from_arc(router.clone()))
-        .add_service(KvServer::from_arc(router.clone()))
-        .add_service(WatchServer::from_arc(router.clone()))
+        .max_concurrent_streams(Some(first.config.max_streams_per_connection))
+        .add_service(
+            SessionServer::from_arc(router.clone()).max_decoding_message_size(sizes.session),
+        )
+        .add_service(LockServer::from_arc(router.clone()).max_decoding_message_size(sizes.small))
+        .add_service(
+            ElectionServer::from_arc(router.clone()).max_decoding_message_size(sizes.small),
+        )
+        .add_service(KvServer::from_arc(router.clone()).max_decoding_message_size(sizes.kv))
+        .add_service(WatchServer::from_arc(router.clone()).max_decoding_message_size(sizes.small))
         .serve_with_incoming_shutdown(incoming(grpc), async move {
             let _ = stop.wait_for(|s| *s).await;
         });
@@ -243,7 +254,52 @@ pub async fn run(
         );
     }
     tracing::info!("lockcell-proxy stopped");
-    Ok(())
+    Ok(if drained.load(std::sync::atomic::Ordering::SeqCst) {
+        Stopped::Drained
+    } else {
+        Stopped::Asked
+    })
+}
+
+/// The largest request each service decodes: what its own limits allow, with room for
+/// the encoding, and not a byte more (a bigger one is refused before it is read whole).
+struct MessageSizes {
+    /// Resume names up to [`handover::MAX_RESUME_KEYS`] keys.
+    session: usize,
+    /// Transactions of up to `MAX_TXN_BYTES` of values, and Puts of one value.
+    kv: usize,
+    /// Locks, elections (a value of one small key at most) and watches.
+    small: usize,
+}
+
+impl MessageSizes {
+    /// Room for a key's name, kind, revision and lease, encoded.
+    const PER_KEY: usize = lockcell_cell::keyspace::MAX_NAME_BYTES + 64;
+    /// Room for the fields of any request besides its keys and values.
+    const FIELDS: usize = 16 * 1024;
+
+    fn for_config(config: &ProxyConfig) -> Self {
+        let value = config.max_value_bytes + Self::PER_KEY + Self::FIELDS;
+        MessageSizes {
+            session: handover::MAX_RESUME_KEYS * Self::PER_KEY + Self::FIELDS,
+            kv: value.max(
+                service::kv::MAX_TXN_BYTES
+                    + service::kv::MAX_TXN_OPS * Self::PER_KEY
+                    + Self::FIELDS,
+            ),
+            small: value,
+        }
+    }
+}
+
+/// How a proxy that stopped cleanly was asked to stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stopped {
+    /// By its shutdown signal (SIGTERM, SIGINT).
+    Asked,
+    /// By `POST /drain` on the admin address: the process exits with
+    /// [`admin::EXIT_DRAINED`].
+    Drained,
 }
 
 /// What every cell's engine of one proxy shares.

@@ -36,13 +36,20 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let prometheus = lockcell_proxy::install_metrics()?;
-    if let Err(e) = lockcell_proxy::run(config, prometheus, shutdown_signal()).await {
-        // One line that says why, causes included (no backtrace in the log).
-        tracing::error!("stopped: {e:#}");
-        eprintln!("lockcell-proxy: {e:#}");
-        std::process::exit(1);
+    match lockcell_proxy::run(config, prometheus, shutdown_signal()).await {
+        Ok(lockcell_proxy::Stopped::Asked) => Ok(()),
+        Ok(lockcell_proxy::Stopped::Drained) => {
+            let status = lockcell_proxy::admin::EXIT_DRAINED;
+            eprintln!("lockcell-proxy: stopped by POST /drain (exit status {status})");
+            std::process::exit(status);
+        }
+        Err(e) => {
+            // One line that says why, causes included (no backtrace in the log).
+            tracing::error!("stopped: {e:#}");
+            eprintln!("lockcell-proxy: {e:#}");
+            std::process::exit(1);
+        }
     }
-    Ok(())
 }
 
 async fn shutdown_signal() {

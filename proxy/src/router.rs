@@ -197,7 +197,8 @@ impl SessionApi for Router {
         }
         let principal = self.engines[0].grants.current().caller(&request)?;
         let req = request.into_inner();
-        let id = session::new_session_id();
+        let (id, secret) = crate::credential::new_session(principal.as_deref());
+        let id: std::sync::Arc<str> = id.into();
         let mut replies: Vec<OpenResponse> = Vec::new();
         for engine in self.engines.iter() {
             match session::open_stay(engine, principal.clone(), &req, id.clone()) {
@@ -223,6 +224,7 @@ impl SessionApi for Router {
         Ok(Response::new(OpenResponse {
             valid_for_ms,
             cells,
+            session_secret: secret,
             ..first
         }))
     }
@@ -293,6 +295,7 @@ impl SessionApi for Router {
                 fence_revision: fence,
                 epoch,
                 cells: Vec::new(),
+                session_secret: req.session_secret.clone(),
             };
             match crate::handover::resume_stay(engine, sub, principal.clone()).await {
                 Ok(reply) => replies.push(reply),
@@ -370,10 +373,11 @@ impl SessionApi for Router {
             .close(request)
             .await;
         }
-        self.engines[0].grants.current().authenticate(&request)?;
-        for engine in self.engines.iter() {
-            engine.check_owner(&request, &request.get_ref().session_id)?;
-        }
+        self.engines[0].check_owner(
+            &request,
+            &request.get_ref().session_id,
+            &request.get_ref().session_secret,
+        )?;
         let req = request.into_inner();
         let mut released = 0;
         let mut failed = None;

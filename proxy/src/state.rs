@@ -85,43 +85,37 @@ impl ProxyState {
         self.cell.set_changed(reason);
     }
 
-    /// Refuses a caller that is not the identity that opened session `id` (when the
-    /// proxy checks grants): session ids are not secret (Leader shows them).
+    /// Refuses a caller that cannot prove session `id` is its own: `secret` must be the
+    /// session's secret, and the caller (when the proxy checks grants) the identity
+    /// that opened it ([`crate::credential`]). Session ids are not secret (Leader shows
+    /// them), so the id alone proves nothing, on this proxy or any other.
     pub fn check_owner<T>(
         &self,
         request: &tonic::Request<T>,
         id: &str,
+        secret: &str,
     ) -> Result<(), tonic::Status> {
-        match self.grants.current().caller(request)? {
-            Some(caller) => self.owned_by(&caller, id),
-            None => Ok(()),
-        }
+        let caller = self.grants.current().caller(request)?;
+        crate::credential::check(id, secret, caller.as_deref())
     }
 
     /// What a call on session `id` about `name` needs: the caller has `right` on
-    /// `name` and owns the session. Identifies the caller once.
+    /// `name` and owns the session (as [`Self::check_owner`]). Identifies the caller
+    /// once.
     pub fn authorize_session<T>(
         &self,
         request: &tonic::Request<T>,
         right: crate::grants::Right,
         name: &str,
         id: &str,
+        secret: &str,
     ) -> Result<(), tonic::Status> {
         let grants = self.grants.current();
-        let Some(caller) = grants.caller(request)? else {
-            return Ok(());
-        };
-        grants.check(&caller, right, name)?;
-        self.owned_by(&caller, id)
-    }
-
-    fn owned_by(&self, caller: &str, id: &str) -> Result<(), tonic::Status> {
-        match self.sessions.principal(id) {
-            Some(owner) if *owner != *caller => Err(tonic::Status::permission_denied(format!(
-                "session {id:?} belongs to another identity; {caller:?} may not use it"
-            ))),
-            _ => Ok(()),
+        let caller = grants.caller(request)?;
+        if let Some(caller) = &caller {
+            grants.check(caller, right, name)?;
         }
+        crate::credential::check(id, secret, caller.as_deref())
     }
 
     /// The epoch the proxy mints tokens in.

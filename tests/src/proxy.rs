@@ -34,6 +34,9 @@ pub struct ProxyOptions {
     pub drain_timeout: Duration,
     /// More `--flag value` arguments.
     pub extra_args: Vec<String>,
+    /// Serve the admin endpoints on every address of the host, not only loopback
+    /// (`admin_addr` stays the loopback one).
+    pub admin_on_every_address: bool,
     /// The etcd user and password the proxy logs in with: the test clusters'
     /// `lockcell-proxy` by default; `None` for a cluster with authentication off.
     pub etcd_auth: Option<(String, String)>,
@@ -52,6 +55,7 @@ impl ProxyOptions {
             listen: None,
             drain_timeout: Duration::from_secs(3),
             extra_args: Vec::new(),
+            admin_on_every_address: false,
             etcd_auth: Some((
                 lockcell_cell::rbac::PROXY_USER.to_owned(),
                 crate::etcd::PROXY_PASSWORD.to_owned(),
@@ -93,7 +97,11 @@ impl ProxyProcess {
         cmd.arg("--listen")
             .arg(&addr)
             .arg("--admin-listen")
-            .arg(&admin_addr)
+            .arg(if options.admin_on_every_address {
+                format!("0.0.0.0:{admin_port}")
+            } else {
+                admin_addr.clone()
+            })
             .arg("--etcd")
             .arg(options.etcd.join(","))
             .arg("--zone")
@@ -197,11 +205,25 @@ pub async fn http_call(
     method: &str,
     path: &str,
 ) -> anyhow::Result<(u16, String, String)> {
+    http_call_with(addr, method, path, &[]).await
+}
+
+/// [`http_call`] with more request headers.
+pub async fn http_call_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> anyhow::Result<(u16, String, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
     stream
         .write_all(
-            format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Length: 0\r\n\r\n")
+            format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n{extra}Content-Length: 0\r\n\r\n")
                 .as_bytes(),
         )
         .await?;

@@ -113,7 +113,7 @@ impl SessionApi for FakeProxy {
             .unwrap()
             .insert(session_id.clone(), request.get_ref().identity.clone());
         Ok(Response::new(OpenResponse {
-            session_id,
+            session_id: session_id.clone(),
             ttl_ms: request.get_ref().ttl_ms,
             valid_for_ms: self.0.valid_for_ms.load(Ordering::Relaxed),
             proxy_id: "fake".into(),
@@ -121,6 +121,7 @@ impl SessionApi for FakeProxy {
             incarnation: 1,
             epoch: 1,
             cells: Vec::new(),
+            session_secret: format!("secret-of-{session_id}"),
         }))
     }
 

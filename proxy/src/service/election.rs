@@ -47,6 +47,7 @@ impl ElectionApi for ElectionService {
             Right::Lock,
             &request.get_ref().election,
             &request.get_ref().session_id,
+            &request.get_ref().session_secret,
         )?;
         let req = request.into_inner();
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
@@ -85,6 +86,7 @@ impl ElectionApi for ElectionService {
             Right::Lock,
             &request.get_ref().election,
             &request.get_ref().session_id,
+            &request.get_ref().session_secret,
         )?;
         let req = request.into_inner();
         let state = &self.state;
@@ -249,6 +251,7 @@ impl ElectionApi for ElectionService {
             Right::Lock,
             &request.get_ref().election,
             &request.get_ref().session_id,
+            &request.get_ref().session_secret,
         )?;
         let req = request.into_inner();
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;

@@ -25,25 +25,48 @@ use crate::state::ProxyState;
 /// compares, success ops or failure ops outnumber its `--max-txn-ops` (default 128),
 /// and ours has one failure op (a get) per compared key on top of the compares and the
 /// writes; 64 in all keeps every list at most half the default, and the call small.
-const MAX_TXN_OPS: usize = 64;
+pub const MAX_TXN_OPS: usize = 64;
 
 /// Most bytes of keys and put values in one Txn. Each value is within
 /// `--max-value-bytes`, but 64 of them could pass etcd's `--max-request-bytes`
 /// (default 1.5 MiB), which etcd would refuse as a store error instead of a bad request.
-const MAX_TXN_BYTES: usize = 1024 * 1024;
+pub const MAX_TXN_BYTES: usize = 1024 * 1024;
 
 pub struct KvService {
     pub state: Arc<ProxyState>,
+}
+
+impl KvService {
+    /// Whether the caller may read `key` (always, when the proxy checks no grants).
+    fn readable<T>(&self, request: &Request<T>, key: &str) -> Result<bool, Status> {
+        let grants = self.state.grants.current();
+        Ok(match grants.caller(request)? {
+            Some(caller) => grants.check(&caller, Right::Read, key).is_ok(),
+            None => true,
+        })
+    }
+}
+
+/// A key as shown to a caller who may write it but not read it: its revisions, never
+/// its value or the lease it lives on.
+fn unread(kv: KeyValue) -> KeyValue {
+    KeyValue {
+        value: Vec::new(),
+        lease: 0,
+        ..kv
+    }
 }
 
 #[tonic::async_trait]
 impl KvApi for KvService {
     #[tracing::instrument(skip_all, fields(kv.key = %request.get_ref().key))]
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<GetResponse>, Status> {
-        self.state
-            .grants
-            .current()
-            .authorize(&request, Right::Read, &[&request.get_ref().key])?;
+        self.state.grants.current().authorize_key(
+            &request,
+            Right::Read,
+            &request.get_ref().key,
+            request.get_ref().prefix,
+        )?;
         let req = request.into_inner();
         if req.limit < 0 || req.revision < 0 {
             return Err(ProxyError::BadArgument(format!(
@@ -72,12 +95,20 @@ impl KvApi for KvService {
 
     #[tracing::instrument(skip_all, fields(kv.key = %request.get_ref().key))]
     async fn put(&self, request: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
-        self.state.authorize_session(
-            &request,
-            Right::Write,
-            &request.get_ref().key,
-            &request.get_ref().session_id,
-        )?;
+        let put = request.get_ref();
+        let readable = self.readable(&request, &put.key)?;
+        if put.session_id.is_empty() {
+            let grants = self.state.grants.current();
+            grants.authorize(&request, Right::Write, &[&put.key])?;
+        } else {
+            self.state.authorize_session(
+                &request,
+                Right::Write,
+                &put.key,
+                &put.session_id,
+                &put.session_secret,
+            )?;
+        }
         let req = request.into_inner();
         let state = &self.state;
         let name = key_name(&req.key)?;
@@ -122,7 +153,10 @@ impl KvApi for KvService {
         Ok(Response::new(PutResponse {
             succeeded: written.succeeded,
             revision: written.revision,
-            current: written.current.map(wire),
+            current: written
+                .current
+                .map(wire)
+                .map(|kv| if readable { kv } else { unread(kv) }),
         }))
     }
 

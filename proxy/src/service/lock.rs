@@ -37,6 +37,7 @@ impl LockApi for LockService {
             Right::Lock,
             &request.get_ref().lock,
             &request.get_ref().session_id,
+            &request.get_ref().session_secret,
         )?;
         let req = request.into_inner();
         let call = Call {
@@ -73,6 +74,7 @@ impl LockApi for LockService {
             Right::Lock,
             &request.get_ref().lock,
             &request.get_ref().session_id,
+            &request.get_ref().session_secret,
         )?;
         let req = request.into_inner();
         let mode = mode(req.mode)?;

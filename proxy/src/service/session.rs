@@ -16,6 +16,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::millis;
+use crate::credential;
 use crate::errors::ProxyError;
 use crate::metrics as m;
 use crate::sessions::{Gone, Renewed, Session};
@@ -35,9 +36,10 @@ impl SessionApi for SessionService {
     #[tracing::instrument(skip_all, fields(session.id))]
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
         let principal = self.state.grants.current().caller(&request)?;
-        let id = new_session_id();
+        let (id, secret) = credential::new_session(principal.as_deref());
         tracing::Span::current().record("session.id", &*id);
-        let reply = open_stay(&self.state, principal, &request.into_inner(), id)?;
+        let mut reply = open_stay(&self.state, principal, &request.into_inner(), id.into())?;
+        reply.session_secret = secret;
         metrics::counter!(m::SESSIONS_OPENED).increment(1);
         Ok(Response::new(reply))
     }
@@ -72,19 +74,16 @@ impl SessionApi for SessionService {
         &self,
         request: Request<CloseRequest>,
     ) -> Result<Response<CloseResponse>, Status> {
-        self.state.grants.current().authenticate(&request)?;
-        self.state
-            .check_owner(&request, &request.get_ref().session_id)?;
+        self.state.check_owner(
+            &request,
+            &request.get_ref().session_id,
+            &request.get_ref().session_secret,
+        )?;
         let req = request.into_inner();
         let incarnation = (req.incarnation != 0).then_some(req.incarnation);
         let released = close_stay(&self.state, &req.session_id, incarnation).await?;
         Ok(Response::new(CloseResponse { released }))
     }
-}
-
-/// A new session's id.
-pub fn new_session_id() -> Arc<str> {
-    format!("{:032x}", rand::random::<u128>()).into()
 }
 
 /// Opens session `id`'s stay in `state`'s cell: from memory, nothing written.
@@ -97,6 +96,7 @@ pub fn open_stay(
     if state.is_draining() {
         return Err(ProxyError::ShuttingDown);
     }
+    check_label(&req.identity)?;
     let ttl = state
         .config
         .session_ttl_for(Duration::from_millis(req.ttl_ms));
@@ -126,6 +126,7 @@ pub fn open_stay(
         incarnation,
         epoch: state.epoch(),
         cells: Vec::new(),
+        session_secret: String::new(),
     })
 }
 
@@ -202,7 +203,9 @@ pub fn keep_alive_stream(
                 },
                 _ = shutdown.wait_for(|stop| *stop) => return,
             };
+            let proof = credential::check(&req.session_id, &req.session_secret, caller.as_deref());
             let reply = match &states[..] {
+                _ if proof.is_err() => not_its_owner(req, proof),
                 [only] => renew(only, req, caller.as_deref(), turn),
                 [first, rest @ ..] => rest.iter().fold(
                     renew(first, req.clone(), caller.as_deref(), turn),
@@ -223,6 +226,23 @@ pub fn keep_alive_stream(
         }
     });
     Box::pin(ReceiverStream::new(rx))
+}
+
+/// The reply to a renewal whose caller did not prove the session its own: the session
+/// is not found, as far as this caller is concerned (another caller's session is
+/// neither renewed nor described).
+fn not_its_owner(req: KeepAliveRequest, proof: Result<(), Status>) -> KeepAliveResponse {
+    KeepAliveResponse {
+        session_id: req.session_id,
+        seq: req.seq,
+        state: SessionState::NotFound as i32,
+        valid_for_ms: 0,
+        reason: proof
+            .err()
+            .map(|e| e.message().to_owned())
+            .unwrap_or_default(),
+        move_elsewhere: false,
+    }
 }
 
 /// One renewal's reply from two cells' stays of a session: a stay that expired says
@@ -286,6 +306,28 @@ fn renew(
     reply
 }
 
+/// Longest label a client may give its session (`identity` in Open and Resume).
+pub const MAX_LABEL_BYTES: usize = 128;
+
+/// Checks a session's label: it is recorded with every grant, in etcd and the audit
+/// trail, so it is short and printable (no control characters, which would forge
+/// lines in a log).
+pub fn check_label(label: &str) -> Result<(), ProxyError> {
+    if label.len() > MAX_LABEL_BYTES {
+        return Err(ProxyError::BadArgument(format!(
+            "the session's identity label is {} bytes, over the limit of {MAX_LABEL_BYTES}",
+            label.len()
+        )));
+    }
+    if let Some(c) = label.chars().find(|c| c.is_control()) {
+        return Err(ProxyError::BadArgument(format!(
+            "the session's identity label {label:?} holds the control character {c:?}; \
+             it must be printable"
+        )));
+    }
+    Ok(())
+}
+
 /// The identity recorded with a session's grants: the authenticated identity when the
 /// proxy checks grants (the client's own label after it in brackets), else the label.
 pub fn labelled(principal: Option<&str>, label: String) -> String {
@@ -333,5 +375,20 @@ mod tests {
             reply(SessionState::NotFound, 0, false),
         );
         assert_eq!(lost.state, SessionState::NotFound as i32);
+    }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// A label passes only if it is short and holds no control character.
+            #[test]
+            fn a_label_passes_only_when_short_and_printable(label in "\\PC{0,70}|.{0,70}|\\PC{120,140}") {
+                let ok = check_label(&label).is_ok();
+                let fine = label.len() <= MAX_LABEL_BYTES && !label.chars().any(char::is_control);
+                prop_assert_eq!(ok, fine, "{:?}", label);
+            }
+        }
     }
 }

@@ -48,10 +48,12 @@ impl WatchApi for WatchService {
         &self,
         request: Request<WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        self.state
-            .grants
-            .current()
-            .authorize(&request, Right::Watch, &[&request.get_ref().key])?;
+        self.state.grants.current().authorize_key(
+            &request,
+            Right::Watch,
+            &request.get_ref().key,
+            request.get_ref().prefix,
+        )?;
         let req = request.into_inner();
         let state = &self.state;
         if req.start_revision < 0 {

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use lockcell_proto::v1::{
-    AcquireRequest, KeepAliveRequest, OpenRequest, ReleaseRequest, SessionState,
+    AcquireRequest, CloseRequest, KeepAliveRequest, OpenRequest, OpenResponse, ReleaseRequest,
+    SessionState,
 };
 use lockcell_tests::eventually;
 use tonic::Code;
@@ -37,6 +38,7 @@ pub async fn bad_lock_names_are_refused_with_the_rule() -> anyhow::Result<()> {
         let status = locks
             .acquire(AcquireRequest {
                 session_id: session.session_id.clone(),
+                session_secret: session.session_secret.clone(),
                 lock: name.to_owned(),
                 wait_timeout_ms: Some(0),
                 ..Default::default()
@@ -57,6 +59,7 @@ pub async fn bad_lock_names_are_refused_with_the_rule() -> anyhow::Result<()> {
     let status = locks
         .release(ReleaseRequest {
             session_id: session.session_id.clone(),
+            session_secret: session.session_secret.clone(),
             lock: "fine".into(),
             token: None,
             ..Default::default()
@@ -79,15 +82,31 @@ pub async fn unknown_and_expired_sessions_are_told_apart() -> anyhow::Result<()>
     let (mut sessions, mut locks) = raw(&proxies[0]).await?;
     // One call, asked again until the session is gone (a new call of a session that
     // holds the lock would be refused as a second hold).
-    let acquire = |session_id: &str| AcquireRequest {
-        session_id: session_id.to_owned(),
+    let acquire = |session: &OpenResponse| AcquireRequest {
+        session_id: session.session_id.clone(),
+        session_secret: session.session_secret.clone(),
         lock: "x".into(),
         wait_timeout_ms: Some(0),
         call_id: "poll".into(),
         ..Default::default()
     };
+    // Unknown: its credential holds, but the proxy has no such session (closed).
+    let closed = sessions
+        .open(OpenRequest {
+            ttl_ms: 5_000,
+            identity: "closed".into(),
+        })
+        .await?
+        .into_inner();
+    sessions
+        .close(CloseRequest {
+            session_id: closed.session_id.clone(),
+            session_secret: closed.session_secret.clone(),
+            ..Default::default()
+        })
+        .await?;
     let status = locks
-        .acquire(acquire("no-such-session"))
+        .acquire(acquire(&closed))
         .await
         .expect_err("unknown session accepted");
     ensure!(
@@ -113,7 +132,7 @@ pub async fn unknown_and_expired_sessions_are_told_apart() -> anyhow::Result<()>
         Duration::from_secs(10),
         || {
             let mut locks = locks.clone();
-            let request = acquire(&short.session_id);
+            let request = acquire(&short);
             async move {
                 match locks.acquire(request).await {
                     Ok(_) => Ok(None),
@@ -133,10 +152,12 @@ pub async fn unknown_and_expired_sessions_are_told_apart() -> anyhow::Result<()>
         .keep_alive(tokio_stream::iter([
             KeepAliveRequest {
                 session_id: short.session_id.clone(),
+                session_secret: short.session_secret.clone(),
                 seq: 7,
             },
             KeepAliveRequest {
-                session_id: "no-such-session".into(),
+                session_id: closed.session_id.clone(),
+                session_secret: closed.session_secret.clone(),
                 seq: 8,
             },
         ]))

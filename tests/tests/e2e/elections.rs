@@ -64,6 +64,7 @@ pub async fn one_leader_at_a_time_and_observers_see_every_change_in_order() -> a
     let refused = ElectionClient::new(channel)
         .proclaim(ProclaimRequest {
             session_id: sessions[1].id().to_owned(),
+            session_secret: sessions[1].secret().to_owned(),
             election: ELECTION.into(),
             token: Some(first.token().into()),
             value: "usurper".into(),
@@ -157,6 +158,7 @@ pub async fn a_leader_whose_session_expires_is_replaced() -> anyhow::Result<()> 
     let elected = ElectionClient::new(channel)
         .campaign(CampaignRequest {
             session_id: silent.session_id.clone(),
+            session_secret: silent.session_secret.clone(),
             election: ELECTION.into(),
             value: "silent".into(),
             wait_timeout_ms: Some(0),
@@ -207,6 +209,7 @@ pub async fn sequencer_checks_and_refusals_name_the_rule() -> anyhow::Result<()>
     let wrong = locks
         .release(lockcell_proto::v1::ReleaseRequest {
             session_id: a.id().to_owned(),
+            session_secret: a.secret().to_owned(),
             lock: "seq/x".into(),
             token: Some(other.token().into()),
             ..Default::default()
@@ -237,6 +240,7 @@ pub async fn sequencer_checks_and_refusals_name_the_rule() -> anyhow::Result<()>
     let refused = ElectionClient::new(channel)
         .resign(lockcell_proto::v1::ResignRequest {
             session_id: a.id().to_owned(),
+            session_secret: a.secret().to_owned(),
             election: "seq/election".into(),
             token: Some(led.token().into()),
         })

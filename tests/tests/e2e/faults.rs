@@ -106,10 +106,12 @@ pub async fn etcd_away_acquire_unavailable_sessions_end_at_lower_bound() -> anyh
         || {
             let mut raw_sessions = raw_sessions.clone();
             let id = raw_session.session_id.clone();
+            let secret = raw_session.session_secret.clone();
             async move {
                 let reply = raw_sessions
                     .keep_alive(tokio_stream::iter([KeepAliveRequest {
                         session_id: id,
+                        session_secret: secret,
                         seq: 1,
                     }]))
                     .await?

@@ -149,6 +149,7 @@ pub async fn prefix_grants_refuse_what_they_should_and_allow_what_they_should() 
     let closed = lockcell_proto::v1::session_client::SessionClient::new(stranger_channel)
         .close(lockcell_proto::v1::CloseRequest {
             session_id: session.id().to_owned(),
+            session_secret: session.secret().to_owned(),
             incarnation: 0,
             cells: Vec::new(),
         })

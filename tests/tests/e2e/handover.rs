@@ -430,6 +430,7 @@ pub async fn a_resume_the_client_gave_up_on_cannot_land_after_a_later_one() -> a
     let granted = locks_a
         .acquire(AcquireRequest {
             session_id: opened.session_id.clone(),
+            session_secret: opened.session_secret.clone(),
             lock: "fenced/x".into(),
             wait_timeout_ms: Some(0),
             ..Default::default()
@@ -439,6 +440,7 @@ pub async fn a_resume_the_client_gave_up_on_cannot_land_after_a_later_one() -> a
     let token = granted.token.context("no token")?.revision;
     let resume = |fence: i64, from: i64| ResumeRequest {
         session_id: opened.session_id.clone(),
+        session_secret: opened.session_secret.clone(),
         ttl_ms: 10_000,
         identity: "fence".into(),
         from_lease_id: from,
@@ -496,6 +498,7 @@ pub async fn a_resume_the_client_gave_up_on_cannot_land_after_a_later_one() -> a
     let mut renewals = sessions_c
         .keep_alive(tokio_stream::iter([KeepAliveRequest {
             session_id: opened.session_id.clone(),
+            session_secret: opened.session_secret.clone(),
             seq: 1,
         }]))
         .await?

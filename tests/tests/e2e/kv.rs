@@ -191,6 +191,7 @@ async fn put_ephemeral(
         key: key.into(),
         value: value.to_vec(),
         session_id: session.session_id,
+        session_secret: session.session_secret.clone(),
         ..Default::default()
     };
     Ok(kv(proxy).await?.put(put).await?.into_inner())
@@ -286,8 +287,11 @@ pub async fn bad_keys_and_values_are_refused_and_write_nothing() -> anyhow::Resu
             ..Default::default()
         })
         .await
-        .expect_err("an unknown session was accepted");
-    ensure!(status.code() == Code::NotFound, "{status:?}");
+        .expect_err("a session named without its secret was accepted");
+    ensure!(
+        status.code() == Code::PermissionDenied && status.message().contains("session_secret"),
+        "{status:?}"
+    );
     ensure!(
         etcd.revision().await? == before,
         "refused writes wrote to etcd"

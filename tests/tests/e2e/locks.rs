@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context};
 use lockcell_client::{Client, FencingToken, SessionState, Wait};
 use lockcell_proto::v1::{
-    AcquireRequest, KeepAliveRequest, LockMode, OpenRequest, ReleaseRequest,
+    AcquireRequest, KeepAliveRequest, LockMode, OpenRequest, OpenResponse, ReleaseRequest,
     SessionState as WireState,
 };
 use lockcell_tests::{eventually, FencedResource};
@@ -36,7 +36,8 @@ pub async fn holder_that_stops_renewing_loses_its_lock() -> anyhow::Result<()> {
     // The holder's session is over: the proxy says so.
     let reply = sessions
         .keep_alive(tokio_stream::iter([KeepAliveRequest {
-            session_id: holder.clone(),
+            session_id: holder.session_id.clone(),
+            session_secret: holder.session_secret.clone(),
             seq: 1,
         }]))
         .await?
@@ -153,6 +154,7 @@ pub async fn retried_acquire_and_release_are_idempotent() -> anyhow::Result<()> 
         .into_inner();
     let request = |call: &str, mode: LockMode| AcquireRequest {
         session_id: session.session_id.clone(),
+        session_secret: session.session_secret.clone(),
         lock: "idem".into(),
         wait_timeout_ms: Some(0),
         mode: mode as i32,
@@ -209,6 +211,7 @@ pub async fn retried_acquire_and_release_are_idempotent() -> anyhow::Result<()> 
     );
     let release = ReleaseRequest {
         session_id: session.session_id.clone(),
+        session_secret: session.session_secret.clone(),
         lock: "idem".into(),
         token: first.token,
         ..Default::default()
@@ -258,17 +261,15 @@ pub async fn a_lost_acquire_reply_and_its_retry_make_one_grant() -> anyhow::Resu
         })
         .await?
         .into_inner();
-    let request = |session: &str, wait: u64| AcquireRequest {
-        session_id: session.to_owned(),
+    let request = |session: &OpenResponse, wait: u64| AcquireRequest {
+        session_id: session.session_id.clone(),
+        session_secret: session.session_secret.clone(),
         lock: "lost/reply".into(),
         wait_timeout_ms: Some(wait),
         mode: 0,
         call_id: "lostreply".into(),
     };
-    let held = locks
-        .acquire(request(&holder.session_id, 0))
-        .await?
-        .into_inner();
+    let held = locks.acquire(request(&holder, 0)).await?.into_inner();
     ensure!(held.granted);
 
     // The waiter's call goes through a relay that will lose the reply.
@@ -277,7 +278,7 @@ pub async fn a_lost_acquire_reply_and_its_retry_make_one_grant() -> anyhow::Resu
         .connect()
         .await?;
     let mut relayed = lockcell_proto::v1::lock_client::LockClient::new(channel);
-    let first = request(&waiter.session_id, 20_000);
+    let first = request(&waiter, 20_000);
     let pending = tokio::spawn(async move { relayed.acquire(first).await });
     eventually("the waiter waits", Duration::from_secs(10), || async {
         Ok((proxies[0].metric("lockcell_waiters").await? >= 1.0).then_some(()))
@@ -288,6 +289,7 @@ pub async fn a_lost_acquire_reply_and_its_retry_make_one_grant() -> anyhow::Resu
     locks
         .release(ReleaseRequest {
             session_id: holder.session_id.clone(),
+            session_secret: holder.session_secret.clone(),
             lock: "lost/reply".into(),
             token: held.token,
             mode: 0,
@@ -315,10 +317,7 @@ pub async fn a_lost_acquire_reply_and_its_retry_make_one_grant() -> anyhow::Resu
     pending.abort();
 
     // The retry finds the grant it already has.
-    let retry = locks
-        .acquire(request(&waiter.session_id, 0))
-        .await?
-        .into_inner();
+    let retry = locks.acquire(request(&waiter, 0)).await?.into_inner();
     ensure!(retry.granted, "the retry was refused");
     let token = retry.token.context("token")?;
     ensure!(

@@ -25,6 +25,7 @@ mod modes;
 mod rbac;
 mod reads;
 mod safety;
+mod security;
 mod sessions;
 mod shardmap;
 mod support;
@@ -62,6 +63,10 @@ fn main() {
         safety::a_resume_naming_another_sessions_grant_moves_nothing,
         safety::another_session_on_the_same_lease_can_neither_release_nor_take_a_grant,
         safety::concurrent_calls_of_one_session_make_one_grant,
+        security::another_identity_cannot_take_over_a_session_by_its_public_id,
+        security::a_write_only_identity_never_reads_a_value_through_a_failed_write,
+        security::the_admin_drain_answers_only_a_trusted_caller,
+        security::one_client_cannot_send_without_bounds,
         contention::two_hundred_waiters_each_get_it_once_at_one_grant_per_proxy,
         contention::two_hundred_waiters_on_a_fair_class_go_in_arrival_order,
         modes::readers_share_and_a_writer_excludes_them,

@@ -147,6 +147,7 @@ pub async fn class_rules_refuse_a_mode_and_a_ttl() -> anyhow::Result<()> {
     let shared = locks
         .acquire(AcquireRequest {
             session_id: session.session_id.clone(),
+            session_secret: session.session_secret.clone(),
             lock: "x-only/a".into(),
             wait_timeout_ms: Some(0),
             mode: LockMode::Shared as i32,
@@ -169,6 +170,7 @@ pub async fn class_rules_refuse_a_mode_and_a_ttl() -> anyhow::Result<()> {
     let ttl = locks
         .acquire(AcquireRequest {
             session_id: short.session_id.clone(),
+            session_secret: short.session_secret.clone(),
             lock: "x-only/a".into(),
             wait_timeout_ms: Some(0),
             mode: LockMode::Exclusive as i32,
@@ -285,6 +287,7 @@ pub async fn lock_delay_holds_back_a_vanished_holders_lock_but_not_a_released_on
     let grant = locks
         .acquire(AcquireRequest {
             session_id: silent.session_id.clone(),
+            session_secret: silent.session_secret.clone(),
             lock: "delayed/vanish".into(),
             wait_timeout_ms: Some(0),
             mode: LockMode::Exclusive as i32,

@@ -197,6 +197,7 @@ pub async fn a_grant_etcd_applied_after_the_deadline_is_still_the_sessions() -> 
         .into_inner();
     let acquire = |lock: &str, call: &str| AcquireRequest {
         session_id: session.session_id.clone(),
+        session_secret: session.session_secret.clone(),
         lock: lock.into(),
         wait_timeout_ms: Some(0),
         mode: 0,
@@ -254,6 +255,7 @@ pub async fn a_grant_etcd_applied_after_the_deadline_is_still_the_sessions() -> 
     locks
         .release(ReleaseRequest {
             session_id: session.session_id.clone(),
+            session_secret: session.session_secret.clone(),
             lock: "late/a".into(),
             token: again.token,
             mode: 0,
@@ -264,6 +266,7 @@ pub async fn a_grant_etcd_applied_after_the_deadline_is_still_the_sessions() -> 
     sessions
         .close(CloseRequest {
             session_id: session.session_id.clone(),
+            session_secret: session.session_secret.clone(),
             ..Default::default()
         })
         .await?;
@@ -325,6 +328,7 @@ pub async fn an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line
     let refused = locks
         .acquire(AcquireRequest {
             session_id: waiter.session_id.clone(),
+            session_secret: waiter.session_secret.clone(),
             lock: LOCK.into(),
             wait_timeout_ms: Some(20_000),
             mode: 0,
@@ -477,6 +481,7 @@ pub async fn a_second_call_is_refused_at_once_in_line_and_in_the_other_mode() ->
     let s = sessions.open(opening("holder")).await?.into_inner();
     let request = |lock: &str, mode: LockMode, call: &str, wait: u64| AcquireRequest {
         session_id: s.session_id.clone(),
+        session_secret: s.session_secret.clone(),
         lock: lock.into(),
         wait_timeout_ms: Some(wait),
         mode: mode as i32,
@@ -529,6 +534,7 @@ pub async fn a_second_call_is_refused_at_once_in_line_and_in_the_other_mode() ->
         waiting
             .acquire(AcquireRequest {
                 session_id: other.session_id,
+                session_secret: other.session_secret.clone(),
                 lock: "arb/x".into(),
                 wait_timeout_ms: Some(15_000),
                 mode: 0,
@@ -575,6 +581,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
     let granted = locks_a
         .acquire(AcquireRequest {
             session_id: victim.session_id.clone(),
+            session_secret: victim.session_secret.clone(),
             lock: "jobs/nightly".into(),
             wait_timeout_ms: Some(0),
             mode: 0,
@@ -591,6 +598,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
     let resumed = sessions_b
         .resume(ResumeRequest {
             session_id: attacker.session_id.clone(),
+            session_secret: attacker.session_secret.clone(),
             ttl_ms: 20_000,
             identity: "attacker".into(),
             from_lease_id: attacker.lease_id,
@@ -615,6 +623,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
     sessions_b
         .close(CloseRequest {
             session_id: attacker.session_id.clone(),
+            session_secret: attacker.session_secret.clone(),
             ..Default::default()
         })
         .await?;
@@ -628,6 +637,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
     let taken = locks_b
         .acquire(AcquireRequest {
             session_id: third.session_id,
+            session_secret: third.session_secret.clone(),
             lock: "jobs/nightly".into(),
             wait_timeout_ms: Some(0),
             mode: 0,
@@ -644,8 +654,8 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
 
 /// Sessions of one proxy share its leases (here one), and a grant's token is public
 /// (CheckSequencer shows it): another session of the same lease must neither release
-/// the grant with it, nor take it over by resuming a fresh session that names it, even
-/// one that lands on the very lease the grant is on.
+/// the grant with it, nor take it over by resuming a session that names it, even onto
+/// the very lease the grant is on.
 pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_grant(
 ) -> anyhow::Result<()> {
     use lockcell_proto::v1::{HeldKey, HeldKind, ResumeRequest};
@@ -659,6 +669,7 @@ pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_gr
     let granted = locks
         .acquire(AcquireRequest {
             session_id: victim.session_id.clone(),
+            session_secret: victim.session_secret.clone(),
             lock: "jobs/shared-lease".into(),
             wait_timeout_ms: Some(0),
             mode: 0,
@@ -675,6 +686,7 @@ pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_gr
     let released = locks
         .release(ReleaseRequest {
             session_id: attacker.session_id.clone(),
+            session_secret: attacker.session_secret.clone(),
             lock: "jobs/shared-lease".into(),
             token: Some(token),
             mode: 0,
@@ -685,31 +697,49 @@ pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_gr
         !released.released,
         "another session released the grant with its public token"
     );
-    // A fresh session id resumed here, on the same lease, naming the grant.
-    let fresh = format!("{:032x}", 0xfeed_u128);
+    // A session of another proxy resumed here, onto the grant's lease, naming it.
+    let other = ProxyProcess::start(&ProxyOptions::new("b", etcd.endpoints()), &etcd.dir).await?;
+    let (mut elsewhere, _) = raw(&other).await?;
+    let mover = elsewhere.open(opening("mover")).await?.into_inner();
+    let naming = |session_id: &str, session_secret: &str| ResumeRequest {
+        session_id: session_id.to_owned(),
+        session_secret: session_secret.to_owned(),
+        ttl_ms: 20_000,
+        identity: "attacker".into(),
+        from_lease_id: victim.lease_id,
+        keys: vec![HeldKey {
+            kind: HeldKind::Exclusive as i32,
+            name: "jobs/shared-lease".into(),
+            revision: token.revision,
+            lease_id: victim.lease_id,
+        }],
+        ..Default::default()
+    };
     let resumed = sessions
-        .resume(ResumeRequest {
-            session_id: fresh.clone(),
-            ttl_ms: 20_000,
-            identity: "attacker".into(),
-            from_lease_id: victim.lease_id,
-            keys: vec![HeldKey {
-                kind: HeldKind::Exclusive as i32,
-                name: "jobs/shared-lease".into(),
-                revision: token.revision,
-                lease_id: victim.lease_id,
-            }],
-            ..Default::default()
-        })
+        .resume(naming(&mover.session_id, &mover.session_secret))
         .await?
         .into_inner();
+    ensure!(
+        resumed.lease_id == victim.lease_id,
+        "the resume did not land on the grant's lease"
+    );
     ensure!(
         resumed.lost.len() == 1,
         "the resume did not report the other's key lost: {resumed:?}"
     );
+    // A made-up session id, with a made-up secret, is no session at all.
+    let refused = sessions
+        .resume(naming(&format!("{:032x}", 0xfeed_u128), "00"))
+        .await
+        .expect_err("a made-up session id was resumed");
+    ensure!(
+        refused.code() == tonic::Code::PermissionDenied,
+        "{refused:?}"
+    );
     sessions
         .close(CloseRequest {
-            session_id: fresh,
+            session_id: mover.session_id.clone(),
+            session_secret: mover.session_secret.clone(),
             ..Default::default()
         })
         .await?;
@@ -742,6 +772,7 @@ pub async fn concurrent_calls_of_one_session_make_one_grant() -> anyhow::Result<
         let mut locks = locks.clone();
         let request = AcquireRequest {
             session_id: s.session_id.clone(),
+            session_secret: s.session_secret.clone(),
             lock: "race/one".into(),
             wait_timeout_ms: Some(1_000),
             mode: 0,

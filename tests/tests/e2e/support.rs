@@ -84,7 +84,11 @@ pub async fn etcd_txns(etcd: &EtcdCluster) -> anyhow::Result<f64> {
 pub async fn silent_holder(
     proxy: &ProxyProcess,
     lock: &str,
-) -> anyhow::Result<(SessionClient<Channel>, String, lockcell_proto::FencingToken)> {
+) -> anyhow::Result<(
+    SessionClient<Channel>,
+    lockcell_proto::v1::OpenResponse,
+    lockcell_proto::FencingToken,
+)> {
     use anyhow::Context as _;
     use lockcell_proto::v1::{AcquireRequest, OpenRequest};
     let (mut sessions, mut locks) = raw(proxy).await?;
@@ -98,6 +102,7 @@ pub async fn silent_holder(
     let grant = locks
         .acquire(AcquireRequest {
             session_id: holder.session_id.clone(),
+            session_secret: holder.session_secret.clone(),
             lock: lock.into(),
             wait_timeout_ms: Some(0),
             ..Default::default()
@@ -109,5 +114,5 @@ pub async fn silent_holder(
         "the silent holder was not granted the free lock {lock}"
     );
     let token = grant.token.context("grant without token")?.into();
-    Ok((sessions, holder.session_id, token))
+    Ok((sessions, holder, token))
 }
