@@ -52,6 +52,11 @@ pub enum Error {
     /// The proxy (or its etcd) cannot serve right now; retrying later may succeed.
     #[error("lockcell proxy unavailable: {0}")]
     Unavailable(String),
+    /// The call would pass a limit of the cell or the proxy (such as what all small keys
+    /// may hold together); the text names the limit. Retrying changes nothing until
+    /// something is freed (keys deleted) or the limit raised.
+    #[error("{0}")]
+    ResourceExhausted(String),
     /// A watch fell too far behind the events it was sent, and the proxy cut it off
     /// rather than buffer without bound. Nothing is lost: the [`Watcher`](crate::Watcher)
     /// that reported it resumes from `resume_from` at its next call, with no gap and no
@@ -145,6 +150,7 @@ impl Error {
                     None => Error::Status(status),
                 }
             }
+            (Code::ResourceExhausted, _) => Error::ResourceExhausted(status.message().to_owned()),
             (Code::FailedPrecondition, _) if status.metadata().get(ALREADY_HELD).is_some() => {
                 Error::AlreadyHeld(status.message().to_owned())
             }

@@ -143,6 +143,12 @@ async fn render_metrics(State(admin): State<Admin>) -> String {
     let leases = leases(&admin.states);
     metrics::gauge!(m::LEASE_REMAINING).set(leases.remaining.as_secs_f64());
     metrics::gauge!(m::ETCD_REACHABLE).set(if leases.reachable { 1.0 } else { 0.0 });
+    let kv_bytes: usize = admin
+        .states
+        .iter()
+        .map(|s| s.reads.feed.with_mirror(|m| m.bytes()))
+        .sum();
+    metrics::gauge!(m::KV_BYTES).set(kv_bytes as f64);
     admin.metrics.render()
 }
 

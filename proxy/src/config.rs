@@ -105,6 +105,15 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_MAX_VALUE_BYTES", default_value_t = 64 * 1024)]
     pub max_value_bytes: usize,
 
+    /// Most bytes all small keys of the cell may hold together: names and values, and
+    /// 128 bytes a key for what keeping it costs. Every proxy keeps a copy of every small
+    /// key, so this bounds that copy on every proxy (keep it well below the proxy's
+    /// memory limit) and the cell's share of etcd's space quota. A write that would pass
+    /// it is refused (RESOURCE_EXHAUSTED) on whichever proxy it reaches; set the same
+    /// value on every proxy of the cell.
+    #[arg(long, env = "LOCKCELL_MAX_KV_TOTAL_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub max_kv_total_bytes: usize,
+
     /// Most calls one client connection may have open at once (HTTP/2 streams: each
     /// waiting acquire, watch and keep-alive stream is one). A client's further calls
     /// wait for one to end; one connection cannot hold unbounded proxy memory.

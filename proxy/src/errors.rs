@@ -39,9 +39,12 @@ pub enum ProxyError {
     /// The revision asked for is no longer kept.
     #[error("{0}")]
     OutOfRange(String),
+    /// The call would pass a limit of the cell or the proxy: RESOURCE_EXHAUSTED.
+    #[error("{0}")]
+    Exhausted(String),
     /// A resume named an older session fence than the store has: a resume the client
     /// did not hear the end of landed, moving the keys to `lease`.
-    #[error("session {session:?} was resumed at fence revision {revision} (its keys on lease {lease:x}), after the fence this resume names; resume again with that revision")]
+    #[error("session {session:?} was resumed at fence revision {revision}, after the fence this resume names; resume again with that revision and the lease in this refusal's metadata")]
     FencedOut {
         session: String,
         revision: i64,
@@ -93,6 +96,7 @@ impl From<ProxyError> for Status {
             | ProxyError::EtcdUnavailable(_)
             | ProxyError::Moving(_) => Status::unavailable(message),
             ProxyError::OutOfRange(_) => Status::out_of_range(message),
+            ProxyError::Exhausted(_) => Status::resource_exhausted(message),
             ProxyError::FencedOut {
                 revision, lease, ..
             } => {

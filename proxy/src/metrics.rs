@@ -31,6 +31,7 @@ pub const FEED_GAPS: &str = "lockcell_feed_gaps_total";
 pub const READ_BARRIERS: &str = "lockcell_read_barriers_total";
 pub const READ_BARRIER_BATCH: &str = "lockcell_read_barrier_batch_size";
 pub const KV_READS: &str = "lockcell_kv_reads_total";
+pub const KV_BYTES: &str = "lockcell_kv_bytes";
 pub const SESSIONS_RESUMED: &str = "lockcell_sessions_resumed_total";
 pub const KEYS_MOVED: &str = "lockcell_keys_moved_total";
 pub const KEYS_LOST_ON_RESUME: &str = "lockcell_keys_lost_on_resume_total";
@@ -216,6 +217,10 @@ pub fn describe() {
     describe_counter!(
         KV_READS,
         "Small-key reads, by how they were served: barrier (linearizable, from the mirror), mirror (serializable), etcd (directly)."
+    );
+    describe_gauge!(
+        KV_BYTES,
+        "What the cell's small keys hold, as --max-kv-total-bytes counts it (names, values, 128 bytes a key), in this proxy's copy of them."
     );
     describe_gauge!(
         CLEANUPS_PENDING,

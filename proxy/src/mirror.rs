@@ -68,21 +68,52 @@ impl Topic {
     }
 }
 
+/// What one small key counts for against `--max-kv-total-bytes`: its name and value,
+/// and a fixed share for what holding it costs besides (every proxy keeps every key).
+pub fn key_bytes(name: &str, value_len: usize) -> usize {
+    name.len() + value_len + PER_KEY_BYTES
+}
+
+/// The fixed share of each key in [`key_bytes`].
+pub const PER_KEY_BYTES: usize = 128;
+
 /// Every small key, as of one revision of the cell.
 #[derive(Debug, Default)]
 pub struct Mirror {
     entries: BTreeMap<String, Entry>,
     /// The cell revision the mirror reflects: every change at or before it is applied.
     revision: i64,
+    /// The sum of [`key_bytes`] over every key.
+    bytes: usize,
 }
 
 impl Mirror {
     /// A mirror of `entries`, read at `revision`.
     pub fn new(entries: impl IntoIterator<Item = Entry>, revision: i64) -> Mirror {
+        let entries: BTreeMap<String, Entry> =
+            entries.into_iter().map(|e| (e.name.clone(), e)).collect();
+        let bytes = entries.values().map(Self::bytes_of).sum();
         Mirror {
-            entries: entries.into_iter().map(|e| (e.name.clone(), e)).collect(),
+            entries,
             revision,
+            bytes,
         }
+    }
+
+    fn bytes_of(entry: &Entry) -> usize {
+        key_bytes(&entry.name, entry.value.len())
+    }
+
+    /// What every small key counts for together ([`key_bytes`]).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// How much writing `value_len` bytes to `name` adds to [`Self::bytes`] (0 when it
+    /// replaces a value at least as long).
+    pub fn growth(&self, name: &str, value_len: usize) -> usize {
+        let before = self.entries.get(name).map_or(0, Self::bytes_of);
+        key_bytes(name, value_len).saturating_sub(before)
     }
 
     pub fn revision(&self) -> i64 {
@@ -113,7 +144,9 @@ impl Mirror {
             }
             events.push(match put {
                 Some(entry) => {
+                    self.bytes += Self::bytes_of(&entry);
                     let prev = self.entries.insert(name, entry.clone());
+                    self.bytes -= prev.as_ref().map_or(0, Self::bytes_of);
                     KeyEvent {
                         kind: EventKind::Put,
                         entry,
@@ -122,6 +155,7 @@ impl Mirror {
                 }
                 None => {
                     let prev = self.entries.remove(&name);
+                    self.bytes -= prev.as_ref().map_or(0, Self::bytes_of);
                     KeyEvent::deleted(name, at, prev)
                 }
             });
@@ -232,5 +266,24 @@ mod tests {
             0,
         );
         assert_eq!(one.len(), 1);
+    }
+
+    #[test]
+    fn the_mirror_counts_what_its_keys_hold() {
+        let mut mirror = Mirror::new([entry("a", "12345", 5)], 10);
+        assert_eq!(mirror.bytes(), key_bytes("a", 5));
+        mirror.apply(
+            12,
+            [
+                ("a".into(), 11, Some(entry("a", "1", 11))),
+                ("bb".into(), 12, Some(entry("bb", "xyz", 12))),
+            ],
+        );
+        assert_eq!(mirror.bytes(), key_bytes("a", 1) + key_bytes("bb", 3));
+        assert_eq!(mirror.growth("a", 1), 0, "a value no longer adds nothing");
+        assert_eq!(mirror.growth("a", 4), 3);
+        assert_eq!(mirror.growth("c", 0), key_bytes("c", 0));
+        mirror.apply(13, [("a".into(), 13, None), ("zz".into(), 13, None)]);
+        assert_eq!(mirror.bytes(), key_bytes("bb", 3));
     }
 }

@@ -67,6 +67,7 @@ fn main() {
         security::a_write_only_identity_never_reads_a_value_through_a_failed_write,
         security::the_admin_drain_answers_only_a_trusted_caller,
         security::one_client_cannot_send_without_bounds,
+        security::one_writer_cannot_grow_every_proxy_past_the_cells_bound,
         contention::two_hundred_waiters_each_get_it_once_at_one_grant_per_proxy,
         contention::two_hundred_waiters_on_a_fair_class_go_in_arrival_order,
         modes::readers_share_and_a_writer_excludes_them,

@@ -539,3 +539,94 @@ pub async fn one_client_cannot_send_without_bounds() -> anyhow::Result<()> {
         .context("the fifth call did not run once a call ended")???;
     Ok(())
 }
+
+/// Every proxy keeps a copy of every small key, so one writer could grow every proxy
+/// of the cell: the bound on what small keys hold is the cell's. Writes through one
+/// proxy fill it; then a proxy that was never called refuses too, naming the limit; a
+/// delete makes room again.
+pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow::Result<()> {
+    use lockcell_client::{Condition, Error};
+    const LIMIT: usize = 1 << 20;
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let mut proxies = Vec::new();
+    for zone in ["a", "b"] {
+        let mut options = ProxyOptions::new(zone, etcd.endpoints());
+        options.extra_args = vec!["--max-kv-total-bytes".into(), LIMIT.to_string()];
+        proxies.push(ProxyProcess::start(&options, dir.path()).await?);
+    }
+    let writer = Client::connect(&proxies[0].url()).await?;
+    let value = vec![b'v'; 60 * 1024];
+    let mut written = 0;
+    let refusal = loop {
+        match writer
+            .put(&format!("fill/{written}"), &value, Condition::Always)
+            .await
+        {
+            Ok(_) => written += 1,
+            Err(e) => break e,
+        }
+        ensure!(
+            written * value.len() <= 2 * LIMIT,
+            "{written} writes of {} bytes were taken under a {LIMIT}-byte bound",
+            value.len()
+        );
+    };
+    ensure!(
+        matches!(&refusal, Error::ResourceExhausted(m) if m.contains("--max-kv-total-bytes")),
+        "the write past the bound was not refused by name: {refusal:?}"
+    );
+    ensure!(
+        written >= 10,
+        "only {written} writes went through under the bound"
+    );
+    let mut store = etcd.client().await?;
+    let held: usize = store
+        .get(
+            "/k/fill/",
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await?
+        .kvs()
+        .iter()
+        .map(|kv| kv.value().len())
+        .sum();
+    ensure!(
+        held <= LIMIT,
+        "etcd holds {held} bytes of small keys past the bound"
+    );
+
+    // A proxy nobody wrote through refuses as well.
+    let other = Client::connect(&proxies[1].url()).await?;
+    let refused = lockcell_tests::eventually(
+        "the other proxy refuses past the bound",
+        Duration::from_secs(10),
+        || async {
+            match other.put("fill/other", &value, Condition::Always).await {
+                Err(Error::ResourceExhausted(_)) => Ok(Some(())),
+                Ok(_) => anyhow::bail!("the other proxy took a write past the bound"),
+                Err(_) => Ok(None),
+            }
+        },
+    )
+    .await;
+    refused?;
+    // Room made, a write goes through.
+    ensure!(
+        writer.delete("fill/0", Condition::Always).await?,
+        "the delete found nothing"
+    );
+    lockcell_tests::eventually(
+        "a write fits once a key is deleted",
+        Duration::from_secs(10),
+        || async {
+            Ok(other
+                .put("fill/after", &value, Condition::Always)
+                .await
+                .ok()
+                .map(|_| ()))
+        },
+    )
+    .await?;
+    Ok(())
+}
