@@ -14,6 +14,7 @@ pub mod audit;
 pub mod epoch;
 pub mod error;
 pub mod etcd_tls;
+pub mod grants;
 pub mod keyspace;
 pub mod kv;
 pub mod locklog;

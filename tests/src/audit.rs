@@ -61,9 +61,13 @@ impl AuditProcess {
         Ok(tailer)
     }
 
-    /// The audit history of one lock, election or key.
+    /// The audit history of one lock, election or key, values and leases included.
     pub async fn history(&self, name: &str) -> anyhow::Result<Vec<AuditEvent>> {
-        let body = http_get(&self.addr, &format!("/v1/audit?name={name}&limit=10000")).await?;
+        let body = http_get(
+            &self.addr,
+            &format!("/v1/audit?name={name}&limit=10000&values=true"),
+        )
+        .await?;
         Ok(serde_json::from_str(&body)?)
     }
 

@@ -11,6 +11,9 @@ use lockcell_tests::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess};
 
 use crate::support::short_session;
 
+/// The `dev` identity's bearer token (tokens under 32 characters are never taken).
+const DEV_TOKEN: &str = "dev-token-0123456789abcdef0123456789";
+
 fn grants_file(billing_locks: &str) -> String {
     format!(
         r#"
@@ -29,7 +32,7 @@ lock = ["dev/"]
 identity = "dev"
 sha256 = "{}"
 "#,
-        token_sha256("dev-token")
+        token_sha256(DEV_TOKEN)
     )
 }
 
@@ -206,7 +209,7 @@ pub async fn prefix_grants_refuse_what_they_should_and_allow_what_they_should() 
     ];
     let plain = ProxyProcess::start(&options, dir.path()).await?;
     let dev =
-        Client::connect_with(ClientOptions::new([plain.addr.clone()]).token("dev-token")).await?;
+        Client::connect_with(ClientOptions::new([plain.addr.clone()]).token(DEV_TOKEN)).await?;
     let session = dev
         .open_session(short_session(Duration::from_secs(5)))
         .await?;

@@ -630,3 +630,98 @@ pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow
     .await?;
     Ok(())
 }
+
+/// The audit tailer's history, asked as each identity: nobody without a token the
+/// grants list, nobody about a name its grants do not let it read or lock; values and
+/// lease ids only when asked for, and only with the read right.
+pub async fn the_audit_history_answers_only_who_may_read_it() -> anyhow::Result<()> {
+    use lockcell_client::Condition;
+    use lockcell_tests::audit::AuditProcess;
+    use lockcell_tests::proxy::http_call_with;
+    let (etcd, proxies, dir) = guarded_cell(&["a"]).await?;
+    let tailer = AuditProcess::start(
+        "run",
+        &etcd.endpoints(),
+        &dir.path().join("audit"),
+        &[
+            "--grants".into(),
+            dir.path().join("grants.toml").display().to_string(),
+            "--grants-without-tls".into(),
+        ],
+        &dir.path().join("audit.log"),
+    )
+    .await?;
+    let alice = sdk_as(&[&proxies[0]], "alice").await?;
+    alice
+        .put("cfg/db-password", b"hunter2", Condition::Always)
+        .await?;
+    let session = alice
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let _guard = session
+        .acquire("jobs/nightly", Wait::Try)
+        .await?
+        .context("alice did not get the free lock")?;
+    let ask = |who: Option<&str>, name: &str, values: bool| {
+        let addr = tailer.addr.clone();
+        let path = format!(
+            "/v1/audit?name={name}{}",
+            if values { "&values=true" } else { "" }
+        );
+        let bearer = who.map(|w| format!("Bearer {}", token_of(w)));
+        async move {
+            let headers: Vec<(&str, &str)> = bearer
+                .as_deref()
+                .map(|b| vec![("Authorization", b)])
+                .unwrap_or_default();
+            http_call_with(&addr, "GET", &path, &headers).await
+        }
+    };
+    // Wait until the trail has both.
+    lockcell_tests::eventually(
+        "the trail has the write and the grant",
+        Duration::from_secs(20),
+        || async {
+            let (_, _, key) = ask(Some("alice"), "cfg/db-password", true).await?;
+            let (_, _, lock) = ask(Some("alice"), "jobs/nightly", false).await?;
+            Ok((key.contains("hunter2") && lock.contains("granted")).then_some(()))
+        },
+    )
+    .await?;
+
+    for (who, name, values, status) in [
+        (None, "cfg/db-password", false, 401),
+        (Some("eve"), "jobs/nightly", false, 403),
+        (Some("mallory"), "cfg/db-password", false, 403),
+        (Some("writer"), "cfg/db-password", true, 403),
+    ] {
+        let (got, _, body) = ask(who, name, values).await?;
+        ensure!(
+            got == status && !body.contains("hunter2") && !body.contains(session.id()),
+            "{who:?} asking for {name} (values {values}): {got} {body}"
+        );
+    }
+    // mallory may read jobs/: the history, without lease ids unless asked for.
+    let (got, _, body) = ask(Some("mallory"), "jobs/nightly", false).await?;
+    let events: Vec<lockcell_cell::audit::AuditEvent> = serde_json::from_str(&body)?;
+    ensure!(
+        got == 200 && !events.is_empty() && events.iter().all(|e| e.lease == 0),
+        "mallory's history of jobs/nightly: {got} {body}"
+    );
+    // alice may read cfg/: no value unless asked for.
+    let (got, _, body) = ask(Some("alice"), "cfg/db-password", false).await?;
+    ensure!(
+        got == 200 && !body.contains("hunter2"),
+        "a history not asked for values shows one: {got} {body}"
+    );
+    // A token too short to be safe is not taken, even if the file lists it.
+    let (got, _, _) = http_call_with(
+        &tailer.addr,
+        "GET",
+        "/v1/audit?name=cfg/db-password",
+        &[("Authorization", "Bearer short")],
+    )
+    .await?;
+    ensure!(got == 401, "a short token was taken: {got}");
+    tailer.stop().await
+}

@@ -1,21 +1,30 @@
 //! The audit process's HTTP server: `/healthz` (alive), `/readyz` (etcd answered lately
 //! and not draining), `POST /drain` (stop as on SIGTERM: write what it has, flush the
-//! archive, exit; taken from this host only, as the port also serves every `lockctl
-//! audit` user), `/metrics` (Prometheus) and
-//! `GET /v1/audit?name=NAME[&since_ms=T][&limit=N]`, the history of one lock, election or
-//! small key as JSON (what `lockctl audit` shows).
+//! archive, exit; taken from this host only, or only with the admin token when one is
+//! set, as the port also serves every `lockctl audit` user), `/metrics` (Prometheus) and
+//! `GET /v1/audit?name=NAME[&since_ms=T][&limit=N][&values=true]`, the history of one
+//! lock, election or small key as JSON (what `lockctl audit` shows).
+//!
+//! With `--grants` (the proxies' file) the history answers only a caller with a bearer
+//! token the file lists, and only about a name its grants let it read or lock. Values
+//! (a small key's, a leader's) and lease ids are left out unless asked for with
+//! `values=true`, which needs the read right.
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{ConnectInfo, Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use lockcell_cell::audit::store::Store;
 use lockcell_cell::audit::tailer::TailerStats;
+use lockcell_cell::audit::AuditEvent;
+use lockcell_cell::grants::{Right, Rules};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use tokio::net::TcpListener;
@@ -31,6 +40,111 @@ struct Audit {
     stats: Arc<TailerStats>,
     readiness: Arc<Readiness>,
     stop: Arc<watch::Sender<bool>>,
+    access: Arc<Access>,
+}
+
+/// Who may ask what.
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    /// The prefix grants file (read again at every query, so edits apply at once);
+    /// without it every caller may read every history.
+    pub grants: Option<PathBuf>,
+    /// The file holding the token `POST /drain` requires; without it, loopback only.
+    pub admin_token: Option<PathBuf>,
+}
+
+/// A refusal: its status and text.
+type Refusal = (StatusCode, String);
+
+impl Access {
+    /// What the caller with `headers` may see of `name`'s history: `Ok(true)` its
+    /// values too. Refuses a caller the grants do not know (401) or do not let read or
+    /// lock `name` (403), and `values` to one without the read right.
+    fn history_of(&self, headers: &HeaderMap, name: &str, values: bool) -> Result<bool, Refusal> {
+        let Some(file) = &self.grants else {
+            return Ok(values);
+        };
+        let rules = std::fs::read_to_string(file)
+            .map_err(|e| e.to_string())
+            .and_then(|text| Rules::parse(&text).map_err(|e| e.message))
+            .map_err(|e| {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the grants file {} cannot be used: {e}\n", file.display()),
+                )
+            })?;
+        let token = bearer(headers).ok_or((
+            StatusCode::UNAUTHORIZED,
+            "the audit history needs a bearer token the grants list (Authorization: Bearer TOKEN)\n"
+                .to_owned(),
+        ))?;
+        let identity = rules
+            .identity_of_token(token)
+            .map_err(|why| (StatusCode::UNAUTHORIZED, format!("{why}\n")))?;
+        let read = rules.check(identity, Right::Read, name);
+        if values {
+            read.map_err(|why| (StatusCode::FORBIDDEN, format!("values: {why}\n")))?;
+            return Ok(true);
+        }
+        match (read, rules.check(identity, Right::Lock, name)) {
+            (Err(why), Err(_)) => Err((StatusCode::FORBIDDEN, format!("{why}\n"))),
+            _ => Ok(false),
+        }
+    }
+
+    /// Whether `POST /drain` from `peer` with `headers` may stop the tailer.
+    fn may_drain(&self, peer: SocketAddr, headers: &HeaderMap) -> Result<(), Refusal> {
+        let Some(file) = &self.admin_token else {
+            return if peer.ip().is_loopback() {
+                Ok(())
+            } else {
+                Err((
+                    StatusCode::FORBIDDEN,
+                    format!("POST /drain is taken from this host only, not from {peer}\n"),
+                ))
+            };
+        };
+        let token = std::fs::read_to_string(file)
+            .map(|t| t.lines().next().unwrap_or("").trim().to_owned())
+            .map_err(|e| {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("cannot read the admin token file {}: {e}\n", file.display()),
+                )
+            })?;
+        use sha2::{Digest, Sha256};
+        let same = bearer(headers).is_some_and(|offered| {
+            token.len() >= lockcell_cell::grants::MIN_TOKEN_LEN
+                && Sha256::digest(offered.as_bytes()) == Sha256::digest(token.as_bytes())
+        });
+        if same {
+            Ok(())
+        } else {
+            Err((
+                StatusCode::UNAUTHORIZED,
+                "POST /drain needs the admin token: Authorization: Bearer TOKEN\n".into(),
+            ))
+        }
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers
+        .get(axum::http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+}
+
+/// An event as shown without its values: a small key's or leader's value and the lease
+/// are left out.
+fn without_values(mut event: AuditEvent) -> AuditEvent {
+    event.lease = 0;
+    if event.kind != lockcell_cell::audit::EventKind::Gap {
+        event.detail.clear();
+    }
+    event
 }
 
 /// Whether etcd answered lately: a probe calls it every `interval` (the tailer's own
@@ -100,16 +214,41 @@ struct HistoryQuery {
     name: String,
     since_ms: Option<i64>,
     limit: Option<usize>,
+    /// Values and lease ids too (needs the read right on the name).
+    #[serde(default)]
+    values: bool,
 }
 
-pub async fn serve(
-    listener: TcpListener,
+/// The address a request came from, over plain TCP or TLS.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(SocketAddr);
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TcpListener>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, TcpListener>) -> Peer {
+        Peer(*stream.remote_addr())
+    }
+}
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TlsListener>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, TlsListener>) -> Peer {
+        Peer(*stream.remote_addr())
+    }
+}
+
+/// Serves on `listener` (plain TCP, or [`TlsListener`]) until `stop`.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve<L>(
+    listener: L,
     metrics: PrometheusHandle,
     store: Arc<Store>,
     stats: Arc<TailerStats>,
     readiness: Arc<Readiness>,
     stop: Arc<watch::Sender<bool>>,
-) {
+    access: Access,
+) where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+    Peer: for<'a> axum::extract::connect_info::Connected<axum::serve::IncomingStream<'a, L>>,
+{
     let mut stopped = stop.subscribe();
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -123,8 +262,9 @@ pub async fn serve(
             stats,
             readiness,
             stop,
+            access: Arc::new(access),
         });
-    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let app = app.into_make_service_with_connect_info::<Peer>();
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             let _ = stopped.wait_for(|s| *s).await;
@@ -174,14 +314,11 @@ async fn readyz(State(audit): State<Audit>) -> Response {
 /// serves the audit history to every `lockctl audit` user, who may not stop it.
 async fn drain(
     State(audit): State<Audit>,
-    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+    ConnectInfo(Peer(peer)): ConnectInfo<Peer>,
+    headers: HeaderMap,
 ) -> Response {
-    if !peer.ip().is_loopback() {
-        return (
-            StatusCode::FORBIDDEN,
-            format!("POST /drain is taken from this host only, not from {peer}\n"),
-        )
-            .into_response();
+    if let Err(refused) = audit.access.may_drain(peer, &headers) {
+        return refused.into_response();
     }
     let _ = audit.stop.send(true);
     (
@@ -195,7 +332,11 @@ async fn render_metrics(State(audit): State<Audit>) -> String {
     audit.metrics.render()
 }
 
-async fn history(State(audit): State<Audit>, Query(q): Query<HistoryQuery>) -> Response {
+async fn history(
+    State(audit): State<Audit>,
+    headers: HeaderMap,
+    Query(q): Query<HistoryQuery>,
+) -> Response {
     if q.name.is_empty() {
         return (
             StatusCode::BAD_REQUEST,
@@ -203,9 +344,18 @@ async fn history(State(audit): State<Audit>, Query(q): Query<HistoryQuery>) -> R
         )
             .into_response();
     }
+    let values = match audit.access.history_of(&headers, &q.name, q.values) {
+        Ok(values) => values,
+        Err(refused) => return refused.into_response(),
+    };
     let limit = q.limit.unwrap_or(1000).clamp(1, MAX_LIMIT);
     match audit.store.history(&q.name, q.since_ms, limit).await {
         Ok(events) => {
+            let events: Vec<AuditEvent> = if values {
+                events
+            } else {
+                events.into_iter().map(without_values).collect()
+            };
             let checkpoint = audit
                 .stats
                 .checkpoint
@@ -221,5 +371,67 @@ async fn history(State(audit): State<Audit>, Query(q): Query<HistoryQuery>) -> R
             format!("the audit store could not answer: {e}\n"),
         )
             .into_response(),
+    }
+}
+
+/// A TCP listener that speaks TLS (`--tls-cert`, `--tls-key`): a connection is handed on
+/// once its handshake is done, within [`HANDSHAKE_TIMEOUT`].
+pub struct TlsListener {
+    tcp: TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+/// How long a client has to finish its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl TlsListener {
+    pub fn new(
+        tcp: TcpListener,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+    ) -> anyhow::Result<Self> {
+        use anyhow::Context as _;
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = CertificateDer::pem_file_iter(cert)
+            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .with_context(|| format!("reading the TLS certificate {}", cert.display()))?;
+        let key = PrivateKeyDer::from_pem_file(key)
+            .with_context(|| format!("reading the TLS key {}", key.display()))?;
+        let config = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .context("setting up TLS with --tls-cert and --tls-key")?;
+        Ok(TlsListener {
+            tcp,
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+        })
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let (stream, peer) = match self.tcp.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting an audit HTTP connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, self.acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => return (tls, peer),
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.tcp.local_addr()
     }
 }

@@ -292,6 +292,33 @@ struct AuditArgs {
     /// (Prometheus) and /v1/audit (what `lockctl audit` asks).
     #[arg(long, env = "LOCKCELL_AUDIT_LISTEN", default_value = "127.0.0.1:7431")]
     listen: SocketAddr,
+
+    /// The proxies' prefix grants file: /v1/audit then answers only a caller with a
+    /// bearer token it lists, about names its grants let it read or lock (values and
+    /// lease ids only with the read right, and only when asked for). Read again at every
+    /// query. Without it, anyone who reaches the port reads every history (values only
+    /// when asked for).
+    #[arg(long, env = "LOCKCELL_GRANTS")]
+    grants: Option<PathBuf>,
+
+    /// Serve HTTPS with this certificate (PEM; with --tls-key).
+    #[arg(long, env = "LOCKCELL_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "LOCKCELL_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+
+    /// Let --grants take bearer tokens over plain HTTP (no --tls-cert): they would cross
+    /// the network in clear. For a test bench only.
+    #[arg(long, env = "LOCKCELL_GRANTS_WITHOUT_TLS")]
+    grants_without_tls: bool,
+
+    /// File holding the token POST /drain requires from every caller (at least 32
+    /// characters); without it, POST /drain is taken from loopback only, which a
+    /// service-mesh sidecar forwarding from 127.0.0.6 defeats.
+    #[arg(long, env = "LOCKCELL_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -418,6 +445,35 @@ async fn auth_enable(args: AuthEnableArgs) -> anyhow::Result<()> {
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 
 async fn audit(args: AuditArgs) -> anyhow::Result<()> {
+    if args.grants.is_some() && args.tls_cert.is_none() && !args.grants_without_tls {
+        anyhow::bail!(
+            "--grants without --tls-cert and --tls-key would take bearer tokens in clear; \
+             serve TLS, or pass --grants-without-tls on a test bench"
+        );
+    }
+    if let Some(file) = &args.admin_token_file {
+        let token = std::fs::read_to_string(file)
+            .with_context(|| format!("reading the admin token file {}", file.display()))?;
+        let len = token.lines().next().unwrap_or("").trim().len();
+        anyhow::ensure!(
+            len >= lockcell_cell::grants::MIN_TOKEN_LEN,
+            "the admin token in {} has {len} characters; it needs at least {}",
+            file.display(),
+            lockcell_cell::grants::MIN_TOKEN_LEN
+        );
+    }
+    if let Some(file) = &args.grants {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("reading the grants file {}", file.display()))?;
+        lockcell_cell::grants::Rules::parse(&text).map_err(|e| {
+            anyhow::anyhow!(
+                "the grants file {}{}: {}",
+                file.display(),
+                e.line.map(|l| format!(" line {l}")).unwrap_or_default(),
+                e.message
+            )
+        })?;
+    }
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("creating the data folder {}", args.data_dir.display()))?;
     let store_spec = args
@@ -467,14 +523,30 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding the audit HTTP address {}", args.listen))?;
     let store = Arc::new(store);
-    let server = tokio::spawn(http::serve(
-        listener,
-        prometheus,
-        store.clone(),
-        stats.clone(),
-        readiness.clone(),
-        stop_tx.clone(),
-    ));
+    let access = http::Access {
+        grants: args.grants.clone(),
+        admin_token: args.admin_token_file.clone(),
+    };
+    let server = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => tokio::spawn(http::serve(
+            http::TlsListener::new(listener, cert, key)?,
+            prometheus,
+            store.clone(),
+            stats.clone(),
+            readiness.clone(),
+            stop_tx.clone(),
+            access,
+        )),
+        _ => tokio::spawn(http::serve(
+            listener,
+            prometheus,
+            store.clone(),
+            stats.clone(),
+            readiness.clone(),
+            stop_tx.clone(),
+            access,
+        )),
+    };
     let housekeeping = tokio::spawn(housekeeping(
         store.clone(),
         expiring,

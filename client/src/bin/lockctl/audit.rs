@@ -7,6 +7,7 @@ use anyhow::Context;
 use serde::Deserialize;
 
 use crate::print_line;
+use crate::target::TargetArgs;
 
 pub(crate) const AUDIT_LONG: &str = "\
 Print the audit history of lock, election or small key NAME: one line per event, oldest
@@ -18,10 +19,12 @@ without a release), moved (the holder's session moved to another proxy; same tok
 leader_changed, waiting, key_written, key_deleted.
 
 The history is as of the tailer's checkpoint, printed last: events newer than it are not
-in yet.
+in yet. Values (a small key's, a leader's) and lease ids are left out unless --values
+asks for them. A tailer that checks prefix grants takes the same bearer token as the
+proxies (--auth-token, LOCKCELL_AUTH_TOKEN) and, over https, the same --tls-ca.
 
 Example:
-  lockctl audit billing/nightly --since 24h --audit http://cell-1:7431";
+  lockctl audit billing/nightly --since 24h --audit https://cell-1:7431";
 
 /// Arguments of `lockctl audit`.
 #[derive(Debug, clap::Args)]
@@ -44,6 +47,10 @@ pub(crate) struct AuditArgs {
     /// Print the events as JSON lines instead.
     #[arg(long)]
     pub(crate) json: bool,
+
+    /// Show values and lease ids too (needs the read right on NAME).
+    #[arg(long)]
+    pub(crate) values: bool,
 }
 
 /// The fields of an audit event lockctl shows.
@@ -68,7 +75,7 @@ struct Event {
 }
 
 /// `lockctl audit`.
-pub(crate) async fn audit(args: &AuditArgs) -> anyhow::Result<u8> {
+pub(crate) async fn audit(args: &AuditArgs, target: &TargetArgs) -> anyhow::Result<u8> {
     let mut url = reqwest::Url::parse(&args.audit).with_context(|| {
         format!(
             "--audit {:?} is not a URL (e.g. http://127.0.0.1:7431)",
@@ -80,13 +87,28 @@ pub(crate) async fn audit(args: &AuditArgs) -> anyhow::Result<u8> {
         let mut query = url.query_pairs_mut();
         query.append_pair("name", &args.name);
         query.append_pair("limit", &args.limit.to_string());
+        if args.values {
+            query.append_pair("values", "true");
+        }
         if let Some(since) = args.since {
             let now = SystemTime::now().duration_since(UNIX_EPOCH)?;
             let from = now.saturating_sub(since).as_millis();
             query.append_pair("since_ms", &from.to_string());
         }
     }
-    let reply = reqwest::get(url.clone())
+    let mut client = reqwest::Client::builder();
+    if let Some(ca) = &target.tls_ca {
+        let pem =
+            std::fs::read(ca).with_context(|| format!("reading --tls-ca {}", ca.display()))?;
+        client = client.tls_certs_only([reqwest::Certificate::from_pem(&pem)
+            .with_context(|| format!("--tls-ca {} is not a PEM certificate", ca.display()))?]);
+    }
+    let mut request = client.build()?.get(url.clone());
+    if let Some(token) = &target.auth_token {
+        request = request.bearer_auth(token);
+    }
+    let reply = request
+        .send()
         .await
         .with_context(|| format!("asking the audit tailer at {}", args.audit))?;
     let status = reply.status();

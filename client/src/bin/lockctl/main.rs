@@ -210,7 +210,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             leader::observe(&proxy, &args, &mut signals).await
         }
         Cmd::Check(args) => check::check(&proxy, &args).await,
-        Cmd::Audit(args) => audit::audit(&args).await,
+        Cmd::Audit(args) => audit::audit(&args, &target).await,
         Cmd::Get(args) => kv::get(&proxy, &args).await,
         Cmd::Put(args) => kv::put(&proxy, &args).await,
         Cmd::Del(args) => kv::del(&proxy, &args).await,

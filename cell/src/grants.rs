@@ -1,0 +1,351 @@
+//! Prefix grants: which identities may lock, read, write and watch which names,
+//! declared in a TOML file (`--grants`, example in deploy/config/grants.toml). The
+//! proxies check every call against them, and the audit tailer every history query.
+//!
+//! An entry is `""` (every name), a prefix ending in `/` (every name under it) or one
+//! whole name; never a bare beginning of names (`billing` does not cover `billingx/…`).
+//! A `[[token]]` names a bearer token by its SHA-256; a token shorter than
+//! [`MIN_TOKEN_LEN`] is never taken, so that guessing one offline from its hash is
+//! hopeless.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+/// Shortest bearer token taken: shorter ones could be guessed from their hash.
+pub const MIN_TOKEN_LEN: usize = 32;
+
+/// What a grant allows on the names under its prefixes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Right {
+    /// Acquire, release and check locks; campaign, proclaim and resign in elections.
+    Lock,
+    /// Read small keys and election leaders.
+    Read,
+    /// Write and delete small keys (membership included).
+    Write,
+    /// Watch small keys and observe elections.
+    Watch,
+}
+
+impl fmt::Display for Right {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Right::Lock => "lock",
+            Right::Read => "read",
+            Right::Write => "write",
+            Right::Watch => "watch",
+        })
+    }
+}
+
+/// One `[[grant]]`: an identity (or `*`, any identified caller) and its prefixes.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grant {
+    pub identity: String,
+    #[serde(default)]
+    pub lock: Vec<String>,
+    #[serde(default)]
+    pub read: Vec<String>,
+    #[serde(default)]
+    pub write: Vec<String>,
+    #[serde(default)]
+    pub watch: Vec<String>,
+}
+
+impl Grant {
+    fn prefixes(&self, right: Right) -> &[String] {
+        match right {
+            Right::Lock => &self.lock,
+            Right::Read => &self.read,
+            Right::Write => &self.write,
+            Right::Watch => &self.watch,
+        }
+    }
+}
+
+/// One `[[token]]`: a bearer token's SHA-256 (hex) and the identity it stands for.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Token {
+    identity: String,
+    sha256: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    grant: Vec<Grant>,
+    #[serde(default)]
+    token: Vec<Token>,
+}
+
+/// Why a grants file was refused: the rule it broke, and the line when known.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RulesError {
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+/// A validated grants file. Immutable: a reload builds a new one.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Rules {
+    grants: Vec<Grant>,
+    /// Token hash (lowercase hex) → identity.
+    tokens: HashMap<String, String>,
+}
+
+impl Rules {
+    /// Parses and checks a grants file's text.
+    pub fn parse(text: &str) -> Result<Rules, RulesError> {
+        let error = |line: Option<usize>, message: String| RulesError { line, message };
+        let file: File = toml::from_str(text).map_err(|e| {
+            let line = e
+                .span()
+                .map(|span| text[..span.start].matches('\n').count() + 1);
+            error(line, e.message().to_owned())
+        })?;
+        if file.grant.is_empty() {
+            return Err(error(
+                None,
+                "the file has no [[grant]]: every caller would be refused (a half-written or emptied file?); say who may do what".into(),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for grant in &file.grant {
+            let who = &grant.identity;
+            if who.is_empty() {
+                return Err(error(
+                    None,
+                    "a [[grant]] has an empty identity (use \"*\" for every identified caller)"
+                        .into(),
+                ));
+            }
+            if !seen.insert(who.clone()) {
+                return Err(error(
+                    None,
+                    format!("identity {who:?} has two [[grant]] entries; merge them"),
+                ));
+            }
+            for right in [Right::Lock, Right::Read, Right::Write, Right::Watch] {
+                for prefix in grant.prefixes(right) {
+                    check_prefix(prefix).map_err(|why| {
+                        error(
+                            None,
+                            format!("grant of {who:?}: {right} prefix {prefix:?} {why}"),
+                        )
+                    })?;
+                }
+            }
+        }
+        let mut tokens = HashMap::new();
+        for token in &file.token {
+            let hash = token.sha256.to_ascii_lowercase();
+            if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(error(None, format!("token of {:?}: sha256 must be 64 hex digits (the SHA-256 of the token, e.g. `printf %s TOKEN | sha256sum`)", token.identity)));
+            }
+            if tokens.insert(hash, token.identity.clone()).is_some() {
+                return Err(error(
+                    None,
+                    format!(
+                        "token of {:?}: the same token is listed twice",
+                        token.identity
+                    ),
+                ));
+            }
+        }
+        Ok(Rules {
+            grants: file.grant,
+            tokens,
+        })
+    }
+
+    /// How many grants and tokens the file lists.
+    pub fn count(&self) -> usize {
+        self.grants.len() + self.tokens.len()
+    }
+
+    /// The identity a bearer token stands for; `Err` says why none.
+    pub fn identity_of_token(&self, token: &str) -> Result<&str, &'static str> {
+        if token.len() < MIN_TOKEN_LEN {
+            return Err("the bearer token is too short to be safe (at least 32 characters)");
+        }
+        let hash = hex(&Sha256::digest(token.as_bytes()));
+        self.tokens
+            .get(&hash)
+            .map(String::as_str)
+            .ok_or("the bearer token is not one the grants file lists")
+    }
+
+    /// Refuses `identity` `right` on `name` (a lock, election or key name) unless one
+    /// of its grants, or a `*` grant, covers it; the refusal names the identity, the
+    /// right, the name and the entries it holds.
+    pub fn check(&self, identity: &str, right: Right, name: &str) -> Result<(), String> {
+        self.check_by(identity, right, name, covers)
+    }
+
+    /// As [`Self::check`] for a request on every name under `prefix` (a prefix read or
+    /// watch): only `""` and entries ending in `/` cover a prefix.
+    pub fn check_prefix(&self, identity: &str, right: Right, prefix: &str) -> Result<(), String> {
+        self.check_by(identity, right, prefix, covers_prefix)
+    }
+
+    fn check_by(
+        &self,
+        identity: &str,
+        right: Right,
+        name: &str,
+        covered: fn(&str, &str) -> bool,
+    ) -> Result<(), String> {
+        let covering = self
+            .grants
+            .iter()
+            .filter(|g| g.identity == identity || g.identity == "*");
+        let mut held: Vec<&str> = Vec::new();
+        for grant in covering {
+            for prefix in grant.prefixes(right) {
+                if covered(prefix, name) {
+                    return Ok(());
+                }
+                held.push(prefix);
+            }
+        }
+        Err(format!(
+            "{identity:?} may not {right} {name:?}: no grant covers it (its {right} prefixes: {held:?})"
+        ))
+    }
+}
+
+/// Whether a grant's entry covers `name`: `""` covers every name, an entry ending in
+/// `/` every name under it, and any other entry that one name alone. An entry is never
+/// a bare beginning of a name: `billing` must not cover `billingx/…`.
+pub fn covers(entry: &str, name: &str) -> bool {
+    entry.is_empty() || name == entry || (entry.ends_with('/') && name.starts_with(entry))
+}
+
+/// Whether a grant's entry covers every name under `prefix`.
+pub fn covers_prefix(entry: &str, prefix: &str) -> bool {
+    entry.is_empty() || (entry.ends_with('/') && prefix.starts_with(entry))
+}
+
+/// A grant entry is `""`, a prefix ending in `/`, or one whole name: no control
+/// characters, no `!`, no `..` segment.
+fn check_prefix(prefix: &str) -> Result<(), &'static str> {
+    if prefix.starts_with('/') || prefix.contains("//") {
+        return Err("starts with '/' or has an empty segment; names start with their first segment (\"billing/\", not \"/billing/\")");
+    }
+    if prefix.chars().any(char::is_control) {
+        return Err("contains a control character");
+    }
+    if prefix.contains(crate::keyspace::RESERVED) {
+        return Err("contains '!', which no name may contain");
+    }
+    if prefix.split('/').any(|s| s == ".." || s == ".") {
+        return Err("has a '.' or '..' segment");
+    }
+    Ok(())
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_is_everything_a_subtree_or_one_name_never_a_bare_beginning() {
+        assert!(covers("", "anything/at/all"));
+        assert!(covers("billing/", "billing/nightly"));
+        assert!(covers("billing/", "billing/"));
+        assert!(!covers("billing/", "billingx/nightly"));
+        assert!(covers("billing", "billing"));
+        assert!(!covers("billing", "billingx/nightly"));
+        assert!(!covers("billing", "billing/nightly"));
+        assert!(!covers("cfg/db", "cfg/db2"));
+        // A prefix read or watch is covered by a subtree only.
+        assert!(covers_prefix("cfg/", "cfg/app/"));
+        assert!(covers_prefix("", "cfg"));
+        assert!(!covers_prefix("cfg/db", "cfg/db"));
+        assert!(!covers_prefix("cfg/", "cf"));
+    }
+
+    #[test]
+    fn a_token_too_short_to_be_safe_is_never_taken() {
+        let short = "password";
+        let file = format!(
+            "[[grant]]\nidentity = \"a\"\nlock = [\"\"]\n[[token]]\nidentity = \"a\"\nsha256 = \"{}\"\n",
+            hex(&Sha256::digest(short.as_bytes()))
+        );
+        let rules = Rules::parse(&file).unwrap();
+        assert!(rules
+            .identity_of_token(short)
+            .unwrap_err()
+            .contains("too short"));
+    }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        /// Names and entries from a small alphabet, so that near misses are common:
+        /// shared beginnings, slashes in every place, and some non-ASCII letters.
+        fn text() -> impl Strategy<Value = String> {
+            proptest::collection::vec(
+                prop_oneof![Just('a'), Just('b'), Just('/'), Just('é'), Just('x')],
+                0..8,
+            )
+            .prop_map(|chars| chars.into_iter().collect())
+        }
+
+        proptest! {
+            /// An entry covers a name only if the name is the entry, lies under it
+            /// (the entry ends in '/'), or the entry is empty: never because the name
+            /// merely begins with it.
+            #[test]
+            fn covering_never_crosses_a_segment(entry in text(), name in text()) {
+                if covers(&entry, &name) && !entry.is_empty() && !entry.ends_with('/') {
+                    prop_assert_eq!(&name, &entry);
+                }
+                if covers(&entry, &name) && entry.ends_with('/') {
+                    prop_assert!(name.starts_with(&entry));
+                }
+            }
+
+            /// Whatever a prefix request covers, each name under it is covered by the
+            /// same entry: a prefix read never reaches a name the entry does not grant.
+            #[test]
+            fn a_covered_prefix_covers_only_covered_names(entry in text(), prefix in text(), rest in text()) {
+                if covers_prefix(&entry, &prefix) {
+                    let name = format!("{prefix}{rest}");
+                    prop_assert!(covers(&entry, &name), "{:?} under {:?}", name, entry);
+                }
+            }
+
+            /// A check by one identity never passes on another identity's grant, nor
+            /// for another right.
+            #[test]
+            fn a_grant_serves_its_identity_and_right_only(name in text(), who in "[a-z]{1,4}") {
+                let rules = Rules::parse("[[grant]]\nidentity = \"owner\"\nlock = [\"\"]\n").unwrap();
+                if who != "owner" {
+                    prop_assert!(rules.check(&who, Right::Lock, &name).is_err());
+                }
+                prop_assert!(rules.check("owner", Right::Lock, &name).is_ok());
+                prop_assert!(rules.check("owner", Right::Read, &name).is_err());
+            }
+
+            /// Any unicode name is refused by a grant that does not cover it.
+            #[test]
+            fn an_uncovered_unicode_name_is_refused(name in "\\PC{0,30}") {
+                let rules = Rules::parse("[[grant]]\nidentity = \"a\"\nread = [\"cfg/\", \"one\"]\n").unwrap();
+                let covered = name.starts_with("cfg/") || name == "one";
+                prop_assert_eq!(rules.check("a", Right::Read, &name).is_ok(), covered);
+            }
+        }
+    }
+}
