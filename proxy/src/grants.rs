@@ -71,7 +71,7 @@ impl Grants {
                 .and_then(|cert| certificate_name(cert.as_ref()))
                 .ok_or_else(|| {
                     Status::unauthenticated(
-                        "the client certificate has no single UTF-8 subject common name to know it by",
+                        "the client certificate has no single UTF-8 subject common name, nor (without one) a single URI subject alternative name, to know it by",
                     )
                 });
         }
@@ -187,11 +187,29 @@ impl Grants {
 }
 
 /// The subject common name of a client certificate (DER), when it has exactly one.
+/// Without a common name, its one URI subject alternative name (a SPIFFE ID such as
+/// `spiffe://example.org/ns/billing/sa/api`, as workload identity systems issue them).
 fn certificate_name(der: &[u8]) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
     let mut names = cert.subject().iter_common_name();
-    let name = names.next()?.as_str().ok()?.to_owned();
-    names.next().is_none().then_some(name)
+    if let Some(first) = names.next() {
+        let name = first.as_str().ok()?.to_owned();
+        return names.next().is_none().then_some(name);
+    }
+    let alternatives = cert.subject_alternative_name().ok()??;
+    let uris: Vec<&str> = alternatives
+        .value
+        .general_names
+        .iter()
+        .filter_map(|name| match name {
+            x509_parser::extensions::GeneralName::URI(uri) => Some(*uri),
+            _ => None,
+        })
+        .collect();
+    match uris[..] {
+        [uri] => Some(uri.to_owned()),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -298,5 +316,37 @@ sha256 = "22966485fdedde14118dd7c680b416c8a8f6f6947d44750491f69f41ac2ab956"
         assert!(g
             .authorize(&Request::new(()), Right::Write, &["anything"])
             .is_ok());
+    }
+
+    #[test]
+    fn a_certificate_is_known_by_its_common_name_or_else_its_one_uri_name() {
+        use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair, SanType};
+        let der = |cn: Option<&str>, uris: &[&str]| {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.distinguished_name = DistinguishedName::new();
+            if let Some(cn) = cn {
+                params.distinguished_name.push(DnType::CommonName, cn);
+            }
+            params.subject_alt_names = uris
+                .iter()
+                .map(|u| SanType::URI((*u).try_into().unwrap()))
+                .collect();
+            let key = KeyPair::generate().unwrap();
+            params.self_signed(&key).unwrap().der().to_vec()
+        };
+        let spiffe = "spiffe://example.org/ns/billing/sa/api";
+        assert_eq!(
+            certificate_name(&der(Some("billing"), &[spiffe])).as_deref(),
+            Some("billing")
+        );
+        assert_eq!(
+            certificate_name(&der(None, &[spiffe])).as_deref(),
+            Some(spiffe)
+        );
+        assert_eq!(
+            certificate_name(&der(None, &[spiffe, "spiffe://example.org/other"])),
+            None
+        );
+        assert_eq!(certificate_name(&der(None, &[])), None);
     }
 }

@@ -36,6 +36,7 @@ pub mod service;
 pub mod sessions;
 pub mod settings;
 pub mod state;
+pub mod tls;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -121,7 +122,10 @@ pub async fn run(
         stop: stop_rx.clone(),
         drain: drain.clone(),
     };
-    let tls = tls_config(&config)?;
+    let tls = tls_files(&config)
+        .map(tls::ReloadingTls::load)
+        .transpose()?
+        .map(Arc::new);
     let home = connect(&config, &config.etcd_endpoints, drain.subscribe()).await?;
     let cells = cells_to_serve(&config, &home).await?;
     let grpc = TcpListener::bind(config.listen)
@@ -209,14 +213,8 @@ pub async fn run(
         engines.iter().map(|e| e.state.clone()).collect(),
     ));
     let mut stop = stop_rx.clone();
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        builder = builder
-            .tls_config(tls)
-            .context("setting up TLS on the gRPC service")?;
-    }
     let sizes = MessageSizes::for_config(&first.config);
-    let server = builder
+    let router = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(first.config.max_streams_per_connection))
         .add_service(
             SessionServer::from_arc(router.clone()).max_decoding_message_size(sizes.session),
@@ -226,10 +224,19 @@ pub async fn run(
             ElectionServer::from_arc(router.clone()).max_decoding_message_size(sizes.small),
         )
         .add_service(KvServer::from_arc(router.clone()).max_decoding_message_size(sizes.kv))
-        .add_service(WatchServer::from_arc(router.clone()).max_decoding_message_size(sizes.small))
-        .serve_with_incoming_shutdown(incoming(grpc), async move {
-            let _ = stop.wait_for(|s| *s).await;
-        });
+        .add_service(WatchServer::from_arc(router.clone()).max_decoding_message_size(sizes.small));
+    let stopped = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    let server: std::pin::Pin<
+        Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
+    > = match tls {
+        Some(tls) => {
+            tasks.spawn(tls.clone().watch());
+            Box::pin(router.serve_with_incoming_shutdown(tls::incoming(grpc, tls), stopped))
+        }
+        None => Box::pin(router.serve_with_incoming_shutdown(incoming(grpc), stopped)),
+    };
     let mut stop = stop_rx.clone();
     tokio::select! {
         result = server => result.context("gRPC server failed")?,
@@ -521,25 +528,16 @@ impl Engine {
 
 /// The gRPC service's TLS, when --tls-cert and --tls-key are given (and mutual TLS with
 /// --tls-client-ca).
-fn tls_config(config: &ProxyConfig) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
-    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+/// The TLS files of the gRPC service, when it serves TLS.
+fn tls_files(config: &ProxyConfig) -> Option<tls::TlsFiles> {
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
-        return Ok(None);
+        return None;
     };
-    let read = |path: &std::path::Path, what: &str| {
-        std::fs::read(path).with_context(|| format!("reading the {what} {}", path.display()))
-    };
-    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
-        read(cert, "TLS certificate (--tls-cert)")?,
-        read(key, "TLS key (--tls-key)")?,
-    ));
-    if let Some(ca) = &config.tls_client_ca {
-        tls = tls.client_ca_root(Certificate::from_pem(read(
-            ca,
-            "client CA certificate (--tls-client-ca)",
-        )?));
-    }
-    Ok(Some(tls))
+    Some(tls::TlsFiles {
+        cert: cert.clone(),
+        key: key.clone(),
+        client_ca: config.tls_client_ca.clone(),
+    })
 }
 
 /// Client connections with Nagle's algorithm off: replies are small and go out at once

@@ -32,6 +32,8 @@ pub const READ_BARRIERS: &str = "lockcell_read_barriers_total";
 pub const READ_BARRIER_BATCH: &str = "lockcell_read_barrier_batch_size";
 pub const KV_READS: &str = "lockcell_kv_reads_total";
 pub const KV_BYTES: &str = "lockcell_kv_bytes";
+pub const TLS_RELOADS: &str = "lockcell_tls_reloads_total";
+pub const TLS_RELOAD_FAILURES: &str = "lockcell_tls_reload_failures_total";
 pub const SESSIONS_RESUMED: &str = "lockcell_sessions_resumed_total";
 pub const KEYS_MOVED: &str = "lockcell_keys_moved_total";
 pub const KEYS_LOST_ON_RESUME: &str = "lockcell_keys_lost_on_resume_total";
@@ -217,6 +219,14 @@ pub fn describe() {
     describe_counter!(
         KV_READS,
         "Small-key reads, by how they were served: barrier (linearizable, from the mirror), mirror (serializable), etcd (directly)."
+    );
+    describe_counter!(
+        TLS_RELOADS,
+        "Times the proxy read its TLS certificate, key and client CA again after they changed."
+    );
+    describe_counter!(
+        TLS_RELOAD_FAILURES,
+        "Changed TLS files the proxy refused (the previous ones stay in force); the log says why."
     );
     describe_gauge!(
         KV_BYTES,

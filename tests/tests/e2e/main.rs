@@ -69,6 +69,7 @@ fn main() {
         security::one_client_cannot_send_without_bounds,
         security::one_writer_cannot_grow_every_proxy_past_the_cells_bound,
         security::the_audit_history_answers_only_who_may_read_it,
+        security::a_renewed_certificate_applies_without_a_restart,
         contention::two_hundred_waiters_each_get_it_once_at_one_grant_per_proxy,
         contention::two_hundred_waiters_on_a_fair_class_go_in_arrival_order,
         modes::readers_share_and_a_writer_excludes_them,

@@ -725,3 +725,71 @@ pub async fn the_audit_history_answers_only_who_may_read_it() -> anyhow::Result<
     ensure!(got == 401, "a short token was taken: {got}");
     tailer.stop().await
 }
+
+/// A renewed serving certificate takes effect without a restart: once the files
+/// change, new connections get the new certificate (a client that trusts only the new
+/// CA connects, one that trusts only the old one no longer does), and the proxy that
+/// read them never stopped.
+pub async fn a_renewed_certificate_applies_without_a_restart() -> anyhow::Result<()> {
+    use lockcell_client::{ClientTls, Condition};
+    use lockcell_tests::certs::Authority;
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let old_ca = Authority::new(&dir.path().join("old"))?;
+    let new_ca = Authority::new(&dir.path().join("new"))?;
+    let (cert, key) = (
+        dir.path().join("proxy.pem"),
+        dir.path().join("proxy-key.pem"),
+    );
+    let install = |pems: &lockcell_tests::certs::Pems| -> anyhow::Result<()> {
+        // As a Secret update does: new files renamed into place.
+        for (from, to) in [(&pems.key, &key), (&pems.cert, &cert)] {
+            let staged = to.with_extension("new");
+            std::fs::copy(from, &staged)?;
+            std::fs::rename(&staged, to)?;
+        }
+        Ok(())
+    };
+    install(&old_ca.server("proxy")?)?;
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--tls-cert".into(),
+        cert.display().to_string(),
+        "--tls-key".into(),
+        key.display().to_string(),
+    ];
+    let mut proxy = ProxyProcess::start(&options, dir.path()).await?;
+    let trusting = |ca: &Authority| {
+        let options = ClientOptions::new([proxy.addr.clone()]).tls(ClientTls {
+            ca_pem: std::fs::read(&ca.ca).expect("CA file"),
+            identity_pem: None,
+            domain: Some("localhost".into()),
+        });
+        async move {
+            let client = Client::connect_with(options).await?;
+            client.put("tls/probe", b"1", Condition::Always).await
+        }
+    };
+    trusting(&old_ca)
+        .await
+        .context("a client trusting the first CA could not call")?;
+
+    install(&new_ca.server("proxy")?)?;
+    lockcell_tests::eventually(
+        "new connections get the renewed certificate",
+        Duration::from_secs(15),
+        || async { Ok(trusting(&new_ca).await.ok().map(|_| ())) },
+    )
+    .await?;
+    ensure!(
+        trusting(&old_ca).await.is_err(),
+        "a new connection still got the old certificate"
+    );
+    ensure!(
+        proxy.process.is_running(),
+        "the proxy stopped to take the new certificate"
+    );
+    let reloads = proxy.metric("lockcell_tls_reloads_total").await?;
+    ensure!(reloads >= 1.0, "lockcell_tls_reloads_total is {reloads}");
+    Ok(())
+}
