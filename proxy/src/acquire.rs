@@ -821,4 +821,23 @@ mod tests {
         let gone = ProxyError::session("s", crate::sessions::Gone::Unknown);
         assert!(ride_out(gone, &lock).is_err());
     }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// A call id passes only as 1 to 32 ASCII letters and digits, unchanged; an
+            /// empty one becomes a fresh id of the same kind.
+            #[test]
+            fn a_call_id_passes_only_when_short_and_alphanumeric(id in "\\PC{0,40}|[a-zA-Z0-9]{0,40}") {
+                let fine = !id.is_empty() && id.len() <= 32 && id.bytes().all(|b| b.is_ascii_alphanumeric());
+                match call_id(id.clone()) {
+                    Ok(kept) if id.is_empty() => prop_assert!(kept.len() <= 32 && kept.bytes().all(|b| b.is_ascii_alphanumeric())),
+                    Ok(kept) => { prop_assert!(fine); prop_assert_eq!(kept, id); }
+                    Err(e) => { prop_assert!(!fine); prop_assert!(e.to_string().contains("call id")); }
+                }
+            }
+        }
+    }
 }

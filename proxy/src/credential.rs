@@ -30,14 +30,34 @@ pub fn new_session(principal: Option<&str>) -> (String, String) {
 /// The session id `secret` derives for `principal` (the caller's identity, when the
 /// proxy checks grants).
 pub fn derive(secret: &str, principal: Option<&str>) -> String {
+    hex(&digest(secret, principal))
+}
+
+/// The bytes of the id `secret` derives for `principal`.
+fn digest(secret: &str, principal: Option<&str>) -> [u8; ID_DIGITS / 2] {
     let mut digest = Sha256::new();
     digest.update(DOMAIN);
     digest.update(principal.unwrap_or("").as_bytes());
     digest.update(b"\0");
     digest.update(secret.as_bytes());
-    let mut id = hex(&digest.finalize());
-    id.truncate(ID_DIGITS);
+    let full = digest.finalize();
+    let mut id = [0; ID_DIGITS / 2];
+    id.copy_from_slice(&full[..ID_DIGITS / 2]);
     id
+}
+
+/// The bytes a session id's hex digits spell, if it is one a proxy hands out.
+fn id_bytes(id: &str) -> Option<[u8; ID_DIGITS / 2]> {
+    let digits = id.as_bytes();
+    if digits.len() != ID_DIGITS {
+        return None;
+    }
+    let value = |d: u8| (d as char).to_digit(16).map(|v| v as u8);
+    let mut bytes = [0; ID_DIGITS / 2];
+    for (byte, pair) in bytes.iter_mut().zip(digits.chunks(2)) {
+        *byte = value(pair[0])? << 4 | value(pair[1])?;
+    }
+    Some(bytes)
 }
 
 /// Whether `secret` proves that session `id` is `principal`'s, as a refusal that names
@@ -48,10 +68,11 @@ pub fn check(id: &str, secret: &str, principal: Option<&str>) -> Result<(), toni
             "a call on session {id:?} must carry the session_secret its Open returned"
         )));
     }
-    // A secret far longer than any Open hands out is refused before it is hashed.
-    if secret.len() > 2 * SECRET_BYTES
-        || !constant_time_eq(derive(secret, principal).as_bytes(), id.as_bytes())
-    {
+    // A secret far longer than any Open hands out is refused before it is hashed; the
+    // rest are compared as bytes (every renewal is checked: no text is made for it).
+    let proven =
+        || id_bytes(id).is_some_and(|id| constant_time_eq(&digest(secret, principal), &id));
+    if secret.len() > 2 * SECRET_BYTES || !proven() {
         return Err(tonic::Status::permission_denied(format!(
             "session {id:?} was not opened with this session_secret{}: only its opener may use it",
             match principal {

@@ -580,4 +580,18 @@ mod tests {
         assert!(check_session_id("../x").is_err());
         assert!(check_session_id("0123456789abcdef0123456789abcdef").is_ok());
     }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// A session id passes only as 1 to 64 hex digits.
+            #[test]
+            fn a_session_id_passes_only_as_hex_digits(id in "\\PC{0,70}|[0-9a-fA-F]{0,70}") {
+                let fine = !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit());
+                prop_assert_eq!(check_session_id(&id).is_ok(), fine, "{:?}", id);
+            }
+        }
+    }
 }
