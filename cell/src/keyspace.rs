@@ -54,9 +54,16 @@ pub enum NameError {
     Reserved { name: String, at: usize },
 }
 
-/// A lock name that has passed validation; the only way to build a lock key.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// A lock name that has passed validation; the only way to build a lock key. Shown in
+/// messages as the quoted name, as a client wrote it.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LockName(String);
+
+impl fmt::Debug for LockName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
 
 impl LockName {
     /// Validates `name`: 1 to 512 bytes, `/`-separated non-empty segments, no `.` or `..`

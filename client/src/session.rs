@@ -174,7 +174,8 @@ impl Session {
     }
 
     /// Stops renewals and closes the session, releasing everything it holds. Returns
-    /// how many locks the close released.
+    /// how many of its keys the close deleted (holds, ephemeral keys, and its fence once
+    /// it has moved between proxies).
     ///
     /// The session counts as expired from the moment the Close is sent (the proxy may
     /// hand its locks on at once), also for other handles and guards still around.

@@ -204,9 +204,11 @@ fn trusted(
         };
     };
     let token = read_token(file).map_err(|e| {
+        // The caller may be anyone: the operator's log says which file and why.
+        tracing::error!("POST /drain cannot check the admin token: {e:#}");
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("POST /drain cannot check the admin token: {e:#}\n"),
+            "POST /drain cannot check the admin token right now (the log says why)\n".into(),
         )
     })?;
     let offered = headers

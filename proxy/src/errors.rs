@@ -42,6 +42,10 @@ pub enum ProxyError {
     /// The call would pass a limit of the cell or the proxy: RESOURCE_EXHAUSTED.
     #[error("{0}")]
     Exhausted(String),
+    /// The proxy has too much of this in hand right now; the same call may go through
+    /// in a moment: UNAVAILABLE.
+    #[error("{0}")]
+    Busy(String),
     /// A resume named an older session fence than the store has: a resume the client
     /// did not hear the end of landed, moving the keys to `lease`.
     #[error("session {session:?} was resumed at fence revision {revision}, after the fence this resume names; resume again with that revision and the lease in this refusal's metadata")]
@@ -94,7 +98,8 @@ impl From<ProxyError> for Status {
             ProxyError::NoLease
             | ProxyError::ShuttingDown
             | ProxyError::EtcdUnavailable(_)
-            | ProxyError::Moving(_) => Status::unavailable(message),
+            | ProxyError::Moving(_)
+            | ProxyError::Busy(_) => Status::unavailable(message),
             ProxyError::OutOfRange(_) => Status::out_of_range(message),
             ProxyError::Exhausted(_) => Status::resource_exhausted(message),
             ProxyError::FencedOut {

@@ -23,6 +23,7 @@ pub mod fanout;
 pub mod feed;
 pub mod grants;
 pub mod handover;
+pub mod kvbudget;
 pub mod lease_keeper;
 pub mod leases;
 pub mod metrics;
@@ -425,6 +426,7 @@ impl Engine {
                 .with_epoch_guard(epoch.mod_revision),
             kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
             reads,
+            kv_budget: Default::default(),
             queues: events.queues().clone(),
             events,
             classes: shared.classes.clone(),

@@ -112,8 +112,20 @@ impl Mirror {
     /// How much writing `value_len` bytes to `name` adds to [`Self::bytes`] (0 when it
     /// replaces a value at least as long).
     pub fn growth(&self, name: &str, value_len: usize) -> usize {
-        let before = self.entries.get(name).map_or(0, Self::bytes_of);
-        key_bytes(name, value_len).saturating_sub(before)
+        self.net_growth(&[(name, Some(value_len))]).max(0) as usize
+    }
+
+    /// What `writes` (each a key and its new value's length, or `None` for a delete)
+    /// change [`Self::bytes`] by, together: a delete frees what its key holds.
+    pub fn net_growth(&self, writes: &[(&str, Option<usize>)]) -> i64 {
+        writes
+            .iter()
+            .map(|(name, len)| {
+                let before = self.entries.get(*name).map_or(0, Self::bytes_of) as i64;
+                let after = len.map_or(0, |len| key_bytes(name, len)) as i64;
+                after - before
+            })
+            .sum()
     }
 
     pub fn revision(&self) -> i64 {

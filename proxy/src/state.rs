@@ -38,6 +38,9 @@ pub struct ProxyState {
     pub kv: lockcell_cell::kv::Kv,
     /// Small-key reads (read barrier and mirror) and the watch fan-out behind them.
     pub reads: crate::reads::Reads,
+    /// Small-key writes let through that the mirror does not show yet
+    /// (`--max-kv-total-bytes`).
+    pub kv_budget: crate::kvbudget::KvBudget,
     /// What the proxy's watch over the lock log tells waiters and observers.
     pub events: Arc<LockEvents>,
     /// Local wait queues of classes that are not fair.

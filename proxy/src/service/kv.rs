@@ -113,7 +113,14 @@ impl KvApi for KvService {
         let state = &self.state;
         let name = key_name(&req.key)?;
         value_within(&req.key, &req.value, state.config.max_value_bytes)?;
-        within_total(state, &[(name.as_str(), req.value.len())])?;
+        let admitted = state
+            .kv_budget
+            .admit(
+                &state.reads.feed,
+                state.config.max_kv_total_bytes,
+                &[(name.as_str(), Some(req.value.len()))],
+            )
+            .await?;
         let condition = condition(&req.key, req.condition)?;
         let session = if req.session_id.is_empty() {
             None
@@ -136,6 +143,7 @@ impl KvApi for KvService {
             )
             .await
             .map_err(ProxyError::from)?;
+        admitted.landed(written.succeeded.then_some(written.revision));
         if let (true, Some(session), Some(current)) =
             (written.succeeded, &session, &written.current)
         {
@@ -201,15 +209,23 @@ impl KvApi for KvService {
             grants.authorize(&request, Right::Write, &written)?;
         }
         let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;
-        let puts: Vec<(&str, usize)> = checked
+        let sizes: Vec<(&str, Option<usize>)> = checked
             .writes
             .iter()
-            .filter_map(|w| match w {
-                Write::Put(name, value) => Some((name.as_str(), value.len())),
-                Write::Delete(_) => None,
+            .map(|w| match w {
+                Write::Put(name, value) => (name.as_str(), Some(value.len())),
+                Write::Delete(name) => (name.as_str(), None),
             })
             .collect();
-        within_total(&self.state, &puts)?;
+        let admitted = self
+            .state
+            .kv_budget
+            .admit(
+                &self.state.reads.feed,
+                self.state.config.max_kv_total_bytes,
+                &sizes,
+            )
+            .await?;
         let names = checked.when.iter().map(|(n, _)| n.as_str());
         let map_revision = self
             .state
@@ -221,6 +237,7 @@ impl KvApi for KvService {
             .txn(&checked.when, checked.writes, map_revision)
             .await
             .map_err(ProxyError::from)?;
+        admitted.landed(outcome.succeeded.then_some(outcome.revision));
         Ok(Response::new(TxnResponse {
             succeeded: outcome.succeeded,
             revision: outcome.revision,
@@ -308,30 +325,6 @@ fn check_txn(req: TxnRequest, max_value_bytes: usize) -> Result<CheckedTxn, Prox
         )));
     }
     Ok(CheckedTxn { when, writes })
-}
-
-/// Refuses `puts` (each a key and its new value's length) if they would take the cell's
-/// small keys past `--max-kv-total-bytes`, as this proxy's copy of them counts: every
-/// proxy keeps every small key, so the bound is the cell's, and any proxy refuses. The
-/// copy may trail etcd by a moment, so writes racing on several proxies can pass the
-/// bound by what they write, never more.
-fn within_total(state: &ProxyState, puts: &[(&str, usize)]) -> Result<(), ProxyError> {
-    let limit = state.config.max_kv_total_bytes;
-    let (held, growth) = state.reads.feed.with_mirror(|m| {
-        let growth: usize = puts.iter().map(|(name, len)| m.growth(name, *len)).sum();
-        (m.bytes(), growth)
-    });
-    if growth == 0 || held + growth <= limit {
-        return Ok(());
-    }
-    let keys: Vec<&str> = puts.iter().map(|(name, _)| *name).collect();
-    Err(ProxyError::Exhausted(format!(
-        "writing {keys:?} would take the cell's small keys to {} bytes, over the limit of \
-         {limit} bytes (--max-kv-total-bytes; every proxy keeps a copy of every small key); \
-         they hold {held} bytes now: delete keys no longer needed, or raise the limit on \
-         every proxy",
-        held + growth
-    )))
 }
 
 /// Refuses a value over `limit`, naming the key and the limit.

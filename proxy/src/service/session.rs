@@ -131,7 +131,8 @@ pub fn open_stay(
 }
 
 /// Closes session `id`'s stay in `state`'s cell (only the stay `incarnation` names,
-/// when given) and releases what it holds there. Returns how many locks it released.
+/// when given) and releases what it holds there. Returns how many of its keys it
+/// deleted (holds, ephemeral keys, its fence).
 pub async fn close_stay(
     state: &ProxyState,
     id: &str,

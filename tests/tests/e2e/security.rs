@@ -541,8 +541,9 @@ pub async fn one_client_cannot_send_without_bounds() -> anyhow::Result<()> {
 }
 
 /// Every proxy keeps a copy of every small key, so one writer could grow every proxy
-/// of the cell: the bound on what small keys hold is the cell's. Writes through one
-/// proxy fill it; then a proxy that was never called refuses too, naming the limit; a
+/// of the cell: the bound on what small keys hold is the cell's. Writes racing through
+/// two proxies at once pass it by at most one write per proxy; writes through one proxy
+/// then fill it, a proxy that was never called refuses too, naming the limit, and a
 /// delete makes room again.
 pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow::Result<()> {
     use lockcell_client::{Condition, Error};
@@ -556,7 +557,59 @@ pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow
         proxies.push(ProxyProcess::start(&options, dir.path()).await?);
     }
     let writer = Client::connect(&proxies[0].url()).await?;
+    let other = Client::connect(&proxies[1].url()).await?;
     let value = vec![b'v'; 60 * 1024];
+    let mut store = etcd.client().await?;
+    let held =
+        |kvs: &[etcd_client::KeyValue]| -> usize { kvs.iter().map(|kv| kv.value().len()).sum() };
+
+    // 48 writes at once, half through each proxy: one per proxy may be in flight
+    // unseen by the other, so the cell passes the bound by two writes at most.
+    let mut racing = tokio::task::JoinSet::new();
+    for i in 0..48 {
+        let client = if i % 2 == 0 {
+            writer.clone()
+        } else {
+            other.clone()
+        };
+        let value = value.clone();
+        racing.spawn(async move {
+            client
+                .put(&format!("fill/race-{i}"), &value, Condition::Always)
+                .await
+        });
+    }
+    let mut refused = Vec::new();
+    while let Some(done) = racing.join_next().await {
+        if let Err(e) = done? {
+            refused.push(e);
+        }
+    }
+    ensure!(
+        !refused.is_empty(),
+        "48 racing writes of 60 KiB all passed a 1 MiB bound"
+    );
+    ensure!(
+        refused
+            .iter()
+            .all(|e| matches!(e, Error::ResourceExhausted(_) | Error::Unavailable(_))),
+        "racing writes were refused otherwise: {refused:?}"
+    );
+    let after_race = held(
+        store
+            .get(
+                "/k/fill/",
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await?
+            .kvs(),
+    );
+    ensure!(
+        after_race <= LIMIT + 2 * value.len(),
+        "racing writes took the small keys to {after_race} bytes under a {LIMIT}-byte bound"
+    );
+
+    // Sequential writes through one proxy: refused by name at the bound.
     let mut written = 0;
     let refusal = loop {
         match writer
@@ -576,29 +629,22 @@ pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow
         matches!(&refusal, Error::ResourceExhausted(m) if m.contains("--max-kv-total-bytes")),
         "the write past the bound was not refused by name: {refusal:?}"
     );
-    ensure!(
-        written >= 10,
-        "only {written} writes went through under the bound"
+    let total = held(
+        store
+            .get(
+                "/k/fill/",
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await?
+            .kvs(),
     );
-    let mut store = etcd.client().await?;
-    let held: usize = store
-        .get(
-            "/k/fill/",
-            Some(etcd_client::GetOptions::new().with_prefix()),
-        )
-        .await?
-        .kvs()
-        .iter()
-        .map(|kv| kv.value().len())
-        .sum();
     ensure!(
-        held <= LIMIT,
-        "etcd holds {held} bytes of small keys past the bound"
+        total <= LIMIT + 2 * value.len(),
+        "etcd holds {total} bytes of small keys past the bound"
     );
 
-    // A proxy nobody wrote through refuses as well.
-    let other = Client::connect(&proxies[1].url()).await?;
-    let refused = lockcell_tests::eventually(
+    // A proxy nobody wrote through lately refuses as well.
+    lockcell_tests::eventually(
         "the other proxy refuses past the bound",
         Duration::from_secs(10),
         || async {
@@ -609,15 +655,37 @@ pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow
             }
         },
     )
-    .await;
-    refused?;
-    // Room made, a write goes through.
+    .await?;
+    // A transaction that frees more than it writes goes through.
+    let listed = store
+        .get(
+            "/k/fill/",
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await?;
+    let names: Vec<String> = listed
+        .kvs()
+        .iter()
+        .map(|kv| kv.key_str().map(|k| k.trim_start_matches("/k/").to_owned()))
+        .collect::<Result<_, _>>()?;
+    ensure!(names.len() >= 3, "only {} keys were written", names.len());
+    let swapped = writer
+        .commit(
+            lockcell_client::Txn::new()
+                .delete(&names[0])
+                .put("fill/swapped", &value[..value.len() - 1024]),
+        )
+        .await;
     ensure!(
-        writer.delete("fill/0", Condition::Always).await?,
-        "the delete found nothing"
+        matches!(&swapped, Ok(c) if c.succeeded),
+        "a transaction that deletes a key and writes less was refused: {swapped:?}"
     );
+    // Room made, a write goes through.
+    for key in &names[1..3] {
+        writer.delete(key, Condition::Always).await?;
+    }
     lockcell_tests::eventually(
-        "a write fits once a key is deleted",
+        "a write fits once keys are deleted",
         Duration::from_secs(10),
         || async {
             Ok(other

@@ -68,9 +68,12 @@ impl Access {
             .map_err(|e| e.to_string())
             .and_then(|text| Rules::parse(&text).map_err(|e| e.message))
             .map_err(|e| {
+                // The caller may be anyone: the operator's log says which file and why.
+                tracing::error!(file = %file.display(), "the grants file cannot be used: {e}");
                 (
                     StatusCode::SERVICE_UNAVAILABLE,
-                    format!("the grants file {} cannot be used: {e}\n", file.display()),
+                    "the audit tailer cannot check grants right now (its log says why)\n"
+                        .to_owned(),
                 )
             })?;
         let token = bearer(headers).ok_or((
@@ -100,16 +103,22 @@ impl Access {
             } else {
                 Err((
                     StatusCode::FORBIDDEN,
-                    format!("POST /drain is taken from this host only, not from {peer}\n"),
+                    format!(
+                        "POST /drain is taken from loopback callers only, not from {}; set \
+                         --admin-token-file to drain from elsewhere\n",
+                        peer.ip()
+                    ),
                 ))
             };
         };
         let token = std::fs::read_to_string(file)
             .map(|t| t.lines().next().unwrap_or("").trim().to_owned())
             .map_err(|e| {
+                tracing::error!(file = %file.display(), "cannot read the admin token file: {e}");
                 (
                     StatusCode::SERVICE_UNAVAILABLE,
-                    format!("cannot read the admin token file {}: {e}\n", file.display()),
+                    "POST /drain cannot check the admin token right now (the log says why)\n"
+                        .to_owned(),
                 )
             })?;
         use sha2::{Digest, Sha256};

@@ -104,7 +104,7 @@ pub(crate) async fn audit(args: &AuditArgs, target: &TargetArgs) -> anyhow::Resu
             .with_context(|| format!("--tls-ca {} is not a PEM certificate", ca.display()))?]);
     }
     let mut request = client.build()?.get(url.clone());
-    if let Some(token) = &target.auth_token {
+    if let Some(token) = target.auth_token.as_ref().filter(|t| !t.is_empty()) {
         request = request.bearer_auth(token);
     }
     let reply = request

@@ -80,7 +80,8 @@ impl Target {
                 "--tls-cert needs --tls-ca (the CA that signed the proxies' certificates)"
             );
         }
-        if let Some(token) = &args.auth_token {
+        // An empty LOCKCELL_AUTH_TOKEN= is no token, not an empty one.
+        if let Some(token) = args.auth_token.as_ref().filter(|t| !t.is_empty()) {
             options = options.token(token.clone());
         }
         Ok(Target {
