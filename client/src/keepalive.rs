@@ -40,6 +40,9 @@ use crate::validity::Stamp;
 use lockcell_proto::suspend;
 
 /// How long a Resume may take before the proxy counts as unreachable.
+/// Largest Resume reply taken: 4,096 keys of 512-byte names, each with its reason.
+const RESUME_REPLY_BYTES: usize = 16 << 20;
+
 const RESUME_TIMEOUT: Duration = Duration::from_secs(3);
 /// How often sessions are checked against the grace period.
 const GRACE_SWEEP: Duration = Duration::from_millis(250);
@@ -747,7 +750,11 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
             session_secret: session.secret.clone(),
         });
         request.set_timeout(RESUME_TIMEOUT);
-        let status = match SessionClient::new(channel.clone()).resume(request).await {
+        // A resume of many keys, all lost, answers with a reason for each: more than
+        // gRPC's default 4 MiB for the largest resume the proxy takes.
+        let mut sessions =
+            SessionClient::new(channel.clone()).max_decoding_message_size(RESUME_REPLY_BYTES);
+        let status = match sessions.resume(request).await {
             Ok(reply) => {
                 let reply = reply.into_inner();
                 for lost in reply.lost {
