@@ -791,7 +791,75 @@ pub async fn the_audit_history_answers_only_who_may_read_it() -> anyhow::Result<
     )
     .await?;
     ensure!(got == 401, "a short token was taken: {got}");
-    tailer.stop().await
+    tailer.stop().await?;
+
+    // Over HTTPS, as deployed: lockctl audit with the CA and a token, while another
+    // client sits on an unfinished handshake (it holds up no one).
+    let ca = lockcell_tests::certs::Authority::new(&dir.path().join("certs"))?;
+    let server = ca.server("audit")?;
+    let addr = format!("127.0.0.1:{}", lockcell_tests::ports::free_port());
+    let mut cmd = std::process::Command::new(lockcell_tests::bins::workspace_bin("lockcell-cell")?);
+    cmd.args(["audit", "run", "--etcd", &etcd.endpoints().join(",")])
+        .arg("--data-dir")
+        .arg(dir.path().join("audit"))
+        .args([
+            "--listen",
+            &addr,
+            "--etcd-user",
+            lockcell_cell::rbac::TAILER_USER,
+        ])
+        .arg("--grants")
+        .arg(dir.path().join("grants.toml"))
+        .arg("--tls-cert")
+        .arg(&server.cert)
+        .arg("--tls-key")
+        .arg(&server.key)
+        .env(
+            "LOCKCELL_ETCD_PASSWORD",
+            lockcell_tests::etcd::TAILER_PASSWORD,
+        );
+    let _https = lockcell_tests::process::Managed::spawn(
+        "audit tailer (https)",
+        cmd,
+        &dir.path().join("audit-https.log"),
+    )?;
+    let _stalled = lockcell_tests::eventually(
+        "the https tailer listens",
+        Duration::from_secs(20),
+        || async { Ok(tokio::net::TcpStream::connect(&addr).await.ok()) },
+    )
+    .await?;
+    let shown = lockcell_tests::eventually(
+        "lockctl audit over https shows the trail",
+        Duration::from_secs(20),
+        || async {
+            let out = tokio::process::Command::new(lockcell_tests::bins::workspace_bin("lockctl")?)
+                .args([
+                    "audit",
+                    "jobs/nightly",
+                    "--audit",
+                    &format!("https://{addr}"),
+                ])
+                .arg("--tls-ca")
+                .arg(&ca.ca)
+                .env("LOCKCELL_AUTH_TOKEN", token_of("mallory"))
+                .output()
+                .await?;
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            anyhow::ensure!(
+                out.status.success(),
+                "lockctl audit: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            Ok(stdout.contains("granted").then_some(stdout))
+        },
+    )
+    .await?;
+    ensure!(
+        !shown.contains("hunter2"),
+        "lockctl audit over https showed a value: {shown}"
+    );
+    Ok(())
 }
 
 /// A renewed serving certificate takes effect without a restart: once the files

@@ -383,11 +383,15 @@ async fn history(
     }
 }
 
-/// A TCP listener that speaks TLS (`--tls-cert`, `--tls-key`): a connection is handed on
-/// once its handshake is done, within [`HANDSHAKE_TIMEOUT`].
+/// A TCP listener that speaks TLS (`--tls-cert`, `--tls-key`): each connection's
+/// handshake runs on its own (within [`HANDSHAKE_TIMEOUT`]), and a connection is handed
+/// on once it is done, so a client that stalls its handshake holds up no one else.
 pub struct TlsListener {
-    tcp: TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
+    local: SocketAddr,
+    handshaken: tokio::sync::mpsc::Receiver<(
+        tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+        SocketAddr,
+    )>,
 }
 
 /// How long a client has to finish its TLS handshake.
@@ -411,10 +415,35 @@ impl TlsListener {
             .with_no_client_auth()
             .with_single_cert(certs, key)
             .context("setting up TLS with --tls-cert and --tls-key")?;
-        Ok(TlsListener {
-            tcp,
-            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
-        })
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let local = tcp.local_addr()?;
+        let (tx, handshaken) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            loop {
+                let (stream, peer) = tokio::select! {
+                    accepted = tcp.accept() => match accepted {
+                        Ok(accepted) => accepted,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accepting an audit HTTP connection failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    },
+                    _ = tx.closed() => return,
+                };
+                let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                tokio::spawn(async move {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(tls)) => {
+                            let _ = tx.send((tls, peer)).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    }
+                });
+            }
+        });
+        Ok(TlsListener { local, handshaken })
     }
 }
 
@@ -423,24 +452,14 @@ impl axum::serve::Listener for TlsListener {
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        loop {
-            let (stream, peer) = match self.tcp.accept().await {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accepting an audit HTTP connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, self.acceptor.accept(stream)).await {
-                Ok(Ok(tls)) => return (tls, peer),
-                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-            }
+        match self.handshaken.recv().await {
+            Some(handshaken) => handshaken,
+            // The accepting task ends only with the channel; never here while serving.
+            None => std::future::pending().await,
         }
     }
 
     fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        self.tcp.local_addr()
+        Ok(self.local)
     }
 }

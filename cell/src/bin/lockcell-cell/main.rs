@@ -329,6 +329,8 @@ async fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    // The audit tailer's HTTPS and etcd's TLS both use rustls; this process uses ring.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     if let Some(reference) = lockcell_settings::reference_requested::<Cli>() {
         print!("{reference}");
         return;
