@@ -550,4 +550,43 @@ mod tests {
             "{message}"
         );
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// A transaction passes only when it keeps every rule: at most 64 operations,
+            /// at least one write, each key written once and a valid name, each value
+            /// within the limit; whatever passes is exactly what was asked.
+            #[test]
+            fn a_txn_passes_exactly_when_it_keeps_every_rule(
+                keys in proptest::collection::vec("[ab/!.]{0,4}", 0..70),
+                sizes in proptest::collection::vec(0usize..24, 0..70),
+            ) {
+                let writes: Vec<TxnWrite> = keys
+                    .iter()
+                    .zip(sizes.iter().chain(std::iter::repeat(&0)))
+                    .map(|(k, n)| if *n % 5 == 0 { delete(k) } else { put(k, &vec![b'v'; *n]) })
+                    .collect();
+                let names_ok = keys.iter().all(|k| LockName::parse(k).is_ok());
+                let distinct = keys.iter().enumerate().all(|(i, k)| !keys[..i].contains(k));
+                let values_ok = writes.iter().all(|w| match &w.op {
+                    Some(Op::Put(v)) => v.len() <= LIMIT,
+                    _ => true,
+                });
+                let fine = !writes.is_empty()
+                    && writes.len() <= MAX_TXN_OPS
+                    && names_ok
+                    && distinct
+                    && values_ok;
+                let checked = check_txn(TxnRequest { compares: Vec::new(), writes }, LIMIT);
+                prop_assert_eq!(checked.is_ok(), fine, "{:?} {:?}", keys, sizes);
+                if let Ok(checked) = checked {
+                    let kept: Vec<&str> = checked.writes.iter().map(|w| w.name().as_str()).collect();
+                    prop_assert_eq!(kept, keys.iter().map(String::as_str).collect::<Vec<_>>());
+                }
+            }
+        }
+    }
 }
