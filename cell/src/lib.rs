@@ -9,6 +9,7 @@
 //! decisions.
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod arbiter;
 pub mod audit;
 pub mod epoch;
@@ -20,6 +21,7 @@ pub mod kv;
 pub mod locklog;
 pub mod rbac;
 pub mod shardmap;
+pub mod tls;
 
 pub use error::CellError;
 pub use keyspace::{LockName, Mode, NameError};

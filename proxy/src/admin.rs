@@ -8,12 +8,11 @@
 //! that restarts on failure starts it again, and a drain no operator asked for shows.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
@@ -28,9 +27,6 @@ use crate::state::ProxyState;
 /// The exit status of a proxy stopped by `POST /drain` (SIGTERM's drain exits 0).
 pub const EXIT_DRAINED: i32 = 3;
 
-/// Shortest admin token taken: long enough that guessing it is hopeless.
-pub const MIN_TOKEN_LEN: usize = 32;
-
 #[derive(Clone)]
 struct Admin {
     metrics: PrometheusHandle,
@@ -40,21 +36,6 @@ struct Admin {
     token_file: Option<PathBuf>,
     /// Set when `POST /drain` started the drain.
     drained: Arc<AtomicBool>,
-}
-
-/// The admin token in `path`: its first line, trimmed, at least [`MIN_TOKEN_LEN`]
-/// characters.
-pub fn read_token(path: &Path) -> anyhow::Result<String> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading the admin token file {}", path.display()))?;
-    let token = text.lines().next().unwrap_or("").trim().to_owned();
-    anyhow::ensure!(
-        token.len() >= MIN_TOKEN_LEN,
-        "the admin token in {} has {} characters; it needs at least {MIN_TOKEN_LEN}",
-        path.display(),
-        token.len()
-    );
-    Ok(token)
 }
 
 impl Admin {
@@ -158,9 +139,15 @@ async fn drain(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
 ) -> (StatusCode, String) {
-    if let Err(refused) = trusted(&admin, peer, &headers) {
-        tracing::warn!(%peer, "POST /drain refused: {}", refused.1.trim_end());
-        return refused;
+    let authorization = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if let Err((status, why)) =
+        lockcell_cell::access::check_drain(admin.token_file.as_deref(), peer, authorization)
+    {
+        tracing::warn!(%peer, "POST /drain refused: {}", why.trim_end());
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FORBIDDEN);
+        return (status, why);
     }
     let state = admin.first();
     admin.drained.store(true, Ordering::SeqCst);
@@ -179,65 +166,6 @@ async fn drain(
         state.config.drain_timeout
     );
     (StatusCode::ACCEPTED, body)
-}
-
-/// Whether `POST /drain` from `peer` with `headers` may stop the proxy: with the admin
-/// token when there is one (from anywhere; loopback proves nothing behind a mesh
-/// sidecar), else from loopback only.
-fn trusted(
-    admin: &Admin,
-    peer: SocketAddr,
-    headers: &HeaderMap,
-) -> Result<(), (StatusCode, String)> {
-    let Some(file) = &admin.token_file else {
-        return if is_loopback(peer) {
-            Ok(())
-        } else {
-            Err((
-                StatusCode::FORBIDDEN,
-                format!(
-                    "POST /drain answers only callers on this host's loopback, not {}; \
-                     set --admin-token-file to drain from elsewhere\n",
-                    peer.ip()
-                ),
-            ))
-        };
-    };
-    let token = read_token(file).map_err(|e| {
-        // The caller may be anyone: the operator's log says which file and why.
-        tracing::error!("POST /drain cannot check the admin token: {e:#}");
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "POST /drain cannot check the admin token right now (the log says why)\n".into(),
-        )
-    })?;
-    let offered = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match offered {
-        Some(offered) if same_secret(offered, &token) => Ok(()),
-        _ => Err((
-            StatusCode::UNAUTHORIZED,
-            "POST /drain needs the admin token: Authorization: Bearer TOKEN\n".into(),
-        )),
-    }
-}
-
-fn is_loopback(peer: SocketAddr) -> bool {
-    match peer.ip() {
-        std::net::IpAddr::V4(ip) => ip.is_loopback(),
-        std::net::IpAddr::V6(ip) => {
-            ip.is_loopback() || ip.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
-        }
-    }
-}
-
-/// Compares two secrets by their digests, so the time taken tells nothing about how
-/// much of a guess was right.
-fn same_secret(a: &str, b: &str) -> bool {
-    use sha2::{Digest, Sha256};
-    Sha256::digest(a.as_bytes()) == Sha256::digest(b.as_bytes())
 }
 
 /// Alive: the process answers (a liveness probe; readiness is `/readyz`).

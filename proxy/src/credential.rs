@@ -9,6 +9,7 @@
 //! (the identity is part of the derivation), and the id alone, or a guessed one,
 //! proves nothing.
 
+use lockcell_cell::grants::hex;
 use sha2::{Digest, Sha256};
 
 /// Bytes of randomness in a secret (hex-encoded on the wire).
@@ -88,10 +89,6 @@ pub fn check(id: &str, secret: &str, principal: Option<&str>) -> Result<(), toni
 /// much of a guess was right.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -79,10 +79,7 @@ impl Grants {
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let (scheme, token) = v.split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then_some(token)
-            });
+            .and_then(lockcell_cell::access::bearer);
         match bearer {
             Some(token) => self
                 .rules

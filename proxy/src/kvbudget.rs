@@ -128,12 +128,6 @@ impl KvBudget {
             ticket: Some(ticket),
         }))
     }
-
-    /// Bytes reserved now (for tests and metrics).
-    pub fn reserved(&self) -> usize {
-        let reserved = self.reserved.lock().expect("kv budget lock");
-        reserved.writes.iter().map(|(_, _, g)| g).sum()
-    }
 }
 
 impl Admitted<'_> {

@@ -94,7 +94,7 @@ pub async fn run(
 ) -> anyhow::Result<Stopped> {
     config.validate()?;
     if let Some(file) = &config.admin_token_file {
-        admin::read_token(file)?;
+        lockcell_cell::access::read_admin_token(file)?;
     }
     let proxy_id = config
         .proxy_id

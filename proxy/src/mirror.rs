@@ -109,12 +109,6 @@ impl Mirror {
         self.bytes
     }
 
-    /// How much writing `value_len` bytes to `name` adds to [`Self::bytes`] (0 when it
-    /// replaces a value at least as long).
-    pub fn growth(&self, name: &str, value_len: usize) -> usize {
-        self.net_growth(&[(name, Some(value_len))]).max(0) as usize
-    }
-
     /// What `writes` (each a key and its new value's length, or `None` for a delete)
     /// change [`Self::bytes`] by, together: a delete frees what its key holds.
     pub fn net_growth(&self, writes: &[(&str, Option<usize>)]) -> i64 {
@@ -292,9 +286,19 @@ mod tests {
             ],
         );
         assert_eq!(mirror.bytes(), key_bytes("a", 1) + key_bytes("bb", 3));
-        assert_eq!(mirror.growth("a", 1), 0, "a value no longer adds nothing");
-        assert_eq!(mirror.growth("a", 4), 3);
-        assert_eq!(mirror.growth("c", 0), key_bytes("c", 0));
+        assert_eq!(
+            mirror.net_growth(&[("a", Some(1))]),
+            0,
+            "a value no longer adds nothing"
+        );
+        assert_eq!(mirror.net_growth(&[("a", Some(4))]), 3);
+        assert_eq!(
+            mirror.net_growth(&[("c", Some(0))]),
+            key_bytes("c", 0) as i64
+        );
+        let freed = -(key_bytes("bb", 3) as i64);
+        assert_eq!(mirror.net_growth(&[("bb", None)]), freed);
+        assert_eq!(mirror.net_growth(&[("bb", None), ("a", Some(1))]), freed);
         mirror.apply(13, [("a".into(), 13, None), ("zz".into(), 13, None)]);
         assert_eq!(mirror.bytes(), key_bytes("bb", 3));
     }

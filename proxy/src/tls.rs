@@ -10,15 +10,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
-use anyhow::Context as _;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::WebPkiClientVerifier;
 use rustls::ServerConfig;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
 
 use crate::metrics as m;
 
@@ -123,99 +119,20 @@ fn stamps(files: &TlsFiles) -> Vec<Stamp> {
 }
 
 fn build(files: &TlsFiles) -> anyhow::Result<ServerConfig> {
-    let certs = CertificateDer::pem_file_iter(&files.cert)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .with_context(|| {
-            format!(
-                "reading the TLS certificate (--tls-cert) {}",
-                files.cert.display()
-            )
-        })?;
-    anyhow::ensure!(
-        !certs.is_empty(),
-        "the TLS certificate file (--tls-cert) {} holds no certificate",
-        files.cert.display()
-    );
-    let key = PrivateKeyDer::from_pem_file(&files.key)
-        .with_context(|| format!("reading the TLS key (--tls-key) {}", files.key.display()))?;
-    let builder = ServerConfig::builder();
-    let builder = match &files.client_ca {
-        Some(ca) => {
-            let what = || {
-                format!(
-                    "the client CA certificate (--tls-client-ca) {}",
-                    ca.display()
-                )
-            };
-            let mut roots = rustls::RootCertStore::empty();
-            for cert in
-                CertificateDer::pem_file_iter(ca).with_context(|| format!("reading {}", what()))?
-            {
-                roots
-                    .add(cert.with_context(|| format!("reading {}", what()))?)
-                    .with_context(what)?;
-            }
-            let verifier = WebPkiClientVerifier::builder(Arc::new(roots))
-                .build()
-                .with_context(what)?;
-            builder.with_client_cert_verifier(verifier)
-        }
-        None => builder.with_no_client_auth(),
-    };
-    let mut config = builder.with_single_cert(certs, key).with_context(|| {
-        format!(
-            "the TLS key {} does not go with the certificate {}",
-            files.key.display(),
-            files.cert.display()
-        )
-    })?;
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(config)
+    lockcell_cell::tls::server_config(
+        &files.cert,
+        &files.key,
+        files.client_ca.as_deref(),
+        &[b"h2"],
+    )
 }
 
 /// The connections `listener` accepts, each once its TLS handshake is done with the
-/// configuration in force when it began (within [`HANDSHAKE_TIMEOUT`]; a client that
-/// fails or stalls it is dropped without holding up the others).
+/// configuration in force when it began (within [`HANDSHAKE_TIMEOUT`]).
 pub fn incoming(
     listener: TcpListener,
     tls: Arc<ReloadingTls>,
-) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
-        loop {
-            let accepted = tokio::select! {
-                accepted = listener.accept() => accepted,
-                _ = tx.closed() => return,
-            };
-            let (tcp, peer) = match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // Out of descriptors, most likely: wait rather than spin.
-                    tracing::warn!(error = %e, "accepting a client connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            tune(&tcp);
-            let acceptor = tokio_rustls::TlsAcceptor::from(tls.config());
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => {
-                        let _ = tx.send(Ok(stream)).await;
-                    }
-                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                }
-            });
-        }
-    });
-    ReceiverStream::new(rx)
-}
-
-/// Replies go out at once (no Nagle), and a peer that vanished is noticed.
-fn tune(tcp: &TcpStream) {
-    let _ = tcp.set_nodelay(true);
-    let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(30));
-    let _ = socket2::SockRef::from(tcp).set_tcp_keepalive(&keepalive);
+) -> impl Stream<Item = std::io::Result<TlsStream<TcpStream>>> {
+    let handshaken = lockcell_cell::tls::accept(listener, move || tls.config(), HANDSHAKE_TIMEOUT);
+    ReceiverStream::new(handshaken).map(|(stream, _)| Ok(stream))
 }

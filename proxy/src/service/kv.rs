@@ -36,17 +36,6 @@ pub struct KvService {
     pub state: Arc<ProxyState>,
 }
 
-impl KvService {
-    /// Whether the caller may read `key` (always, when the proxy checks no grants).
-    fn readable<T>(&self, request: &Request<T>, key: &str) -> Result<bool, Status> {
-        let grants = self.state.grants.current();
-        Ok(match grants.caller(request)? {
-            Some(caller) => grants.check(&caller, Right::Read, key).is_ok(),
-            None => true,
-        })
-    }
-}
-
 /// A key as shown to a caller who may write it but not read it: its revisions, never
 /// its value or the lease it lives on.
 fn unread(kv: KeyValue) -> KeyValue {
@@ -95,19 +84,20 @@ impl KvApi for KvService {
 
     #[tracing::instrument(skip_all, fields(kv.key = %request.get_ref().key))]
     async fn put(&self, request: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
+        // The caller is identified once: it must write the key, own the session it
+        // names, and is shown the key's value only if it may read it.
         let put = request.get_ref();
-        let readable = self.readable(&request, &put.key)?;
-        if put.session_id.is_empty() {
-            let grants = self.state.grants.current();
-            grants.authorize(&request, Right::Write, &[&put.key])?;
-        } else {
-            self.state.authorize_session(
-                &request,
-                Right::Write,
-                &put.key,
-                &put.session_id,
-                &put.session_secret,
-            )?;
+        let grants = self.state.grants.current();
+        let caller = grants.caller(&request)?;
+        let readable = match &caller {
+            Some(caller) => {
+                grants.check(caller, Right::Write, &put.key)?;
+                grants.check(caller, Right::Read, &put.key).is_ok()
+            }
+            None => true,
+        };
+        if !put.session_id.is_empty() {
+            crate::credential::check(&put.session_id, &put.session_secret, caller.as_deref())?;
         }
         let req = request.into_inner();
         let state = &self.state;

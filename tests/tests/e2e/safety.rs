@@ -577,19 +577,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
     let (etcd, proxies) = cell(&["a", "b"]).await?;
     let mut store = etcd.client().await?;
     let (mut sessions_a, mut locks_a) = raw(&proxies[0]).await?;
-    let victim = sessions_a.open(opening("victim")).await?.into_inner();
-    let granted = locks_a
-        .acquire(AcquireRequest {
-            session_id: victim.session_id.clone(),
-            session_secret: victim.session_secret.clone(),
-            lock: "jobs/nightly".into(),
-            wait_timeout_ms: Some(0),
-            mode: 0,
-            call_id: "v1".into(),
-        })
-        .await?
-        .into_inner();
-    let token = granted.token.context("no token")?;
+    let (_victim, token) = victim_holding(&mut sessions_a, &mut locks_a, "jobs/nightly").await?;
     let key = store.get("/l/jobs/nightly/!x", None).await?;
     let victim_lease = key.kvs().first().context("no holder key")?.lease();
 
@@ -665,19 +653,7 @@ pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_gr
     let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
     let mut store = etcd.client().await?;
     let (mut sessions, mut locks) = raw(&proxy).await?;
-    let victim = sessions.open(opening("victim")).await?.into_inner();
-    let granted = locks
-        .acquire(AcquireRequest {
-            session_id: victim.session_id.clone(),
-            session_secret: victim.session_secret.clone(),
-            lock: "jobs/shared-lease".into(),
-            wait_timeout_ms: Some(0),
-            mode: 0,
-            call_id: "v1".into(),
-        })
-        .await?
-        .into_inner();
-    let token = granted.token.context("no token")?;
+    let (victim, token) = victim_holding(&mut sessions, &mut locks, "jobs/shared-lease").await?;
     let attacker = sessions.open(opening("attacker")).await?.into_inner();
     ensure!(
         attacker.lease_id == victim.lease_id,
@@ -753,6 +729,31 @@ pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_gr
 }
 
 /// A raw Open of a 20 s session labelled `identity`.
+/// A session named "victim" that holds `lock` (call "v1"), and its grant's token.
+async fn victim_holding(
+    sessions: &mut lockcell_proto::v1::session_client::SessionClient<tonic::transport::Channel>,
+    locks: &mut lockcell_proto::v1::lock_client::LockClient<tonic::transport::Channel>,
+    lock: &str,
+) -> anyhow::Result<(
+    lockcell_proto::v1::OpenResponse,
+    lockcell_proto::v1::FencingToken,
+)> {
+    let victim = sessions.open(opening("victim")).await?.into_inner();
+    let granted = locks
+        .acquire(AcquireRequest {
+            session_id: victim.session_id.clone(),
+            session_secret: victim.session_secret.clone(),
+            lock: lock.into(),
+            wait_timeout_ms: Some(0),
+            mode: 0,
+            call_id: "v1".into(),
+        })
+        .await?
+        .into_inner();
+    let token = granted.token.context("no token")?;
+    Ok((victim, token))
+}
+
 fn opening(identity: &str) -> OpenRequest {
     OpenRequest {
         ttl_ms: 20_000,

@@ -540,6 +540,22 @@ pub async fn one_client_cannot_send_without_bounds() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The small keys under `fill/` in etcd, and the bytes of their values.
+async fn filled(store: &mut etcd_client::Client) -> anyhow::Result<(Vec<String>, usize)> {
+    let listed = store
+        .get(
+            "/k/fill/",
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await?;
+    let names = listed
+        .kvs()
+        .iter()
+        .map(|kv| kv.key_str().map(|k| k.trim_start_matches("/k/").to_owned()))
+        .collect::<Result<_, _>>()?;
+    Ok((names, listed.kvs().iter().map(|kv| kv.value().len()).sum()))
+}
+
 /// Every proxy keeps a copy of every small key, so one writer could grow every proxy
 /// of the cell: the bound on what small keys hold is the cell's. Writes racing through
 /// two proxies at once pass it by at most one write per proxy; writes through one proxy
@@ -560,8 +576,6 @@ pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow
     let other = Client::connect(&proxies[1].url()).await?;
     let value = vec![b'v'; 60 * 1024];
     let mut store = etcd.client().await?;
-    let held =
-        |kvs: &[etcd_client::KeyValue]| -> usize { kvs.iter().map(|kv| kv.value().len()).sum() };
 
     // 48 writes at once, half through each proxy: one per proxy may be in flight
     // unseen by the other, so the cell passes the bound by two writes at most.
@@ -595,15 +609,7 @@ pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow
             .all(|e| matches!(e, Error::ResourceExhausted(_) | Error::Unavailable(_))),
         "racing writes were refused otherwise: {refused:?}"
     );
-    let after_race = held(
-        store
-            .get(
-                "/k/fill/",
-                Some(etcd_client::GetOptions::new().with_prefix()),
-            )
-            .await?
-            .kvs(),
-    );
+    let (_, after_race) = filled(&mut store).await?;
     ensure!(
         after_race <= LIMIT + 2 * value.len(),
         "racing writes took the small keys to {after_race} bytes under a {LIMIT}-byte bound"
@@ -629,15 +635,7 @@ pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow
         matches!(&refusal, Error::ResourceExhausted(m) if m.contains("--max-kv-total-bytes")),
         "the write past the bound was not refused by name: {refusal:?}"
     );
-    let total = held(
-        store
-            .get(
-                "/k/fill/",
-                Some(etcd_client::GetOptions::new().with_prefix()),
-            )
-            .await?
-            .kvs(),
-    );
+    let (_, total) = filled(&mut store).await?;
     ensure!(
         total <= LIMIT + 2 * value.len(),
         "etcd holds {total} bytes of small keys past the bound"
@@ -657,17 +655,7 @@ pub async fn one_writer_cannot_grow_every_proxy_past_the_cells_bound() -> anyhow
     )
     .await?;
     // A transaction that frees more than it writes goes through.
-    let listed = store
-        .get(
-            "/k/fill/",
-            Some(etcd_client::GetOptions::new().with_prefix()),
-        )
-        .await?;
-    let names: Vec<String> = listed
-        .kvs()
-        .iter()
-        .map(|kv| kv.key_str().map(|k| k.trim_start_matches("/k/").to_owned()))
-        .collect::<Result<_, _>>()?;
+    let (names, _) = filled(&mut store).await?;
     ensure!(names.len() >= 3, "only {} keys were written", names.len());
     let swapped = writer
         .commit(

@@ -33,14 +33,15 @@ use tokio::sync::watch;
 /// Most events one query returns.
 const MAX_LIMIT: usize = 10_000;
 
+/// What the HTTP server answers from.
 #[derive(Clone)]
-struct Audit {
-    metrics: PrometheusHandle,
-    store: Arc<Store>,
-    stats: Arc<TailerStats>,
-    readiness: Arc<Readiness>,
-    stop: Arc<watch::Sender<bool>>,
-    access: Arc<Access>,
+pub struct Audit {
+    pub metrics: PrometheusHandle,
+    pub store: Arc<Store>,
+    pub stats: Arc<TailerStats>,
+    pub readiness: Arc<Readiness>,
+    pub stop: Arc<watch::Sender<bool>>,
+    pub access: Arc<Access>,
 }
 
 /// Who may ask what.
@@ -76,7 +77,9 @@ impl Access {
                         .to_owned(),
                 )
             })?;
-        let token = bearer(headers).ok_or((
+        let token = authorization(headers)
+            .and_then(lockcell_cell::access::bearer)
+            .ok_or((
             StatusCode::UNAUTHORIZED,
             "the audit history needs a bearer token the grants list (Authorization: Bearer TOKEN)\n"
                 .to_owned(),
@@ -94,56 +97,14 @@ impl Access {
             _ => Ok(false),
         }
     }
-
-    /// Whether `POST /drain` from `peer` with `headers` may stop the tailer.
-    fn may_drain(&self, peer: SocketAddr, headers: &HeaderMap) -> Result<(), Refusal> {
-        let Some(file) = &self.admin_token else {
-            return if peer.ip().is_loopback() {
-                Ok(())
-            } else {
-                Err((
-                    StatusCode::FORBIDDEN,
-                    format!(
-                        "POST /drain is taken from loopback callers only, not from {}; set \
-                         --admin-token-file to drain from elsewhere\n",
-                        peer.ip()
-                    ),
-                ))
-            };
-        };
-        let token = std::fs::read_to_string(file)
-            .map(|t| t.lines().next().unwrap_or("").trim().to_owned())
-            .map_err(|e| {
-                tracing::error!(file = %file.display(), "cannot read the admin token file: {e}");
-                (
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "POST /drain cannot check the admin token right now (the log says why)\n"
-                        .to_owned(),
-                )
-            })?;
-        use sha2::{Digest, Sha256};
-        let same = bearer(headers).is_some_and(|offered| {
-            token.len() >= lockcell_cell::grants::MIN_TOKEN_LEN
-                && Sha256::digest(offered.as_bytes()) == Sha256::digest(token.as_bytes())
-        });
-        if same {
-            Ok(())
-        } else {
-            Err((
-                StatusCode::UNAUTHORIZED,
-                "POST /drain needs the admin token: Authorization: Bearer TOKEN\n".into(),
-            ))
-        }
-    }
 }
 
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    let value = headers
+/// The `Authorization` header's value, if it is text.
+fn authorization(headers: &HeaderMap) -> Option<&str> {
+    headers
         .get(axum::http::header::AUTHORIZATION)?
         .to_str()
-        .ok()?;
-    let (scheme, token) = value.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+        .ok()
 }
 
 /// An event as shown without its values: a small key's or leader's value and the lease
@@ -244,35 +205,20 @@ impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TlsL
     }
 }
 
-/// Serves on `listener` (plain TCP, or [`TlsListener`]) until `stop`.
-#[allow(clippy::too_many_arguments)]
-pub async fn serve<L>(
-    listener: L,
-    metrics: PrometheusHandle,
-    store: Arc<Store>,
-    stats: Arc<TailerStats>,
-    readiness: Arc<Readiness>,
-    stop: Arc<watch::Sender<bool>>,
-    access: Access,
-) where
+/// Serves `audit` on `listener` (plain TCP, or [`TlsListener`]) until its `stop`.
+pub async fn serve<L>(listener: L, audit: Audit)
+where
     L: axum::serve::Listener<Addr = SocketAddr>,
     Peer: for<'a> axum::extract::connect_info::Connected<axum::serve::IncomingStream<'a, L>>,
 {
-    let mut stopped = stop.subscribe();
+    let mut stopped = audit.stop.subscribe();
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/drain", post(drain))
         .route("/metrics", get(render_metrics))
         .route("/v1/audit", get(history))
-        .with_state(Audit {
-            metrics,
-            store,
-            stats,
-            readiness,
-            stop,
-            access: Arc::new(access),
-        });
+        .with_state(audit);
     let app = app.into_make_service_with_connect_info::<Peer>();
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
@@ -326,8 +272,12 @@ async fn drain(
     ConnectInfo(Peer(peer)): ConnectInfo<Peer>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(refused) = audit.access.may_drain(peer, &headers) {
-        return refused.into_response();
+    let token_file = audit.access.admin_token.as_deref();
+    if let Err((status, why)) =
+        lockcell_cell::access::check_drain(token_file, peer, authorization(&headers))
+    {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FORBIDDEN);
+        return (status, why).into_response();
     }
     let _ = audit.stop.send(true);
     (
@@ -403,46 +353,9 @@ impl TlsListener {
         cert: &std::path::Path,
         key: &std::path::Path,
     ) -> anyhow::Result<Self> {
-        use anyhow::Context as _;
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-        let certs = CertificateDer::pem_file_iter(cert)
-            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-            .with_context(|| format!("reading the TLS certificate {}", cert.display()))?;
-        let key = PrivateKeyDer::from_pem_file(key)
-            .with_context(|| format!("reading the TLS key {}", key.display()))?;
-        let config = rustls::ServerConfig::builder()
-            .with_no_client_auth()
-            .with_single_cert(certs, key)
-            .context("setting up TLS with --tls-cert and --tls-key")?;
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let config = Arc::new(lockcell_cell::tls::server_config(cert, key, None, &[])?);
         let local = tcp.local_addr()?;
-        let (tx, handshaken) = tokio::sync::mpsc::channel(64);
-        tokio::spawn(async move {
-            loop {
-                let (stream, peer) = tokio::select! {
-                    accepted = tcp.accept() => match accepted {
-                        Ok(accepted) => accepted,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "accepting an audit HTTP connection failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    },
-                    _ = tx.closed() => return,
-                };
-                let (acceptor, tx) = (acceptor.clone(), tx.clone());
-                tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                        Ok(Ok(tls)) => {
-                            let _ = tx.send((tls, peer)).await;
-                        }
-                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                    }
-                });
-            }
-        });
+        let handshaken = lockcell_cell::tls::accept(tcp, move || config.clone(), HANDSHAKE_TIMEOUT);
         Ok(TlsListener { local, handshaken })
     }
 }

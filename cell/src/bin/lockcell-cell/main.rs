@@ -454,15 +454,7 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(file) = &args.admin_token_file {
-        let token = std::fs::read_to_string(file)
-            .with_context(|| format!("reading the admin token file {}", file.display()))?;
-        let len = token.lines().next().unwrap_or("").trim().len();
-        anyhow::ensure!(
-            len >= lockcell_cell::grants::MIN_TOKEN_LEN,
-            "the admin token in {} has {len} characters; it needs at least {}",
-            file.display(),
-            lockcell_cell::grants::MIN_TOKEN_LEN
-        );
+        lockcell_cell::access::read_admin_token(file)?;
     }
     if let Some(file) = &args.grants {
         let text = std::fs::read_to_string(file)
@@ -525,29 +517,23 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding the audit HTTP address {}", args.listen))?;
     let store = Arc::new(store);
-    let access = http::Access {
-        grants: args.grants.clone(),
-        admin_token: args.admin_token_file.clone(),
+    let served = http::Audit {
+        metrics: prometheus,
+        store: store.clone(),
+        stats: stats.clone(),
+        readiness: readiness.clone(),
+        stop: stop_tx.clone(),
+        access: Arc::new(http::Access {
+            grants: args.grants.clone(),
+            admin_token: args.admin_token_file.clone(),
+        }),
     };
     let server = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => tokio::spawn(http::serve(
             http::TlsListener::new(listener, cert, key)?,
-            prometheus,
-            store.clone(),
-            stats.clone(),
-            readiness.clone(),
-            stop_tx.clone(),
-            access,
+            served,
         )),
-        _ => tokio::spawn(http::serve(
-            listener,
-            prometheus,
-            store.clone(),
-            stats.clone(),
-            readiness.clone(),
-            stop_tx.clone(),
-            access,
-        )),
+        _ => tokio::spawn(http::serve(listener, served)),
     };
     let housekeeping = tokio::spawn(housekeeping(
         store.clone(),
