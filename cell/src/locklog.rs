@@ -655,11 +655,14 @@ pub struct Grant {
 }
 
 /// The call behind an unsettled key: a holder key is that call's if its record names
-/// the session and the call; a waiter key if its value is the waiter id.
+/// the session and the call; a waiter key if its value is the waiter id; an ephemeral
+/// key if it holds the value written (nothing in etcd names a small key's writer, so a
+/// write of the same value by another session on the same lease reads the same).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MadeBy {
     pub session: String,
-    /// The acquire's call id; for a waiter key, the waiter id.
+    /// The acquire's call id; for a waiter key, the waiter id; for an ephemeral key,
+    /// the SHA-256 of the value written.
     pub call: String,
     /// Tells two attempts of one call apart, so that the record of one whose outcome
     /// is still unknown is never taken for (and forgotten with) another's.
@@ -685,7 +688,9 @@ impl LockLog {
             let Some(kv) = resp.kvs().first().filter(|kv| kv.lease() == lease) else {
                 continue;
             };
-            let mine = if grant.waiter {
+            let mine = if grant.key.starts_with(crate::keyspace::kv_root()) {
+                value_digest(kv.value()) == made_by.call
+            } else if grant.waiter {
                 kv.value() == made_by.call.as_bytes()
             } else {
                 decode(&grant.key, kv.value())
@@ -775,10 +780,32 @@ impl Grant {
         }
     }
 
+    /// The ephemeral key `name` that `session` writes `value` to, before etcd has
+    /// answered the write.
+    pub fn unsettled_ephemeral(name: &LockName, session: &str, value: &[u8]) -> Grant {
+        Grant {
+            made_by: Some(MadeBy {
+                session: session.to_owned(),
+                call: value_digest(value),
+                attempt: rand::random(),
+            }),
+            ..Grant::ephemeral(name, 0)
+        }
+    }
+
     /// Whether the key's outcome is still unknown.
     pub fn is_unsettled(&self) -> bool {
         self.made_by.is_some()
     }
+}
+
+/// How an unsettled ephemeral write knows its value again (see [`MadeBy`]).
+fn value_digest(value: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(value)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// The compare that lets `mode` in: no holder at all for exclusive, no exclusive holder

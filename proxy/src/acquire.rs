@@ -355,7 +355,7 @@ async fn enqueue(
 /// Whether a failed etcd call may have been applied all the same: it went out and no
 /// answer came back (a deadline, a broken connection). An answer, even a refusal, or a
 /// request etcd turned away before proposing it, settles it.
-fn unknown_outcome(e: &CellError) -> bool {
+pub(crate) fn unknown_outcome(e: &CellError) -> bool {
     matches!(e, CellError::Timeout { .. } | CellError::Etcd { .. }) && !e.turned_away()
 }
 
@@ -659,11 +659,11 @@ async fn attempt_grant(
     }))
 }
 
-/// After a grant transaction whose outcome is unknown: reads whether it was applied.
-/// Found, it is recorded as the session's hold (its call gets it back when retried; it
-/// goes when the session ends); not found, or not readable now, the unsettled record
-/// stays, and the session's end looks again.
-async fn settle_unknown(state: &ProxyState, session: &Session, pending: Grant) {
+/// After a grant transaction (or an ephemeral write) whose outcome is unknown: reads
+/// whether it was applied. Found, it is recorded as the session's hold or key (a
+/// retried call gets it back; it goes when the session ends); not found, or not
+/// readable now, the unsettled record stays, and the session's end looks again.
+pub(crate) async fn settle_unknown(state: &ProxyState, session: &Session, pending: Grant) {
     match state
         .locklog
         .settle(std::slice::from_ref(&pending), session.lease)
@@ -682,7 +682,7 @@ async fn settle_unknown(state: &ProxyState, session: &Session, pending: Grant) {
             }
         }
         Err(e) => {
-            tracing::warn!(session.id = %session.id, key = %pending.key, error = %e, "a grant's outcome is unknown; the session's end looks for it again");
+            tracing::warn!(session.id = %session.id, key = %pending.key, error = %e, "a write's outcome is unknown; the session's end looks for it again");
         }
     }
 }

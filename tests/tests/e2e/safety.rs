@@ -1,6 +1,7 @@
 //! The lock's first promise against what real clients do: guards dropped and the lock
 //! taken again at once, a second acquire of a lock the session holds, and etcd
-//! answering a grant or an enqueue after the proxy's deadline (the outcome unknown).
+//! answering a grant, an enqueue or an ephemeral write after the proxy's deadline (the
+//! outcome unknown).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -8,7 +9,10 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
 use lockcell_client::{Client, Error, FencingToken, Wait};
-use lockcell_proto::v1::{AcquireRequest, CloseRequest, LockMode, OpenRequest, ReleaseRequest};
+use lockcell_proto::v1::kv_client::KvClient;
+use lockcell_proto::v1::{
+    AcquireRequest, CloseRequest, LockMode, OpenRequest, PutRequest, ReleaseRequest,
+};
 use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
 use crate::contention::CLASSES;
@@ -292,6 +296,90 @@ pub async fn a_grant_etcd_applied_after_the_deadline_is_still_the_sessions() -> 
         .acquire("late/b", Wait::Try)
         .await?
         .context("the lock was not free after the session closed")?;
+    Ok(())
+}
+
+/// An ephemeral write etcd applies after the proxy's deadline: the key lives on the
+/// proxy's lease, which outlives the session, so unless the session owns it, it stays
+/// (a member announced by nobody). Its close must take it away, whether the proxy could
+/// read it back at once or only at the close.
+pub async fn an_ephemeral_write_etcd_applied_after_the_deadline_is_still_the_sessions(
+) -> anyhow::Result<()> {
+    let (etcd, link, proxy) = proxy_through_link("a", None).await?;
+    let store = etcd.client().await?;
+    let (mut sessions, _) = raw(&proxy).await?;
+    let channel = tonic::transport::Channel::from_shared(proxy.url())?
+        .connect()
+        .await?;
+    let mut kv = KvClient::new(channel);
+    let session = sessions
+        .open(OpenRequest {
+            ttl_ms: 60_000,
+            identity: "late".into(),
+        })
+        .await?
+        .into_inner();
+    let present = |key: &'static str| {
+        let mut store = store.clone();
+        async move {
+            let found = store.get(format!("/k/{key}"), None).await?;
+            anyhow::Ok(found.kvs().first().map(|kv| kv.lease()))
+        }
+    };
+
+    // Cut for longer than the write and the read back after it take (2 s each), and
+    // for less: either way the client hears the outcome is unknown.
+    for (key, cut) in [("members/late-a", 10), ("members/late-b", 3)] {
+        link.cut_replies_after(format!("/k/{key}").as_bytes(), Duration::from_secs(cut));
+        let refused = kv
+            .put(PutRequest {
+                key: key.into(),
+                value: b"here".to_vec(),
+                condition: None,
+                session_id: session.session_id.clone(),
+                session_secret: session.session_secret.clone(),
+            })
+            .await;
+        ensure!(!link.trap_pending(), "the write never crossed the link");
+        let refused = refused
+            .err()
+            .context("the write was answered in time: the test injected nothing")?;
+        ensure!(
+            matches!(
+                refused.code(),
+                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+            ),
+            "an unknown outcome is neither UNAVAILABLE nor DEADLINE_EXCEEDED: {refused:?}"
+        );
+        eventually(
+            "etcd applies the late write",
+            Duration::from_secs(15),
+            || {
+                let found = present(key);
+                async move { Ok(found.await?.map(|_| ())) }
+            },
+        )
+        .await?;
+    }
+
+    sessions
+        .close(CloseRequest {
+            session_id: session.session_id.clone(),
+            session_secret: session.session_secret.clone(),
+            ..Default::default()
+        })
+        .await?;
+    for key in ["members/late-a", "members/late-b"] {
+        eventually(
+            &format!("the close deletes {key}, whose write had no answer"),
+            Duration::from_secs(10),
+            || {
+                let found = present(key);
+                async move { Ok(found.await?.is_none().then_some(())) }
+            },
+        )
+        .await?;
+    }
     Ok(())
 }
 
