@@ -2,7 +2,8 @@
 # Installs what building and testing lockcell needs, only when it is missing:
 # protoc (etcd-client's build needs it), etcd and etcdctl (the tests start real etcd).
 #
-# Also, when missing, the servers only the audit store tests use: clickhouse-server
+# Also, when missing, libfaketime (the Debian package faketime), which the fault runs'
+# clock faults preload, and the servers only the audit store tests use: clickhouse-server
 # (Debian package) and the S3-compatible moto server (PyPI, into a virtualenv at
 # .lockcell-tools/venv), and kubernetes-validate (PyPI, same virtualenv), which checks
 # the manifests of deploy/kubernetes/ against the Kubernetes schemas it bundles, offline.
@@ -48,6 +49,15 @@ if ! command -v clickhouse-server >/dev/null 2>&1 && ! command -v clickhouse >/d
         :
     else
         echo "lockcell setup: missing: clickhouse-server (Debian package); the ClickHouse audit store tests will be skipped" >&2
+    fi
+fi
+
+# Optional: libfaketime for the fault runs' clock faults.
+if [ ! -f /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] && [ ! -f /usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1 ]; then
+    if can_apt && echo "lockcell setup: installing faketime" && apt_install faketime; then
+        :
+    else
+        echo "lockcell setup: missing: faketime (Debian package); the fault runs' clock faults will be skipped" >&2
     fi
 fi
 

@@ -34,6 +34,24 @@ pub fn workspace_bin(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// Where Debian's `faketime` package puts libfaketime, the library that runs a process's
+/// clocks fast or slow when preloaded (`LD_PRELOAD`, `FAKETIME="+0 x0.99"`).
+const LIBFAKETIME: [&str; 2] = [
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+];
+
+/// The environment that runs a process's clocks at `rate` times the machine's (every
+/// clock the C library reads, monotonic and boot time alike, from the moment it
+/// starts), or `None` without libfaketime (`make setup` installs it).
+pub fn faketime_env(rate: f64) -> Option<Vec<(String, String)>> {
+    let library = LIBFAKETIME.iter().find(|p| Path::new(p).is_file())?;
+    Some(vec![
+        ("LD_PRELOAD".to_owned(), (*library).to_owned()),
+        ("FAKETIME".to_owned(), format!("+0 x{rate}")),
+    ])
+}
+
 /// Path of a program on PATH, if there is one.
 pub fn on_path(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;

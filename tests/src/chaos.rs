@@ -5,16 +5,30 @@
 //! Faults: a client paused (SIGSTOP) for longer than its TTL, the "GC pause", taken
 //! while it holds a lock; a proxy SIGKILLed and started again on its address; a proxy
 //! paused (SIGSTOP) past its lease TTL; a proxy cut off from etcd (its link black-holed)
-//! past its lease TTL; that link slowed down; a proxy cut off from its clients (their
+//! past its lease TTL; that link slowed down; etcd's answers to that proxy lost, past
+//! its etcd deadline, just after a grant, an enqueue or an ephemeral write went through
+//! (outcomes unknown); a proxy cut off from its clients (their
 //! link black-holed); the etcd leader SIGKILLed (and started again); a whole zone lost
 //! (its etcd member, its proxy and the clients whose own zone it is, all SIGKILLed, then
-//! started again). Clients know every proxy and move their sessions (locks and tokens
-//! unchanged) when theirs fails. Besides the lock checks, every small-key write the
-//! service acknowledged must be in the store's history at the revision it was
-//! acknowledged with.
+//! started again); a client or proxy started again with its clocks running fast or
+//! slow within the proxies' clock-rate bound (libfaketime). Clients know every proxy
+//! and move their sessions (locks and tokens unchanged) when theirs fails.
+//!
+//! Every run has a lock of the default class (waiters in each proxy's arbiter) and one
+//! of a fair class (waiters in line in the store). Besides the checks over the clients'
+//! records, the run watches the store's holder and waiter keys: every guard a client
+//! was told is valid must match a holder key living at that time, and no lock may stay
+//! free long while a waiter key stands in its line; every small-key write the service
+//! acknowledged must be in the store's history at the revision it was acknowledged
+//! with; and once every client is gone, no holder or waiter key may be left.
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use anyhow::Context;
+use etcd_client::{EventType, WatchOptions};
 
 use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
@@ -22,13 +36,13 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use std::process::Command;
 
-use crate::checker::{self, Verdict};
+use crate::checker::{self, StoreBounds, StoreEvent, Verdict};
 use crate::fenced_server::FencedServer;
 use crate::process::Managed;
 use crate::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
 /// The kinds of fault a run injects, each once, in an order the seed picks.
-pub const FAULTS: [&str; 9] = [
+pub const FAULTS: [&str; 10] = [
     "pause-client",
     "kill-proxy",
     "pause-proxy",
@@ -38,7 +52,44 @@ pub const FAULTS: [&str; 9] = [
     "cut-clients-from-proxy",
     "kill-etcd-leader",
     "lose-zone",
+    "skew-clock",
 ];
+
+/// The fault kinds this machine can inject: every one, "skew-clock" only where
+/// libfaketime is installed (`make setup` installs it).
+pub fn available_faults() -> Vec<&'static str> {
+    let faketime = bins::faketime_env(1.0).is_some();
+    FAULTS
+        .into_iter()
+        .filter(|f| *f != "skew-clock" || faketime)
+        .collect()
+}
+
+/// The proxies' clock-rate bound (`--clock-rate-bound`): how much faster or slower than
+/// a proxy's clock a client's may run, and a proxy's than etcd's, with every validity
+/// still safe. The "skew-clock" fault stays within four fifths of it.
+pub const CLOCK_RATE_BOUND: f64 = 0.01;
+
+/// The classes of a run's proxies: its second lock (`chaos/fair/l1`) is of a fair
+/// class, whose waiters stand in line in the store.
+const CLASSES: &str = r#"[[class]]
+name = "chaos-fair"
+prefix = "chaos/fair/"
+fair = true
+"#;
+
+/// The names of a run's locks: even ones of the default class, odd ones fair.
+fn lock_names(locks: usize) -> Vec<String> {
+    (0..locks)
+        .map(|l| {
+            if l % 2 == 1 {
+                format!("chaos/fair/l{l}")
+            } else {
+                format!("chaos/l{l}")
+            }
+        })
+        .collect()
+}
 
 /// How long the "unknown-outcomes" fault keeps etcd's answers from proxy c: past its
 /// etcd deadline (2 s), within its lease TTL (3 s).
@@ -69,7 +120,7 @@ impl RunOptions {
             locks: 2,
             ttl: Duration::from_secs(2),
             settle: Duration::from_secs(2),
-            faults: FAULTS.to_vec(),
+            faults: available_faults(),
         }
     }
 }
@@ -88,6 +139,8 @@ pub struct RunReport {
     pub records: Vec<checker::Record>,
     /// Acknowledged small-key writes checked against the store's history.
     pub kv_writes: usize,
+    /// Which process the "skew-clock" fault started again, at what rate.
+    pub skewed: Option<String>,
 }
 
 /// A client paused while it held a lock.
@@ -115,6 +168,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
     let mut rng = StdRng::seed_from_u64(options.seed);
     let mut etcd = EtcdCluster::start_in(dir, 3).await?;
     let relay = Relay::start(&etcd.endpoints()[0]).await?;
+    let proxy_options = ProxyShape::new(dir)?;
     let mut proxies = Vec::new();
     for zone in ["a", "b", "c"] {
         // Proxy c reaches etcd only through the relay, which a fault black-holes.
@@ -123,43 +177,35 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         } else {
             etcd.endpoints()
         };
-        proxies.push(ProxyProcess::start(&ProxyOptions::new(zone, endpoints), dir).await?);
+        proxies.push(ProxyProcess::start(&proxy_options.of(zone, endpoints), dir).await?);
     }
     let lease_ttl = ProxyOptions::new("c", Vec::new()).lease_ttl;
+    let watch = StoreWatch::start(&etcd).await?;
     // Clients reach each proxy through a relay of their own, which a fault black-holes.
     let mut client_relays = Vec::new();
     for proxy in &proxies {
         client_relays.push(Relay::start(&proxy.addr).await?);
     }
     let fenced = FencedServer::start().await?;
-    let locks: Vec<String> = (0..options.locks).map(|l| format!("chaos/l{l}")).collect();
-    let client_bin = bins::workspace_bin("lockcell-chaos-client")?;
+    let locks = lock_names(options.locks);
     let mut clients = Vec::new();
     for c in 0..options.clients {
         let mut order: Vec<String> = client_relays.iter().map(|r| r.url()).collect();
         order.rotate_left(c % proxies.len());
-        let mut cmd = Command::new(&client_bin);
-        cmd.arg("--proxies")
-            .arg(order.join(","))
-            .arg("--locks")
-            .arg(locks.join(","))
-            .arg("--log")
-            .arg(dir.join(format!("client-{c}.jsonl")))
-            .arg("--fenced")
-            .arg(&fenced.addr)
-            .arg("--name")
-            .arg(format!("client-{c}"))
-            .arg("--ttl")
-            .arg(format!("{}ms", options.ttl.as_millis()))
-            .arg("--seed")
-            .arg((options.seed * 1000 + c as u64).to_string());
-        let log = dir.join(format!("client-{c}.log"));
-        clients.push(Managed::spawn(format!("client {c}"), cmd, &log)?);
+        let shape = ClientShape {
+            proxies: order,
+            locks: locks.clone(),
+            ttl: options.ttl,
+            seed: options.seed * 1000 + c as u64,
+            hold_for: None,
+        };
+        clients.push(shape.spawn(dir, c, &fenced.addr, &[])?);
     }
 
     let mut faults = options.faults.clone();
     faults.shuffle(&mut rng);
     let mut paused = None;
+    let mut skewed = None;
     tokio::time::sleep(options.settle).await;
     for fault in &faults {
         match *fault {
@@ -188,7 +234,10 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 // The next grant proxy c sends reaches etcd and is applied, but neither
                 // its answer nor any other comes back before c's etcd deadline: c does
                 // not know whether it granted, and its session must still own the key.
-                relay.cut_replies_after(b"/l/chaos/", ANSWERS_LOST_FOR);
+                // A grant, a fair waiter's enqueue or an ephemeral write.
+                let pattern: &[u8] = [&b"/l/chaos/"[..], b"/q/chaos/fair/", b"/k/chaos/members/"]
+                    [rng.random_range(0..3)];
+                relay.cut_replies_after(pattern, ANSWERS_LOST_FOR);
                 let sprung = eventually("proxy c sends a grant", options.ttl * 10, || async {
                     Ok((!relay.trap_pending()).then_some(()))
                 })
@@ -209,7 +258,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 // a or b: c's fault is the partition.
                 let p = rng.random_range(0..2);
                 proxies[p].process.kill();
-                let mut again = ProxyOptions::new(&proxies[p].zone.clone(), etcd.endpoints());
+                let mut again = proxy_options.of(&proxies[p].zone.clone(), etcd.endpoints());
                 again.listen = Some(proxies[p].addr.clone());
                 tokio::time::sleep(options.settle).await;
                 proxies[p] = ProxyProcess::start(&again, dir).await?;
@@ -238,12 +287,33 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 }
                 tokio::time::sleep(lease_ttl * 2).await;
                 etcd.members[z].process.respawn()?;
-                let mut again = ProxyOptions::new(&proxies[z].zone.clone(), etcd.endpoints());
+                let mut again = proxy_options.of(&proxies[z].zone.clone(), etcd.endpoints());
                 again.listen = Some(proxies[z].addr.clone());
                 proxies[z] = ProxyProcess::start(&again, dir).await?;
                 for &c in &own {
                     clients[c].respawn()?;
                 }
+            }
+            "skew-clock" => {
+                // Within the bound, so the checker must find nothing. The process keeps
+                // its clocks' rate for the rest of the run.
+                let rate = 1.0 + rng.random_range(-0.8..0.8) * CLOCK_RATE_BOUND;
+                let env = bins::faketime_env(rate).context("libfaketime is not installed")?;
+                if rng.random_bool(0.5) {
+                    let c = rng.random_range(0..clients.len());
+                    clients[c].respawn_with_env(&env)?;
+                    skewed = Some(format!("client-{c} at x{rate:.4}"));
+                } else {
+                    // a or b (c's link to etcd goes through the relay).
+                    let p = rng.random_range(0..2);
+                    proxies[p].process.kill();
+                    let mut again = proxy_options.of(&proxies[p].zone.clone(), etcd.endpoints());
+                    again.listen = Some(proxies[p].addr.clone());
+                    again.env = env;
+                    proxies[p] = ProxyProcess::start(&again, dir).await?;
+                    skewed = Some(format!("proxy {} at x{rate:.4}", proxies[p].zone));
+                }
+                tokio::time::sleep(options.ttl * 3).await;
             }
             other => anyhow::bail!("unknown fault {other}"),
         }
@@ -260,9 +330,19 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         records.extend(checker::read_records(&text));
     }
     let mut verdict = checker::check(&records);
+    let (events, watched_until_ns) = watch.finish(&etcd).await?;
+    verdict.violations.extend(checker::check_store(
+        &records,
+        &events,
+        StoreBounds {
+            free_while_waited_ns: free_while_waited(options.ttl, lease_ttl),
+            watched_until_ns,
+        },
+    ));
     let kv_writes = check_writes(&etcd, &records, &mut verdict.violations).await?;
     // Every client is gone: once their sessions have expired (and a dead proxy's leases
-    // with them), no holder or waiter key may be left. One that is belongs to nobody.
+    // with them), no holder, waiter or membership key may be left. One that is belongs
+    // to nobody.
     let within = options.ttl.max(lease_ttl) * 3 + Duration::from_secs(5);
     if let Err(left) = eventually("every lock and queue is empty", within, || async {
         let left = keys_left(&etcd).await?;
@@ -293,15 +373,284 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         paused,
         records,
         kv_writes,
+        skewed,
     })
 }
 
-/// The holder keys under `/l/` (release markers aside) and the waiter keys under `/q/`
-/// in the store, each with its value.
+/// What the clock-rate bound is for, shown: one proxy, and two clients contending for one
+/// lock, the first with its clocks at `rate` times the machine's and holding for long.
+/// Once it holds, its link to the proxy is cut: its session expires at the proxy, which
+/// lets the lock go to the second client, while the first still acts until the deadline
+/// its own clock shows. Within the bound its deadline comes before the proxy lets go;
+/// beyond it (a clock slower by more), the checker sees two holders at once. Returns
+/// the checker's verdict, records and store checks both.
+pub async fn skewed_holder_run(dir: &Path, rate: f64) -> anyhow::Result<Verdict> {
+    let env = bins::faketime_env(rate).context("libfaketime is not installed")?;
+    let ttl = Duration::from_secs(2);
+    let etcd = EtcdCluster::start_in(dir, 1).await?;
+    let proxy = ProxyProcess::start(&ProxyShape::new(dir)?.of("a", etcd.endpoints()), dir).await?;
+    let relays = [
+        Relay::start(&proxy.addr).await?,
+        Relay::start(&proxy.addr).await?,
+    ];
+    let fenced = FencedServer::start().await?;
+    let watch = StoreWatch::start(&etcd).await?;
+    let shape = |c: usize, hold_for| ClientShape {
+        proxies: vec![relays[c].url()],
+        locks: lock_names(1),
+        ttl,
+        seed: c as u64,
+        hold_for,
+    };
+    let mut slow = shape(0, Some(ttl * 5)).spawn(dir, 0, &fenced.addr, &env)?;
+    let mut other = shape(1, None).spawn(dir, 1, &fenced.addr, &[])?;
+    let held = holding(&dir.join("client-0.jsonl"), Duration::from_secs(30)).await?;
+    relays[0].cut(true);
+    let cut_at = checker::now_ns();
+    // The other client is granted the lock once the proxy has let it go, and the first
+    // stops believing once its own clock shows its deadline passed.
+    let records_of = |c: usize| {
+        let text =
+            std::fs::read_to_string(dir.join(format!("client-{c}.jsonl"))).unwrap_or_default();
+        checker::read_records(&text)
+    };
+    eventually("the other client is granted the lock", ttl * 5, || async {
+        Ok(records_of(1)
+            .iter()
+            .any(|r| matches!(r, checker::Record::Grant { at_ns, .. } if *at_ns > cut_at))
+            .then_some(()))
+    })
+    .await?;
+    eventually(
+        "the first client stops believing it holds the lock",
+        ttl * 5,
+        || async {
+            Ok(records_of(0)
+                .iter()
+                .any(|r| matches!(r, checker::Record::End { token, .. } if *token == held.token))
+                .then_some(()))
+        },
+    )
+    .await?;
+    slow.kill();
+    other.kill();
+    let records: Vec<_> = records_of(0).into_iter().chain(records_of(1)).collect();
+    let mut verdict = checker::check(&records);
+    let (events, watched_until_ns) = watch.finish(&etcd).await?;
+    let lease_ttl = ProxyOptions::new("a", Vec::new()).lease_ttl;
+    verdict.violations.extend(checker::check_store(
+        &records,
+        &events,
+        StoreBounds {
+            free_while_waited_ns: free_while_waited(ttl, lease_ttl),
+            watched_until_ns,
+        },
+    ));
+    Ok(verdict)
+}
+
+/// The longest a lock may stay free while a waiter key stands in its line: a waiter
+/// whose client is gone, paused or cut off leaves with its session (the TTL, and the
+/// proxy's reaper); one whose proxy is dead or cut off from etcd, with its proxy's lease
+/// (whose count etcd starts again when its leader changes). Twice each covers both
+/// and the watch's delay; a waiter key nobody owns stays for ever.
+fn free_while_waited(ttl: Duration, lease_ttl: Duration) -> u64 {
+    ((ttl + lease_ttl) * 2).as_nanos() as u64
+}
+
+/// How a run starts its proxies: with the run's classes and the clock-rate bound.
+struct ProxyShape {
+    classes: std::path::PathBuf,
+}
+
+impl ProxyShape {
+    fn new(dir: &Path) -> anyhow::Result<ProxyShape> {
+        let classes = dir.join("classes.toml");
+        std::fs::write(&classes, CLASSES)?;
+        Ok(ProxyShape { classes })
+    }
+
+    fn of(&self, zone: &str, etcd: Vec<String>) -> ProxyOptions {
+        let mut options = ProxyOptions::new(zone, etcd);
+        options.extra_args = vec![
+            "--classes".into(),
+            self.classes.display().to_string(),
+            "--clock-rate-bound".into(),
+            format!("{}%", CLOCK_RATE_BOUND * 100.0),
+        ];
+        options
+    }
+}
+
+/// How a run starts a client process.
+struct ClientShape {
+    /// The proxies' addresses, its own first.
+    proxies: Vec<String>,
+    locks: Vec<String>,
+    ttl: Duration,
+    seed: u64,
+    /// How long it holds every lock (`None`: a random 50 to 300 ms).
+    hold_for: Option<Duration>,
+}
+
+impl ClientShape {
+    /// Starts client `c` with `env` added to its environment, its record at
+    /// `client-{c}.jsonl` under `dir`.
+    fn spawn(
+        &self,
+        dir: &Path,
+        c: usize,
+        fenced: &str,
+        env: &[(String, String)],
+    ) -> anyhow::Result<Managed> {
+        let mut cmd = Command::new(bins::workspace_bin("lockcell-chaos-client")?);
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
+        cmd.arg("--proxies")
+            .arg(self.proxies.join(","))
+            .arg("--locks")
+            .arg(self.locks.join(","))
+            .arg("--log")
+            .arg(dir.join(format!("client-{c}.jsonl")))
+            .arg("--fenced")
+            .arg(fenced)
+            .arg("--name")
+            .arg(format!("client-{c}"))
+            .arg("--ttl")
+            .arg(format!("{}ms", self.ttl.as_millis()))
+            .arg("--seed")
+            .arg(self.seed.to_string());
+        if let Some(hold) = self.hold_for {
+            cmd.arg("--hold-for").arg(format!("{}ms", hold.as_millis()));
+        }
+        let log = dir.join(format!("client-{c}.log"));
+        Managed::spawn(format!("client {c}"), cmd, &log)
+    }
+}
+
+/// The watched range: from `/l/` to the end of `/q/` (holder keys, release markers,
+/// waiter keys, and the run's mark between them).
+const WATCHED: (&str, &str) = ("/l/", "/q0");
+
+/// A key in the watched range no lockcell process uses: written at the end of a run to
+/// know when its watch has caught up with the store.
+const WATCH_MARK: &str = "/o~chaos-watch-mark";
+
+/// What the run's watch has seen: the changes to holder and waiter keys, and the
+/// highest revision of anything in the watched range.
+#[derive(Default)]
+struct Seen {
+    events: Vec<StoreEvent>,
+    revision: i64,
+}
+
+/// The run's watch on the store's holder and waiter keys, each change stamped with when
+/// it arrived; it starts again where it stopped when its etcd member goes.
+struct StoreWatch {
+    seen: Arc<Mutex<Seen>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StoreWatch {
+    async fn start(etcd: &EtcdCluster) -> anyhow::Result<StoreWatch> {
+        let mut client = etcd.client().await?;
+        let now = client.get(WATCH_MARK, None).await?;
+        let from = now.header().map_or(1, |h| h.revision() + 1);
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let task = tokio::spawn(watch_store(client, from, seen.clone()));
+        Ok(StoreWatch { seen, task })
+    }
+
+    /// Waits until the watch has seen everything written so far, stops it, and returns
+    /// what it saw and when it had caught up.
+    async fn finish(self, etcd: &EtcdCluster) -> anyhow::Result<(Vec<StoreEvent>, u64)> {
+        let client = etcd.client().await?;
+        let mark = eventually(
+            "the run's watch mark is written",
+            Duration::from_secs(15),
+            || {
+                let mut client = client.clone();
+                async move {
+                    Ok(match client.put(WATCH_MARK, "", None).await {
+                        Ok(put) => Some(put.header().map_or(0, |h| h.revision())),
+                        Err(e) => {
+                            eprintln!("writing the watch mark: {e}");
+                            None
+                        }
+                    })
+                }
+            },
+        )
+        .await?;
+        let caught_up = eventually(
+            "the run's watch catches up with the store",
+            Duration::from_secs(15),
+            || async { Ok((self.seen.lock().expect("seen").revision >= mark).then_some(())) },
+        )
+        .await;
+        self.task.abort();
+        caught_up?;
+        let until = checker::now_ns();
+        let events = std::mem::take(&mut self.seen.lock().expect("seen").events);
+        Ok((events, until))
+    }
+}
+
+/// Follows the watched range from revision `next` on, for ever.
+async fn watch_store(mut client: etcd_client::Client, mut next: i64, seen: Arc<Mutex<Seen>>) {
+    // Each live key's create revision, for deletes that come without the key before.
+    let mut created: HashMap<String, i64> = HashMap::new();
+    loop {
+        let options = WatchOptions::new()
+            .with_range(WATCHED.1)
+            .with_prev_key()
+            .with_start_revision(next);
+        if let Ok(mut stream) = client.watch(WATCHED.0, Some(options)).await {
+            while let Ok(Some(reply)) = stream.message().await {
+                if reply.canceled() {
+                    break;
+                }
+                let at_ns = checker::now_ns();
+                let mut seen = seen.lock().expect("seen");
+                for event in reply.events() {
+                    let Some(kv) = event.kv() else {
+                        continue;
+                    };
+                    let key = String::from_utf8_lossy(kv.key()).into_owned();
+                    let revision = kv.mod_revision();
+                    next = next.max(revision + 1);
+                    seen.revision = seen.revision.max(revision);
+                    if !key.starts_with("/l/") && !key.starts_with("/q/") {
+                        continue;
+                    }
+                    let deleted = event.event_type() == EventType::Delete;
+                    let create_revision = if deleted {
+                        let before = event.prev_kv().map(|p| p.create_revision());
+                        created.remove(&key).or(before).unwrap_or(0)
+                    } else {
+                        created.insert(key.clone(), kv.create_revision());
+                        kv.create_revision()
+                    };
+                    seen.events.push(StoreEvent {
+                        at_ns,
+                        revision,
+                        key,
+                        create_revision,
+                        deleted,
+                    });
+                }
+            }
+        }
+        // Its member went away: the client tries another; pace the retries.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The holder keys under `/l/` (release markers aside), the waiter keys under `/q/` and
+/// the clients' ephemeral membership keys in the store, each with its value.
 async fn keys_left(etcd: &EtcdCluster) -> anyhow::Result<Vec<String>> {
     let mut client = etcd.client().await?;
     let mut left = Vec::new();
-    for prefix in ["/l/", "/q/"] {
+    for prefix in ["/l/", "/q/", "/k/chaos/members/"] {
         let resp = client
             .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
             .await?;

@@ -224,6 +224,183 @@ pub fn check(records: &[Record]) -> Verdict {
     verdict
 }
 
+/// Now, in nanoseconds of the machine's monotonic clock, as the harness reads it (the
+/// harness never runs with a faked clock; a client that may reads it by the system
+/// call).
+pub fn now_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .expect("CLOCK_MONOTONIC is there");
+    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
+}
+
+/// A change to a holder or waiter key (`/l/`, `/q/`) as the run's watch on the store
+/// delivered it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreEvent {
+    /// When the watch delivered it (the machine's monotonic clock): at or after the
+    /// change was made, never before.
+    pub at_ns: u64,
+    /// The store revision of the change.
+    pub revision: i64,
+    pub key: String,
+    /// The create revision of the key put, or of the key deleted.
+    pub create_revision: i64,
+    pub deleted: bool,
+}
+
+/// What a run's checks against the store's history are told besides the records.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreBounds {
+    /// The longest a lock may stay free (no holder key) while a waiter key stands in its
+    /// line: what a waiter that can no longer be granted legitimately takes to leave
+    /// (its session's or its proxy lease's expiry), with room for the watch's delay.
+    pub free_while_waited_ns: u64,
+    /// When the run stopped watching (every client gone by then).
+    pub watched_until_ns: u64,
+}
+
+/// Checks the records against the store's history of holder and waiter keys:
+///
+/// - every guard the SDK reported valid (a grant, or an act, before the deadline the
+///   client believed) matched a holder key in the store at that time: the lock's
+///   exclusive holder key with the token's create revision had been put, and had not
+///   yet been deleted (the delete's watch time is at or after the delete, so this never
+///   blames a client that acted just before it);
+/// - no lock stayed free (no holder key) for longer than
+///   [`StoreBounds::free_while_waited_ns`] while a waiter key stood in its line: a
+///   waiter key nobody owns blocks every waiter behind it.
+pub fn check_store(records: &[Record], events: &[StoreEvent], bounds: StoreBounds) -> Vec<String> {
+    let mut violations = Vec::new();
+    // (key, create revision) -> when the watch saw it deleted, if it did
+    let mut lives: HashMap<(&str, i64), Option<u64>> = HashMap::new();
+    for e in events {
+        if e.deleted {
+            if let Some(end) = lives.get_mut(&(e.key.as_str(), e.create_revision)) {
+                end.get_or_insert(e.at_ns);
+            }
+        } else {
+            lives
+                .entry((e.key.as_str(), e.create_revision))
+                .or_insert(None);
+        }
+    }
+    for record in records {
+        let (what, client, lock, token, at_ns, deadline_ns) = match record {
+            Record::Grant {
+                client,
+                lock,
+                token,
+                at_ns,
+                deadline_ns,
+            } => ("was granted", client, lock, token, at_ns, deadline_ns),
+            Record::Act {
+                client,
+                lock,
+                token,
+                at_ns,
+                deadline_ns,
+                ..
+            } => ("acted on", client, lock, token, at_ns, deadline_ns),
+            _ => continue,
+        };
+        if at_ns >= deadline_ns {
+            // Never a valid guard (an act on it is caught by `check`).
+            continue;
+        }
+        let Ok(t) = token.parse::<FencingToken>() else {
+            continue;
+        };
+        let key = format!("/l/{lock}/!x");
+        match lives.get(&(key.as_str(), t.revision)) {
+            None => violations.push(format!(
+                "{client} {what} {lock} with token {token} at {at_ns} ns, but the store never had its holder key {key} of create revision {}",
+                t.revision
+            )),
+            Some(Some(deleted)) if deleted <= at_ns => violations.push(format!(
+                "{client} {what} {lock} with token {token} at {at_ns} ns, but its holder key {key} was deleted by {deleted} ns"
+            )),
+            Some(_) => {}
+        }
+    }
+    violations.extend(free_while_waited(events, bounds));
+    violations
+}
+
+/// The lock a holder or waiter key belongs to, and whether it is a holder key; `None`
+/// for release markers and keys of neither kind.
+fn key_role(key: &str) -> Option<(&str, bool)> {
+    let (rest, holder) = if let Some(rest) = key.strip_prefix("/l/") {
+        (rest, true)
+    } else {
+        (key.strip_prefix("/q/")?, false)
+    };
+    let (lock, tail) = rest.split_once("/!")?;
+    (tail == "x" || tail.starts_with("s/") || tail.starts_with("x/")).then_some((lock, holder))
+}
+
+/// Every time a lock stayed free longer than the bound while a waiter key stood in its
+/// line (see [`check_store`]).
+fn free_while_waited(events: &[StoreEvent], bounds: StoreBounds) -> Vec<String> {
+    #[derive(Default)]
+    struct Line<'a> {
+        holders: std::collections::BTreeSet<&'a str>,
+        waiters: std::collections::BTreeSet<&'a str>,
+        /// Since when it has been free with someone in line, and who stood first then.
+        stuck_since: Option<(u64, &'a str)>,
+    }
+    let mut violations = Vec::new();
+    let mut lines: BTreeMap<&str, Line> = BTreeMap::new();
+    let mut report = |lock: &str, (since, waiter): (u64, &str), until: u64| {
+        if until.saturating_sub(since) > bounds.free_while_waited_ns {
+            violations.push(format!(
+                "{lock} was free for {} ms from {since} ns while waiter key {waiter} stood in its line",
+                (until - since) / 1_000_000,
+            ));
+        }
+    };
+    // The events of one revision (one transaction) are applied together.
+    for batch in events.chunk_by(|a, b| a.revision == b.revision) {
+        let mut touched = Vec::new();
+        for e in batch {
+            let Some((lock, holder)) = key_role(&e.key) else {
+                continue;
+            };
+            let line = lines.entry(lock).or_default();
+            let keys = if holder {
+                &mut line.holders
+            } else {
+                &mut line.waiters
+            };
+            if e.deleted {
+                keys.remove(e.key.as_str());
+            } else {
+                keys.insert(e.key.as_str());
+            }
+            touched.push(lock);
+        }
+        let at = batch[0].at_ns;
+        for lock in touched {
+            let line = lines.get_mut(lock).expect("touched above");
+            match (line.stuck_since, line.waiters.first()) {
+                (None, Some(waiter)) if line.holders.is_empty() => {
+                    line.stuck_since = Some((at, waiter))
+                }
+                (Some(stuck), first) if first.is_none() || !line.holders.is_empty() => {
+                    line.stuck_since = None;
+                    report(lock, stuck, at);
+                }
+                _ => {}
+            }
+        }
+    }
+    for (lock, line) in &lines {
+        if let Some(stuck) = line.stuck_since {
+            report(lock, stuck, bounds.watched_until_ns);
+        }
+    }
+    violations
+}
+
 /// How long after `client`'s hold of `lock` with `token` ended (its end of belief, or
 /// the latest deadline it saw) another client was granted the lock; `None` if nobody was.
 pub fn regranted_after(records: &[Record], client: &str, lock: &str, token: &str) -> Option<u64> {
@@ -443,6 +620,84 @@ mod tests {
             at_ns: 5,
         }]);
         assert_eq!(v.violations.len(), 1, "{:?}", v.violations);
+    }
+
+    fn put(at: u64, revision: i64, key: &str, create: i64) -> StoreEvent {
+        StoreEvent {
+            at_ns: at,
+            revision,
+            key: key.into(),
+            create_revision: create,
+            deleted: false,
+        }
+    }
+
+    fn delete(at: u64, revision: i64, key: &str, create: i64) -> StoreEvent {
+        StoreEvent {
+            deleted: true,
+            ..put(at, revision, key, create)
+        }
+    }
+
+    const BOUNDS: StoreBounds = StoreBounds {
+        free_while_waited_ns: 1_000,
+        watched_until_ns: 10_000,
+    };
+
+    #[test]
+    fn a_valid_guard_must_match_a_holder_key_living_at_that_time() {
+        let events = [
+            put(100, 5, "/l/l/!x", 5),
+            delete(500, 6, "/l/l/!x", 5),
+            put(600, 9, "/l/l/!x", 9),
+        ];
+        // Granted and acted while the key lived; a late act past its deadline is not
+        // this rule's (check flags it).
+        let fine = [
+            grant("a", "1:5", 150, 900),
+            act("a", "1:5", 400, 900, true),
+            act("a", "1:5", 950, 900, false),
+            grant("b", "1:9", 650, 2_000),
+        ];
+        assert!(check_store(&fine, &events, BOUNDS).is_empty());
+        // Acted after its key was deleted, believing itself valid.
+        let late = [act("a", "1:5", 520, 900, true)];
+        let v = check_store(&late, &events, BOUNDS);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].contains("was deleted by 500 ns"), "{v:?}");
+        // A token whose holder key the store never had.
+        let v = check_store(&[grant("c", "1:7", 650, 900)], &events, BOUNDS);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].contains("never had"), "{v:?}");
+    }
+
+    #[test]
+    fn a_lock_left_free_while_a_waiter_stands_in_line_is_caught() {
+        // Handed over in one transaction (waiter key deleted, holder put): never free.
+        let handover = [
+            put(100, 5, "/l/l/!x", 5),
+            put(150, 6, "/q/l/!x/w1", 6),
+            delete(200, 7, "/l/l/!x", 5),
+            delete(210, 8, "/q/l/!x/w1", 6),
+            put(210, 8, "/l/l/!x", 8),
+        ];
+        assert!(check_store(&[], &handover, BOUNDS).is_empty());
+        // Free from 200 with w1 in line until 1,500: longer than the bound.
+        let mut orphan = handover[..3].to_vec();
+        orphan.push(delete(1_500, 8, "/q/l/!x/w1", 6));
+        let v = check_store(&[], &orphan, BOUNDS);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].contains("/q/l/!x/w1"), "{v:?}");
+        // Still free with w1 in line when the watch ended.
+        let v = check_store(&[], &handover[..3], BOUNDS);
+        assert_eq!(v.len(), 1, "{v:?}");
+        // Release markers are neither holders nor waiters.
+        let marker = [
+            put(100, 5, "/q/l/!x/w1", 5),
+            put(100, 5, "/l/l/!r", 5),
+            delete(300, 6, "/q/l/!x/w1", 5),
+        ];
+        assert!(check_store(&[], &marker, BOUNDS).is_empty());
     }
 
     #[test]

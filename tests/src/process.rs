@@ -75,6 +75,16 @@ impl Managed {
         Ok(())
     }
 
+    /// Starts the process again as [`Managed::respawn`] does, with `env` added to its
+    /// environment from now on.
+    pub fn respawn_with_env(&mut self, env: &[(String, String)]) -> anyhow::Result<()> {
+        for (key, value) in env {
+            self.envs.retain(|(k, _)| k != key.as_str());
+            self.envs.push((key.into(), Some(value.into())));
+        }
+        self.respawn()
+    }
+
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }

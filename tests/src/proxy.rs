@@ -40,6 +40,8 @@ pub struct ProxyOptions {
     /// The etcd user and password the proxy logs in with: the test clusters'
     /// `lockcell-proxy` by default; `None` for a cluster with authentication off.
     pub etcd_auth: Option<(String, String)>,
+    /// More environment variables (libfaketime's, say).
+    pub env: Vec<(String, String)>,
 }
 
 impl ProxyOptions {
@@ -60,6 +62,7 @@ impl ProxyOptions {
                 lockcell_cell::rbac::PROXY_USER.to_owned(),
                 crate::etcd::PROXY_PASSWORD.to_owned(),
             )),
+            env: Vec::new(),
         }
     }
 }
@@ -119,7 +122,8 @@ impl ProxyProcess {
             .args(&options.extra_args)
             .env("RUST_LOG", "info")
             .env_remove("LOCKCELL_ETCD_USER")
-            .env_remove("LOCKCELL_ETCD_PASSWORD");
+            .env_remove("LOCKCELL_ETCD_PASSWORD")
+            .envs(options.env.iter().map(|(k, v)| (k, v)));
         if let Some((user, password)) = &options.etcd_auth {
             // The password in the environment, where other users' `ps` does not show it.
             cmd.arg("--etcd-user")

@@ -23,7 +23,6 @@ use lockcell_client::{
     Client, ClientOptions, Condition, Error, Session, SessionOptions, SessionState, Wait,
 };
 use lockcell_tests::checker::Record;
-use nix::time::{clock_gettime, ClockId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
@@ -80,9 +79,18 @@ struct Args {
     /// Seed of the client's choices.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Hold every lock this long before letting go (default: a random 50 to 300 ms).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    hold_for: Option<Duration>,
 }
 
-/// Converts instants to nanoseconds of CLOCK_MONOTONIC, comparable across processes.
+/// Converts instants to nanoseconds of the machine's CLOCK_MONOTONIC, comparable across
+/// processes, even when a fault runs this process's clock fast or slow.
+///
+/// Under libfaketime the C library's `clock_gettime` (which `Instant` reads) is faked,
+/// so the machine's clock is read with the system call itself, and an instant is placed
+/// on it at the rate the two clocks have run since the start: a deadline the faked clock
+/// reaches in 2 s, running at 0.8, is 2.5 s away on the machine's.
 struct Clock {
     base: Instant,
     base_ns: u64,
@@ -91,19 +99,53 @@ struct Clock {
 impl Clock {
     fn new() -> anyhow::Result<Clock> {
         let base = Instant::now();
-        let now = clock_gettime(ClockId::CLOCK_MONOTONIC)?;
-        let base_ns = now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64;
+        let base_ns = machine_ns()?;
         Ok(Clock { base, base_ns })
     }
 
     fn ns(&self, at: Instant) -> u64 {
-        if at >= self.base {
-            self.base_ns + (at - self.base).as_nanos() as u64
+        let now = Instant::now();
+        let Ok(now_ns) = machine_ns() else {
+            return 0;
+        };
+        let faked = (now - self.base).as_nanos() as f64;
+        let machine = now_ns.saturating_sub(self.base_ns) as f64;
+        let rate = if faked > 0.0 && machine > 0.0 {
+            faked / machine
         } else {
-            self.base_ns
-                .saturating_sub((self.base - at).as_nanos() as u64)
-        }
+            1.0
+        };
+        let ahead = if at >= now {
+            (at - now).as_nanos() as f64
+        } else {
+            -((now - at).as_nanos() as f64)
+        };
+        (now_ns as f64 + ahead / rate).max(0.0) as u64
     }
+}
+
+/// The machine's CLOCK_MONOTONIC in nanoseconds, by the system call (never faked).
+fn machine_ns() -> anyhow::Result<u64> {
+    use nix::libc;
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a pointer to a live, writable
+    // one of the right type, and reads nothing else.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_clock_gettime,
+            libc::CLOCK_MONOTONIC,
+            &mut ts as *mut libc::timespec,
+        )
+    };
+    anyhow::ensure!(
+        rc == 0,
+        "clock_gettime: {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
 struct Recorder {
@@ -315,7 +357,10 @@ async fn hold_locks(
                 })?,
             }
         }
-        let until = Instant::now() + Duration::from_millis(rng.random_range(50..300));
+        let hold = args
+            .hold_for
+            .unwrap_or_else(|| Duration::from_millis(rng.random_range(50..300)));
+        let until = Instant::now() + hold;
         let mut pace = tokio::time::interval(ACT_EVERY);
         let why = loop {
             pace.tick().await;

@@ -33,6 +33,10 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("lockcell-chaos: skipped: no `etcd` on PATH (make setup installs it)");
         return Ok(());
     }
+    let available = chaos::available_faults();
+    for fault in chaos::FAULTS.iter().filter(|f| !available.contains(f)) {
+        eprintln!("lockcell-chaos: fault kind {fault} skipped: no libfaketime (make setup installs the faketime package)");
+    }
     let first = args.seed.unwrap_or_else(|| rand::random::<u32>() as u64);
     let started = Instant::now();
     let (mut runs, mut faults, mut grants, mut acts, mut refused, mut violations) =
@@ -52,6 +56,9 @@ async fn main() -> anyhow::Result<()> {
             report.kv_writes,
             v.violations.len()
         );
+        if let Some(skewed) = &report.skewed {
+            println!("  clocks skewed: {skewed}");
+        }
         for violation in &v.violations {
             println!("  {violation}");
         }

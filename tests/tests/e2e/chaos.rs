@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use lockcell_tests::chaos::{self, RunOptions, FAULTS};
+use lockcell_tests::chaos::{self, RunOptions, CLOCK_RATE_BOUND};
 use lockcell_tests::checker::{regranted_after, Record};
 
 /// What a dead holder's lock may take beyond the session TTL to reach a waiter: the
@@ -19,6 +19,9 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(rand::random::<u16>) as u64;
     println!("fault run seed {seed} (replay: LOCKCELL_CHAOS_SEED={seed})");
+    if chaos::available_faults().len() < chaos::FAULTS.len() {
+        println!("fault kind skew-clock skipped: no libfaketime (`make setup` installs faketime)");
+    }
     let (dir, report) = chaos::run_in_temp_dir(&RunOptions::new(seed)).await?;
     let v = &report.verdict;
     println!(
@@ -26,9 +29,12 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
         report.faults, v.grants, v.acts, v.refused, report.accepted, report.kv_writes, v.violations.len()
     );
     ensure!(
-        report.faults.len() == FAULTS.len(),
+        report.faults.len() == chaos::available_faults().len(),
         "every fault kind was injected"
     );
+    if let Some(skewed) = &report.skewed {
+        println!("clocks skewed: {skewed}");
+    }
     if !v.violations.is_empty() {
         let kept = dir.keep();
         anyhow::bail!(
@@ -122,6 +128,40 @@ pub async fn a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline(
     println!(
         "{} paused holding {} (token {}); passed on {:?} after its deadline; {} grants, {} acts checked",
         paused.client, paused.lock, paused.token, Duration::from_nanos(gap), v.grants, v.acts
+    );
+    Ok(())
+}
+
+/// The clock-rate bound at work (see `chaos::skewed_holder_run`): a holder whose clocks
+/// run slow by four fifths of the bound stops believing before its proxy lets the lock
+/// go, and the checker finds nothing; one whose clocks run slow by a fifth acts on
+/// after the lock passed, and the checker sees both what the clients recorded (two
+/// holders at once) and what the store had (an act after its holder key was deleted).
+/// So a clock fault beyond the bound is one the checker would see.
+pub async fn a_holders_clock_within_the_bound_breaks_nothing_and_beyond_it_is_caught(
+) -> anyhow::Result<()> {
+    let within = 1.0 - 0.8 * CLOCK_RATE_BOUND;
+    let dir = tempfile::tempdir()?;
+    let v = chaos::skewed_holder_run(dir.path(), within).await?;
+    ensure!(
+        v.violations.is_empty(),
+        "clocks at x{within}, within the bound: violations:\n{}",
+        v.violations.join("\n")
+    );
+    ensure!(v.acts > 0, "the slow holder acted");
+    let beyond = 0.8;
+    let dir = tempfile::tempdir()?;
+    let v = chaos::skewed_holder_run(dir.path(), beyond).await?;
+    println!("clocks at x{beyond}: {:#?}", v.violations);
+    ensure!(
+        v.violations.iter().any(|w| w.contains("held it")),
+        "clocks at x{beyond}, beyond the bound: the checker saw no two holders at once: {:?}",
+        v.violations
+    );
+    ensure!(
+        v.violations.iter().any(|w| w.contains("was deleted by")),
+        "clocks at x{beyond}, beyond the bound: the checker saw no act after the holder key went: {:?}",
+        v.violations
     );
     Ok(())
 }
