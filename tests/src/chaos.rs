@@ -377,18 +377,36 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
     })
 }
 
+/// Whose clocks run off the machine's in a [`skewed_holder_run`], and at what rate.
+#[derive(Debug, Clone, Copy)]
+pub enum Skewed {
+    /// The holder's: slow, it believes its deadline later than it is.
+    Holder(f64),
+    /// The proxy's: fast, it ends sessions sooner than the validity it told.
+    Proxy(f64),
+}
+
 /// What the clock-rate bound is for, shown: one proxy, and two clients contending for one
-/// lock, the first with its clocks at `rate` times the machine's and holding for long.
-/// Once it holds, its link to the proxy is cut: its session expires at the proxy, which
-/// lets the lock go to the second client, while the first still acts until the deadline
-/// its own clock shows. Within the bound its deadline comes before the proxy lets go;
-/// beyond it (a clock slower by more), the checker sees two holders at once. Returns
-/// the checker's verdict, records and store checks both.
-pub async fn skewed_holder_run(dir: &Path, rate: f64) -> anyhow::Result<Verdict> {
+/// lock, the first holding for long. Once it holds, its link to the proxy is cut: its
+/// session expires at the proxy, which lets the lock go to the second client, while the
+/// first still acts until the deadline its own clock shows. With the holder's or the
+/// proxy's clocks off by less than the bound, the holder's deadline comes before the
+/// proxy lets go; off by more (a holder slower, a proxy faster), the checker sees two
+/// holders at once. Returns the checker's verdict, records and store checks both.
+pub async fn skewed_holder_run(dir: &Path, skewed: Skewed) -> anyhow::Result<Verdict> {
+    let rate = match skewed {
+        Skewed::Holder(rate) | Skewed::Proxy(rate) => rate,
+    };
     let env = bins::faketime_env(rate).context("libfaketime is not installed")?;
+    let (holder_env, proxy_env) = match skewed {
+        Skewed::Holder(_) => (env, Vec::new()),
+        Skewed::Proxy(_) => (Vec::new(), env),
+    };
     let ttl = Duration::from_secs(2);
     let etcd = EtcdCluster::start_in(dir, 1).await?;
-    let proxy = ProxyProcess::start(&ProxyShape::new(dir)?.of("a", etcd.endpoints()), dir).await?;
+    let mut options = ProxyShape::new(dir)?.of("a", etcd.endpoints());
+    options.env = proxy_env;
+    let proxy = ProxyProcess::start(&options, dir).await?;
     let relays = [
         Relay::start(&proxy.addr).await?,
         Relay::start(&proxy.addr).await?,
@@ -402,7 +420,7 @@ pub async fn skewed_holder_run(dir: &Path, rate: f64) -> anyhow::Result<Verdict>
         seed: c as u64,
         hold_for,
     };
-    let mut slow = shape(0, Some(ttl * 5)).spawn(dir, 0, &fenced.addr, &env)?;
+    let mut holder = shape(0, Some(ttl * 5)).spawn(dir, 0, &fenced.addr, &holder_env)?;
     let mut other = shape(1, None).spawn(dir, 1, &fenced.addr, &[])?;
     let held = holding(&dir.join("client-0.jsonl"), Duration::from_secs(30)).await?;
     relays[0].cut(true);
@@ -432,7 +450,7 @@ pub async fn skewed_holder_run(dir: &Path, rate: f64) -> anyhow::Result<Verdict>
         },
     )
     .await?;
-    slow.kill();
+    holder.kill();
     other.kill();
     let records: Vec<_> = records_of(0).into_iter().chain(records_of(1)).collect();
     let mut verdict = checker::check(&records);
@@ -552,7 +570,13 @@ struct StoreWatch {
 
 impl StoreWatch {
     async fn start(etcd: &EtcdCluster) -> anyhow::Result<StoreWatch> {
-        let mut client = etcd.client().await?;
+        // A client of its own: the cluster's shared one, made after the faults, must not
+        // have seen members go (its channel can keep routing to a member that went).
+        let root = etcd.credentials(lockcell_cell::rbac::ROOT_USER);
+        let mut client = match &root {
+            Some(root) => etcd.client_as(root).await?,
+            None => etcd_client::Client::connect(etcd.endpoints(), None).await?,
+        };
         let now = client.get(WATCH_MARK, None).await?;
         let from = now.header().map_or(1, |h| h.revision() + 1);
         let seen = Arc::new(Mutex::new(Seen::default()));

@@ -109,7 +109,7 @@ fn main() {
         handover::a_resume_the_client_gave_up_on_cannot_land_after_a_later_one,
         chaos::a_fault_run_of_every_kind_breaks_no_rule,
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
-        chaos::a_holders_clock_within_the_bound_breaks_nothing_and_beyond_it_is_caught,
+        chaos::a_clock_within_the_bound_breaks_nothing_and_beyond_it_is_caught,
         cell::a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising,
         shardmap::two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders,
         shardmap::a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves_back,
@@ -149,7 +149,7 @@ fn main() {
     }
     if lockcell_tests::bins::faketime_env(1.0).is_none() {
         missing.push((
-            "chaos::a_holders_clock",
+            "chaos::a_clock_within",
             "no libfaketime; install the faketime package (`make setup`)",
         ));
     }
