@@ -481,7 +481,9 @@ impl Drop for LeaveLine {
             self.session.clone(),
             self.lease,
         );
-        // Bounded by the etcd timeout; on failure the session's clean-up retries it.
+        // Bounded by the etcd timeout. On failure the proxy's clean-up queue retries it
+        // until etcd answers: a waiter key whose call is over must not wait for its
+        // session's end (which may be days away) while every waiter behind it waits.
         tokio::spawn(async move {
             match state
                 .locklog
@@ -492,7 +494,8 @@ impl Drop for LeaveLine {
                     .sessions
                     .forget_grant(&session, &waiter.key, waiter.revision),
                 Err(e) => {
-                    tracing::warn!(error = %e, key = %waiter.key, "could not leave the line; the session's clean-up will")
+                    tracing::warn!(error = %e, key = %waiter.key, "could not leave the line; retrying");
+                    state.cleanup.push(lease, vec![waiter]);
                 }
             }
         });

@@ -299,6 +299,98 @@ pub async fn a_grant_etcd_applied_after_the_deadline_is_still_the_sessions() -> 
     Ok(())
 }
 
+/// A fair waiter whose call ends (its wait ran out) while its proxy cannot reach etcd:
+/// its waiter key could not be deleted then, and it must leave the line as soon as etcd
+/// answers again, not when its session ends (which may be days away), or every waiter
+/// behind it waits that long.
+pub async fn a_waiter_whose_call_ended_while_etcd_was_away_leaves_the_line_when_it_is_back(
+) -> anyhow::Result<()> {
+    const LOCK: &str = "fair/away";
+    let (etcd, link, mut slow) = proxy_through_link("a", Some(CLASSES)).await?;
+    let mut options = ProxyOptions::new("b", etcd.endpoints());
+    options.extra_args = vec![
+        "--classes".into(),
+        etcd.dir.join("classes.toml").to_string_lossy().into_owned(),
+    ];
+    let fast = ProxyProcess::start(&options, &etcd.dir).await?;
+    let fast_client = Client::connect(&fast.url()).await?;
+    let holder = fast_client
+        .open_session(short_session(Duration::from_secs(20)))
+        .await?;
+    let held = holder
+        .acquire(LOCK, Wait::Try)
+        .await?
+        .context("free lock not granted")?;
+    let store = etcd.client().await?;
+    let in_line = || {
+        let mut store = store.clone();
+        async move {
+            let found = store
+                .get(
+                    format!("/q/{LOCK}/"),
+                    Some(
+                        etcd_client::GetOptions::new()
+                            .with_prefix()
+                            .with_count_only(),
+                    ),
+                )
+                .await?;
+            anyhow::Ok(found.count())
+        }
+    };
+
+    // A waiter of a long session, through the proxy whose link to etcd the test cuts.
+    let (mut sessions, mut locks) = raw(&slow).await?;
+    let waiter = sessions
+        .open(OpenRequest {
+            ttl_ms: 120_000,
+            identity: "waiter".into(),
+        })
+        .await?
+        .into_inner();
+    let waiting = tokio::spawn(async move {
+        locks
+            .acquire(AcquireRequest {
+                session_id: waiter.session_id.clone(),
+                session_secret: waiter.session_secret.clone(),
+                lock: LOCK.into(),
+                wait_timeout_ms: Some(2_000),
+                mode: 0,
+                call_id: "w1".into(),
+            })
+            .await
+    });
+    eventually("the waiter stands in line", Duration::from_secs(10), || {
+        let count = in_line();
+        async move { Ok((count.await? == 1).then_some(())) }
+    })
+    .await?;
+    link.cut(true);
+    let ended = waiting.await?;
+    ensure!(
+        !matches!(&ended, Ok(reply) if reply.get_ref().granted),
+        "the waiter was granted a held lock: {ended:?}"
+    );
+    slow.wait_for_log("could not leave the line", Duration::from_secs(10))
+        .await?;
+    link.cut(false);
+
+    // The holder lets go: the next waiter gets the lock, the ended one's key gone.
+    held.release().await?;
+    let next = fast_client
+        .open_session(short_session(Duration::from_secs(20)))
+        .await?;
+    let _guard = next
+        .acquire(LOCK, Wait::Timeout(Duration::from_secs(10)))
+        .await?
+        .context("a waiter behind one whose call had ended was not granted a free lock")?;
+    ensure!(
+        in_line().await? == 0,
+        "waiter keys left in line after the grant"
+    );
+    Ok(())
+}
+
 /// An ephemeral write etcd applies after the proxy's deadline: the key lives on the
 /// proxy's lease, which outlives the session, so unless the session owns it, it stays
 /// (a member announced by nobody). Its close must take it away, whether the proxy could
