@@ -262,8 +262,15 @@ async fn fair(
     // retried call (same call id) finds its key, also if it was queued elsewhere.
     let id = format!("{}-{}", call.session_id, call.call_id);
     let served = state.routes.serve(call.lock.as_str())?;
+    // Claimed before it goes out: a clean-up looking for an earlier attempt's key
+    // leaves it to this call from now on.
+    let claim = state
+        .cleanup
+        .claims
+        .claim(&call.lock.waiter_key(call.mode, &id));
     let waiter = enqueue(state, call, &session, &id, served.map_revision).await?;
     let queued = waiter.revision;
+    tracing::debug!(key = %waiter.key, queued, lease = session.lease, "in line");
     // Out of line on every way out but a grant (which deletes the key itself).
     let mut line = LeaveLine {
         state: state.clone(),
@@ -272,6 +279,7 @@ async fn fair(
         lease: session.lease,
         done: false,
         woken: None,
+        _claim: claim,
     };
     let _waiting = m::Counted::in_gauge(m::WAITERS);
     loop {
@@ -458,6 +466,8 @@ struct LeaveLine {
     done: bool,
     /// When the waiter was last woken by a change ahead of it, for the handover latency.
     woken: Option<Instant>,
+    /// The call's claim on its key, while it stands in line with it.
+    _claim: crate::cleanup::Claim,
 }
 
 impl LeaveLine {
@@ -490,9 +500,12 @@ impl Drop for LeaveLine {
                 .delete_guarded(std::slice::from_ref(&waiter), lease, false)
                 .await
             {
-                Ok(_) => state
-                    .sessions
-                    .forget_grant(&session, &waiter.key, waiter.revision),
+                Ok(deleted) => {
+                    tracing::debug!(key = %waiter.key, lease, deleted, "left the line");
+                    state
+                        .sessions
+                        .forget_grant(&session, &waiter.key, waiter.revision)
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, key = %waiter.key, "could not leave the line; retrying");
                     state.cleanup.push(lease, vec![waiter]);

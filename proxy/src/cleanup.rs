@@ -10,10 +10,11 @@
 //! see [`Grant::unsettled_hold`]) is looked for once a second for [`LOOKOUT`]: a
 //! transaction held up on its way to etcd can still be applied after a first read
 //! found nothing, and a key nobody owns would keep its lock, or its place in line,
-//! from everyone.
+//! from everyone. A waiter key found is deleted unless a call waiting in line now
+//! claims it ([`Claims`]): a retry of its call (same call id) that took it up.
 
-use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockcell_cell::locklog::Grant;
@@ -33,6 +34,54 @@ const LOOK_EVERY: Duration = Duration::from_secs(1);
 pub struct CleanupQueue {
     pending: Mutex<BTreeMap<i64, Vec<Grant>>>,
     unsettled: Mutex<Vec<Lookout>>,
+    /// The waiter keys calls stand in line with now.
+    pub claims: Claims,
+}
+
+/// The waiter keys that calls waiting in line on this proxy stand with (or are about
+/// to: claimed before the enqueue goes out). Such a call takes its key out of line
+/// itself when its wait ends; any other waiter key of the proxy's whose outcome was
+/// unknown belongs to no wait, and would keep every waiter behind it waiting.
+#[derive(Default, Clone)]
+pub struct Claims(Arc<Mutex<HashMap<String, usize>>>);
+
+/// A call's claim on its waiter key, given up when dropped.
+pub struct Claim {
+    claims: Claims,
+    key: String,
+}
+
+impl Claims {
+    /// Claims `key` for a call until the returned claim drops (two attempts of one call
+    /// may hold claims on one key at once).
+    pub fn claim(&self, key: &str) -> Claim {
+        *self
+            .0
+            .lock()
+            .expect("claims")
+            .entry(key.to_owned())
+            .or_default() += 1;
+        Claim {
+            claims: self.clone(),
+            key: key.to_owned(),
+        }
+    }
+
+    pub fn is_claimed(&self, key: &str) -> bool {
+        self.0.lock().expect("claims").contains_key(key)
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let mut claims = self.claims.0.lock().expect("claims");
+        if let Some(count) = claims.get_mut(&self.key) {
+            *count -= 1;
+            if *count == 0 {
+                claims.remove(&self.key);
+            }
+        }
+    }
 }
 
 /// An unsettled key to look for, and delete if it turns up.
@@ -143,27 +192,55 @@ impl CleanupQueue {
             {
                 Ok(found) if !found.is_empty() => {
                     // Unless a retry of the same call has since taken it as its own, or
-                    // is about to (its own record of the key is there, settled or not).
+                    // is about to: a waiter key, if a call in line claims it; a grant or
+                    // an ephemeral key, if the session has its own record of it
+                    // (settled or not), since deleting it could race that call.
                     let session = grant.made_by.as_ref().map(|m| m.session.as_str());
                     let found: Vec<Grant> = found
                         .into_iter()
                         .filter(|g| {
+                            if g.key.starts_with(lockcell_cell::keyspace::queues_root()) {
+                                return !self.claims.is_claimed(&g.key);
+                            }
                             !session.is_some_and(|s| {
                                 state.sessions.holds(s, &g.key, g.revision)
                                     || state.sessions.has_other_record(s, &g.key, &grant)
                             })
                         })
                         .collect();
-                    if !found.is_empty() {
+                    if found.is_empty() {
+                        tracing::debug!(key = %grant.key, "a key whose transaction had no answer turned up; the session has it as its own");
+                    } else {
                         tracing::info!(key = %grant.key, "a key whose transaction had no answer turned up; deleting it");
                         self.push(lease, found);
                     }
                 }
-                Ok(_) => {}
+                Ok(_) => tracing::debug!(key = %grant.key, lease, "an unsettled key is not there"),
                 Err(e) => {
                     tracing::debug!(key = %grant.key, error = %e, "could not look for an unsettled key; will look again")
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claim_lasts_until_its_last_holder_lets_go() {
+        let claims = Claims::default();
+        let first = claims.claim("/q/l/!x/w");
+        let second = claims.claim("/q/l/!x/w");
+        assert!(claims.is_claimed("/q/l/!x/w"));
+        assert!(!claims.is_claimed("/q/l/!x/v"));
+        drop(first);
+        assert!(
+            claims.is_claimed("/q/l/!x/w"),
+            "the second attempt still claims it"
+        );
+        drop(second);
+        assert!(!claims.is_claimed("/q/l/!x/w"));
     }
 }

@@ -120,7 +120,11 @@ impl ProxyProcess {
             .arg("--drain-timeout")
             .arg(format!("{}ms", options.drain_timeout.as_millis()))
             .args(&options.extra_args)
-            .env("RUST_LOG", "info")
+            // LOCKCELL_TEST_PROXY_LOG: more of the proxies' log, to look into a failure.
+            .env(
+                "RUST_LOG",
+                std::env::var("LOCKCELL_TEST_PROXY_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .env_remove("LOCKCELL_ETCD_USER")
             .env_remove("LOCKCELL_ETCD_PASSWORD")
             .envs(options.env.iter().map(|(k, v)| (k, v)));
