@@ -173,7 +173,7 @@ pub async fn close_stay(
             state.cleanup.push(session.lease, session.held);
             Err(ProxyError::StoreDuring {
                 context: format!(
-                    "session {id:?} is closed; its {held} lock(s) will be released when etcd answers"
+                    "session {id:?} is closed; its {held} key(s) (locks, places in line, ephemeral keys) will be deleted when etcd answers"
                 ),
                 source,
             })
