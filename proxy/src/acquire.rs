@@ -33,6 +33,7 @@ pub const POLL: Duration = Duration::from_secs(1);
 const RETRY_PAUSE: Duration = Duration::from_millis(250);
 
 /// One acquire or campaign.
+#[derive(Clone)]
 pub struct Call {
     pub session_id: String,
     pub lock: LockName,
@@ -262,25 +263,9 @@ async fn fair(
     // retried call (same call id) finds its key, also if it was queued elsewhere.
     let id = format!("{}-{}", call.session_id, call.call_id);
     let served = state.routes.serve(call.lock.as_str())?;
-    // Claimed before it goes out: a clean-up looking for an earlier attempt's key
-    // leaves it to this call from now on.
-    let claim = state
-        .cleanup
-        .claims
-        .claim(&call.lock.waiter_key(call.mode, &id));
-    let waiter = enqueue(state, call, &session, &id, served.map_revision).await?;
-    let queued = waiter.revision;
-    tracing::debug!(key = %waiter.key, queued, lease = session.lease, "in line");
     // Out of line on every way out but a grant (which deletes the key itself).
-    let mut line = LeaveLine {
-        state: state.clone(),
-        waiter,
-        session: call.session_id.clone(),
-        lease: session.lease,
-        done: false,
-        woken: None,
-        _claim: claim,
-    };
+    let mut line = join_line(state, call, &session, &id, served.map_revision).await?;
+    let queued = line.waiter.revision;
     let _waiting = m::Counted::in_gauge(m::WAITERS);
     loop {
         let turn = fair_turn(state, call, class, give_up, &id, queued, &mut line).await;
@@ -307,6 +292,42 @@ async fn fair(
             return trouble.map_or(Ok(None), Err);
         }
     }
+}
+
+/// Puts the fair waiter `id` in line (see [`enqueue`]) in a task of its own, run to
+/// completion even if the caller hangs up meanwhile: the guard that takes the key out
+/// of line again is made in the task, and if nobody awaits it any more it is dropped
+/// with the task's output, so a key etcd wrote never stands in line for nobody. The
+/// key is claimed before the enqueue goes out: a clean-up looking for an earlier
+/// attempt's key leaves it to this call from then on.
+async fn join_line(
+    state: &Arc<ProxyState>,
+    call: &Call,
+    session: &Session,
+    id: &str,
+    map_revision: i64,
+) -> Result<LeaveLine, ProxyError> {
+    let (state, call, session, id) = (state.clone(), call.clone(), session.clone(), id.to_owned());
+    let joining = tokio::spawn(async move {
+        let claim = state
+            .cleanup
+            .claims
+            .claim(&call.lock.waiter_key(call.mode, &id));
+        let waiter = enqueue(&state, &call, &session, &id, map_revision).await?;
+        tracing::debug!(key = %waiter.key, queued = waiter.revision, lease = session.lease, "in line");
+        Ok(LeaveLine {
+            state,
+            waiter,
+            session: call.session_id,
+            lease: session.lease,
+            done: false,
+            woken: None,
+            _claim: claim,
+        })
+    });
+    joining
+        .await
+        .map_err(|e| ProxyError::BadArgument(format!("joining the line failed: {e}")))?
 }
 
 /// Puts the fair waiter `id` in line and records its key in the session. The key is

@@ -60,6 +60,7 @@ fn main() {
         safety::an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line,
         safety::an_ephemeral_write_etcd_applied_after_the_deadline_is_still_the_sessions,
         safety::a_waiter_whose_call_ended_while_etcd_was_away_leaves_the_line_when_it_is_back,
+        safety::a_waiter_that_hung_up_during_its_enqueue_leaves_no_key_in_line,
         safety::a_grant_from_the_proxy_a_session_is_leaving_never_counts_as_settled,
         safety::a_second_call_is_refused_at_once_in_line_and_in_the_other_mode,
         safety::a_resume_naming_another_sessions_grant_moves_nothing,

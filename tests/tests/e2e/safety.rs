@@ -306,41 +306,9 @@ pub async fn a_grant_etcd_applied_after_the_deadline_is_still_the_sessions() -> 
 pub async fn a_waiter_whose_call_ended_while_etcd_was_away_leaves_the_line_when_it_is_back(
 ) -> anyhow::Result<()> {
     const LOCK: &str = "fair/away";
-    let (etcd, link, mut slow) = proxy_through_link("a", Some(CLASSES)).await?;
-    let mut options = ProxyOptions::new("b", etcd.endpoints());
-    options.extra_args = vec![
-        "--classes".into(),
-        etcd.dir.join("classes.toml").to_string_lossy().into_owned(),
-    ];
-    let fast = ProxyProcess::start(&options, &etcd.dir).await?;
-    let fast_client = Client::connect(&fast.url()).await?;
-    let holder = fast_client
-        .open_session(short_session(Duration::from_secs(20)))
-        .await?;
-    let held = holder
-        .acquire(LOCK, Wait::Try)
-        .await?
-        .context("free lock not granted")?;
-    let store = etcd.client().await?;
-    let in_line = || {
-        let mut store = store.clone();
-        async move {
-            let found = store
-                .get(
-                    format!("/q/{LOCK}/"),
-                    Some(
-                        etcd_client::GetOptions::new()
-                            .with_prefix()
-                            .with_count_only(),
-                    ),
-                )
-                .await?;
-            anyhow::Ok(found.count())
-        }
-    };
-
+    let mut line = FairLine::held(LOCK).await?;
     // A waiter of a long session, through the proxy whose link to etcd the test cuts.
-    let (mut sessions, mut locks) = raw(&slow).await?;
+    let (mut sessions, mut locks) = raw(&line.slow).await?;
     let waiter = sessions
         .open(OpenRequest {
             ttl_ms: 120_000,
@@ -360,41 +328,74 @@ pub async fn a_waiter_whose_call_ended_while_etcd_was_away_leaves_the_line_when_
             })
             .await
     });
-    eventually("the waiter stands in line", Duration::from_secs(10), || {
-        let count = in_line();
-        async move { Ok((count.await? == 1).then_some(())) }
-    })
+    eventually(
+        "the waiter stands in line",
+        Duration::from_secs(10),
+        || async { Ok((line.in_line(LOCK).await? == 1).then_some(())) },
+    )
     .await?;
-    link.cut(true);
+    line.link.cut(true);
     let ended = waiting.await?;
     ensure!(
         !matches!(&ended, Ok(reply) if reply.get_ref().granted),
         "the waiter was granted a held lock: {ended:?}"
     );
-    slow.wait_for_log("could not leave the line", Duration::from_secs(10))
+    line.slow
+        .wait_for_log("could not leave the line", Duration::from_secs(10))
         .await?;
-    link.cut(false);
+    line.link.cut(false);
+    line.next_is_granted(LOCK, "one whose call had ended").await
+}
 
-    // The holder lets go: the next waiter gets the lock, the ended one's key gone.
-    held.release().await?;
-    let next = fast_client
-        .open_session(short_session(Duration::from_secs(20)))
-        .await?;
-    let _guard = next
-        .acquire(LOCK, Wait::Timeout(Duration::from_secs(10)))
+/// A fair waiter whose caller hangs up while its enqueue is on its way (a dropped
+/// acquire future, a client deadline): etcd still writes the key. Nobody waits with it
+/// any more, so it must leave the line, not stand at its head until the session ends.
+pub async fn a_waiter_that_hung_up_during_its_enqueue_leaves_no_key_in_line() -> anyhow::Result<()>
+{
+    const LOCK: &str = "fair/gone";
+    let line = FairLine::held(LOCK).await?;
+    let (mut sessions, mut locks) = raw(&line.slow).await?;
+    let waiter = sessions
+        .open(OpenRequest {
+            ttl_ms: 120_000,
+            identity: "impatient".into(),
+        })
         .await?
-        .context("a waiter behind one whose call had ended was not granted a free lock")?;
+        .into_inner();
+    // etcd writes the key; its answer is held up past the caller's patience.
+    line.link
+        .cut_replies_after(format!("/q/{LOCK}/").as_bytes(), Duration::from_secs(3));
+    let mut ask = tonic::Request::new(AcquireRequest {
+        session_id: waiter.session_id.clone(),
+        session_secret: waiter.session_secret.clone(),
+        lock: LOCK.into(),
+        wait_timeout_ms: Some(20_000),
+        mode: 0,
+        call_id: "w1".into(),
+    });
+    ask.set_timeout(Duration::from_millis(500));
+    let gave_up = locks.acquire(ask).await;
     ensure!(
-        in_line().await? == 0,
-        "waiter keys left in line after the grant"
+        !line.link.trap_pending(),
+        "the enqueue never crossed the link"
     );
-    Ok(())
+    ensure!(
+        gave_up.is_err(),
+        "the acquire was answered before its caller gave up: {gave_up:?}"
+    );
+    eventually(
+        "etcd writes the waiter key",
+        Duration::from_secs(10),
+        || async { Ok((line.in_line(LOCK).await? == 1).then_some(())) },
+    )
+    .await?;
+    line.next_is_granted(LOCK, "one whose caller hung up").await
 }
 
 /// An ephemeral write etcd applies after the proxy's deadline: the key lives on the
 /// proxy's lease, which outlives the session, so unless the session owns it, it stays
 /// (a member announced by nobody). Its close must take it away, whether the proxy could
-/// read it back at once or only at the close.
+/// read it back at once or only at the close, or its caller hung up before either.
 pub async fn an_ephemeral_write_etcd_applied_after_the_deadline_is_still_the_sessions(
 ) -> anyhow::Result<()> {
     let (etcd, link, proxy) = proxy_through_link("a", None).await?;
@@ -421,27 +422,39 @@ pub async fn an_ephemeral_write_etcd_applied_after_the_deadline_is_still_the_ses
 
     // Cut for longer than the write and the read back after it take (2 s each), and
     // for less: either way the client hears the outcome is unknown.
-    for (key, cut) in [("members/late-a", 10), ("members/late-b", 3)] {
+    // The last one's caller hangs up (a client deadline) before the proxy gives up.
+    const KEYS: [(&str, u64, Option<u64>); 3] = [
+        ("members/late-a", 10, None),
+        ("members/late-b", 3, None),
+        ("members/late-c", 3, Some(500)),
+    ];
+    for (key, cut, patience) in KEYS {
         link.cut_replies_after(format!("/k/{key}").as_bytes(), Duration::from_secs(cut));
-        let refused = kv
-            .put(PutRequest {
-                key: key.into(),
-                value: b"here".to_vec(),
-                condition: None,
-                session_id: session.session_id.clone(),
-                session_secret: session.session_secret.clone(),
-            })
-            .await;
+        let mut put = tonic::Request::new(PutRequest {
+            key: key.into(),
+            value: b"here".to_vec(),
+            condition: None,
+            session_id: session.session_id.clone(),
+            session_secret: session.session_secret.clone(),
+        });
+        if let Some(ms) = patience {
+            put.set_timeout(Duration::from_millis(ms));
+        }
+        let refused = kv.put(put).await;
         ensure!(!link.trap_pending(), "the write never crossed the link");
         let refused = refused
             .err()
             .context("the write was answered in time: the test injected nothing")?;
         ensure!(
-            matches!(
-                refused.code(),
-                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
-            ),
-            "an unknown outcome is neither UNAVAILABLE nor DEADLINE_EXCEEDED: {refused:?}"
+            match patience {
+                None => matches!(
+                    refused.code(),
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+                ),
+                // The client's own deadline ends the call on its side.
+                Some(_) => refused.code() == tonic::Code::Cancelled,
+            },
+            "an unknown outcome is neither UNAVAILABLE nor DEADLINE_EXCEEDED, nor the client's own timeout: {refused:?}"
         );
         eventually(
             "etcd applies the late write",
@@ -454,14 +467,23 @@ pub async fn an_ephemeral_write_etcd_applied_after_the_deadline_is_still_the_ses
         .await?;
     }
 
-    sessions
+    // The close may find etcd's answers still held up: then it says the keys go when
+    // etcd answers, and they must.
+    let closed = sessions
         .close(CloseRequest {
             session_id: session.session_id.clone(),
             session_secret: session.session_secret.clone(),
             ..Default::default()
         })
-        .await?;
-    for key in ["members/late-a", "members/late-b"] {
+        .await;
+    ensure!(
+        closed.is_ok()
+            || closed
+                .as_ref()
+                .is_err_and(|e| e.code() == tonic::Code::Unavailable),
+        "the close failed: {closed:?}"
+    );
+    for (key, _, _) in KEYS {
         eventually(
             &format!("the close deletes {key}, whose write had no answer"),
             Duration::from_secs(10),
@@ -480,23 +502,8 @@ pub async fn an_ephemeral_write_etcd_applied_after_the_deadline_is_still_the_ses
 pub async fn an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line(
 ) -> anyhow::Result<()> {
     const LOCK: &str = "fair/q";
-    let (etcd, link, slow) = proxy_through_link("a", Some(CLASSES)).await?;
-    let mut options = ProxyOptions::new("b", etcd.endpoints());
-    options.extra_args = vec![
-        "--classes".into(),
-        etcd.dir.join("classes.toml").to_string_lossy().into_owned(),
-    ];
-    let fast = ProxyProcess::start(&options, &etcd.dir).await?;
-    let fast_client = Client::connect(&fast.url()).await?;
-    let holder = fast_client
-        .open_session(short_session(Duration::from_secs(20)))
-        .await?;
-    let held = holder
-        .acquire(LOCK, Wait::Try)
-        .await?
-        .context("free lock not granted")?;
-
-    let (mut sessions, mut locks) = raw(&slow).await?;
+    let line = FairLine::held(LOCK).await?;
+    let (mut sessions, mut locks) = raw(&line.slow).await?;
     let waiter = sessions
         .open(OpenRequest {
             ttl_ms: 30_000,
@@ -504,7 +511,8 @@ pub async fn an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line
         })
         .await?
         .into_inner();
-    link.cut_replies_after(format!("/q/{LOCK}/").as_bytes(), Duration::from_secs(3));
+    line.link
+        .cut_replies_after(format!("/q/{LOCK}/").as_bytes(), Duration::from_secs(3));
     let refused = locks
         .acquire(AcquireRequest {
             session_id: waiter.session_id.clone(),
@@ -515,7 +523,10 @@ pub async fn an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line
             call_id: "w1".into(),
         })
         .await;
-    ensure!(!link.trap_pending(), "the enqueue never crossed the link");
+    ensure!(
+        !line.link.trap_pending(),
+        "the enqueue never crossed the link"
+    );
     let refused = refused
         .err()
         .context("the enqueue was answered in time: the test injected nothing")?;
@@ -523,30 +534,7 @@ pub async fn an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line
         refused.code() == tonic::Code::Unavailable,
         "an unknown outcome is not UNAVAILABLE: {refused:?}"
     );
-
-    // The holder lets go; a waiter that comes after must get the lock.
-    held.release().await?;
-    let next = fast_client
-        .open_session(short_session(Duration::from_secs(20)))
-        .await?;
-    let _guard = next
-        .acquire(LOCK, Wait::Timeout(Duration::from_secs(10)))
-        .await?
-        .context("a waiter queued after a late enqueue was not granted a free lock")?;
-    let mut store = etcd.client().await?;
-    let left = store
-        .get(
-            format!("/q/{LOCK}/"),
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_count_only(),
-            ),
-        )
-        .await?
-        .count();
-    ensure!(left == 0, "{left} waiter keys left in line");
-    Ok(())
+    line.next_is_granted(LOCK, "a late enqueue").await
 }
 
 /// A session moves from proxy b back to a (its first choice); the move is held open
@@ -1018,6 +1006,84 @@ async fn holder_revision(
 ) -> anyhow::Result<Option<i64>> {
     let resp = store.get(format!("/l/{lock}/!x"), None).await?;
     Ok(resp.kvs().first().map(|kv| kv.create_revision()))
+}
+
+/// A fair lock held through one proxy (`fast`, reaching etcd directly) while a waiter
+/// will ask through another (`slow`, through a link the test can stall).
+struct FairLine {
+    etcd: EtcdCluster,
+    link: Relay,
+    slow: ProxyProcess,
+    fast: Client,
+    _fast_proxy: ProxyProcess,
+    held: lockcell_client::LockGuard,
+    /// Keeps the holder's session open.
+    _holder: lockcell_client::Session,
+}
+
+impl FairLine {
+    async fn held(lock: &str) -> anyhow::Result<FairLine> {
+        let (etcd, link, slow) = proxy_through_link("a", Some(CLASSES)).await?;
+        let mut options = ProxyOptions::new("b", etcd.endpoints());
+        options.extra_args = vec![
+            "--classes".into(),
+            etcd.dir.join("classes.toml").to_string_lossy().into_owned(),
+        ];
+        let fast_proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+        let fast = Client::connect(&fast_proxy.url()).await?;
+        let holder = fast
+            .open_session(short_session(Duration::from_secs(20)))
+            .await?;
+        let held = holder
+            .acquire(lock, Wait::Try)
+            .await?
+            .context("free lock not granted")?;
+        Ok(FairLine {
+            etcd,
+            link,
+            slow,
+            fast,
+            _fast_proxy: fast_proxy,
+            held,
+            _holder: holder,
+        })
+    }
+
+    /// How many waiter keys stand in `lock`'s line.
+    async fn in_line(&self, lock: &str) -> anyhow::Result<i64> {
+        waiter_keys(&self.etcd, lock).await
+    }
+
+    /// The holder lets go, and a waiter coming after must be granted the lock, with no
+    /// waiter key left in line: `what` says which waiter could have been in the way.
+    async fn next_is_granted(self, lock: &str, what: &str) -> anyhow::Result<()> {
+        let FairLine {
+            etcd, fast, held, ..
+        } = self;
+        held.release().await?;
+        let next = fast
+            .open_session(short_session(Duration::from_secs(20)))
+            .await?;
+        let _guard = next
+            .acquire(lock, Wait::Timeout(Duration::from_secs(10)))
+            .await?
+            .with_context(|| format!("a waiter behind {what} was not granted a free lock"))?;
+        let left = waiter_keys(&etcd, lock).await?;
+        ensure!(left == 0, "{left} waiter keys left in line");
+        Ok(())
+    }
+}
+
+/// How many waiter keys stand in `lock`'s line.
+async fn waiter_keys(etcd: &EtcdCluster, lock: &str) -> anyhow::Result<i64> {
+    let mut store = etcd.client().await?;
+    let options = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_count_only();
+    Ok(store
+        .get(format!("/q/{lock}/"), Some(options))
+        .await?
+        .count())
 }
 
 /// A one-member etcd and a proxy of `zone` that reaches it through a relay the test
