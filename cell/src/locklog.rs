@@ -654,19 +654,48 @@ pub struct Grant {
     pub made_by: Option<MadeBy>,
 }
 
-/// The call behind an unsettled key: a holder key is that call's if its record names
-/// the session and the call; a waiter key if its value is the waiter id; an ephemeral
-/// key if it holds the value written (nothing in etcd names a small key's writer, so a
-/// write of the same value by another session on the same lease reads the same).
+/// The call behind an unsettled key, and what the key, found, must show to be its own.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MadeBy {
     pub session: String,
-    /// The acquire's call id; for a waiter key, the waiter id; for an ephemeral key,
-    /// the SHA-256 of the value written.
-    pub call: String,
+    pub proof: Proof,
     /// Tells two attempts of one call apart, so that the record of one whose outcome
     /// is still unknown is never taken for (and forgotten with) another's.
     pub attempt: u64,
+}
+
+/// What a key found after an unknown outcome shows when it is the call's own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Proof {
+    /// A holder key: its record names the session and this acquire's call id.
+    Call(String),
+    /// A waiter key: its value is this waiter id.
+    Waiter(String),
+    /// An ephemeral key: its value has this SHA-256. Nothing in etcd names a small
+    /// key's writer, so a write of the same value by another session on the same
+    /// lease reads the same.
+    Value([u8; 32]),
+}
+
+impl MadeBy {
+    fn new(session: &str, proof: Proof) -> MadeBy {
+        MadeBy {
+            session: session.to_owned(),
+            proof,
+            attempt: rand::random(),
+        }
+    }
+
+    /// Whether `value`, found at `key`, is what this call wrote.
+    fn shown_by(&self, key: &str, value: &[u8]) -> bool {
+        match &self.proof {
+            Proof::Call(call) => {
+                decode(key, value).is_ok_and(|r| r.session == self.session && r.call == *call)
+            }
+            Proof::Waiter(waiter) => value == waiter.as_bytes(),
+            Proof::Value(digest) => value_digest(value) == *digest,
+        }
+    }
 }
 
 impl LockLog {
@@ -688,15 +717,7 @@ impl LockLog {
             let Some(kv) = resp.kvs().first().filter(|kv| kv.lease() == lease) else {
                 continue;
             };
-            let mine = if grant.key.starts_with(crate::keyspace::kv_root()) {
-                value_digest(kv.value()) == made_by.call
-            } else if grant.waiter {
-                kv.value() == made_by.call.as_bytes()
-            } else {
-                decode(&grant.key, kv.value())
-                    .is_ok_and(|r| r.session == made_by.session && r.call == made_by.call)
-            };
-            if mine {
+            if made_by.shown_by(&grant.key, kv.value()) {
                 found.push(Grant {
                     revision: kv.create_revision(),
                     made_by: None,
@@ -759,11 +780,7 @@ impl Grant {
     /// session's (deleted when it ends, after a read shows it is this call's).
     pub fn unsettled_hold(lock: &LockName, mode: Mode, session: &str, call: &str) -> Grant {
         Grant {
-            made_by: Some(MadeBy {
-                session: session.to_owned(),
-                call: call.to_owned(),
-                attempt: rand::random(),
-            }),
+            made_by: Some(MadeBy::new(session, Proof::Call(call.to_owned()))),
             ..Grant::hold(lock, mode, session, 0)
         }
     }
@@ -771,11 +788,7 @@ impl Grant {
     /// The waiter key `waiter` of `session` before etcd has answered its enqueue.
     pub fn unsettled_waiter(lock: &LockName, mode: Mode, session: &str, waiter: &str) -> Grant {
         Grant {
-            made_by: Some(MadeBy {
-                session: session.to_owned(),
-                call: waiter.to_owned(),
-                attempt: rand::random(),
-            }),
+            made_by: Some(MadeBy::new(session, Proof::Waiter(waiter.to_owned()))),
             ..Grant::waiting(lock, mode, waiter, 0)
         }
     }
@@ -784,11 +797,7 @@ impl Grant {
     /// answered the write.
     pub fn unsettled_ephemeral(name: &LockName, session: &str, value: &[u8]) -> Grant {
         Grant {
-            made_by: Some(MadeBy {
-                session: session.to_owned(),
-                call: value_digest(value),
-                attempt: rand::random(),
-            }),
+            made_by: Some(MadeBy::new(session, Proof::Value(value_digest(value)))),
             ..Grant::ephemeral(name, 0)
         }
     }
@@ -799,13 +808,10 @@ impl Grant {
     }
 }
 
-/// How an unsettled ephemeral write knows its value again (see [`MadeBy`]).
-fn value_digest(value: &[u8]) -> String {
+/// How an unsettled ephemeral write knows its value again (see [`Proof::Value`]).
+fn value_digest(value: &[u8]) -> [u8; 32] {
     use sha2::{Digest, Sha256};
-    Sha256::digest(value)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    Sha256::digest(value).into()
 }
 
 /// The compare that lets `mode` in: no holder at all for exclusive, no exclusive holder

@@ -25,6 +25,7 @@ use crate::errors::ProxyError;
 use crate::metrics as m;
 use crate::sessions::Session;
 use crate::state::ProxyState;
+use crate::unsettled;
 
 /// A waiter looks again on this period even without an event, so a missed watch event
 /// delays a grant by at most this much (a read each time, never a proposal).
@@ -355,7 +356,7 @@ async fn enqueue(
         .await;
     let queued = match queued {
         Ok(queued) => queued,
-        Err(e) if unknown_outcome(&e) => {
+        Err(e) if unsettled::unknown_outcome(&e) => {
             // Left in line, perhaps: a waiter nobody follows would keep the lock from
             // every waiter behind it. The clean-up looks for it (and takes it out) as
             // soon as etcd answers; the session keeps its record too, for its end.
@@ -379,13 +380,6 @@ async fn enqueue(
         return Err(gone(state, &call.session_id));
     }
     Ok(waiter)
-}
-
-/// Whether a failed etcd call may have been applied all the same: it went out and no
-/// answer came back (a deadline, a broken connection). An answer, even a refusal, or a
-/// request etcd turned away before proposing it, settles it.
-pub(crate) fn unknown_outcome(e: &CellError) -> bool {
-    matches!(e, CellError::Timeout { .. } | CellError::Etcd { .. }) && !e.turned_away()
 }
 
 /// What one turn in line ended with.
@@ -568,21 +562,13 @@ async fn grant(
     let attempt = tokio::spawn(async move {
         metrics::counter!(m::GRANT_ATTEMPTS).increment(1);
         let pending = Grant::unsettled_hold(&lock, mode, &session.id, &record.call);
-        if !state
-            .sessions
-            .record_grant(&session.id, session.incarnation, pending.clone(), None)
-        {
-            return Err(gone(&state, &session.id));
-        }
         let queued = queued.as_ref().map(|(id, rev)| (id.as_str(), *rev));
-        let outcome = attempt_grant(&state, &lock, mode, &session, &record, queued).await;
-        match &outcome {
-            Err(ProxyError::Store(e)) if unknown_outcome(e) => {
-                settle_unknown(&state, &session, pending).await;
-            }
-            _ => state.sessions.forget(&session.id, &pending),
-        }
-        outcome
+        let attempt = attempt_grant(&state, &lock, mode, &session, &record, queued);
+        let unknown =
+            |e: &ProxyError| matches!(e, ProxyError::Store(e) if unsettled::unknown_outcome(e));
+        unsettled::owned_write(&state, &session, pending, attempt, unknown)
+            .await
+            .unwrap_or_else(|| Err(gone(&state, &session.id)))
     });
     let outcome = attempt
         .await
@@ -694,34 +680,6 @@ async fn attempt_grant(
         valid_for,
         fresh,
     }))
-}
-
-/// After a grant transaction (or an ephemeral write) whose outcome is unknown: reads
-/// whether it was applied. Found, it is recorded as the session's hold or key (a
-/// retried call gets it back; it goes when the session ends); not found, or not
-/// readable now, the unsettled record stays, and the session's end looks again.
-pub(crate) async fn settle_unknown(state: &ProxyState, session: &Session, pending: Grant) {
-    match state
-        .locklog
-        .settle(std::slice::from_ref(&pending), session.lease)
-        .await
-    {
-        Ok(found) => {
-            for hold in found {
-                if state
-                    .sessions
-                    .record_grant(&session.id, session.incarnation, hold.clone(), None)
-                {
-                    state.sessions.forget(&session.id, &pending);
-                } else {
-                    state.cleanup.push(session.lease, vec![hold]);
-                }
-            }
-        }
-        Err(e) => {
-            tracing::warn!(session.id = %session.id, key = %pending.key, error = %e, "a write's outcome is unknown; the session's end looks for it again");
-        }
-    }
 }
 
 /// When the session holds `call`'s lock here (in either mode, this call's grant or

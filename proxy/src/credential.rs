@@ -9,6 +9,8 @@
 //! (the identity is part of the derivation), and the id alone, or a guessed one,
 //! proves nothing.
 
+use std::collections::HashMap;
+
 use lockcell_cell::grants::hex;
 use sha2::{Digest, Sha256};
 
@@ -85,6 +87,37 @@ pub fn check(id: &str, secret: &str, principal: Option<&str>) -> Result<(), toni
     Ok(())
 }
 
+/// The sessions one keepalive stream has proven its own (its caller is the same for
+/// its whole life), so that each renewal after the first compares its secret with the
+/// one proven instead of deriving the id again.
+#[derive(Default)]
+pub struct Proven(HashMap<String, String>);
+
+impl Proven {
+    /// Most sessions remembered per stream (about 1.5 MB); past it the stream starts
+    /// afresh. The SDK renews all of a client's sessions on one stream.
+    const MOST: usize = 10_000;
+
+    /// [`check`], remembering what passed.
+    pub fn check(
+        &mut self,
+        id: &str,
+        secret: &str,
+        principal: Option<&str>,
+    ) -> Result<(), tonic::Status> {
+        let known = self.0.get(id);
+        if known.is_some_and(|known| constant_time_eq(known.as_bytes(), secret.as_bytes())) {
+            return Ok(());
+        }
+        check(id, secret, principal)?;
+        if self.0.len() >= Self::MOST {
+            self.0.clear();
+        }
+        self.0.insert(id.to_owned(), secret.to_owned());
+        Ok(())
+    }
+}
+
 /// Compares without stopping at the first difference, so a timing does not tell how
 /// much of a guess was right.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -113,6 +146,19 @@ mod tests {
         assert!(check(&id, &format!("{secret}{secret}0"), Some("alice")).is_err());
         let (other, _) = new_session(Some("alice"));
         assert!(check(&other, &secret, Some("alice")).is_err());
+    }
+
+    #[test]
+    fn a_stream_remembers_what_it_proved_and_nothing_else() {
+        let (id, secret) = new_session(Some("alice"));
+        let mut proven = Proven::default();
+        assert!(proven.check(&id, "wrong", Some("alice")).is_err());
+        proven.check(&id, &secret, Some("alice")).unwrap();
+        proven.check(&id, &secret, Some("alice")).unwrap();
+        assert!(proven.check(&id, "wrong", Some("alice")).is_err());
+        assert!(proven.check(&id, &secret[1..], Some("alice")).is_err());
+        let (other, _) = new_session(Some("alice"));
+        assert!(proven.check(&other, &secret, Some("alice")).is_err());
     }
 
     #[test]

@@ -38,6 +38,7 @@ pub mod sessions;
 pub mod settings;
 pub mod state;
 pub mod tls;
+pub mod unsettled;
 
 use std::future::Future;
 use std::sync::Arc;

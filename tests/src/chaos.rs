@@ -258,8 +258,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 // a or b: c's fault is the partition.
                 let p = rng.random_range(0..2);
                 proxies[p].process.kill();
-                let mut again = proxy_options.of(&proxies[p].zone.clone(), etcd.endpoints());
-                again.listen = Some(proxies[p].addr.clone());
+                let again = proxy_options.again(&proxies[p], etcd.endpoints());
                 tokio::time::sleep(options.settle).await;
                 proxies[p] = ProxyProcess::start(&again, dir).await?;
             }
@@ -287,8 +286,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 }
                 tokio::time::sleep(lease_ttl * 2).await;
                 etcd.members[z].process.respawn()?;
-                let mut again = proxy_options.of(&proxies[z].zone.clone(), etcd.endpoints());
-                again.listen = Some(proxies[z].addr.clone());
+                let again = proxy_options.again(&proxies[z], etcd.endpoints());
                 proxies[z] = ProxyProcess::start(&again, dir).await?;
                 for &c in &own {
                     clients[c].respawn()?;
@@ -307,8 +305,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                     // a or b (c's link to etcd goes through the relay).
                     let p = rng.random_range(0..2);
                     proxies[p].process.kill();
-                    let mut again = proxy_options.of(&proxies[p].zone.clone(), etcd.endpoints());
-                    again.listen = Some(proxies[p].addr.clone());
+                    let mut again = proxy_options.again(&proxies[p], etcd.endpoints());
                     again.env = env;
                     proxies[p] = ProxyProcess::start(&again, dir).await?;
                     skewed = Some(format!("proxy {} at x{rate:.4}", proxies[p].zone));
@@ -329,16 +326,9 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
             std::fs::read_to_string(dir.join(format!("client-{c}.jsonl"))).unwrap_or_default();
         records.extend(checker::read_records(&text));
     }
-    let mut verdict = checker::check(&records);
-    let (events, watched_until_ns) = watch.finish(&etcd).await?;
-    verdict.violations.extend(checker::check_store(
-        &records,
-        &events,
-        StoreBounds {
-            free_while_waited_ns: free_while_waited(options.ttl, lease_ttl),
-            watched_until_ns,
-        },
-    ));
+    let mut verdict = watch
+        .verdict(&etcd, &records, options.ttl, lease_ttl)
+        .await?;
     let kv_writes = check_writes(&etcd, &records, &mut verdict.violations).await?;
     // Every client is gone: once their sessions have expired (and a dead proxy's leases
     // with them), no holder, waiter or membership key may be left. One that is belongs
@@ -453,18 +443,8 @@ pub async fn skewed_holder_run(dir: &Path, skewed: Skewed) -> anyhow::Result<Ver
     holder.kill();
     other.kill();
     let records: Vec<_> = records_of(0).into_iter().chain(records_of(1)).collect();
-    let mut verdict = checker::check(&records);
-    let (events, watched_until_ns) = watch.finish(&etcd).await?;
     let lease_ttl = ProxyOptions::new("a", Vec::new()).lease_ttl;
-    verdict.violations.extend(checker::check_store(
-        &records,
-        &events,
-        StoreBounds {
-            free_while_waited_ns: free_while_waited(ttl, lease_ttl),
-            watched_until_ns,
-        },
-    ));
-    Ok(verdict)
+    watch.verdict(&etcd, &records, ttl, lease_ttl).await
 }
 
 /// The longest a lock may stay free while a waiter key stands in its line: a waiter
@@ -486,6 +466,13 @@ impl ProxyShape {
         let classes = dir.join("classes.toml");
         std::fs::write(&classes, CLASSES)?;
         Ok(ProxyShape { classes })
+    }
+
+    /// How `proxy` starts again, on its address.
+    fn again(&self, proxy: &ProxyProcess, etcd: Vec<String>) -> ProxyOptions {
+        let mut options = self.of(&proxy.zone, etcd);
+        options.listen = Some(proxy.addr.clone());
+        options
     }
 
     fn of(&self, zone: &str, etcd: Vec<String>) -> ProxyOptions {
@@ -582,6 +569,27 @@ impl StoreWatch {
         let seen = Arc::new(Mutex::new(Seen::default()));
         let task = tokio::spawn(watch_store(client, from, seen.clone()));
         Ok(StoreWatch { seen, task })
+    }
+
+    /// The checker's verdict on `records` ([`checker::check`]) and on them against what
+    /// the watch saw ([`checker::check_store`]), once it has caught up.
+    async fn verdict(
+        self,
+        etcd: &EtcdCluster,
+        records: &[checker::Record],
+        ttl: Duration,
+        lease_ttl: Duration,
+    ) -> anyhow::Result<Verdict> {
+        let mut verdict = checker::check(records);
+        let (events, watched_until_ns) = self.finish(etcd).await?;
+        let bounds = StoreBounds {
+            free_while_waited_ns: free_while_waited(ttl, lease_ttl),
+            watched_until_ns,
+        };
+        verdict
+            .violations
+            .extend(checker::check_store(records, &events, bounds));
+        Ok(verdict)
     }
 
     /// Waits until the watch has seen everything written so far, stops it, and returns

@@ -122,42 +122,29 @@ impl KvApi for KvService {
             Some(s)
         };
         let served = state.routes.serve(name.as_str())?;
-        // A write that goes with a session is recorded in it before it goes out, so that
-        // a key etcd wrote without its answer arriving is still the session's.
-        let pending = match &session {
-            Some(s) => {
-                let pending = Grant::unsettled_ephemeral(&name, &s.id, &req.value);
-                if !state
-                    .sessions
-                    .record_grant(&s.id, s.incarnation, pending.clone(), None)
-                {
-                    return Err(ProxyError::session(
-                        &req.session_id,
-                        crate::sessions::Gone::Unknown,
-                    )
-                    .into());
-                }
-                Some((s, pending))
-            }
-            None => None,
-        };
-        let written = state
-            .kv
-            .put(
-                &name,
-                req.value,
-                session.as_ref().map(|s| s.lease),
-                condition,
-                served.map_revision,
+        let pending = session
+            .as_ref()
+            .map(|s| Grant::unsettled_ephemeral(&name, &s.id, &req.value));
+        let put = state.kv.put(
+            &name,
+            req.value,
+            session.as_ref().map(|s| s.lease),
+            condition,
+            served.map_revision,
+        );
+        let written = match (&session, pending) {
+            // A write that goes with a session is the session's even if no answer comes.
+            (Some(s), Some(pending)) => crate::unsettled::owned_write(
+                state,
+                s,
+                pending,
+                put,
+                crate::unsettled::unknown_outcome,
             )
-            .await;
-        match (&written, pending) {
-            (Err(e), Some((session, pending))) if crate::acquire::unknown_outcome(e) => {
-                crate::acquire::settle_unknown(state, session, pending).await;
-            }
-            (_, Some((session, pending))) => state.sessions.forget(&session.id, &pending),
-            (_, None) => {}
-        }
+            .await
+            .ok_or_else(|| ProxyError::session(&req.session_id, crate::sessions::Gone::Unknown))?,
+            _ => put.await,
+        };
         let written = written.map_err(ProxyError::from)?;
         admitted.landed(written.succeeded.then_some(written.revision));
         if let (true, Some(session), Some(current)) =

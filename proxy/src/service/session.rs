@@ -196,6 +196,7 @@ pub fn keep_alive_stream(
         let mut shutdown = states[0].shutdown.clone();
         // This stream's turn in a drain (see `handover::move_hint`).
         let turn = rand::random::<f64>();
+        let mut proven = credential::Proven::default();
         loop {
             let req = tokio::select! {
                 msg = input.message() => match msg {
@@ -204,7 +205,7 @@ pub fn keep_alive_stream(
                 },
                 _ = shutdown.wait_for(|stop| *stop) => return,
             };
-            let proof = credential::check(&req.session_id, &req.session_secret, caller.as_deref());
+            let proof = proven.check(&req.session_id, &req.session_secret, caller.as_deref());
             let reply = match &states[..] {
                 _ if proof.is_err() => not_its_owner(req, proof),
                 [only] => renew(only, req, caller.as_deref(), turn),

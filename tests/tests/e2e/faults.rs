@@ -7,13 +7,13 @@ use tokio::io::AsyncBufReadExt;
 
 use anyhow::{ensure, Context};
 use lockcell_client::{Client, Error, LockGuard, Session, SessionState, Wait};
-use lockcell_proto::v1::{KeepAliveRequest, OpenRequest, SessionState as WireState};
+use lockcell_proto::v1::{OpenRequest, SessionState as WireState};
 use lockcell_tests::etcd::reserve_ports;
 use lockcell_tests::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess};
 use nix::sys::signal::Signal;
 
 use crate::locks::until_not_valid;
-use crate::support::{cell, lease_count, raw, short_session};
+use crate::support::{cell, lease_count, raw, renew_once, short_session};
 
 /// A session on proxy 0 holding `lock`, and a session on proxy 1 to wait for it.
 async fn holder_and_waiter(
@@ -108,17 +108,7 @@ pub async fn etcd_away_acquire_unavailable_sessions_end_at_lower_bound() -> anyh
             let id = raw_session.session_id.clone();
             let secret = raw_session.session_secret.clone();
             async move {
-                let reply = raw_sessions
-                    .keep_alive(tokio_stream::iter([KeepAliveRequest {
-                        session_id: id,
-                        session_secret: secret,
-                        seq: 1,
-                    }]))
-                    .await?
-                    .into_inner()
-                    .message()
-                    .await?
-                    .context("no reply")?;
+                let reply = renew_once(&mut raw_sessions, &id, &secret).await?;
                 Ok((reply.state == WireState::Expired as i32).then_some(reply.reason))
             }
         },

@@ -6,12 +6,11 @@ use std::time::Duration;
 use anyhow::{ensure, Context};
 use lockcell_client::{Client, FencingToken, SessionState, Wait};
 use lockcell_proto::v1::{
-    AcquireRequest, KeepAliveRequest, LockMode, OpenRequest, OpenResponse, ReleaseRequest,
-    SessionState as WireState,
+    AcquireRequest, LockMode, OpenRequest, OpenResponse, ReleaseRequest, SessionState as WireState,
 };
 use lockcell_tests::{eventually, FencedResource};
 
-use crate::support::{cell, raw, short_session, silent_holder};
+use crate::support::{cell, raw, renew_once, short_session, silent_holder};
 
 pub async fn holder_that_stops_renewing_loses_its_lock() -> anyhow::Result<()> {
     let (_etcd, proxies) = cell(&["a"]).await?;
@@ -34,17 +33,7 @@ pub async fn holder_that_stops_renewing_loses_its_lock() -> anyhow::Result<()> {
     );
 
     // The holder's session is over: the proxy says so.
-    let reply = sessions
-        .keep_alive(tokio_stream::iter([KeepAliveRequest {
-            session_id: holder.session_id.clone(),
-            session_secret: holder.session_secret.clone(),
-            seq: 1,
-        }]))
-        .await?
-        .into_inner()
-        .message()
-        .await?
-        .context("no keepalive reply")?;
+    let reply = renew_once(&mut sessions, &holder.session_id, &holder.session_secret).await?;
     ensure!(
         reply.state == WireState::Expired as i32,
         "holder's session is {:?}, not expired",

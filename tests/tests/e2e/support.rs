@@ -3,9 +3,11 @@
 use std::future::Future;
 use std::time::Duration;
 
+use anyhow::Context;
 use libtest_mimic::Trial;
 use lockcell_proto::v1::lock_client::LockClient;
 use lockcell_proto::v1::session_client::SessionClient;
+use lockcell_proto::v1::{KeepAliveRequest, KeepAliveResponse};
 use lockcell_tests::{EtcdCluster, ProxyOptions, ProxyProcess};
 use tonic::transport::Channel;
 
@@ -36,6 +38,25 @@ pub async fn cell(zones: &[&str]) -> anyhow::Result<(EtcdCluster, Vec<ProxyProce
         proxies.push(ProxyProcess::start(&options, &etcd.dir).await?);
     }
     Ok((etcd, proxies))
+}
+
+/// One renewal of session `id` on a fresh keepalive stream, and its reply.
+pub async fn renew_once(
+    sessions: &mut SessionClient<Channel>,
+    id: &str,
+    secret: &str,
+) -> anyhow::Result<KeepAliveResponse> {
+    sessions
+        .keep_alive(tokio_stream::iter([KeepAliveRequest {
+            session_id: id.to_owned(),
+            session_secret: secret.to_owned(),
+            seq: 1,
+        }]))
+        .await?
+        .into_inner()
+        .message()
+        .await?
+        .context("no keepalive reply")
 }
 
 /// Raw protocol clients, for tests that must behave unlike the SDK (stop renewing,
