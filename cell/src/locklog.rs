@@ -328,7 +328,7 @@ impl LockLog {
                     .move_keys(&[(place.clone(), kv.lease())], lease)
                     .await?[..]
                 {
-                    [None] => Ok(place.revision),
+                    [Ok(_)] => Ok(place.revision),
                     // Left the line meanwhile (granted, or taken out): queue afresh.
                     _ => Box::pin(self.enqueue(lock, mode, waiter, lease, map_revision)).await,
                 }
@@ -467,7 +467,8 @@ impl LockLog {
         revision: i64,
         lease: i64,
     ) -> Result<bool, CellError> {
-        let txn = guarded_delete(lock, &lock.holder_key(mode, session), revision, lease, true);
+        let hold = Grant::hold(lock, mode, session, revision);
+        let txn = guarded_delete(&hold, lease, true);
         let resp = with_timeout("release txn", self.timeout, self.kv.clone().txn(txn)).await?;
         Ok(resp.succeeded())
     }
@@ -498,20 +499,18 @@ impl LockLog {
     }
 
     /// Moves `keys`, each from the lease it is on (the second of each pair), onto lease
-    /// `to`, each under its own guard: its create revision unchanged and its lease the
-    /// one given. A move keeps the key's value and create revision, so fencing tokens do
-    /// not change. A key already on `to` with that create revision counts as moved.
-    /// Returns, per key, `None` when it is on `to` now, or what was found instead.
-    pub async fn move_keys(
-        &self,
-        keys: &[(Grant, i64)],
-        to: i64,
-    ) -> Result<Vec<Option<String>>, CellError> {
+    /// `to`, each under its own guard: still the grant (its create revision, or for an
+    /// ephemeral key its mod revision, see [`Grant::written`]) and its lease the one
+    /// given. A move keeps the key's value and create revision, so fencing tokens do not
+    /// change. A key already on `to`, still the grant, counts as moved. Returns what
+    /// became of each key.
+    pub async fn move_keys(&self, keys: &[(Grant, i64)], to: i64) -> Result<Vec<Moved>, CellError> {
         let mut outcomes = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(MAX_DELETES_PER_TXN) {
             let txn = Txn::new().and_then(moves(chunk, to));
             let resp = with_timeout("move txn", self.timeout, self.kv.clone().txn(txn)).await?;
-            outcomes.extend(move_outcomes(chunk, &resp.op_responses()));
+            let revision = txn_revision(&resp)?;
+            outcomes.extend(move_outcomes(chunk, &resp.op_responses(), revision));
         }
         Ok(outcomes)
     }
@@ -567,7 +566,8 @@ impl LockLog {
             key: fence_key.clone(),
             reason: "the session fence did not read back".to_owned(),
         })?;
-        let mut outcomes: Vec<Option<String>> = move_outcomes(first, &ops[2..]).collect();
+        let mut outcomes: Vec<Moved> =
+            move_outcomes(first, &ops[2..], txn_revision(&resp)?).collect();
         for chunk in chunks {
             let txn = Txn::new()
                 .when([Compare::mod_revision(
@@ -583,7 +583,8 @@ impl LockLog {
                 let (revision, lease) = now.unwrap_or_default();
                 return Ok(Resume::FenceMoved { revision, lease });
             }
-            outcomes.extend(move_outcomes(chunk, &resp.op_responses()));
+            let revision = txn_revision(&resp)?;
+            outcomes.extend(move_outcomes(chunk, &resp.op_responses(), revision));
         }
         Ok(Resume::Moved {
             fence: Grant::fence(session, created),
@@ -622,7 +623,7 @@ impl LockLog {
                 .iter()
                 .map(|g| {
                     let mark = clean && !g.waiter && marked.insert(&g.lock);
-                    TxnOp::txn(guarded_delete(&g.lock, &g.key, g.revision, lease, mark))
+                    TxnOp::txn(guarded_delete(g, lease, mark))
                 })
                 .collect();
             let txn = Txn::new().and_then(nested);
@@ -646,6 +647,13 @@ pub struct Grant {
     pub key: String,
     /// The key's create revision; 0 while unsettled (see `made_by`).
     pub revision: i64,
+    /// For an ephemeral key: the mod revision of the session's own last write of it (or
+    /// of the move that brought it to the session's lease), which its clean-up and its
+    /// moves compare. Any session may write a small key, and a write keeps the key's
+    /// create revision and (from a session on the same proxy lease) its lease, so only
+    /// the mod revision tells that no one wrote the key since. 0 for holder and waiter
+    /// keys: only a grant creates them, so their create revision is theirs alone.
+    pub written: i64,
     /// Not a hold (a waiter key or an ephemeral key): deleting it releases nothing.
     pub waiter: bool,
     /// Set while the transaction that would create the key has an unknown outcome (sent,
@@ -720,6 +728,11 @@ impl LockLog {
             if made_by.shown_by(&grant.key, kv.value()) {
                 found.push(Grant {
                     revision: kv.create_revision(),
+                    written: if grant.written_guard() {
+                        kv.mod_revision()
+                    } else {
+                        0
+                    },
                     made_by: None,
                     ..grant.clone()
                 });
@@ -738,17 +751,20 @@ impl Grant {
             key: crate::keyspace::session_fence_key(session.as_str()),
             revision,
             waiter: true,
+            written: 0,
             made_by: None,
         }
     }
 
-    /// An ephemeral key `name` created at `revision`.
-    pub fn ephemeral(name: &LockName, revision: i64) -> Grant {
+    /// An ephemeral key `name` created at `revision`, last written by the session (or
+    /// moved to its lease) at `written`.
+    pub fn ephemeral(name: &LockName, revision: i64, written: i64) -> Grant {
         Grant {
             lock: name.clone(),
             key: crate::keyspace::kv_key(name),
             revision,
             waiter: true,
+            written,
             made_by: None,
         }
     }
@@ -761,6 +777,7 @@ impl Grant {
             key: lock.holder_key(mode, session),
             revision,
             waiter: false,
+            written: 0,
             made_by: None,
         }
     }
@@ -771,6 +788,7 @@ impl Grant {
             key: lock.waiter_key(mode, waiter),
             revision,
             waiter: true,
+            written: 0,
             made_by: None,
         }
     }
@@ -798,13 +816,32 @@ impl Grant {
     pub fn unsettled_ephemeral(name: &LockName, session: &str, value: &[u8]) -> Grant {
         Grant {
             made_by: Some(MadeBy::new(session, Proof::Value(value_digest(value)))),
-            ..Grant::ephemeral(name, 0)
+            ..Grant::ephemeral(name, 0, 0)
         }
     }
 
     /// Whether the key's outcome is still unknown.
     pub fn is_unsettled(&self) -> bool {
         self.made_by.is_some()
+    }
+
+    /// Whether the key is guarded by the session's last write of it (an ephemeral key)
+    /// rather than by its create revision alone.
+    pub fn written_guard(&self) -> bool {
+        self.written != 0 || matches!(&self.made_by, Some(m) if matches!(m.proof, Proof::Value(_)))
+    }
+
+    /// The compares that hold while the key is still this record's on `lease`: for an
+    /// ephemeral key, no one has written it since the session did; for any other, it is
+    /// the same grant (create revision).
+    fn unchanged(&self, lease: i64) -> [Compare; 2] {
+        let key = self.key.as_bytes();
+        let revision = if self.written != 0 {
+            Compare::mod_revision(key, CompareOp::Equal, self.written)
+        } else {
+            Compare::create_revision(key, CompareOp::Equal, self.revision)
+        };
+        [revision, Compare::lease(key, CompareOp::Equal, lease)]
     }
 }
 
@@ -851,37 +888,33 @@ pub fn check_map(ops: &[TxnOpResponse], map_revision: i64) -> Result<(), CellErr
     }
 }
 
-/// Delete `key` only while it is the grant `revision` on `lease`; a clean release also
-/// writes the lock's release marker in the same revision. Only that write is read (as a
-/// watch event); the marker itself lives on the holder's lease and goes with the next
-/// grant of the lock, so markers never pile up.
-fn guarded_delete(lock: &LockName, key: &str, revision: i64, lease: i64, clean: bool) -> Txn {
-    let mut then = vec![TxnOp::delete(key.as_bytes(), None)];
+/// Delete `grant`'s key only while it is still that grant on `lease` (for an ephemeral
+/// key: no one wrote it since the session did, see [`Grant::written`]); a clean release
+/// also writes the lock's release marker in the same revision. Only that write is read
+/// (as a watch event); the marker itself lives on the holder's lease and goes with the
+/// next grant of the lock, so markers never pile up.
+fn guarded_delete(grant: &Grant, lease: i64, clean: bool) -> Txn {
+    let mut then = vec![TxnOp::delete(grant.key.as_bytes(), None)];
     if clean {
         then.push(TxnOp::put(
-            lock.released_key().as_bytes(),
-            revision.to_string(),
+            grant.lock.released_key().as_bytes(),
+            grant.revision.to_string(),
             Some(PutOptions::new().with_lease(lease)),
         ));
     }
-    Txn::new()
-        .when([
-            Compare::create_revision(key.as_bytes(), CompareOp::Equal, revision),
-            Compare::lease(key.as_bytes(), CompareOp::Equal, lease),
-        ])
-        .and_then(then)
+    Txn::new().when(grant.unchanged(lease)).and_then(then)
 }
 
 /// What a fenced resume did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resume {
-    /// The fence now has `fence_revision`; per key, `None` when it moved (or was
-    /// there), or what was found instead. `fence` is the fence key as a grant of the
-    /// session (deleted with its keys when the session ends here).
+    /// The fence now has `fence_revision`; per key, what became of it. `fence` is the
+    /// fence key as a grant of the session (deleted with its keys when the session ends
+    /// here).
     Moved {
         fence: Grant,
         fence_revision: i64,
-        outcomes: Vec<Option<String>>,
+        outcomes: Vec<Moved>,
     },
     /// The fence is at `revision` on `lease`, not what the client said: a resume it did
     /// not hear the end of landed. Nothing moved.
@@ -890,38 +923,42 @@ pub enum Resume {
     TurnedAway(String),
 }
 
+/// What became of one key a move named: on the new lease, with (for an ephemeral key,
+/// see [`Grant::written`]) the mod revision it has there now, 0 for any other key; or
+/// lost, with what was found instead.
+pub type Moved = Result<i64, String>;
+
 /// The nested move transactions of `keys` onto `to`.
 fn moves(keys: &[(Grant, i64)], to: i64) -> Vec<TxnOp> {
     keys.iter()
-        .map(|(g, from)| TxnOp::txn(guarded_move(&g.key, g.revision, *from, to)))
+        .map(|(g, from)| TxnOp::txn(guarded_move(g, *from, to)))
         .collect()
 }
 
-/// What each move of `keys` did, from the nested transactions' responses.
+/// What each move of `keys` did, from the nested transactions' responses in the
+/// transaction of `revision`.
 fn move_outcomes<'a>(
     keys: &'a [(Grant, i64)],
     ops: &'a [TxnOpResponse],
-) -> impl Iterator<Item = Option<String>> + 'a {
+    revision: i64,
+) -> impl Iterator<Item = Moved> + 'a {
     keys.iter()
         .zip(ops)
-        .map(|((grant, _), op)| move_outcome(grant, op))
+        .map(move |((grant, _), op)| move_outcome(grant, op, revision))
 }
 
 /// A `from` lease that marks a key as not the moving session's own: it is only read,
 /// never moved, and reported lost (no lease has this id).
 pub const NOT_ITS_OWN: i64 = -1;
 
-/// Already on `to` at `revision`: nothing to do. Otherwise, on `from` at `revision`:
-/// put it on `to`, keeping its value. Otherwise read it, to say what became of it. A key
-/// marked [`NOT_ITS_OWN`] is only read, even if it is on `to` already (another session
-/// of the same lease bucket holds it).
-fn guarded_move(key: &str, revision: i64, from: i64, to: i64) -> Txn {
-    let unchanged = |lease| {
-        [
-            Compare::create_revision(key.as_bytes(), CompareOp::Equal, revision),
-            Compare::lease(key.as_bytes(), CompareOp::Equal, lease),
-        ]
-    };
+/// Already on `to`, still the grant's (see [`Grant::unchanged`]): nothing to do.
+/// Otherwise, on `from` and still the grant's: put it on `to`, keeping its value.
+/// Otherwise read it, to say what became of it. A key marked [`NOT_ITS_OWN`] is only
+/// read, even if it is on `to` already (another session of the same lease bucket holds
+/// it).
+fn guarded_move(grant: &Grant, from: i64, to: i64) -> Txn {
+    let key = grant.key.as_str();
+    let unchanged = |lease| grant.unchanged(lease);
     if from == NOT_ITS_OWN {
         let read = Txn::new()
             .when(unchanged(NOT_ITS_OWN))
@@ -941,25 +978,28 @@ fn guarded_move(key: &str, revision: i64, from: i64, to: i64) -> Txn {
     Txn::new().when(unchanged(to)).or_else([TxnOp::txn(take)])
 }
 
-/// What a [`guarded_move`] did, from its response.
-fn move_outcome(grant: &Grant, op: &TxnOpResponse) -> Option<String> {
+/// What a [`guarded_move`] in the transaction of `revision` did, from its response.
+fn move_outcome(grant: &Grant, op: &TxnOpResponse, revision: i64) -> Moved {
+    let shape = || "the move transaction answered out of shape".to_owned();
     let TxnOpResponse::Txn(outer) = op else {
-        return Some("the move transaction answered out of shape".to_owned());
+        return Err(shape());
     };
     if outer.succeeded() {
-        return None;
+        // There already: unchanged.
+        return Ok(grant.written);
     }
     let inner = outer.op_responses().into_iter().find_map(|op| match op {
         TxnOpResponse::Txn(inner) => Some(inner),
         _ => None,
     });
     let Some(inner) = inner else {
-        return Some("the move transaction answered out of shape".to_owned());
+        return Err(shape());
     };
     if inner.succeeded() {
-        return None;
+        // Put on the new lease in this transaction: written at its revision.
+        return Ok(if grant.written != 0 { revision } else { 0 });
     }
-    Some(match first_kv(&inner.op_responses()) {
+    Err(match first_kv(&inner.op_responses()) {
         None => format!("{} is gone", grant.key),
         Some(kv) if kv.create_revision() != grant.revision => format!(
             "{} was created again at revision {} (held at {})",
@@ -967,12 +1007,29 @@ fn move_outcome(grant: &Grant, op: &TxnOpResponse) -> Option<String> {
             kv.create_revision(),
             grant.revision
         ),
+        Some(kv) if grant.written != 0 && kv.mod_revision() != grant.written => format!(
+            "{} was written again at revision {} (by this session at {})",
+            grant.key,
+            kv.mod_revision(),
+            grant.written
+        ),
         // The lease is not said: lease ids are no one else's business.
         Some(_) => format!(
             "{} is another session's, or on a lease this session does not have",
             grant.key
         ),
     })
+}
+
+/// The revision of a transaction's reply (for one that wrote: the revision it wrote at).
+fn txn_revision(resp: &etcd_client::TxnResponse) -> Result<i64, CellError> {
+    resp.header()
+        .map(|h| h.revision())
+        .filter(|r| *r > 0)
+        .ok_or_else(|| CellError::CorruptRecord {
+            key: "move txn".to_owned(),
+            reason: "etcd's reply carries no revision".to_owned(),
+        })
 }
 
 /// The key-value `key` read by one of `ops`, if it was there.

@@ -83,6 +83,21 @@ pub enum Error {
         /// The oldest revision still available.
         compact_revision: i64,
     },
+    /// A watch's position is a revision of one cell, and another cell serves the
+    /// watched names now (their prefix moved, or the cell was restored from a backup):
+    /// revisions of two cells are unrelated, so the watch cannot go on from there. This
+    /// is the end of that watch, as for [`Error::Compacted`]: read the key (or prefix)
+    /// again and watch from that read's revision + 1. [`Members`](crate::Members) does
+    /// so by itself.
+    #[error(
+        "the watch on {key:?} cannot go on: cell {cell:?} serves it now, and revisions of two cells are unrelated (read it again and watch from the read's revision + 1)"
+    )]
+    WatchMoved {
+        /// The key or prefix watched.
+        key: String,
+        /// The cell that serves it now (its cluster id and epoch).
+        cell: String,
+    },
     /// The proxy's reply broke the protocol (a bug on one side or the other).
     #[error("protocol violation by the proxy: {0}")]
     Protocol(String),
@@ -108,6 +123,9 @@ pub(crate) enum Call<'a> {
 
 /// Metadata of an OUT_OF_RANGE that ends a Watch: the oldest revision still available.
 pub(crate) const COMPACT_REVISION: &str = "lockcell-compact-revision";
+/// Metadata of an OUT_OF_RANGE that ends a Watch whose names another cell serves now:
+/// that cell.
+pub(crate) const WATCH_CELL: &str = "lockcell-watch-cell";
 /// Metadata of a FAILED_PRECONDITION refusing an acquire or campaign because the
 /// session holds the lock through another call: that hold's revision.
 pub(crate) const ALREADY_HELD: &str = "lockcell-already-held";
@@ -134,13 +152,24 @@ impl Error {
             session: id.to_owned(),
         };
         match (status.code(), call) {
-            (Code::OutOfRange, Call::Watch(key)) => match revision_in(&status, COMPACT_REVISION) {
-                Some(compact_revision) => Error::Compacted {
-                    key: key.to_owned(),
-                    compact_revision,
-                },
-                None => Error::Status(status),
-            },
+            (Code::OutOfRange, Call::Watch(key)) => {
+                let cell = status
+                    .metadata()
+                    .get(WATCH_CELL)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+                match (revision_in(&status, COMPACT_REVISION), cell) {
+                    (Some(compact_revision), _) => Error::Compacted {
+                        key: key.to_owned(),
+                        compact_revision,
+                    },
+                    (None, Some(cell)) => Error::WatchMoved {
+                        key: key.to_owned(),
+                        cell,
+                    },
+                    (None, None) => Error::Status(status),
+                }
+            }
             (Code::ResourceExhausted, Call::Watch(key)) => {
                 match revision_in(&status, RESUME_REVISION) {
                     Some(resume_from) => Error::WatchCutOff {

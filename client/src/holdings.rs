@@ -24,8 +24,13 @@ pub enum Held {
     Exclusive { lock: String, token: FencingToken },
     /// A lock held shared.
     Shared { lock: String, token: FencingToken },
-    /// An ephemeral small key, created at `create_revision`.
-    Ephemeral { key: String, create_revision: i64 },
+    /// An ephemeral small key, created at `create_revision` and written by this session
+    /// last at `mod_revision` (its write's revision).
+    Ephemeral {
+        key: String,
+        create_revision: i64,
+        mod_revision: i64,
+    },
 }
 
 impl Held {
@@ -42,19 +47,29 @@ impl Held {
 
     /// On the wire, on `lease` as far as the client knows.
     pub(crate) fn wire(&self, lease: i64) -> HeldKey {
-        let (kind, name, revision) = match self {
-            Held::Exclusive { lock, token } => (HeldKind::Exclusive, lock, token.revision),
-            Held::Shared { lock, token } => (HeldKind::Shared, lock, token.revision),
+        let (kind, name, revision, mod_revision) = match self {
+            Held::Exclusive { lock, token } => (HeldKind::Exclusive, lock, token.revision, 0),
+            Held::Shared { lock, token } => (HeldKind::Shared, lock, token.revision, 0),
             Held::Ephemeral {
                 key,
                 create_revision,
-            } => (HeldKind::Ephemeral, key, *create_revision),
+                mod_revision,
+            } => (HeldKind::Ephemeral, key, *create_revision, *mod_revision),
         };
         HeldKey {
             kind: kind as i32,
             name: name.clone(),
             revision,
             lease_id: lease,
+            mod_revision,
+        }
+    }
+
+    /// For an ephemeral key, the revision of the session's last write of it.
+    fn written(&self) -> i64 {
+        match self {
+            Held::Ephemeral { mod_revision, .. } => *mod_revision,
+            _ => 0,
         }
     }
 }
@@ -84,12 +99,19 @@ pub(crate) struct Holding {
     /// The lease its key is on as far as the client knows: the lease of the proxy that
     /// granted it, then of each proxy it moved to.
     lease: AtomicI64,
+    /// For an ephemeral key, the mod revision of the session's last write of it: the
+    /// Put's, then each move's (a move writes the key). The proxy moves and cleans up
+    /// the key only while it has not been written since.
+    written: AtomicI64,
     lost: watch::Sender<Option<Arc<str>>>,
 }
 
 impl Holding {
     fn wire(&self) -> HeldKey {
-        self.held.wire(self.lease.load(Ordering::Relaxed))
+        HeldKey {
+            mod_revision: self.written.load(Ordering::Relaxed),
+            ..self.held.wire(self.lease.load(Ordering::Relaxed))
+        }
     }
 
     pub(crate) fn is_lost(&self) -> bool {
@@ -143,17 +165,27 @@ impl Drop for Releasing {
 }
 
 impl Holdings {
-    /// Registers a hold whose key is on `lease`. An ephemeral key replaces an earlier
-    /// record of the same key.
+    /// Registers a hold whose key is on `lease`. An ephemeral key replaces the record
+    /// of an earlier write of the same key (and is not registered if a later write's is
+    /// there: two writes may be answered out of order).
     pub(crate) fn add(&self, held: Held, lease: i64) -> Arc<Holding> {
         let holding = Arc::new(Holding {
+            written: AtomicI64::new(held.written()),
             held,
             lease: AtomicI64::new(lease),
             lost: watch::Sender::new(None),
         });
         let mut all = self.held.lock().expect("holdings");
         if let Held::Ephemeral { key, .. } = &holding.held {
-            all.retain(|h| !matches!(&h.held, Held::Ephemeral { key: k, .. } if k == key));
+            let same = |h: &Holding| matches!(&h.held, Held::Ephemeral { key: k, .. } if k == key);
+            let written = holding.written.load(Ordering::Relaxed);
+            if all
+                .iter()
+                .any(|h| same(h) && h.written.load(Ordering::Relaxed) > written)
+            {
+                return holding;
+            }
+            all.retain(|h| !same(h));
         }
         all.push(holding.clone());
         self.version.fetch_add(1, Ordering::SeqCst);
@@ -221,11 +253,16 @@ impl Holdings {
     }
 
     /// The holds among `named` (what a resume named) that are still held are on `lease`
-    /// now; others keep the lease they were on.
-    pub(crate) fn moved_to(&self, lease: i64, named: &[HeldKey]) {
+    /// now; others keep the lease they were on. `rewritten` are the ephemeral keys the
+    /// move wrote, with their new mod revisions.
+    pub(crate) fn moved_to(&self, lease: i64, named: &[HeldKey], rewritten: &[HeldKey]) {
         for h in self.held.lock().expect("holdings").iter() {
-            if named.iter().any(|k| same_key(k, &h.wire())) {
+            let wire = h.wire();
+            if named.iter().any(|k| same_key(k, &wire)) {
                 h.lease.store(lease, Ordering::Relaxed);
+                if let Some(k) = rewritten.iter().find(|k| same_key(k, &wire)) {
+                    h.written.fetch_max(k.mod_revision, Ordering::Relaxed);
+                }
             }
         }
     }
@@ -367,14 +404,14 @@ mod tests {
         let wire = holdings.wire();
         assert_eq!(wire.len(), 2, "one key named once: {wire:?}");
         assert_eq!((wire[0].lease_id, wire[1].lease_id), (10, 11));
-        holdings.moved_to(20, &wire[..1]);
+        holdings.moved_to(20, &wire[..1], &[]);
         let now = holdings.wire();
         assert_eq!(
             (now[0].lease_id, now[1].lease_id),
             (20, 11),
             "only what the resume named moved"
         );
-        holdings.moved_to(20, &wire);
+        holdings.moved_to(20, &wire, &[]);
 
         // A proxy reports b lost (naming it on the lease it was asked to move it from).
         holdings.lose(&lock("b", 7).wire(20), "gone");
@@ -413,14 +450,25 @@ mod tests {
     #[test]
     fn an_ephemeral_key_written_again_replaces_its_record() {
         let holdings = Holdings::default();
-        let key = |create_revision| Held::Ephemeral {
+        let key = |create_revision, mod_revision| Held::Ephemeral {
             key: "members/g/1".into(),
             create_revision,
+            mod_revision,
         };
-        holdings.add(key(3), 1);
-        holdings.add(key(9), 1);
+        holdings.add(key(3, 3), 1);
+        holdings.add(key(9, 9), 1);
+        holdings.add(key(9, 12), 1);
+        // Answered after the write at 12: an earlier write, not registered.
+        holdings.add(key(9, 10), 1);
         let wire = holdings.wire();
         assert_eq!(wire.len(), 1);
-        assert_eq!(wire[0].revision, 9);
+        assert_eq!((wire[0].revision, wire[0].mod_revision), (9, 12));
+
+        // A move writes the key: the next resume names the move's revision.
+        let mut moved = wire[0].clone();
+        moved.mod_revision = 20;
+        holdings.moved_to(7, &wire, &[moved]);
+        let wire = holdings.wire();
+        assert_eq!((wire[0].lease_id, wire[0].mod_revision), (7, 20));
     }
 }

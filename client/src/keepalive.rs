@@ -22,7 +22,7 @@ use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use dashmap::DashMap;
 use lockcell_proto::v1::session_client::SessionClient;
 use lockcell_proto::v1::{
-    CellStay, CloseRequest, KeepAliveRequest, KeepAliveResponse, ResumeRequest,
+    CellStay, CloseRequest, HeldKey, HeldKind, KeepAliveRequest, KeepAliveResponse, ResumeRequest,
     SessionState as WireState,
 };
 use tokio::sync::mpsc;
@@ -44,6 +44,10 @@ use lockcell_proto::suspend;
 const RESUME_REPLY_BYTES: usize = 16 << 20;
 
 const RESUME_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How many of the keys a Resume names move in the transaction that raises the
+/// session's fence (the proto's `HeldKey.mod_revision`).
+const KEYS_MOVED_WITH_THE_FENCE: usize = 64;
 /// How often sessions are checked against the grace period.
 const GRACE_SWEEP: Duration = Duration::from_millis(250);
 /// After a proxy asked its clients to go and no other proxy took them, how long before
@@ -770,7 +774,7 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
                     epoch: reply.epoch,
                     cells: reply.cells,
                 };
-                session.moved(home, sent, reply.valid_for_ms, &keys, version);
+                session.moved(home, sent, reply.valid_for_ms, &keys, &reply.moved, version);
                 return Ok(());
             }
             Err(status) => status,
@@ -805,7 +809,19 @@ async fn resume_one(channel: Channel, session: Arc<SessionShared>) -> Result<(),
                 continue;
             }
             // The resume that landed named what was held then; those moved to `lease`.
-            session.holdings.moved_to(lease, &keys);
+            // The first keys it named moved in the transaction that raised the fence:
+            // an ephemeral key among them that moved was written at `fence` (see the
+            // proto's `HeldKey.mod_revision`). Any other is reported lost next time.
+            let rewritten: Vec<HeldKey> = keys
+                .iter()
+                .take(KEYS_MOVED_WITH_THE_FENCE)
+                .filter(|k| k.kind == HeldKind::Ephemeral as i32)
+                .map(|k| HeldKey {
+                    mod_revision: fence,
+                    ..k.clone()
+                })
+                .collect();
+            session.holdings.moved_to(lease, &keys, &rewritten);
             session.set_home(Home {
                 lease,
                 fence,

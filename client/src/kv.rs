@@ -264,6 +264,7 @@ impl Session {
             let held = crate::holdings::Held::Ephemeral {
                 key: key.to_owned(),
                 create_revision: entry.create_revision,
+                mod_revision: entry.mod_revision,
             };
             self.accept_grant(&sent, None, held);
         }

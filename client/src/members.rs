@@ -126,13 +126,18 @@ impl Client {
         &self,
         prefix: &str,
     ) -> Result<(BTreeMap<String, Vec<u8>>, Watcher), Error> {
-        let (entries, revision) = read_prefix(self, prefix).await?;
+        let (entries, revision, cell) = read_prefix(self, prefix).await?;
         let current = entries
             .into_iter()
             .filter_map(|e| Some((member_of(prefix, &e.key)?.to_owned(), e.value)))
             .collect();
         let watcher = self
-            .watch(prefix, WatchOptions::prefix().from_revision(revision + 1))
+            .watch(
+                prefix,
+                WatchOptions::prefix()
+                    .from_revision(revision + 1)
+                    .in_cell(cell),
+            )
             .await?;
         Ok((current, watcher))
     }
@@ -170,10 +175,8 @@ impl Members {
                 Err(Error::WatchCutOff { resume_from, .. }) => {
                     tracing::info!(members.group = %self.prefix, resume_from, "membership watch cut off; resuming");
                 }
-                Err(Error::Compacted {
-                    compact_revision, ..
-                }) => {
-                    tracing::info!(members.group = %self.prefix, compact_revision, "membership watch compacted; reading the group again");
+                Err(error @ (Error::Compacted { .. } | Error::WatchMoved { .. })) => {
+                    tracing::info!(members.group = %self.prefix, %error, "membership watch cannot go on; reading the group again");
                     let (fresh, watcher) = self.client.list_and_watch(&self.prefix).await?;
                     let changes = diff(&self.current, &fresh);
                     self.current = fresh;
@@ -188,9 +191,10 @@ impl Members {
     }
 }
 
-/// A linearizable read of every key under `prefix`, with the revision it reflects.
-/// (Here rather than in `kv.rs`, whose reads return only the entries.)
-async fn read_prefix(client: &Client, prefix: &str) -> Result<(Vec<Entry>, i64), Error> {
+/// A linearizable read of every key under `prefix`, with the revision it reflects and
+/// the cell it is a revision of. (Here rather than in `kv.rs`, whose reads return only
+/// the entries.)
+async fn read_prefix(client: &Client, prefix: &str) -> Result<(Vec<Entry>, i64, String), Error> {
     let mut request = tonic::Request::new(GetRequest {
         key: prefix.to_owned(),
         prefix: true,
@@ -207,7 +211,11 @@ async fn read_prefix(client: &Client, prefix: &str) -> Result<(Vec<Entry>, i64),
             "the read of {prefix:?} was cut short although it asked for no limit"
         )));
     }
-    Ok((reply.kvs.into_iter().map(entry).collect(), reply.revision))
+    Ok((
+        reply.kvs.into_iter().map(entry).collect(),
+        reply.revision,
+        reply.cell,
+    ))
 }
 
 /// Applies `events` to `current` and says what changed, in order. A write that leaves

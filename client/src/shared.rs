@@ -113,17 +113,19 @@ impl SessionShared {
     /// `named` is what the resume named, read when the holdings were at `version`: those
     /// keys are on the new lease now. The session settles (grants count again) only if
     /// nothing was added since; otherwise it stays unsettled and is resumed again.
+    /// `rewritten` are the ephemeral keys the move wrote (the reply's `moved`).
     pub(crate) fn moved(
         &self,
         home: Home,
         sent: Stamp,
         valid_for_ms: u64,
         named: &[lockcell_proto::v1::HeldKey],
+        rewritten: &[lockcell_proto::v1::HeldKey],
         version: u64,
     ) {
         let changed = self.home().proxy_id != home.proxy_id;
         let proxy_id = home.proxy_id.clone();
-        self.holdings.moved_to(home.lease, named);
+        self.holdings.moved_to(home.lease, named, rewritten);
         self.set_home(home);
         if self.holdings.version() == version {
             self.validity.send_if_modified(Validity::settle);
@@ -365,16 +367,24 @@ mod tests {
             Held::Ephemeral {
                 key: "k".into(),
                 create_revision: 3,
+                mod_revision: 3,
             },
             7,
         );
         // ...but a hold came in after it read them: still unsettled.
-        s.moved(home.clone(), at(Instant::now()), 9_000, &[], version);
+        s.moved(home.clone(), at(Instant::now()), 9_000, &[], &[], version);
         assert!(s.is_unsettled());
         assert_eq!(s.state(), SessionState::Jeopardy);
         // A resume that named everything settles it.
         let (version, named) = (s.holdings.version(), s.holdings.wire());
-        s.moved(home.clone(), at(Instant::now()), 9_000, &named, version);
+        s.moved(
+            home.clone(),
+            at(Instant::now()),
+            9_000,
+            &named,
+            &[],
+            version,
+        );
         assert!(!s.is_unsettled());
         assert_eq!(s.state(), SessionState::Valid, "a resume settles it");
         assert_eq!(s.home(), home);

@@ -49,6 +49,9 @@ pub struct WatchOptions {
     /// For how long after a stream breaks the watcher keeps trying to resume it before
     /// [`Watcher::next`] gives up with [`Error::Unavailable`].
     pub reconnect_for: Duration,
+    /// The cell `start_revision` is a revision of (from the read the watch follows on;
+    /// empty: whichever cell serves the key now).
+    pub(crate) cell: String,
 }
 
 impl Default for WatchOptions {
@@ -61,6 +64,7 @@ impl Default for WatchOptions {
             progress_interval: None,
             all_keys: false,
             reconnect_for: Duration::from_secs(30),
+            cell: String::new(),
         }
     }
 }
@@ -113,6 +117,13 @@ impl WatchOptions {
             reconnect_for: d,
             ..self
         }
+    }
+
+    /// `start_revision` is a revision of `cell` (a read's): if another cell serves the
+    /// key now, the watch ends with [`Error::WatchMoved`] rather than read another
+    /// cell's revisions as this one's.
+    pub(crate) fn in_cell(self, cell: String) -> Self {
+        WatchOptions { cell, ..self }
     }
 }
 
@@ -168,10 +179,22 @@ pub struct Watcher {
     resume_from: Option<i64>,
     /// Set once the watched revisions were compacted away: the watch cannot go on.
     compacted: Option<i64>,
+    /// The cell whose revisions the position counts (from the created response; empty
+    /// when the proxy does not say).
+    cell: String,
+    /// Set once another cell serves the watched names: the watch cannot go on.
+    moved: Option<String>,
     backoff: ExponentialBackoff,
     /// Whether the current stream has delivered something since it was set up, which
     /// proves the path works: then a break is retried at once with a fresh backoff.
     proven: bool,
+    /// When the watch last broke after delivering something: `reconnect_for` counts
+    /// from there. A stream that is set up and breaks again before delivering anything
+    /// (the proxy cannot serve its history) is one more failed attempt, not a fresh
+    /// start.
+    broken_since: Option<Instant>,
+    /// Why the last stream or attempt broke, for the error that gives up.
+    last_break: String,
 }
 
 impl Client {
@@ -213,8 +236,9 @@ impl Client {
                 u32::try_from(d.as_millis()).unwrap_or(u32::MAX).max(1)
             }),
             all_keys: opts.all_keys,
+            cell: opts.cell.clone(),
         };
-        let (stream, created) = match open(self, request.clone()).await {
+        let (stream, created, cell) = match open(self, request.clone()).await {
             Ok(opened) => opened,
             Err(Broken::Transient(reason)) => {
                 return Err(Error::Unavailable(format!(
@@ -223,7 +247,14 @@ impl Client {
             }
             Err(Broken::Fatal(error)) => return Err(error),
         };
-        tracing::debug!(watch.key = key, watch.revision = created, "watch created");
+        tracing::debug!(watch.key = key, watch.revision = created, watch.cell = %cell, "watch created");
+        if opts.start_revision > 0 && !opts.cell.is_empty() && !cell.is_empty() && cell != opts.cell
+        {
+            return Err(Error::WatchMoved {
+                key: key.to_owned(),
+                cell,
+            });
+        }
         Ok(Watcher {
             client: self.clone(),
             position: Position::created(opts.start_revision, created),
@@ -232,8 +263,12 @@ impl Client {
             stream: Some(stream),
             resume_from: None,
             compacted: None,
+            cell: if cell.is_empty() { opts.cell } else { cell },
+            moved: None,
             backoff: backoff(),
             proven: false,
+            broken_since: None,
+            last_break: String::new(),
         })
     }
 }
@@ -267,6 +302,12 @@ impl Watcher {
                 compact_revision,
             });
         }
+        if let Some(cell) = &self.moved {
+            return Err(Error::WatchMoved {
+                key: self.request.key.clone(),
+                cell: cell.clone(),
+            });
+        }
         loop {
             let Some(stream) = self.stream.as_mut() else {
                 self.reopen().await?;
@@ -277,6 +318,7 @@ impl Watcher {
                     if !self.proven {
                         self.proven = true;
                         self.backoff = backoff();
+                        self.broken_since = None;
                     }
                     match self.position.accept(response) {
                         Ok(Some(batch)) => return Ok(batch),
@@ -288,9 +330,11 @@ impl Watcher {
                 Err(status) => classify(status, &self.request.key),
             };
             self.stream = None;
+            self.broken_since.get_or_insert_with(Instant::now);
             match broken {
                 Broken::Transient(reason) => {
                     tracing::debug!(watch.key = %self.request.key, %reason, "watch broke; resuming");
+                    self.last_break = reason;
                 }
                 Broken::Fatal(error) => return Err(self.noted(error)),
             }
@@ -302,21 +346,38 @@ impl Watcher {
     async fn reopen(&mut self) -> Result<(), Error> {
         // Left in place until the watch is set up, in case this call is dropped.
         let from = self.resume_from.unwrap_or(self.position.revision + 1);
-        let give_up_at = Instant::now() + self.reconnect_for;
+        let give_up_at = *self.broken_since.get_or_insert_with(Instant::now) + self.reconnect_for;
         let mut delay = if self.proven {
             Duration::ZERO
         } else {
             self.next_delay()
         };
+        let first = self.proven;
         self.proven = false;
+        if !first && Instant::now() + delay > give_up_at {
+            let reason = std::mem::take(&mut self.last_break);
+            return Err(self.give_up(from, reason));
+        }
         loop {
             tokio::time::sleep(delay).await;
             let request = WatchRequest {
                 start_revision: from,
+                cell: self.cell.clone(),
                 ..self.request.clone()
             };
             let reason = match open(&self.client, request).await {
-                Ok((stream, created)) => {
+                // A proxy that does not check the cell: the client does.
+                Ok((_, _, cell))
+                    if !cell.is_empty() && !self.cell.is_empty() && cell != self.cell =>
+                {
+                    self.resume_from = Some(from);
+                    let error = Error::WatchMoved {
+                        key: self.request.key.clone(),
+                        cell,
+                    };
+                    return Err(self.noted(error));
+                }
+                Ok((stream, created, _)) => {
                     self.resume_from = None;
                     self.position.resumed(from, created);
                     self.stream = Some(stream);
@@ -331,17 +392,23 @@ impl Watcher {
             };
             delay = self.next_delay();
             if Instant::now() + delay > give_up_at {
-                self.resume_from = Some(from);
-                // A later call starts over: quickly, and with a whole `reconnect_for`.
-                self.backoff = backoff();
-                return Err(Error::Unavailable(format!(
-                    "the watch on {:?} broke and could not be resumed from revision {from} \
-                     within {}: {reason}",
-                    self.request.key,
-                    humantime::format_duration(self.reconnect_for)
-                )));
+                return Err(self.give_up(from, reason));
             }
         }
+    }
+
+    /// The error for a watch that could not be resumed within `reconnect_for`.
+    fn give_up(&mut self, from: i64, reason: String) -> Error {
+        self.resume_from = Some(from);
+        // A later call starts over: quickly, and with a whole `reconnect_for`.
+        self.backoff = backoff();
+        self.broken_since = None;
+        Error::Unavailable(format!(
+            "the watch on {:?} broke and could not be resumed from revision {from} \
+             within {}: {reason}",
+            self.request.key,
+            humantime::format_duration(self.reconnect_for)
+        ))
     }
 
     fn next_delay(&mut self) -> Duration {
@@ -355,6 +422,7 @@ impl Watcher {
             Error::Compacted {
                 compact_revision, ..
             } => self.compacted = Some(compact_revision),
+            Error::WatchMoved { ref cell, .. } => self.moved = Some(cell.clone()),
             _ => {}
         }
         error
@@ -386,11 +454,11 @@ fn classify(status: Status, key: &str) -> Broken {
 }
 
 /// Opens a watch and waits for its `created` response; returns the stream and that
-/// response's revision.
+/// response's revision and cell.
 async fn open(
     client: &Client,
     request: WatchRequest,
-) -> Result<(Streaming<WatchResponse>, i64), Broken> {
+) -> Result<(Streaming<WatchResponse>, i64, String), Broken> {
     let key = request.key.clone();
     let opening = async {
         let mut stream = WatchClient::new(client.channel())
@@ -399,7 +467,7 @@ async fn open(
             .map_err(|status| classify(status, &key))?
             .into_inner();
         match stream.message().await {
-            Ok(Some(first)) if first.created => Ok((stream, first.revision)),
+            Ok(Some(first)) if first.created => Ok((stream, first.revision, first.cell)),
             Ok(Some(_)) => Err(Broken::Fatal(Error::Protocol(format!(
                 "the watch on {key:?} did not start with a created response"
             )))),
@@ -477,6 +545,7 @@ mod tests {
                 progress_interval: Some(Duration::from_secs(5)),
                 all_keys: false,
                 reconnect_for: Duration::from_secs(3),
+                cell: String::new(),
             }
         );
         assert!(WatchOptions::prefix().allow_all_keys().all_keys);

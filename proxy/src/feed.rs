@@ -24,6 +24,7 @@ use tokio::sync::{watch, Notify};
 use crate::fanout::{End, Fanout};
 use crate::metrics;
 use crate::mirror::Mirror;
+use crate::routes::Routes;
 
 /// Largest watch response the proxy accepts: a proxy lease revoked with tens of
 /// thousands of keys on it arrives as one revision.
@@ -86,11 +87,15 @@ pub struct Feed {
     backlog: usize,
     /// Catch-ups of watchers from older revisions allowed at once.
     pub catch_ups: Arc<tokio::sync::Semaphore>,
+    /// The cell's copy of the shard map, kept as of the applied revision at least: a
+    /// read that waited for the feed to reach its barrier checks its name against it.
+    routes: Arc<Routes>,
 }
 
 impl Feed {
-    pub fn new(backlog: usize) -> Feed {
+    pub fn new(backlog: usize, routes: Arc<Routes>) -> Feed {
         Feed {
+            routes,
             mirror: RwLock::default(),
             applied: watch::channel(0).0,
             live: watch::channel(false).0,
@@ -150,8 +155,12 @@ impl Feed {
             .is_ok_and(|r| r.is_ok())
     }
 
-    fn load(&self, mirror: Mirror) {
+    fn load(&self, (mirror, map): (Mirror, Option<etcd_client::KeyValue>)) {
         let revision = mirror.revision();
+        match &map {
+            Some(kv) => self.routes.changed(Some(kv.value()), kv.mod_revision()),
+            None => self.routes.changed(None, revision),
+        }
         *self.mirror.write().expect("mirror lock") = mirror;
         self.fanout.open(revision);
         self.applied.send_replace(revision);
@@ -169,6 +178,14 @@ impl Feed {
             .filter_map(|e| e.kv())
             .map(|kv| kv.mod_revision());
         let revision = contiguous(self.applied(), revisions)?;
+        let map_key = keyspace::shardmap_key().as_bytes();
+        for event in events {
+            if let Some(kv) = event.kv().filter(|kv| kv.key() == map_key) {
+                let put = event.event_type() == EventType::Put;
+                self.routes
+                    .changed(put.then(|| kv.value()), kv.mod_revision());
+            }
+        }
         let changes = events.iter().filter_map(change);
         let events = self
             .mirror
@@ -213,8 +230,8 @@ pub async fn run(feed: Arc<Feed>, kv: KvClient, watch: WatchClient, timeout: Dur
     let mut kv = kv.max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES);
     let pause = Duration::from_millis(300);
     loop {
-        let mirror = match load(&mut kv, timeout).await {
-            Ok(mirror) => mirror,
+        let loaded = match load(&mut kv, timeout).await {
+            Ok(loaded) => loaded,
             Err(e) => {
                 tracing::warn!(error = %e, "could not load the small keys; retrying");
                 tokio::time::sleep(pause).await;
@@ -222,11 +239,11 @@ pub async fn run(feed: Arc<Feed>, kv: KvClient, watch: WatchClient, timeout: Dur
             }
         };
         tracing::info!(
-            keys = mirror.len(),
-            revision = mirror.revision(),
+            keys = loaded.0.len(),
+            revision = loaded.0.revision(),
             "small keys loaded; following the cell"
         );
-        feed.load(mirror);
+        feed.load(loaded);
         follow(&feed, &mut watch, &mut kv, timeout, pause).await;
         feed.live.send_replace(false);
         feed.fanout.end_all(End::FeedLost);
@@ -246,16 +263,21 @@ async fn follow(
 ) {
     let mut failures = 0;
     loop {
-        let from = feed.applied() + 1;
+        // From the revision applied last, not the one after: etcd accepts a watch that
+        // starts exactly at its compact revision, but has dropped the deletes made at
+        // that revision. Starting one revision early makes a compaction at the first
+        // revision the proxy still needs a refused watch (a reload), and the events
+        // delivered again at `applied` are skipped by `Feed::apply`.
+        let from = feed.applied();
         if failures > 0 {
             if failures >= RESTARTS_BEFORE_RELOAD {
                 tracing::warn!(from, failures, "the cell watch keeps failing; reloading");
                 return;
             }
             match store_revision(kv, timeout).await {
-                Ok(now) if now < from - 1 => {
+                Ok(now) if now < from => {
                     tracing::warn!(
-                        applied = from - 1,
+                        applied = from,
                         store = now,
                         "the store's revision went back (restored from a backup?); reloading"
                     );
@@ -353,8 +375,12 @@ pub fn header_revision(
         })
 }
 
-/// Reads every small key at one revision, a page at a time.
-async fn load(kv: &mut KvClient, timeout: Duration) -> Result<Mirror, CellError> {
+/// Reads every small key at one revision, a page at a time, and the cell's shard map
+/// copy at that revision.
+async fn load(
+    kv: &mut KvClient,
+    timeout: Duration,
+) -> Result<(Mirror, Option<etcd_client::KeyValue>), CellError> {
     let root = keyspace::kv_prefix("").expect("the root prefix is valid");
     let end = prefix_end(root.as_bytes());
     let mut start = root.into_bytes();
@@ -385,7 +411,19 @@ async fn load(kv: &mut KvClient, timeout: Duration) -> Result<Mirror, CellError>
                 start = last.key().to_vec();
                 start.push(0);
             }
-            _ => return Ok(Mirror::new(entries, revision)),
+            _ => {
+                let map = with_timeout(
+                    "load shard map copy",
+                    timeout,
+                    kv.get(
+                        keyspace::shardmap_key(),
+                        Some(GetOptions::new().with_revision(revision)),
+                    ),
+                )
+                .await?;
+                let map = map.kvs().first().cloned();
+                return Ok((Mirror::new(entries, revision), map));
+            }
         }
     }
 }

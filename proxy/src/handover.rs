@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockcell_cell::locklog::NOT_ITS_OWN;
-use lockcell_cell::locklog::{Grant, Resume};
+use lockcell_cell::locklog::{Grant, Moved, Resume};
 use lockcell_cell::{LockName, Mode};
 use lockcell_proto::v1::{HeldKey, HeldKind, LostKey, ResumeRequest, ResumeResponse};
 use tokio::time::Instant;
@@ -187,7 +187,10 @@ async fn resume_named(
         .keys
         .iter()
         .map(|key| {
-            let from = if key.lease_id != 0 {
+            let from = if key.kind == HeldKind::Ephemeral as i32 && key.mod_revision == 0 {
+                // Not proven its own: another session may have written it since.
+                NOT_ITS_OWN
+            } else if key.lease_id != 0 {
                 key.lease_id
             } else {
                 req.from_lease_id
@@ -364,7 +367,7 @@ fn resumed_here(
     keys: Vec<HeldKey>,
     named: &[(Grant, i64)],
     moving: &[(Grant, i64)],
-    outcomes: &[Option<String>],
+    outcomes: &[Moved],
     earlier: Option<Session>,
 ) -> Result<ResumeResponse, ProxyError> {
     let Arrived {
@@ -375,13 +378,12 @@ fn resumed_here(
         fence,
         fence_revision,
     } = here;
-    // What became of `key`'s move: `Some(None)` moved, `Some(Some(why))` lost, `None`
-    // not named.
+    // What became of `key`'s move (`None`: not named).
     let outcome = |key: &str| {
         let i = moving.iter().position(|(g, _)| g.key == key)?;
         outcomes.get(i)
     };
-    let moved = |key: &str| matches!(outcome(key), Some(None));
+    let moved = |key: &str| matches!(outcome(key), Some(Ok(_)));
     // An earlier stay here: what it had that did not move here (keys the client never
     // heard of) is deleted under that stay's lease.
     if let Some(earlier) = earlier {
@@ -401,14 +403,33 @@ fn resumed_here(
     if !state.sessions.record_grant(&id, incarnation, fence, None) {
         return Err(unknown_outcome("its stay ended meanwhile"));
     }
-    let mut lost = Vec::new();
+    let (mut lost, mut rewritten) = (Vec::new(), Vec::new());
     for (key, (grant, _)) in keys.into_iter().zip(named) {
-        if let Some(Some(reason)) = outcome(&grant.key).cloned() {
-            state.sessions.forget_grant(&id, &grant.key, grant.revision);
-            lost.push(LostKey {
-                key: Some(key),
-                reason,
-            });
+        match outcome(&grant.key).cloned() {
+            Some(Err(reason)) => {
+                state.sessions.forget_grant(&id, &grant.key, grant.revision);
+                lost.push(LostKey {
+                    key: Some(key),
+                    reason,
+                });
+            }
+            // An ephemeral key the move wrote: its record (and the client's) now names
+            // that write, which is what its clean-up and next move compare.
+            Some(Ok(written)) if grant.written != 0 && written != grant.written => {
+                let now = Grant {
+                    written,
+                    ..grant.clone()
+                };
+                if !state.sessions.record_grant(&id, incarnation, now, None) {
+                    return Err(unknown_outcome("its stay ended meanwhile"));
+                }
+                rewritten.push(HeldKey {
+                    mod_revision: written,
+                    lease_id: lease,
+                    ..key
+                });
+            }
+            _ => {}
         }
     }
     metrics::counter!(m::KEYS_MOVED).increment((named.len() - lost.len()) as u64);
@@ -439,6 +460,7 @@ fn resumed_here(
         fence_revision,
         epoch: state.epoch(),
         cells: Vec::new(),
+        moved: rewritten,
     })
 }
 
@@ -527,7 +549,15 @@ fn grant(session: &str, key: &HeldKey) -> Result<Grant, ProxyError> {
     Ok(match HeldKind::try_from(key.kind) {
         Ok(HeldKind::Exclusive) => Grant::hold(&name, Mode::Exclusive, session, key.revision),
         Ok(HeldKind::Shared) => Grant::hold(&name, Mode::Shared, session, key.revision),
-        Ok(HeldKind::Ephemeral) => Grant::ephemeral(&name, key.revision),
+        Ok(HeldKind::Ephemeral) => {
+            if key.mod_revision != 0 && key.mod_revision < key.revision {
+                return Err(bad(&format!(
+                    "its mod revision {} is before its create revision {}",
+                    key.mod_revision, key.revision
+                )));
+            }
+            Grant::ephemeral(&name, key.revision, key.mod_revision)
+        }
         Err(_) => return Err(bad(&format!("unknown kind {}", key.kind))),
     })
 }
@@ -542,6 +572,7 @@ mod tests {
             name: name.to_owned(),
             revision,
             lease_id: 0,
+            mod_revision: 0,
         }
     }
 
@@ -572,6 +603,7 @@ mod tests {
                 name: "a".into(),
                 revision: 1,
                 lease_id: 0,
+                mod_revision: 0,
             },
         )
         .unwrap_err();

@@ -399,22 +399,25 @@ impl Engine {
                 .draining_with(shared.drain.clone()),
         );
         let events = Arc::new(events::LockEvents::new());
-        let feed = Arc::new(feed::Feed::new(config.watch_backlog));
+        let mut routes = routes::Routes::new(&epoch.record.cluster_id, epoch.record.epoch, map);
+        if name.is_some() {
+            routes = routes.in_map();
+        }
+        let routes = Arc::new(routes);
+        let feed = Arc::new(feed::Feed::new(config.watch_backlog, routes.clone()));
         let reads = reads::Reads::new(
             feed.clone(),
             barrier::Barrier::start(etcd.kv_client(), config.etcd_timeout),
             lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
             config.etcd_timeout,
+            routes.clone(),
+            etcd.kv_client(),
         );
-        let mut routes = routes::Routes::new(&epoch.record.cluster_id, epoch.record.epoch, map);
-        if name.is_some() {
-            routes = routes.in_map();
-        }
         let state = Arc::new(ProxyState {
             proxy_id: shared.proxy_id.clone(),
             cell_name: name,
             counts_sessions,
-            routes: Arc::new(routes),
+            routes,
             cell,
             sessions: Default::default(),
             leases: leases::LeaseBook::new(

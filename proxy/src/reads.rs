@@ -16,6 +16,7 @@ use crate::errors::ProxyError;
 use crate::feed::Feed;
 use crate::metrics;
 use crate::mirror::Topic;
+use crate::routes::Routes;
 
 /// The proxy's small-key reads.
 pub struct Reads {
@@ -23,6 +24,10 @@ pub struct Reads {
     pub barrier: Barrier,
     kv: Kv,
     timeout: Duration,
+    /// The cell's copy of the shard map, which the feed keeps as of what it applied.
+    routes: Arc<Routes>,
+    /// For reading the copy after a read that bypassed the feed.
+    etcd: etcd_client::KvClient,
 }
 
 /// A key's or prefix's topic, with the key rules checked (errors say "key").
@@ -42,12 +47,21 @@ pub fn topic(key: &str, prefix: bool) -> Result<Topic, ProxyError> {
 }
 
 impl Reads {
-    pub fn new(feed: Arc<Feed>, barrier: Barrier, kv: Kv, timeout: Duration) -> Reads {
+    pub fn new(
+        feed: Arc<Feed>,
+        barrier: Barrier,
+        kv: Kv,
+        timeout: Duration,
+        routes: Arc<Routes>,
+        etcd: etcd_client::KvClient,
+    ) -> Reads {
         Reads {
             feed,
             barrier,
             kv,
             timeout,
+            routes,
+            etcd,
         }
     }
 
@@ -87,11 +101,21 @@ impl Reads {
         if self.feed.is_live() {
             let at = self.barrier().await?;
             if self.feed.applied_through(at, self.timeout).await {
+                // The feed keeps the cell's map copy as of what it applied: this check
+                // sees every move that began before the read did.
+                self.routes.read_here(&topic.name, prefix)?;
                 return Ok(self.mirror_read(&topic, limit, "barrier"));
             }
             self.feed.report_stall();
         }
-        self.direct(key, prefix, limit, 0, false).await
+        let read = self.direct(key, prefix, limit, 0, false).await?;
+        // A copy read after the data: as new as the data at least.
+        self.routes
+            .refresh(&mut self.etcd.clone(), self.timeout)
+            .await
+            .map_err(ProxyError::from)?;
+        self.routes.read_here(&topic.name, prefix)?;
+        Ok(read)
     }
 
     fn mirror_read(&self, topic: &Topic, limit: i64, path: &'static str) -> Read {

@@ -335,8 +335,10 @@ impl SessionApi for Router {
             .map(|(engine, r)| stay_of(engine, r.lease_id, r.incarnation, r.fence_revision))
             .collect();
         let valid_for_ms = replies.iter().map(|r| r.valid_for_ms).min().unwrap_or(0);
+        let mut moved = Vec::new();
         for r in &mut replies {
             lost.append(&mut r.lost);
+            moved.append(&mut r.moved);
         }
         let first = replies.swap_remove(0);
         crate::handover::record_resume(started, true);
@@ -344,6 +346,7 @@ impl SessionApi for Router {
             valid_for_ms,
             lost,
             cells,
+            moved,
             ..first
         }))
     }
@@ -603,10 +606,20 @@ impl Router {
                         let still = matches!(&now, Ok(e) if e.cell_name == cell);
                         if !still {
                             let (Watched::Prefix(name) | Watched::Key(name)) = &watched;
-                            let _ = tx.send(Err(Status::out_of_range(format!(
+                            let mut status = Status::out_of_range(format!(
                                 "the names of this stream ({name:?}) moved out of cell {:?} (the shard map changed): revisions there are not the same; read them again and watch from that read's revision",
                                 cell.as_deref().unwrap_or_default()
-                            )))).await;
+                            ));
+                            if let Some(value) = now
+                                .as_ref()
+                                .ok()
+                                .and_then(|e| e.cell_id().parse().ok())
+                            {
+                                status
+                                    .metadata_mut()
+                                    .insert(crate::service::watch::WATCH_CELL, value);
+                            }
+                            let _ = tx.send(Err(status)).await;
                             return;
                         }
                     }

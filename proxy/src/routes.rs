@@ -148,6 +148,43 @@ impl Routes {
         })
     }
 
+    /// Whether a read of `name` (with `prefix`, of every name under it) may be answered
+    /// from this cell: its copy routes the name (every route under the prefix) here,
+    /// paused or not (a paused prefix takes no writes anywhere). Checked after a read
+    /// barrier against the copy as of that barrier, so a read never answers from a
+    /// cell a prefix left before the read began.
+    pub fn read_here(&self, name: &str, prefix: bool) -> Result<(), ProxyError> {
+        let Some(copy) = self.copy() else {
+            return self.serve_in(None, name).map(|_| ());
+        };
+        let map = &copy.map;
+        let version = map.version;
+        let Some(me) = own_cell(map, &self.cluster_id) else {
+            return Err(ProxyError::NotServed(format!(
+                "this cell (cluster id {}) is not in its own copy of the shard map (version {version}); nothing is read here",
+                self.cluster_id
+            )));
+        };
+        let cells = if prefix {
+            crate::router::cells_under(map, name)
+        } else {
+            map.route(name)
+                .map(|r| r.cell.clone())
+                .into_iter()
+                .collect()
+        };
+        match &cells[..] {
+            [] => Err(ProxyError::NotServed(format!(
+                "no cell serves {name:?}: no route of the shard map (version {version}) matches it"
+            ))),
+            [cell] if cell == me => Ok(()),
+            _ => Err(ProxyError::Moving(format!(
+                "{name:?} is served by cell {} now (shard map version {version}), not by the cell this read reached: it moved; read again",
+                cells.join(", ")
+            ))),
+        }
+    }
+
     /// When this cell's own copy routes `name` here but paused (a move of its prefix has
     /// begun), the epoch of the holds it granted before: they are still this cell's,
     /// though it grants nothing new.
@@ -165,6 +202,46 @@ impl Routes {
             Some(copy) => copy.map.token_epoch(self.cell_epoch, name),
             None => self.cell_epoch,
         }
+    }
+}
+
+impl Routes {
+    /// Reads the cell's copy now and takes it in; returns the revision it was read at.
+    pub async fn refresh(
+        &self,
+        kv: &mut etcd_client::KvClient,
+        timeout: Duration,
+    ) -> Result<i64, lockcell_cell::CellError> {
+        let key = lockcell_cell::keyspace::shardmap_key();
+        let resp = lockcell_cell::error::with_timeout("read shard map", timeout, kv.get(key, None))
+            .await?;
+        let at = crate::feed::header_revision(resp.header(), "read shard map")?;
+        let copy = match resp.kvs().first() {
+            Some(kv) => Some(StoredMap {
+                map: ShardMap::decode(kv.value())?,
+                mod_revision: kv.mod_revision(),
+            }),
+            None => None,
+        };
+        self.update(copy, at);
+        Ok(at)
+    }
+
+    /// Takes in a change of the copy seen in the cell's log at `revision` (`value`
+    /// `None`: deleted).
+    pub fn changed(&self, value: Option<&[u8]>, revision: i64) {
+        let copy = match value.map(ShardMap::decode) {
+            Some(Ok(map)) => Some(StoredMap {
+                map,
+                mod_revision: revision,
+            }),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, revision, "the cell's shard map copy does not decode; keeping the last one");
+                return;
+            }
+            None => None,
+        };
+        self.update(copy, revision);
     }
 }
 
@@ -188,19 +265,7 @@ pub async fn follow(
     let mut pause = Duration::from_millis(200);
     loop {
         let follow_once = async {
-            let mut kv = etcd.kv_client();
-            let resp =
-                lockcell_cell::error::with_timeout("read shard map", timeout, kv.get(key, None))
-                    .await?;
-            let at = resp.header().map(|h| h.revision()).unwrap_or_default();
-            let copy = match resp.kvs().first() {
-                Some(kv) => Some(StoredMap {
-                    map: ShardMap::decode(kv.value())?,
-                    mod_revision: kv.mod_revision(),
-                }),
-                None => None,
-            };
-            routes.update(copy, at);
+            let at = routes.refresh(&mut etcd.kv_client(), timeout).await?;
             let mut client = etcd.watch_client();
             let options = WatchOptions::new().with_start_revision(at + 1);
             let mut stream = client.watch(key, Some(options)).await.map_err(|source| {
@@ -352,5 +417,47 @@ mod tests {
         assert_eq!(routes.copy().unwrap().mod_revision, 20);
         routes.update(None, 25);
         assert!(routes.copy().is_none());
+    }
+
+    #[test]
+    fn reads_are_answered_only_where_the_copy_routes_every_name_read() {
+        let routes = Routes::new(
+            "ca",
+            100,
+            Some(StoredMap {
+                map: map(
+                    3,
+                    &[
+                        ("", "a", false, 0),
+                        ("billing/", "b", false, 0),
+                        ("hr/", "a", true, 0),
+                    ],
+                ),
+                mod_revision: 42,
+            }),
+        )
+        .in_map();
+        assert!(routes.read_here("orders/1", false).is_ok());
+        assert!(
+            routes.read_here("hr/x", false).is_ok(),
+            "a paused prefix takes no writes anywhere: its data is here"
+        );
+        let moved = routes.read_here("billing/7", false).unwrap_err();
+        assert!(
+            matches!(moved, ProxyError::Moving(ref m) if m.contains("moved")),
+            "{moved}"
+        );
+        assert!(routes.read_here("orders/", true).is_ok());
+        assert!(
+            routes.read_here("", true).is_err(),
+            "part of every name is in cell b"
+        );
+        // The change the feed sees in the cell's log moves billing/ out of b here.
+        let moved_back = map(4, &[("", "a", false, 0)]);
+        routes.changed(Some(&moved_back.encode()), 50);
+        assert!(routes.read_here("billing/7", false).is_ok());
+        assert!(routes.read_here("", true).is_ok());
+        routes.changed(Some(b"not a map"), 60);
+        assert_eq!(routes.copy().unwrap().mod_revision, 50, "kept the last one");
     }
 }

@@ -235,7 +235,8 @@ impl SessionTable {
     }
 
     /// Records a key `id` now has in the log; for a hold, the client may act on it until
-    /// `valid_until`. `incarnation` is the stay the key was granted in (on its lease).
+    /// `valid_until`. An ephemeral key's record replaces an earlier write's (and is
+    /// dropped if a later write's is there). `incarnation` is the stay the key was granted in (on its lease).
     /// False when the session is gone, or here as another stay (it resumed here since,
     /// perhaps on another lease): the caller must then undo the grant itself.
     pub fn record_grant(
@@ -251,7 +252,19 @@ impl SessionTable {
         if s.incarnation != incarnation {
             return false;
         }
-        if !s.held.contains(&grant) {
+        if grant.written != 0 {
+            // An ephemeral key: the session's last write of it is what guards it. Two
+            // writes of one key may be answered out of order; the later one stands.
+            let later = s
+                .held
+                .iter()
+                .any(|g| g.key == grant.key && g.written > grant.written);
+            if !later {
+                s.held
+                    .retain(|g| !(g.key == grant.key && g.written != 0 && !g.is_unsettled()));
+                s.held.push(grant);
+            }
+        } else if !s.held.contains(&grant) {
             s.held.push(grant);
         }
         if let Some(until) = valid_until {

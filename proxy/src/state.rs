@@ -126,6 +126,13 @@ impl ProxyState {
         self.cell.record.epoch
     }
 
+    /// The cell whose revisions this engine's reads and watches speak of: its cluster
+    /// id and epoch (a restore from backup raises the epoch, and may take revisions
+    /// back).
+    pub fn cell_id(&self) -> String {
+        format!("{}/{}", self.cell.record.cluster_id, self.cell.record.epoch)
+    }
+
     /// The fencing token of `name`'s holder granted at `revision` (in the epoch of
     /// `name`'s route, see [`crate::routes`]).
     pub fn token(&self, name: &str, revision: i64) -> FencingToken {

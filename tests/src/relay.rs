@@ -21,8 +21,15 @@ pub struct Relay {
     /// A one-shot trap: the first request chunk that holds the pattern passes, and
     /// every reply on every connection is dropped for a while from then on.
     trap: TrapSlot,
+    /// The pumps of every connection so far, for [`Relay::reset`].
+    pumps: Pumps,
+    /// While set, connections are closed as soon as they are made.
+    refusing: Arc<AtomicBool>,
     accept: JoinHandle<()>,
 }
+
+/// The tasks that pump relayed connections.
+type Pumps = Arc<Mutex<Vec<JoinHandle<()>>>>;
 
 /// Where a relay keeps its trap until it is sprung.
 type TrapSlot = Arc<Mutex<Option<Trap>>>;
@@ -47,8 +54,16 @@ impl Relay {
         let trap: TrapSlot = Arc::default();
         let (rc, qc, delay) = (replies_cut.clone(), requests_cut.clone(), delay_ms.clone());
         let traps = trap.clone();
+        let pumps: Pumps = Arc::default();
+        let running = pumps.clone();
+        let refusing = Arc::new(AtomicBool::new(false));
+        let refused = refusing.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if refused.load(Ordering::SeqCst) {
+                    drop(client);
+                    continue;
+                }
                 let Ok(server) = TcpStream::connect(&target).await else {
                     continue;
                 };
@@ -64,8 +79,10 @@ impl Relay {
                     delay_ms: delay.clone(),
                     trap: None,
                 };
-                tokio::spawn(requests.run(client_read, server_write));
-                tokio::spawn(replies.run(server_read, client_write));
+                let mut running = running.lock().expect("pumps");
+                running.retain(|p| !p.is_finished());
+                running.push(tokio::spawn(requests.run(client_read, server_write)));
+                running.push(tokio::spawn(replies.run(server_read, client_write)));
             }
         });
         Ok(Relay {
@@ -74,6 +91,8 @@ impl Relay {
             requests_cut,
             delay_ms,
             trap,
+            pumps,
+            refusing,
             accept,
         })
     }
@@ -123,6 +142,23 @@ impl Relay {
         self.trap.lock().expect("trap").is_some()
     }
 
+    /// Closes every connection relayed so far (new ones are relayed as before): the
+    /// client sees its streams break at once, as when a peer restarts.
+    pub fn reset(&self) {
+        for pump in self.pumps.lock().expect("pumps").drain(..) {
+            pump.abort();
+        }
+    }
+
+    /// While `refuse` holds, closes every connection at once (those made before too):
+    /// the client's calls fail at once, as with a peer that is down.
+    pub fn refuse(&self, refuse: bool) {
+        self.refusing.store(refuse, Ordering::SeqCst);
+        if refuse {
+            self.reset();
+        }
+    }
+
     /// Holds every chunk back this long before passing it on, both ways (zero: none).
     pub fn delay(&self, delay: std::time::Duration) {
         self.delay_ms
@@ -133,6 +169,7 @@ impl Relay {
 impl Drop for Relay {
     fn drop(&mut self) {
         self.accept.abort();
+        self.reset();
     }
 }
 

@@ -120,6 +120,7 @@ mod tests {
             created: false,
             revision,
             events,
+            cell: String::new(),
         }
     }
 

@@ -155,6 +155,7 @@ fn response(created: bool, revision: i64, events: Vec<WatchEvent>) -> WatchRespo
         created,
         revision,
         events,
+        cell: String::new(),
     }
 }
 
@@ -179,6 +180,7 @@ impl Kv for FakeProxy {
             kvs,
             revision: store.revision,
             more: false,
+            cell: String::new(),
         }))
     }
 

@@ -145,6 +145,7 @@ impl SessionApi for FakeProxy {
             fence_revision: 1,
             epoch: 1,
             cells: Vec::new(),
+            moved: Vec::new(),
         }))
     }
 

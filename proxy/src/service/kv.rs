@@ -79,6 +79,7 @@ impl KvApi for KvService {
             kvs: read.entries.into_iter().map(wire).collect(),
             revision: read.revision,
             more: read.more,
+            cell: self.state.cell_id(),
         }))
     }
 
@@ -151,7 +152,7 @@ impl KvApi for KvService {
             (written.succeeded, &session, &written.current)
         {
             // The key goes with the session: record it for the session's clean-up.
-            let grant = Grant::ephemeral(&name, current.create_revision);
+            let grant = Grant::ephemeral(&name, current.create_revision, current.mod_revision);
             if !state
                 .sessions
                 .record_grant(&session.id, session.incarnation, grant.clone(), None)

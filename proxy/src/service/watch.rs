@@ -71,6 +71,10 @@ impl WatchApi for WatchService {
             .into());
         }
         let topic = crate::reads::topic(&req.key, req.prefix)?;
+        let cell = state.cell_id();
+        if req.start_revision > 0 && !req.cell.is_empty() && req.cell != cell {
+            return Err(moved(&describe(&req), &req.cell, &cell));
+        }
         let feed = &state.reads.feed;
         if !feed.live_within(state.config.etcd_timeout).await {
             return Err(ProxyError::EtcdUnavailable(
@@ -103,6 +107,7 @@ impl WatchApi for WatchService {
         };
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let pump = Pump {
+            cell,
             tx,
             what: describe(&req),
             topic,
@@ -135,6 +140,8 @@ fn describe(req: &WatchRequest) -> String {
 
 /// One watcher's delivery: catch-up, then the fan-out's queue.
 struct Pump {
+    /// The cell whose revisions these are (in the created response).
+    cell: String,
     tx: mpsc::Sender<Sent>,
     what: String,
     topic: Topic,
@@ -158,6 +165,8 @@ struct CatchUp {
 /// Why a catch-up stopped short.
 enum CatchUpError {
     Compacted(i64),
+    /// etcd's history skips revisions from the start on: resuming cannot help.
+    Gap(feed::Gap),
     Etcd(String),
     ClientGone,
 }
@@ -170,7 +179,11 @@ impl Pump {
 
     async fn deliver(&mut self, sub: &mut Subscription, catch_up: Option<CatchUp>) {
         let mut last = self.start - 1;
-        if !self.send(response(true, last, Vec::new())).await {
+        let created = WatchResponse {
+            cell: self.cell.clone(),
+            ..response(true, last, Vec::new())
+        };
+        if !self.send(created).await {
             return;
         }
         if let Some(catch_up) = catch_up {
@@ -192,6 +205,15 @@ impl Pump {
                         self.what, self.start
                     ));
                     insert(&mut status, "lockcell-compact-revision", compacted);
+                    let _ = self.tx.send(Err(status)).await;
+                    return;
+                }
+                Err(CatchUpError::Gap(gap)) => {
+                    let mut status = Status::out_of_range(format!(
+                        "watch of {} from revision {}: {gap}; read the keys again and watch from the read's revision",
+                        self.what, self.start
+                    ));
+                    insert(&mut status, "lockcell-compact-revision", gap.got);
                     let _ = self.tx.send(Err(status)).await;
                     return;
                 }
@@ -341,9 +363,12 @@ impl Pump {
             .acquire_owned()
             .await
             .map_err(|_| CatchUpError::Etcd("the proxy is stopping".into()))?;
+        // One revision early: etcd accepts a watch from exactly its compact revision
+        // but has dropped the deletes made at it, so a watch from `start` could skip
+        // them unseen. From `start - 1`, a compaction at `start` is refused as one.
         let mut options = WatchOptions::new()
             .with_all_keys()
-            .with_start_revision(self.start);
+            .with_start_revision((self.start - 1).max(1));
         if self.prev_kv {
             options = options.with_prev_key();
         }
@@ -375,8 +400,8 @@ impl Pump {
                 .iter()
                 .filter_map(|e| e.kv())
                 .map(|kv| kv.mod_revision());
-            let reached = feed::contiguous(seen, revisions)
-                .map_err(|gap| CatchUpError::Etcd(gap.to_string()))?;
+            // A hole in history etcd serves is there for every retry too.
+            let reached = feed::contiguous(seen, revisions).map_err(CatchUpError::Gap)?;
             seen = reached;
             let events: Vec<WatchEvent> = resp
                 .events()
@@ -398,7 +423,7 @@ impl Pump {
 
     fn caught_up_event(&self, e: &etcd_client::Event, through: i64) -> Option<WatchEvent> {
         let (name, revision, put) = feed::change(e)?;
-        if revision > through || !self.topic.matches(&name) {
+        if revision < self.start || revision > through || !self.topic.matches(&name) {
             return None;
         }
         let prev = e
@@ -421,8 +446,24 @@ fn response(created: bool, revision: i64, events: Vec<WatchEvent>) -> WatchRespo
         created,
         revision,
         events,
+        cell: String::new(),
     }
 }
+
+/// The end of a watch whose position is a revision of cell `was`, while cell `now`
+/// serves its names: revisions of two cells are unrelated.
+pub fn moved(what: &str, was: &str, now: &str) -> Status {
+    let mut status = Status::out_of_range(format!(
+        "watch of {what}: its revisions are cell {was:?}'s, and cell {now:?} serves these names now (a prefix moved, or the cell was restored): read them again and watch from that read's revision"
+    ));
+    if let Ok(value) = MetadataValue::try_from(now) {
+        status.metadata_mut().insert(WATCH_CELL, value);
+    }
+    status
+}
+
+/// Metadata of an OUT_OF_RANGE that ends a watch whose names another cell serves now.
+pub const WATCH_CELL: &str = "lockcell-watch-cell";
 
 fn insert(status: &mut Status, key: &'static str, revision: i64) {
     if let Ok(value) = MetadataValue::try_from(revision.to_string()) {

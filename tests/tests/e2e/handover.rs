@@ -449,6 +449,7 @@ pub async fn a_resume_the_client_gave_up_on_cannot_land_after_a_later_one() -> a
             name: "fenced/x".into(),
             revision: token,
             lease_id: 0,
+            mod_revision: 0,
         }],
         acting_for_ms: 0,
         fence_revision: fence,

@@ -6,9 +6,16 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use lockcell_client::{Client, Condition, EventKind, MemberChange, Members, WatchOptions};
-use lockcell_tests::{ProxyOptions, ProxyProcess};
+use lockcell_proto::v1::kv_client::KvClient;
+use lockcell_proto::v1::session_client::SessionClient;
+use lockcell_proto::v1::{
+    CloseRequest, HeldKey, HeldKind, OpenRequest, OpenResponse, PutRequest, PutResponse,
+    ResumeRequest,
+};
+use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess};
+use tonic::transport::Channel;
 
-use crate::support::{cell, short_session};
+use crate::support::{cell, raw, short_session};
 
 /// Waits for the next changes of `members`, with a deadline.
 async fn next(members: &mut Members, within: Duration) -> anyhow::Result<Vec<MemberChange>> {
@@ -105,5 +112,190 @@ pub async fn members_leave_when_their_session_ends_or_their_proxy_dies() -> anyh
         got == want,
         "across the restart: got {got:?}, want {want:?}"
     );
+    Ok(())
+}
+
+/// A raw session (never renewed) on `proxy`, with `ttl_ms`.
+async fn raw_session(
+    proxy: &ProxyProcess,
+    ttl_ms: u64,
+) -> anyhow::Result<(SessionClient<Channel>, OpenResponse)> {
+    let (mut sessions, _) = raw(proxy).await?;
+    let opened = sessions
+        .open(OpenRequest {
+            ttl_ms,
+            identity: "earlier run".into(),
+        })
+        .await?
+        .into_inner();
+    Ok((sessions, opened))
+}
+
+/// Writes `key` as an ephemeral key of the raw session `s`; returns the Put's reply.
+async fn raw_put(
+    proxy: &ProxyProcess,
+    s: &OpenResponse,
+    key: &str,
+    value: &[u8],
+) -> anyhow::Result<PutResponse> {
+    let mut kv = KvClient::new(Channel::from_shared(proxy.url())?.connect().await?);
+    let reply = kv
+        .put(PutRequest {
+            key: key.into(),
+            value: value.to_vec(),
+            session_id: s.session_id.clone(),
+            session_secret: s.session_secret.clone(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(reply.succeeded, "the put of {key} did not succeed");
+    Ok(reply)
+}
+
+/// The value of `key` now (a linearizable read), if it is there.
+async fn value_of(client: &Client, key: &str) -> anyhow::Result<Option<Vec<u8>>> {
+    Ok(client.get(key).await?.map(|e| e.value))
+}
+
+/// A process restarts and its new session announces the member again, while its old
+/// session is still open: the last session to announce a name owns it, so the old
+/// session's end (a close, an expiry) or move must leave the member alone. With one
+/// proxy lease the two sessions' keys share a lease, so only the key's last write tells
+/// them apart.
+pub async fn a_re_announced_member_survives_its_previous_sessions_end() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.leases = 1;
+    let a = ProxyProcess::start(&options, &etcd.dir).await?;
+    let client = Client::connect(&a.url()).await?;
+    let restarted = client
+        .open_session(short_session(Duration::from_secs(20)))
+        .await?;
+    let gone = |key: &'static str| {
+        let client = client.clone();
+        move || {
+            let client = client.clone();
+            async move { Ok(value_of(&client, key).await?.is_none().then_some(())) }
+        }
+    };
+
+    // The old session closes.
+    let old = client
+        .open_session(short_session(Duration::from_secs(20)))
+        .await?;
+    old.announce("web", "host-1", b"old").await?;
+    old.announce("web", "only-old-1", b"x").await?;
+    restarted.announce("web", "host-1", b"new").await?;
+    old.close().await?;
+    eventually(
+        "the closed session's own member left",
+        Duration::from_secs(10),
+        gone("members/web/only-old-1"),
+    )
+    .await?;
+    let host_1 = value_of(&client, "members/web/host-1").await?;
+    ensure!(
+        host_1.as_deref() == Some(&b"new"[..]),
+        "the old session's close took the re-announced member with it: {host_1:?}"
+    );
+
+    // The old session expires.
+    let (_sessions, old) = raw_session(&a, 1_000).await?;
+    raw_put(&a, &old, "members/web/host-2", b"old").await?;
+    raw_put(&a, &old, "members/web/only-old-2", b"x").await?;
+    restarted.announce("web", "host-2", b"new").await?;
+    eventually(
+        "the expired session's own member left",
+        Duration::from_secs(15),
+        gone("members/web/only-old-2"),
+    )
+    .await?;
+    let host_2 = value_of(&client, "members/web/host-2").await?;
+    ensure!(
+        host_2.as_deref() == Some(&b"new"[..]),
+        "the old session's expiry took the re-announced member with it: {host_2:?}"
+    );
+
+    // The old session moves to another proxy, naming the member as its own write.
+    let b = ProxyProcess::start(&ProxyOptions::new("b", etcd.endpoints()), &etcd.dir).await?;
+    let (_, old) = raw_session(&a, 20_000).await?;
+    let first = raw_put(&a, &old, "members/web/host-3", b"old").await?;
+    let kept = raw_put(&a, &old, "members/web/only-old-3", b"x").await?;
+    restarted.announce("web", "host-3", b"new").await?;
+    let held = |key: &str, put: &PutResponse| {
+        let kv = put.current.clone().unwrap_or_default();
+        HeldKey {
+            kind: HeldKind::Ephemeral as i32,
+            name: key.into(),
+            revision: kv.create_revision,
+            lease_id: old.lease_id,
+            mod_revision: put.revision,
+        }
+    };
+    let (mut elsewhere, _) = raw(&b).await?;
+    let resumed = elsewhere
+        .resume(ResumeRequest {
+            session_id: old.session_id.clone(),
+            session_secret: old.session_secret.clone(),
+            ttl_ms: 20_000,
+            identity: "earlier run".into(),
+            from_lease_id: old.lease_id,
+            keys: vec![
+                held("members/web/host-3", &first),
+                held("members/web/only-old-3", &kept),
+            ],
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let lost: Vec<&str> = resumed
+        .lost
+        .iter()
+        .filter_map(|l| l.key.as_ref().map(|k| k.name.as_str()))
+        .collect();
+    ensure!(
+        lost == ["members/web/host-3"],
+        "the move did not report the re-announced member lost: {:?}",
+        resumed.lost
+    );
+    ensure!(
+        resumed.moved.len() == 1
+            && resumed.moved[0].name == "members/web/only-old-3"
+            && resumed.moved[0].mod_revision > kept.revision,
+        "the reply does not give the moved key's new mod revision: {:?}",
+        resumed.moved
+    );
+    elsewhere
+        .close(CloseRequest {
+            session_id: old.session_id.clone(),
+            session_secret: old.session_secret.clone(),
+            ..Default::default()
+        })
+        .await?;
+    // The key that moved went with the close (its record names the move's write)...
+    eventually(
+        "the moved session's own member left with its close",
+        Duration::from_secs(10),
+        gone("members/web/only-old-3"),
+    )
+    .await?;
+    // ...and the re-announced one stayed where it was.
+    let host_3 = value_of(&client, "members/web/host-3").await?;
+    ensure!(
+        host_3.as_deref() == Some(&b"new"[..]),
+        "the old session's move and close took the re-announced member with it: {host_3:?}"
+    );
+    restarted.close().await?;
+    for key in [
+        "members/web/host-1",
+        "members/web/host-2",
+        "members/web/host-3",
+    ] {
+        ensure!(
+            value_of(&client, key).await?.is_none(),
+            "{key} outlived the close of the session that announced it last"
+        );
+    }
     Ok(())
 }

@@ -763,6 +763,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
                 name: "jobs/nightly".into(),
                 revision: token.revision,
                 lease_id: victim_lease,
+                mod_revision: 0,
             }],
             ..Default::default()
         })
@@ -856,6 +857,7 @@ pub async fn another_session_on_the_same_lease_can_neither_release_nor_take_a_gr
             name: "jobs/shared-lease".into(),
             revision: token.revision,
             lease_id: victim.lease_id,
+            mod_revision: 0,
         }],
         ..Default::default()
     };

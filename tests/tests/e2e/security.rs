@@ -194,6 +194,7 @@ pub async fn another_identity_cannot_take_over_a_session_by_its_public_id() -> a
             name: "jobs/nightly".into(),
             revision: token.revision,
             lease_id: alices_lease,
+            mod_revision: 0,
         }],
         ..Default::default()
     };

@@ -314,7 +314,7 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
     .await
     .context("a watch of billing/ went on in cell b after the names moved to a")?;
     ensure!(
-        ended.to_string().contains("moved out of cell"),
+        matches!(ended, Error::WatchMoved { .. }),
         "the watch of billing/ ended for another reason than the move: {ended}"
     );
     eventually(
@@ -508,5 +508,219 @@ pub async fn a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves
         keys_under(&cell_b, "/k/cfg/").await?.is_empty(),
         "cell b still holds keys of cfg/ after it moved away"
     );
+    Ok(())
+}
+
+/// A watcher's position is a revision of one cell. Its proxy restarts while the
+/// watched prefix moves to another cell, whose revisions are unrelated: resumed there
+/// from the old cell's revision, it would skip what the new cell wrote below that
+/// revision. The watch must end with [`Error::WatchMoved`] instead, and a membership
+/// follower must read the group again and report the difference.
+pub async fn a_watch_resumed_across_a_prefix_move_ends_rather_than_skip_events(
+) -> anyhow::Result<()> {
+    let (dir, cell_a, cell_b, map) = two_cells(&[("", "a"), ("other/", "b")]).await?;
+    let a_endpoint = cell_a.endpoints()[0].clone();
+    let shardmap = |args: &[&str]| {
+        let mut all = vec!["shardmap"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--etcd", &a_endpoint]);
+        lockcell_cell(&all)
+    };
+    shardmap(&["set", &map.display().to_string()])?;
+    let options = ProxyOptions::new("a", cell_a.endpoints());
+    let mut proxy = ProxyProcess::start(&options, dir.path()).await?;
+    let other =
+        ProxyProcess::start(&ProxyOptions::new("b", cell_b.endpoints()), dir.path()).await?;
+    let client = Client::connect(&proxy.url()).await?;
+    // Cell a's revisions run ahead of cell b's.
+    for i in 0..40 {
+        client
+            .put(&format!("busy/{i}"), b"v", Condition::Always)
+            .await?;
+    }
+    let member = client
+        .open_session(short_session(Duration::from_secs(30)))
+        .await?;
+    member.announce("web", "host-1", b"1").await?;
+    client.put("billing/old", b"v", Condition::Always).await?;
+    let mut watch = client
+        .watch(
+            "billing/",
+            WatchOptions::prefix()
+                .from_revision(1)
+                .reconnecting_for(Duration::from_secs(30)),
+        )
+        .await?;
+    let first = tokio::time::timeout(Duration::from_secs(10), watch.next()).await??;
+    ensure!(
+        first.events.iter().any(|e| e.entry.key == "billing/old"),
+        "the watch from revision 1 did not deliver billing/old: {first:?}"
+    );
+    let position = watch.revision();
+    let mut group = client.members("web").await?;
+    ensure!(group.current().contains_key("host-1"));
+
+    // The session that announced host-1 closes and the proxy stops. Meanwhile billing/
+    // and members/ move to cell b, where billing/new is written and host-2 joins, and
+    // cell b's revisions then pass the watcher's position.
+    let listen = proxy.addr.clone();
+    member.close().await?;
+    proxy.process.kill();
+    shardmap(&["move", "billing/", "--to", "b"]).context("moving billing/")?;
+    shardmap(&["move", "members/", "--to", "b"]).context("moving members/")?;
+    let writer = Client::connect(&other.url()).await?;
+    let new = writer
+        .put("billing/new", b"v", Condition::Always)
+        .await?
+        .revision;
+    let joiner = writer
+        .open_session(short_session(Duration::from_secs(30)))
+        .await?;
+    joiner.announce("web", "host-2", b"2").await?;
+    let mut i = 0;
+    while cell_b.revision().await? <= position + 1 {
+        writer
+            .put(&format!("other/{i}"), b"v", Condition::Always)
+            .await?;
+        i += 1;
+    }
+    ensure!(
+        new <= position,
+        "billing/new (revision {new} in cell b) is not below the watcher's position {position}"
+    );
+    let mut restarted = options.clone();
+    restarted.listen = Some(listen);
+    // A log of its own, so the wait for it to serve reads the new process's.
+    restarted.zone = "a-again".into();
+    let _proxy = ProxyProcess::start(&restarted, dir.path())
+        .await
+        .context("restarting the proxy")?;
+
+    let resumed = tokio::time::timeout(Duration::from_secs(20), watch.next())
+        .await
+        .context("the watcher heard nothing within 20s of its proxy's restart")?;
+    match resumed {
+        Err(Error::WatchMoved { cell, .. }) => {
+            println!("the watch ended: cell {cell} serves billing/ now")
+        }
+        Ok(batch) if batch.events.iter().any(|e| e.entry.key == "billing/new") => {
+            println!("the watch delivered billing/new")
+        }
+        other => anyhow::bail!(
+            "the watcher resumed in the new cell from the old cell's revision {position}: {other:?}"
+        ),
+    }
+
+    // The membership follower reads the group again: host-1 left, host-2 joined.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !group.current().contains_key("host-2") || group.current().contains_key("host-1") {
+        let changes = tokio::time::timeout_at(deadline, group.changed())
+            .await
+            .context("the group did not show host-1 gone and host-2 in within 20s")??;
+        println!("membership changes: {changes:?}");
+    }
+    Ok(())
+}
+
+/// How many times `proxy`'s log says `text`.
+fn times_logged(proxy: &ProxyProcess, text: &str) -> usize {
+    std::fs::read_to_string(proxy.log_path())
+        .map(|log| log.matches(text).count())
+        .unwrap_or(0)
+}
+
+/// A proxy whose own view of the shard map lags (its map followers backing off after
+/// failures) must not answer a linearizable read from the cell a prefix left: a write
+/// acknowledged in the new cell before the read began is seen, or the read is refused.
+pub async fn a_linearizable_read_during_a_move_never_answers_from_the_cell_left(
+) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (cell_a, cell_b) = (EtcdCluster::start(1).await?, EtcdCluster::start(1).await?);
+    // The proxy reaches both cells only through relays the test can make refuse.
+    let (link_a, link_b) = (
+        lockcell_tests::Relay::start(&cell_a.endpoints()[0]).await?,
+        lockcell_tests::Relay::start(&cell_b.endpoints()[0]).await?,
+    );
+    let map = dir.path().join("shardmap.toml");
+    std::fs::write(
+        &map,
+        format!(
+            "[cells.a]\nendpoints = [{:?}]\n[cells.b]\nendpoints = [{:?}]\n\n\
+             [[route]]\nprefix = \"\"\ncell = \"a\"\n\n[[route]]\nprefix = \"other/\"\ncell = \"b\"\n",
+            link_a.addr, link_b.addr
+        ),
+    )?;
+    let a_endpoint = cell_a.endpoints()[0].clone();
+    let shardmap = |args: &[&str]| {
+        let mut all = vec!["shardmap"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--etcd", &a_endpoint]);
+        lockcell_cell(&all)
+    };
+    shardmap(&["set", &map.display().to_string()])?;
+    let proxy = ProxyProcess::start(
+        &ProxyOptions::new("a", vec![link_a.addr.clone()]),
+        dir.path(),
+    )
+    .await?;
+    let client = Client::connect(&proxy.url()).await?;
+    client.put("billing/x", b"old", Condition::Always).await?;
+
+    // Both cells unreachable until each of the proxy's map followers has failed six
+    // times: each waits 5 s before its next try from then on.
+    const FOLLOW_FAILED: &str = "following the cell's shard map failed";
+    let before = times_logged(&proxy, FOLLOW_FAILED);
+    link_a.refuse(true);
+    link_b.refuse(true);
+    eventually(
+        "the proxy's map followers back off to their longest pause",
+        Duration::from_secs(30),
+        || async { Ok((times_logged(&proxy, FOLLOW_FAILED) >= before + 12).then_some(())) },
+    )
+    .await?;
+    link_a.refuse(false);
+    link_b.refuse(false);
+    // Reads work again: the proxy follows both cells' logs once more.
+    eventually(
+        "a read through the proxy works again",
+        Duration::from_secs(15),
+        || async { Ok(client.get("billing/x").await.ok().flatten().map(|_| ())) },
+    )
+    .await?;
+
+    // billing/ moves to b, where it is written at once; then a read through the proxy.
+    let moving = std::time::Instant::now();
+    shardmap(&["move", "billing/", "--to", "b"]).context("moving billing/")?;
+    cell_b
+        .client()
+        .await?
+        .put("/k/billing/x", "new", None)
+        .await?;
+    let written = moving.elapsed();
+    let mut fresh = 0;
+    let mut refused = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while fresh < 3 {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no fresh read of billing/x within 10s of the move ({refused} refused)"
+        );
+        match client.get("billing/x").await {
+            Ok(entry) => {
+                let value = entry.map(|e| e.value);
+                ensure!(
+                    value.as_deref() == Some(&b"new"[..]),
+                    "a linearizable read after the move returned {:?}, not the value written in cell b ({written:?} after the move began)",
+                    value.map(|v| String::from_utf8_lossy(&v).into_owned())
+                );
+                fresh += 1;
+            }
+            Err(e) => {
+                refused += 1;
+                println!("read refused: {e}");
+            }
+        }
+    }
+    println!("moved and written in {written:?}; {fresh} fresh reads, {refused} refused");
     Ok(())
 }

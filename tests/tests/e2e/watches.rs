@@ -9,7 +9,7 @@ use lockcell_proto::v1::kv_client::KvClient;
 use lockcell_proto::v1::watch_client::WatchClient;
 use lockcell_proto::v1::watch_event::Kind;
 use lockcell_proto::v1::{DeleteRequest, GetRequest, PutRequest, WatchRequest, WatchResponse};
-use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess};
+use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 use rand::Rng;
 use tonic::transport::Channel;
 use tonic::{Code, Status, Streaming};
@@ -460,5 +460,153 @@ pub async fn a_thousand_watchers_over_three_proxies_cost_etcd_at_most_three_watc
         },
     )
     .await?;
+    Ok(())
+}
+
+/// Deletes `deleted` and puts `put` (small-key names) in one etcd transaction, straight
+/// in etcd; returns its revision.
+async fn delete_and_put(etcd: &EtcdCluster, deleted: &str, put: &str) -> anyhow::Result<i64> {
+    use etcd_client::{Txn, TxnOp};
+    let txn = Txn::new().and_then([
+        TxnOp::delete(format!("/k/{deleted}"), None),
+        TxnOp::put(format!("/k/{put}"), "v", None),
+    ]);
+    let reply = etcd.client().await?.txn(txn).await?;
+    Ok(reply.header().context("txn reply header")?.revision())
+}
+
+/// What a watch from before a compaction must give for a key deleted at the compact
+/// revision: the delete, or OUT_OF_RANGE (read again). Reads the SDK watcher until one
+/// of them comes, or a put of `then` arrives without the delete before it.
+async fn delete_or_compacted(
+    watch: &mut lockcell_client::Watcher,
+    deleted: &str,
+    then: &str,
+    within: Duration,
+) -> anyhow::Result<&'static str> {
+    use lockcell_client::{Error, EventKind};
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let batch = match tokio::time::timeout_at(deadline, watch.next()).await {
+            Err(_) => bail!(
+                "the watcher got neither the delete of {deleted} nor an error within {within:?}"
+            ),
+            Ok(Err(Error::Compacted { .. })) => return Ok("compacted"),
+            Ok(Err(e)) => bail!("the watcher failed otherwise: {e}"),
+            Ok(Ok(batch)) => batch,
+        };
+        for event in &batch.events {
+            if event.entry.key == deleted && event.kind == EventKind::Delete {
+                return Ok("deleted");
+            }
+            if event.entry.key == then {
+                bail!("the watcher got the put of {then} but never the delete of {deleted} made in the same revision");
+            }
+        }
+    }
+}
+
+/// The proxy's watch over the cell breaks one revision behind; at that revision a
+/// transaction deleted a key and put another; etcd is compacted at exactly that
+/// revision (which etcd accepts a watch from, but without its deletes). The proxy must
+/// not keep the deleted key: a linearizable read says it is gone, and a watcher gets
+/// the delete or OUT_OF_RANGE.
+pub async fn a_key_deleted_at_the_compact_revision_where_the_proxy_resumes_stays_deleted(
+) -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let link = Relay::start(&etcd.endpoints()[0]).await?;
+    let proxy =
+        ProxyProcess::start(&ProxyOptions::new("a", vec![link.addr.clone()]), &etcd.dir).await?;
+    let client = lockcell_client::Client::connect(&proxy.url()).await?;
+    client
+        .put("cfg/x", b"1", lockcell_client::Condition::Always)
+        .await?;
+    let mut watch = client
+        .watch(
+            "cfg/",
+            lockcell_client::WatchOptions::prefix().reconnecting_for(Duration::from_secs(20)),
+        )
+        .await?;
+    // A linearizable read: the proxy has applied every revision so far.
+    ensure!(
+        client.get("cfg/x").await?.is_some(),
+        "cfg/x was not written"
+    );
+    let before = etcd.revision().await?;
+    link.cut(true);
+    let at = delete_and_put(&etcd, "cfg/x", "cfg/z").await?;
+    ensure!(
+        at == before + 1,
+        "something else wrote to the cell meanwhile (revision {before}, then {at})"
+    );
+    etcd.client().await?.compact(at, None).await?;
+    link.reset();
+    link.cut(false);
+    eventually(
+        "a linearizable read through the proxy finds cfg/x deleted",
+        Duration::from_secs(15),
+        || async { Ok(client.get("cfg/x").await?.is_none().then_some(())) },
+    )
+    .await?;
+    let seen = delete_or_compacted(&mut watch, "cfg/x", "cfg/z", Duration::from_secs(20)).await?;
+    println!("the watcher got: {seen}");
+    Ok(())
+}
+
+/// A watch from exactly the compact revision: etcd has dropped the deletes made at it,
+/// so the proxy must not serve it as whole. A revision that held a delete and a put
+/// gives the delete or OUT_OF_RANGE; one that held only a delete ends the watch with
+/// OUT_OF_RANGE (or the delete) well within the SDK's reconnect limit, rather than
+/// reopening forever.
+pub async fn a_watch_from_exactly_the_compact_revision_misses_no_delete() -> anyhow::Result<()> {
+    use lockcell_client::{Condition, Error, WatchOptions};
+    let etcd = EtcdCluster::start(1).await?;
+    let proxy = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), &etcd.dir).await?;
+    let client = lockcell_client::Client::connect(&proxy.url()).await?;
+
+    client.put("c/x", b"1", Condition::Always).await?;
+    let mixed = delete_and_put(&etcd, "c/x", "c/z").await?;
+    // A revision with only a delete in it.
+    client.put("d/y", b"1", Condition::Always).await?;
+    let lone = etcd
+        .client()
+        .await?
+        .delete("/k/d/y", None)
+        .await?
+        .header()
+        .context("delete reply header")?
+        .revision();
+    client.put("d/w", b"1", Condition::Always).await?;
+    etcd.client().await?.compact(mixed, None).await?;
+
+    let mut watch = client
+        .watch("c/", WatchOptions::prefix().from_revision(mixed))
+        .await?;
+    let seen = delete_or_compacted(&mut watch, "c/x", "c/z", Duration::from_secs(10)).await?;
+    println!("a watch from the compact revision {mixed}: {seen}");
+
+    etcd.client().await?.compact(lone, None).await?;
+    let limit = Duration::from_secs(4);
+    let started = tokio::time::Instant::now();
+    let mut watch = client
+        .watch(
+            "d/",
+            WatchOptions::prefix()
+                .from_revision(lone)
+                .reconnecting_for(limit),
+        )
+        .await?;
+    let seen = delete_or_compacted(&mut watch, "d/y", "d/w", limit * 3).await;
+    let took = started.elapsed();
+    let seen = seen?;
+    println!("a watch from the delete-only compact revision {lone}: {seen} after {took:?}");
+    // And a call after a final error says so again, at once.
+    if seen == "compacted" {
+        let again = tokio::time::timeout(Duration::from_secs(2), watch.next()).await?;
+        ensure!(
+            matches!(again, Err(Error::Compacted { .. })),
+            "a compacted watch went on: {again:?}"
+        );
+    }
     Ok(())
 }

@@ -8,7 +8,7 @@ use crate::kv::value_field;
 use crate::print_line;
 use crate::signals::Signals;
 
-/// Status when the revisions to watch from were compacted away.
+/// Status when the revisions to watch from were compacted away (or are another cell's).
 pub(crate) const COMPACTED: u8 = 4;
 
 pub(crate) const WATCH_LONG: &str = "\
@@ -32,7 +32,8 @@ Runs until Ctrl-C (SIGINT) or SIGTERM.
 
 Exit statuses: 0 stopped by SIGINT or SIGTERM, 4 the revisions to watch from were
 compacted (the message names the oldest one still available: read the keys again and
-watch from there), 64 the proxy refused the key or revision, 69 the proxy could not be
+watch from there) or are another cell's (the keys' prefix moved to another cell, or the
+cell was restored: read the keys again and watch from that read), 64 the proxy refused the key or revision, 69 the proxy could not be
 reached (for 30s, once watching), 1 anything else.
 
 Example:
@@ -191,6 +192,16 @@ fn stopped(args: &WatchArgs, from: i64, error: Error) -> anyhow::Result<u8> {
                 "lockctl: cannot watch {} from revision {from}: etcd compacted the revisions \
                  before {compact_revision}; read the keys again and watch from the read's \
                  revision + 1 (--from {compact_revision} or later skips what was lost)",
+                args.what()
+            );
+            Ok(COMPACTED)
+        }
+        Error::WatchMoved { cell, .. } => {
+            eprintln!(
+                "lockctl: cannot watch {} from revision {from}: cell {cell:?} serves these keys \
+                 now (their prefix moved, or the cell was restored), and its revisions are not \
+                 the ones watched so far; read the keys again and watch from the read's \
+                 revision + 1",
                 args.what()
             );
             Ok(COMPACTED)
