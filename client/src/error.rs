@@ -80,7 +80,8 @@ pub enum Error {
     Compacted {
         /// The key or prefix watched.
         key: String,
-        /// The oldest revision still available.
+        /// The oldest revision a watch can start from now (one past etcd's compact
+        /// revision: etcd keeps the state at that revision, not the deletes made at it).
         compact_revision: i64,
     },
     /// A watch's position is a revision of one cell, and another cell serves the

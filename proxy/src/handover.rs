@@ -187,13 +187,19 @@ async fn resume_named(
         .keys
         .iter()
         .map(|key| {
-            let from = if key.kind == HeldKind::Ephemeral as i32 && key.mod_revision == 0 {
-                // Not proven its own: another session may have written it since.
-                NOT_ITS_OWN
-            } else if key.lease_id != 0 {
+            let from = if key.lease_id != 0 {
                 key.lease_id
             } else {
                 req.from_lease_id
+            };
+            // Not proven its own: an ephemeral key without the session's last write of
+            // it (another session may have written it since), or a key said to be on
+            // no lease (a persistent key, no session's).
+            let unproven = key.kind == HeldKind::Ephemeral as i32 && key.mod_revision == 0;
+            let from = if unproven || from == 0 {
+                NOT_ITS_OWN
+            } else {
+                from
             };
             grant(&req.session_id, key).map(|g| (g, from))
         })
@@ -403,34 +409,38 @@ fn resumed_here(
     if !state.sessions.record_grant(&id, incarnation, fence, None) {
         return Err(unknown_outcome("its stay ended meanwhile"));
     }
-    let (mut lost, mut rewritten) = (Vec::new(), Vec::new());
+    let mut lost = Vec::new();
     for (key, (grant, _)) in keys.into_iter().zip(named) {
-        match outcome(&grant.key).cloned() {
-            Some(Err(reason)) => {
-                state.sessions.forget_grant(&id, &grant.key, grant.revision);
-                lost.push(LostKey {
-                    key: Some(key),
-                    reason,
-                });
-            }
-            // An ephemeral key the move wrote: its record (and the client's) now names
-            // that write, which is what its clean-up and next move compare.
-            Some(Ok(written)) if grant.written != 0 && written != grant.written => {
-                let now = Grant {
-                    written,
-                    ..grant.clone()
-                };
-                if !state.sessions.record_grant(&id, incarnation, now, None) {
-                    return Err(unknown_outcome("its stay ended meanwhile"));
-                }
-                rewritten.push(HeldKey {
-                    mod_revision: written,
-                    lease_id: lease,
-                    ..key
-                });
-            }
-            _ => {}
+        if let Some(Err(reason)) = outcome(&grant.key).cloned() {
+            state.sessions.forget_grant(&id, &grant.key, grant.revision);
+            lost.push(LostKey {
+                key: Some(key),
+                reason,
+            });
         }
+    }
+    // An ephemeral key the move wrote: its record (and the client's) now names that
+    // write, which is what its clean-up and next move compare.
+    let mut rewritten = Vec::new();
+    for ((grant, _), moved) in moving.iter().zip(outcomes) {
+        let Ok(written) = moved else { continue };
+        if grant.written == 0 || *written == grant.written {
+            continue;
+        }
+        let now = Grant {
+            written: *written,
+            ..grant.clone()
+        };
+        if !state.sessions.record_grant(&id, incarnation, now, None) {
+            return Err(unknown_outcome("its stay ended meanwhile"));
+        }
+        rewritten.push(HeldKey {
+            kind: HeldKind::Ephemeral as i32,
+            name: grant.lock.as_str().to_owned(),
+            revision: grant.revision,
+            lease_id: lease,
+            mod_revision: *written,
+        });
     }
     metrics::counter!(m::KEYS_MOVED).increment((named.len() - lost.len()) as u64);
     metrics::counter!(m::KEYS_LOST_ON_RESUME).increment(lost.len() as u64);

@@ -607,14 +607,15 @@ impl Router {
                         if !still {
                             let (Watched::Prefix(name) | Watched::Key(name)) = &watched;
                             let mut status = Status::out_of_range(format!(
-                                "the names of this stream ({name:?}) moved out of cell {:?} (the shard map changed): revisions there are not the same; read them again and watch from that read's revision",
+                                "the names of this stream ({name:?}) moved out of cell {:?} (the shard map changed): revisions there are not the same; read them again and watch from that read's revision + 1",
                                 cell.as_deref().unwrap_or_default()
                             ));
-                            if let Some(value) = now
-                                .as_ref()
-                                .ok()
-                                .and_then(|e| e.cell_id().parse().ok())
-                            {
+                            let (Watched::Prefix(key) | Watched::Key(key)) = &watched;
+                            let topic =
+                                crate::reads::topic(key, matches!(watched, Watched::Prefix(_)));
+                            if let Some(value) = now.as_ref().ok().zip(topic.ok()).and_then(
+                                |(e, t)| e.position_id(&t.name, t.prefix).parse().ok(),
+                            ) {
                                 status
                                     .metadata_mut()
                                     .insert(crate::service::watch::WATCH_CELL, value);

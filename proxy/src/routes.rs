@@ -185,6 +185,24 @@ impl Routes {
         }
     }
 
+    /// The highest epoch of the routes that serve `name` (with `prefix`, any name under
+    /// it) in the copy in force (0: none, or no copy): it rises with every move of them.
+    pub fn route_epoch(&self, name: &str, prefix: bool) -> u64 {
+        let Some(copy) = self.copy() else {
+            return 0;
+        };
+        let map = &copy.map;
+        let own = map.route(name).map_or(0, |r| r.epoch);
+        if !prefix {
+            return own;
+        }
+        map.routes
+            .iter()
+            .filter(|r| r.prefix.starts_with(name))
+            .map(|r| r.epoch)
+            .fold(own, u64::max)
+    }
+
     /// When this cell's own copy routes `name` here but paused (a move of its prefix has
     /// begun), the epoch of the holds it granted before: they are still this cell's,
     /// though it grants nothing new.

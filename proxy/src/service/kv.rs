@@ -79,7 +79,9 @@ impl KvApi for KvService {
             kvs: read.entries.into_iter().map(wire).collect(),
             revision: read.revision,
             more: read.more,
-            cell: self.state.cell_id(),
+            cell: crate::reads::topic(&req.key, req.prefix)
+                .map(|t| self.state.position_id(&t.name, t.prefix))
+                .unwrap_or_default(),
         }))
     }
 

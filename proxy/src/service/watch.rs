@@ -71,7 +71,7 @@ impl WatchApi for WatchService {
             .into());
         }
         let topic = crate::reads::topic(&req.key, req.prefix)?;
-        let cell = state.cell_id();
+        let cell = state.position_id(&topic.name, topic.prefix);
         if req.start_revision > 0 && !req.cell.is_empty() && req.cell != cell {
             return Err(moved(&describe(&req), &req.cell, &cell));
         }
@@ -200,17 +200,20 @@ impl Pump {
                 Ok(()) => last = through,
                 Err(CatchUpError::ClientGone) => return,
                 Err(CatchUpError::Compacted(compacted)) => {
+                    // etcd keeps the state at its compact revision but not the deletes
+                    // made at it: a watch can start one past it at the earliest.
+                    let oldest = compacted + 1;
                     let mut status = Status::out_of_range(format!(
-                        "watch of {} from revision {}: history before revision {compacted} is compacted; read the keys again and watch from the read's revision",
+                        "watch of {} from revision {}: history through revision {compacted} is compacted, so a watch can start at revision {oldest} at the earliest; read the keys again and watch from the read's revision + 1",
                         self.what, self.start
                     ));
-                    insert(&mut status, "lockcell-compact-revision", compacted);
+                    insert(&mut status, "lockcell-compact-revision", oldest);
                     let _ = self.tx.send(Err(status)).await;
                     return;
                 }
                 Err(CatchUpError::Gap(gap)) => {
                     let mut status = Status::out_of_range(format!(
-                        "watch of {} from revision {}: {gap}; read the keys again and watch from the read's revision",
+                        "watch of {} from revision {}: {gap}; read the keys again and watch from the read's revision + 1",
                         self.what, self.start
                     ));
                     insert(&mut status, "lockcell-compact-revision", gap.got);
@@ -454,7 +457,7 @@ fn response(created: bool, revision: i64, events: Vec<WatchEvent>) -> WatchRespo
 /// serves its names: revisions of two cells are unrelated.
 pub fn moved(what: &str, was: &str, now: &str) -> Status {
     let mut status = Status::out_of_range(format!(
-        "watch of {what}: its revisions are cell {was:?}'s, and cell {now:?} serves these names now (a prefix moved, or the cell was restored): read them again and watch from that read's revision"
+        "watch of {what}: its revisions are cell {was:?}'s, and cell {now:?} serves these names now (a prefix moved, or the cell was restored): read them again and watch from that read's revision + 1"
     ));
     if let Ok(value) = MetadataValue::try_from(now) {
         status.metadata_mut().insert(WATCH_CELL, value);

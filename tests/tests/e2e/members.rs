@@ -286,6 +286,45 @@ pub async fn a_re_announced_member_survives_its_previous_sessions_end() -> anyho
         host_3.as_deref() == Some(&b"new"[..]),
         "the old session's move and close took the re-announced member with it: {host_3:?}"
     );
+    // A persistent key named as a session's own, on no lease: never taken (its close
+    // would delete a configuration key).
+    client.put("cfg/limit", b"200", Condition::Always).await?;
+    let limit = client.get("cfg/limit").await?.context("cfg/limit")?;
+    let (mut sessions, taker) = raw_session(&b, 20_000).await?;
+    let resumed = sessions
+        .resume(ResumeRequest {
+            session_id: taker.session_id.clone(),
+            session_secret: taker.session_secret.clone(),
+            ttl_ms: 20_000,
+            identity: "earlier run".into(),
+            from_lease_id: 0,
+            keys: vec![HeldKey {
+                kind: HeldKind::Ephemeral as i32,
+                name: "cfg/limit".into(),
+                revision: limit.create_revision,
+                lease_id: 0,
+                mod_revision: limit.mod_revision,
+            }],
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        resumed.lost.len() == 1 && resumed.moved.is_empty(),
+        "a persistent key was taken by a resume: {resumed:?}"
+    );
+    sessions
+        .close(CloseRequest {
+            session_id: taker.session_id.clone(),
+            session_secret: taker.session_secret.clone(),
+            ..Default::default()
+        })
+        .await?;
+    ensure!(
+        value_of(&client, "cfg/limit").await?.as_deref() == Some(&b"200"[..]),
+        "a persistent key went with the close of a session that named it"
+    );
+
     restarted.close().await?;
     for key in [
         "members/web/host-1",

@@ -10,9 +10,13 @@ use lockcell_client::{
     Client, ClientOptions, Condition, Error, FencingToken, Session, SessionState, Wait,
     WatchOptions,
 };
+use lockcell_proto::v1::kv_client::KvClient;
+use lockcell_proto::v1::watch_client::WatchClient;
+use lockcell_proto::v1::{GetRequest, WatchRequest};
 use lockcell_tests::wait::eventually;
 use lockcell_tests::{EtcdCluster, ProxyOptions, ProxyProcess};
 use nix::sys::signal::Signal;
+use tonic::transport::Channel;
 
 use crate::cell::lockcell_cell;
 use crate::support::short_session;
@@ -482,6 +486,14 @@ pub async fn a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves
         let client = client.clone();
         async move { Ok::<_, anyhow::Error>(client.get(key).await?.map(|e| e.value)) }
     };
+    let before = KvClient::new(Channel::from_shared(proxy.url())?.connect().await?)
+        .get(GetRequest {
+            key: "cfg/".into(),
+            prefix: true,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
     let mut a = cell_a.client().await?;
 
     // A key deleted while cfg/ lived in b.
@@ -507,6 +519,40 @@ pub async fn a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves
     ensure!(
         keys_under(&cell_b, "/k/cfg/").await?.is_empty(),
         "cell b still holds keys of cfg/ after it moved away"
+    );
+    // A watch position taken in a before the round trip is not a's again: a's history
+    // lacks what was written in b meanwhile.
+    let mut raw_watch = WatchClient::new(Channel::from_shared(proxy.url())?.connect().await?);
+    let refused = async {
+        let mut stream = raw_watch
+            .watch(WatchRequest {
+                key: "cfg/".into(),
+                prefix: true,
+                start_revision: before.revision + 1,
+                cell: before.cell.clone(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => anyhow::bail!("the watch ended without an error"),
+                Err(status) => return Ok::<_, anyhow::Error>(status),
+            }
+        }
+    };
+    let status = match refused.await {
+        Ok(status) => status,
+        Err(e) => match e.downcast::<tonic::Status>() {
+            Ok(status) => status,
+            Err(e) => return Err(e),
+        },
+    };
+    ensure!(
+        status.code() == tonic::Code::OutOfRange
+            && status.metadata().get("lockcell-watch-cell").is_some(),
+        "a watch from before cfg/ moved away and back resumed: {status:?}"
     );
     Ok(())
 }
