@@ -38,11 +38,12 @@ use std::process::Command;
 
 use crate::checker::{self, StoreBounds, StoreEvent, Verdict};
 use crate::fenced_server::FencedServer;
+use crate::kvcheck::{self, History, KvEvent};
 use crate::process::Managed;
 use crate::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
 /// The kinds of fault a run injects, each once, in an order the seed picks.
-pub const FAULTS: [&str; 10] = [
+pub const FAULTS: [&str; 12] = [
     "pause-client",
     "kill-proxy",
     "pause-proxy",
@@ -53,6 +54,8 @@ pub const FAULTS: [&str; 10] = [
     "kill-etcd-leader",
     "lose-zone",
     "skew-clock",
+    "compact-etcd",
+    "restart-client",
 ];
 
 /// The fault kinds this machine can inject: every one, "skew-clock" only where
@@ -137,8 +140,9 @@ pub struct RunReport {
     pub paused: Option<Paused>,
     /// Every client's record.
     pub records: Vec<checker::Record>,
-    /// Acknowledged small-key writes checked against the store's history.
-    pub kv_writes: usize,
+    /// Acknowledged small-key writes, reads and watched events checked against the
+    /// store's history.
+    pub kv: kvcheck::Checked,
     /// Which process the "skew-clock" fault started again, at what rate.
     pub skewed: Option<String>,
 }
@@ -252,7 +256,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 let p = rng.random_range(0..client_relays.len());
                 client_relays[p].cut(true);
                 tokio::time::sleep(options.ttl * 3).await;
-                client_relays[p].cut(false);
+                client_relays[p].heal();
             }
             "kill-proxy" => {
                 // a or b: c's fault is the partition.
@@ -266,7 +270,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 relay.cut(true);
                 // Past the proxy's lease TTL: its leases, and what stayed on them, go.
                 tokio::time::sleep(lease_ttl * 2).await;
-                relay.cut(false);
+                relay.heal();
             }
             "kill-etcd-leader" => {
                 let leader = leader_of(&etcd).await?;
@@ -291,6 +295,24 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 for &c in &own {
                     clients[c].respawn()?;
                 }
+            }
+            "compact-etcd" => {
+                // At the store's revision now (once the run's own watch has seen it): a
+                // watch or feed that resumes there must not take it for whole (etcd has
+                // dropped the deletes made at it).
+                let now = watch.mark(&etcd).await?;
+                etcd.client().await?.compact(now, None).await?;
+                tokio::time::sleep(options.settle).await;
+            }
+            "restart-client" => {
+                // Killed and started at once: its new session announces the same member
+                // while the old one still lives, until its TTL ends. A client of proxy a,
+                // where the two sessions share one etcd lease.
+                let own_a: Vec<usize> = (0..clients.len()).filter(|c| c % 3 == 0).collect();
+                let c = own_a[rng.random_range(0..own_a.len())];
+                clients[c].kill();
+                clients[c].respawn()?;
+                tokio::time::sleep(options.ttl * 3).await;
             }
             "skew-clock" => {
                 // Within the bound, so the checker must find nothing. The process keeps
@@ -326,10 +348,10 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
             std::fs::read_to_string(dir.join(format!("client-{c}.jsonl"))).unwrap_or_default();
         records.extend(checker::read_records(&text));
     }
-    let mut verdict = watch
+    let (mut verdict, history) = watch
         .verdict(&etcd, &records, options.ttl, lease_ttl)
         .await?;
-    let kv_writes = check_writes(&etcd, &records, &mut verdict.violations).await?;
+    let kv = kvcheck::check(&records, &history, &mut verdict.violations);
     // Every client is gone: once their sessions have expired (and a dead proxy's leases
     // with them), no holder, waiter or membership key may be left. One that is belongs
     // to nobody.
@@ -362,7 +384,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
         accepted: fenced.accepted(),
         paused,
         records,
-        kv_writes,
+        kv,
         skewed,
     })
 }
@@ -444,7 +466,7 @@ pub async fn skewed_holder_run(dir: &Path, skewed: Skewed) -> anyhow::Result<Ver
     other.kill();
     let records: Vec<_> = records_of(0).into_iter().chain(records_of(1)).collect();
     let lease_ttl = ProxyOptions::new("a", Vec::new()).lease_ttl;
-    watch.verdict(&etcd, &records, ttl, lease_ttl).await
+    Ok(watch.verdict(&etcd, &records, ttl, lease_ttl).await?.0)
 }
 
 /// The longest a lock may stay free while a waiter key stands in its line: a waiter
@@ -477,6 +499,11 @@ impl ProxyShape {
 
     fn of(&self, zone: &str, etcd: Vec<String>) -> ProxyOptions {
         let mut options = ProxyOptions::new(zone, etcd);
+        if zone == "a" {
+            // Every session of proxy a on one etcd lease: a restarted client's new
+            // session shares its lease with the old one (see "restart-client").
+            options.leases = 1;
+        }
         options.extra_args = vec![
             "--classes".into(),
             self.classes.display().to_string(),
@@ -532,19 +559,20 @@ impl ClientShape {
     }
 }
 
-/// The watched range: from `/l/` to the end of `/q/` (holder keys, release markers,
-/// waiter keys, and the run's mark between them).
-const WATCHED: (&str, &str) = ("/l/", "/q0");
+/// The watched range: from `/k/` to the end of `/q/` (small keys, holder keys, release
+/// markers, waiter keys, and the run's mark between them).
+const WATCHED: (&str, &str) = ("/k/", "/q0");
 
 /// A key in the watched range no lockcell process uses: written at the end of a run to
 /// know when its watch has caught up with the store.
 const WATCH_MARK: &str = "/o~chaos-watch-mark";
 
-/// What the run's watch has seen: the changes to holder and waiter keys, and the
-/// highest revision of anything in the watched range.
+/// What the run's watch has seen: the changes to holder and waiter keys, those to small
+/// keys, and the highest revision of anything in the watched range.
 #[derive(Default)]
 struct Seen {
     events: Vec<StoreEvent>,
+    kv: Vec<KvEvent>,
     revision: i64,
 }
 
@@ -552,6 +580,8 @@ struct Seen {
 /// it arrived; it starts again where it stopped when its etcd member goes.
 struct StoreWatch {
     seen: Arc<Mutex<Seen>>,
+    /// The revision the watch started at.
+    from: i64,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -568,33 +598,12 @@ impl StoreWatch {
         let from = now.header().map_or(1, |h| h.revision() + 1);
         let seen = Arc::new(Mutex::new(Seen::default()));
         let task = tokio::spawn(watch_store(client, from, seen.clone()));
-        Ok(StoreWatch { seen, task })
+        Ok(StoreWatch { seen, from, task })
     }
 
-    /// The checker's verdict on `records` ([`checker::check`]) and on them against what
-    /// the watch saw ([`checker::check_store`]), once it has caught up.
-    async fn verdict(
-        self,
-        etcd: &EtcdCluster,
-        records: &[checker::Record],
-        ttl: Duration,
-        lease_ttl: Duration,
-    ) -> anyhow::Result<Verdict> {
-        let mut verdict = checker::check(records);
-        let (events, watched_until_ns) = self.finish(etcd).await?;
-        let bounds = StoreBounds {
-            free_while_waited_ns: free_while_waited(ttl, lease_ttl),
-            watched_until_ns,
-        };
-        verdict
-            .violations
-            .extend(checker::check_store(records, &events, bounds));
-        Ok(verdict)
-    }
-
-    /// Waits until the watch has seen everything written so far, stops it, and returns
-    /// what it saw and when it had caught up.
-    async fn finish(self, etcd: &EtcdCluster) -> anyhow::Result<(Vec<StoreEvent>, u64)> {
+    /// Writes the run's mark and waits until the watch has seen it; returns its
+    /// revision.
+    async fn mark(&self, etcd: &EtcdCluster) -> anyhow::Result<i64> {
         let client = etcd.client().await?;
         let mark = eventually(
             "the run's watch mark is written",
@@ -613,17 +622,52 @@ impl StoreWatch {
             },
         )
         .await?;
-        let caught_up = eventually(
+        eventually(
             "the run's watch catches up with the store",
             Duration::from_secs(15),
             || async { Ok((self.seen.lock().expect("seen").revision >= mark).then_some(())) },
         )
-        .await;
+        .await?;
+        Ok(mark)
+    }
+
+    /// The checker's verdict on `records` ([`checker::check`]) and on them against what
+    /// the watch saw ([`checker::check_store`]), once it has caught up; and the history
+    /// of the small keys it saw, for [`kvcheck::check`].
+    async fn verdict(
+        self,
+        etcd: &EtcdCluster,
+        records: &[checker::Record],
+        ttl: Duration,
+        lease_ttl: Duration,
+    ) -> anyhow::Result<(Verdict, History)> {
+        let mut verdict = checker::check(records);
+        let from = self.from;
+        let (events, kv, watched_until_ns) = self.finish(etcd).await?;
+        let bounds = StoreBounds {
+            free_while_waited_ns: free_while_waited(ttl, lease_ttl),
+            watched_until_ns,
+        };
+        verdict
+            .violations
+            .extend(checker::check_store(records, &events, bounds));
+        Ok((verdict, History { events: kv, from }))
+    }
+
+    /// Waits until the watch has seen everything written so far, stops it, and returns
+    /// what it saw and when it had caught up.
+    async fn finish(
+        self,
+        etcd: &EtcdCluster,
+    ) -> anyhow::Result<(Vec<StoreEvent>, Vec<KvEvent>, u64)> {
+        let caught_up = self.mark(etcd).await;
         self.task.abort();
         caught_up?;
         let until = checker::now_ns();
-        let events = std::mem::take(&mut self.seen.lock().expect("seen").events);
-        Ok((events, until))
+        let mut seen = self.seen.lock().expect("seen");
+        let events = std::mem::take(&mut seen.events);
+        let kv = std::mem::take(&mut seen.kv);
+        Ok((events, kv, until))
     }
 }
 
@@ -651,10 +695,20 @@ async fn watch_store(mut client: etcd_client::Client, mut next: i64, seen: Arc<M
                     let revision = kv.mod_revision();
                     next = next.max(revision + 1);
                     seen.revision = seen.revision.max(revision);
+                    let deleted = event.event_type() == EventType::Delete;
+                    if let Some(name) = key.strip_prefix("/k/") {
+                        seen.kv.push(KvEvent {
+                            at_ns,
+                            revision,
+                            key: name.to_owned(),
+                            value: (!deleted)
+                                .then(|| String::from_utf8_lossy(kv.value()).into_owned()),
+                        });
+                        continue;
+                    }
                     if !key.starts_with("/l/") && !key.starts_with("/q/") {
                         continue;
                     }
-                    let deleted = event.event_type() == EventType::Delete;
                     let create_revision = if deleted {
                         let before = event.prev_kv().map(|p| p.create_revision());
                         created.remove(&key).or(before).unwrap_or(0)
@@ -695,41 +749,6 @@ async fn keys_left(etcd: &EtcdCluster) -> anyhow::Result<Vec<String>> {
         }
     }
     Ok(left)
-}
-
-/// Checks that every acknowledged small-key write is in the store's history: the key
-/// had the value written at the revision acknowledged. Returns how many it checked.
-async fn check_writes(
-    etcd: &EtcdCluster,
-    records: &[checker::Record],
-    violations: &mut Vec<String>,
-) -> anyhow::Result<usize> {
-    let mut client = etcd.client().await?;
-    let mut checked = 0;
-    for record in records {
-        let checker::Record::KvWrite {
-            key,
-            value,
-            revision,
-            ..
-        } = record
-        else {
-            continue;
-        };
-        checked += 1;
-        let at = etcd_client::GetOptions::new().with_revision(*revision);
-        let found = client.get(format!("/k/{key}"), Some(at)).await?;
-        let ok = found
-            .kvs()
-            .first()
-            .is_some_and(|kv| kv.mod_revision() == *revision && kv.value() == value.as_bytes());
-        if !ok {
-            violations.push(format!(
-                "the acknowledged write of {value:?} to {key} at revision {revision} is not in the store's history"
-            ));
-        }
-    }
-    Ok(checked)
 }
 
 /// Waits until the client writing `record` holds a lock (its last record is a grant or

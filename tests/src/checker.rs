@@ -58,6 +58,38 @@ pub enum Record {
         value: String,
         revision: i64,
         at_ns: u64,
+        /// When the acknowledgement arrived (0: not recorded).
+        #[serde(default)]
+        acked_ns: u64,
+        /// For an ephemeral key: its session's deadline as the acknowledgement left it
+        /// (0: a persistent key). Until then the key is the session's and stays.
+        #[serde(default)]
+        deadline_ns: u64,
+    },
+    /// The client closes its session (recorded before the close is sent): its
+    /// ephemeral keys go.
+    Closed { client: String, at_ns: u64 },
+    /// A linearizable read of every key under `prefix`, sent at `began_ns`: each key
+    /// found with its mod revision and value.
+    Read {
+        client: String,
+        prefix: String,
+        began_ns: u64,
+        entries: Vec<(String, i64, String)>,
+    },
+    /// A watch of `prefix` (re)started: it delivers every change from revision `from` on
+    /// (the first, or after an error that ended the previous one).
+    WatchFrom {
+        client: String,
+        prefix: String,
+        from: i64,
+    },
+    /// A batch the watch delivered: every change through revision `through`, as
+    /// (revision, key, put) in delivery order.
+    Watched {
+        client: String,
+        through: i64,
+        events: Vec<(i64, String, bool)>,
     },
 }
 
@@ -184,8 +216,12 @@ pub fn check(records: &[Record]) -> Verdict {
             } => verdict
                 .violations
                 .push(format!("{client} on {lock} at {at_ns} ns: {what}")),
-            // Checked against the store's history by the run (see `chaos`).
-            Record::KvWrite { .. } => {}
+            // Checked against the store's history by the run (see `kvcheck`).
+            Record::KvWrite { .. }
+            | Record::Closed { .. }
+            | Record::Read { .. }
+            | Record::WatchFrom { .. }
+            | Record::Watched { .. } => {}
         }
     }
     let mut by_lock: BTreeMap<String, Vec<Hold>> = BTreeMap::new();

@@ -13,6 +13,7 @@ pub mod clickhouse;
 pub mod etcd;
 pub mod fenced;
 pub mod fenced_server;
+pub mod kvcheck;
 pub mod ports;
 pub mod process;
 pub mod proxy;

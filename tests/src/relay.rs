@@ -142,6 +142,15 @@ impl Relay {
         self.trap.lock().expect("trap").is_some()
     }
 
+    /// Ends a cut as a long partition ends: both directions pass again, and every
+    /// connection that went through the cut is closed (its peers would have given up on
+    /// it; and the bytes the cut dropped leave its streams unusable, or worse, missing
+    /// whole messages that a gRPC peer would read past).
+    pub fn heal(&self) {
+        self.cut(false);
+        self.reset();
+    }
+
     /// Closes every connection relayed so far (new ones are relayed as before): the
     /// client sees its streams break at once, as when a peer restarts.
     pub fn reset(&self) {

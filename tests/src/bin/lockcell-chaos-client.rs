@@ -11,16 +11,22 @@
 //! once; a holder asks again for the lock it holds (which must be refused); an acquire
 //! is given up (its future dropped) at a random point; its membership key is written
 //! and written again as an ephemeral key.
+//!
+//! It also reads every client's small key (linearizably, after each of its own writes)
+//! and follows all of them with a watch, recording what it read and every batch the
+//! watch delivered, for the checks against the store's history (`kvcheck`).
 
 use std::fs::File;
 use std::io::Write;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
 use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
 use clap::Parser;
 use lockcell_client::{
-    Client, ClientOptions, Condition, Error, Session, SessionOptions, SessionState, Wait,
+    Client, ClientOptions, Condition, Error, EventKind, Session, SessionOptions, SessionState,
+    Wait, WatchOptions,
 };
 use lockcell_tests::checker::Record;
 use rand::rngs::StdRng;
@@ -148,15 +154,20 @@ fn machine_ns() -> anyhow::Result<u64> {
     Ok(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
+/// The client's record, shared by its tasks (each line written whole).
+#[derive(Clone)]
 struct Recorder {
-    file: File,
+    file: Arc<Mutex<File>>,
 }
 
 impl Recorder {
-    fn write(&mut self, record: &Record) -> anyhow::Result<()> {
+    fn write(&self, record: &Record) -> anyhow::Result<()> {
         let mut line = serde_json::to_string(record)?;
         line.push('\n');
-        self.file.write_all(line.as_bytes())?;
+        self.file
+            .lock()
+            .expect("record file")
+            .write_all(line.as_bytes())?;
         Ok(())
     }
 }
@@ -192,12 +203,14 @@ impl Fenced {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let clock = Clock::new()?;
-    let mut recorder = Recorder {
-        file: std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&args.log)
-            .with_context(|| format!("opening {}", args.log.display()))?,
+    let recorder = Recorder {
+        file: Arc::new(Mutex::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&args.log)
+                .with_context(|| format!("opening {}", args.log.display()))?,
+        )),
     };
     let mut fenced = Fenced::connect(&args.fenced).await?;
     let mut rng = StdRng::seed_from_u64(args.seed);
@@ -206,6 +219,11 @@ async fn main() -> anyhow::Result<()> {
         .retry(retries())
         .notify(|e, _| eprintln!("{}: connect: {e}", args.name))
         .await?;
+    tokio::spawn(follow_keys(
+        client.clone(),
+        args.name.clone(),
+        recorder.clone(),
+    ));
     loop {
         let session = (|| open(&client, args.ttl, &args.name))
             .retry(retries())
@@ -216,7 +234,7 @@ async fn main() -> anyhow::Result<()> {
             &client,
             &session,
             &clock,
-            &mut recorder,
+            &recorder,
             &mut fenced,
             &mut rng,
         )
@@ -224,15 +242,80 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
+/// The prefix every client's small keys are under, which each client watches.
+const KEYS: &str = "chaos/";
+/// The prefix of the persistent small keys, which each client reads.
+const KV: &str = "chaos/kv/";
+
+/// Follows every client's small keys with a watch for as long as the client runs, and
+/// records each batch delivered. A watch that cannot go on (compacted, or its names
+/// served by another cell) starts again from now, recorded as a new start.
+async fn follow_keys(client: Client, name: String, recorder: Recorder) {
+    loop {
+        let options = WatchOptions::prefix().reconnecting_for(Duration::from_secs(30));
+        let mut watch = match client.watch(KEYS, options).await {
+            Ok(watch) => watch,
+            Err(e) => {
+                eprintln!("{name}: watch {KEYS}: {e}");
+                tokio::time::sleep(RETRY_MAX).await;
+                continue;
+            }
+        };
+        let from = watch.revision() + 1;
+        if recorder
+            .write(&Record::WatchFrom {
+                client: name.clone(),
+                prefix: KEYS.to_owned(),
+                from,
+            })
+            .is_err()
+        {
+            return;
+        }
+        loop {
+            match watch.next().await {
+                Ok(batch) => {
+                    let events = batch
+                        .events
+                        .iter()
+                        .map(|e| {
+                            (
+                                e.entry.mod_revision,
+                                e.entry.key.clone(),
+                                e.kind == EventKind::Put,
+                            )
+                        })
+                        .collect();
+                    let written = recorder.write(&Record::Watched {
+                        client: name.clone(),
+                        through: batch.revision,
+                        events,
+                    });
+                    if written.is_err() {
+                        return;
+                    }
+                }
+                // Goes on where it was, with no gap.
+                Err(Error::WatchCutOff { .. } | Error::Unavailable(_)) => {}
+                Err(e) => {
+                    eprintln!("{name}: watch {KEYS}: {e}; watching again from now");
+                    break;
+                }
+            }
+        }
+    }
+}
+
 /// Writes the client's small key (`chaos/kv/<name>`) and its ephemeral membership key
 /// (`chaos/members/<name>`, through `session`), each with a value no write before it
-/// had, and records each write the service acknowledged.
+/// had, and records each write the service acknowledged; then reads every client's
+/// small key, linearizably, and records what it saw.
 async fn write_keys(
     args: &Args,
     client: &Client,
     session: &Session,
     clock: &Clock,
-    recorder: &mut Recorder,
+    recorder: &Recorder,
 ) -> anyhow::Result<()> {
     for ephemeral in [false, true] {
         let key = if ephemeral {
@@ -256,10 +339,32 @@ async fn write_keys(
                 value,
                 revision: written.revision,
                 at_ns,
+                acked_ns: clock.ns(Instant::now()),
+                deadline_ns: if ephemeral {
+                    clock.ns(session.deadline())
+                } else {
+                    0
+                },
             })?,
             Ok(_) => {}
             Err(e) => eprintln!("{}: put {key}: {e}", args.name),
         }
+    }
+    let began_ns = clock.ns(Instant::now());
+    match client.get_prefix(KV).await {
+        Ok(entries) => recorder.write(&Record::Read {
+            client: args.name.clone(),
+            prefix: KV.to_owned(),
+            began_ns,
+            entries: entries
+                .into_iter()
+                .map(|e| {
+                    let value = String::from_utf8_lossy(&e.value).into_owned();
+                    (e.key, e.mod_revision, value)
+                })
+                .collect(),
+        })?,
+        Err(e) => eprintln!("{}: read {KV}: {e}", args.name),
     }
     Ok(())
 }
@@ -279,7 +384,7 @@ async fn hold_locks(
     client: &Client,
     session: &Session,
     clock: &Clock,
-    recorder: &mut Recorder,
+    recorder: &Recorder,
     fenced: &mut Fenced,
     rng: &mut StdRng,
 ) -> anyhow::Result<()> {
@@ -322,6 +427,10 @@ async fn hold_locks(
                 // A given-up acquire was granted after all: the session holds the lock
                 // with no guard, and only its close lets go of it.
                 eprintln!("{}: acquire {lock}: {why}; closing the session", args.name);
+                recorder.write(&Record::Closed {
+                    client: args.name.clone(),
+                    at_ns: clock.ns(Instant::now()),
+                })?;
                 let _ = session.clone().close().await;
                 return Ok(());
             }

@@ -41,19 +41,21 @@ async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let (mut runs, mut faults, mut grants, mut acts, mut refused, mut violations) =
         (0u64, 0usize, 0usize, 0usize, 0usize, 0usize);
-    let mut kv_writes = 0;
+    let mut kv = lockcell_tests::kvcheck::Checked::default();
     let mut failing = Vec::new();
     while started.elapsed() < args.duration && args.runs.is_none_or(|n| runs < n) {
         let seed = first + runs;
         let (dir, report) = chaos::run_in_temp_dir(&RunOptions::new(seed)).await?;
         let v = &report.verdict;
         println!(
-            "run {runs} seed {seed}: faults {:?}, {} grants, {} acts ({} refused by fencing), {} acknowledged writes, {} violations",
+            "run {runs} seed {seed}: faults {:?}, {} grants, {} acts ({} refused by fencing), {} acknowledged writes, {} reads, {} watched events, {} violations",
             report.faults,
             v.grants,
             v.acts,
             v.refused,
-            report.kv_writes,
+            report.kv.writes,
+            report.kv.reads,
+            report.kv.watched,
             v.violations.len()
         );
         if let Some(skewed) = &report.skewed {
@@ -67,7 +69,9 @@ async fn main() -> anyhow::Result<()> {
         grants += v.grants;
         acts += v.acts;
         refused += v.refused;
-        kv_writes += report.kv_writes;
+        kv.writes += report.kv.writes;
+        kv.reads += report.kv.reads;
+        kv.watched += report.kv.watched;
         violations += v.violations.len();
         if !v.violations.is_empty() {
             let kept = dir.keep();
@@ -76,8 +80,11 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     println!(
-        "lockcell-chaos: {runs} runs in {:.0?}, {faults} faults injected, {grants} grants, {acts} acts and {kv_writes} acknowledged writes checked, {refused} acts refused by fencing, {violations} violations",
-        started.elapsed()
+        "lockcell-chaos: {runs} runs in {:.0?}, {faults} faults injected, {grants} grants, {acts} acts, {} acknowledged writes, {} reads and {} watched events checked, {refused} acts refused by fencing, {violations} violations",
+        started.elapsed(),
+        kv.writes,
+        kv.reads,
+        kv.watched
     );
     if !failing.is_empty() {
         println!("failing seeds: {failing:?} (replay: lockcell-chaos --runs 1 --seed SEED)");

@@ -25,8 +25,8 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
     let (dir, report) = chaos::run_in_temp_dir(&RunOptions::new(seed)).await?;
     let v = &report.verdict;
     println!(
-        "faults {:?}: {} grants, {} acts ({} refused by the fenced resource), {} writes accepted, {} acknowledged small-key writes checked, {} violations",
-        report.faults, v.grants, v.acts, v.refused, report.accepted, report.kv_writes, v.violations.len()
+        "faults {:?}: {} grants, {} acts ({} refused by the fenced resource), {} writes accepted, {} acknowledged small-key writes, {} reads and {} watched events checked, {} violations",
+        report.faults, v.grants, v.acts, v.refused, report.accepted, report.kv.writes, report.kv.reads, report.kv.watched, v.violations.len()
     );
     ensure!(
         report.faults.len() == chaos::available_faults().len(),
@@ -50,9 +50,9 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
         v.grants
     );
     ensure!(
-        report.kv_writes >= 20,
-        "the clients kept writing through the faults: {} acknowledged writes",
-        report.kv_writes
+        report.kv.writes >= 20 && report.kv.reads >= 20 && report.kv.watched >= 20,
+        "the clients kept writing, reading and watching through the faults: {:?}",
+        report.kv
     );
     Ok(())
 }

@@ -102,6 +102,7 @@ fn main() {
         watches::compaction_and_bad_watches_are_reported_by_name,
         watches::a_key_deleted_at_the_compact_revision_where_the_proxy_resumes_stays_deleted,
         watches::a_watch_from_exactly_the_compact_revision_misses_no_delete,
+        watches::a_watcher_cut_off_from_its_proxy_for_a_while_misses_nothing,
         watches::a_slow_watcher_is_cut_off_while_a_fast_one_keeps_receiving,
         watches::a_thousand_watchers_over_three_proxies_cost_etcd_at_most_three_watchers,
         bad_input::bad_lock_names_are_refused_with_the_rule,
