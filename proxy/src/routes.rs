@@ -356,9 +356,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_cell_serves_what_its_own_copy_routes_to_it_unpaused() {
-        let routes = Routes::new(
+    /// Cell a's view: everything but billing/ here, hr/ paused.
+    fn cell_a() -> Routes {
+        Routes::new(
             "ca",
             100,
             Some(StoredMap {
@@ -372,7 +372,12 @@ mod tests {
                 ),
                 mod_revision: 42,
             }),
-        );
+        )
+    }
+
+    #[test]
+    fn a_cell_serves_what_its_own_copy_routes_to_it_unpaused() {
+        let routes = cell_a();
         assert_eq!(own_cell(&routes.copy().unwrap().map, "ca"), Some("a"));
         assert_eq!(
             routes.serve("orders/1").unwrap(),
@@ -439,22 +444,7 @@ mod tests {
 
     #[test]
     fn reads_are_answered_only_where_the_copy_routes_every_name_read() {
-        let routes = Routes::new(
-            "ca",
-            100,
-            Some(StoredMap {
-                map: map(
-                    3,
-                    &[
-                        ("", "a", false, 0),
-                        ("billing/", "b", false, 0),
-                        ("hr/", "a", true, 0),
-                    ],
-                ),
-                mod_revision: 42,
-            }),
-        )
-        .in_map();
+        let routes = cell_a().in_map();
         assert!(routes.read_here("orders/1", false).is_ok());
         assert!(
             routes.read_here("hr/x", false).is_ok(),

@@ -21,6 +21,14 @@ use tonic::transport::Channel;
 use crate::cell::lockcell_cell;
 use crate::support::short_session;
 
+/// Runs `lockcell-cell shardmap ARGS --etcd ENDPOINT`.
+fn shardmap_at(endpoint: &str, args: &[&str]) -> anyhow::Result<String> {
+    let mut all = vec!["shardmap"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--etcd", endpoint]);
+    lockcell_cell(&all)
+}
+
 /// The lock the workers take in turn while its prefix moves.
 const HOT: &str = "billing/hot";
 
@@ -468,12 +476,7 @@ pub async fn a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves
 ) -> anyhow::Result<()> {
     let (dir, cell_a, cell_b, map) = two_cells(&[("cfg/", "a"), ("other/", "b")]).await?;
     let a_endpoint = cell_a.endpoints()[0].clone();
-    let shardmap = |args: &[&str]| {
-        let mut all = vec!["shardmap"];
-        all.extend_from_slice(args);
-        all.extend_from_slice(&["--etcd", &a_endpoint]);
-        lockcell_cell(&all)
-    };
+    let shardmap = |args: &[&str]| shardmap_at(&a_endpoint, args);
     shardmap(&["set", &map.display().to_string()])?;
     let proxy =
         ProxyProcess::start(&ProxyOptions::new("a", cell_a.endpoints()), dir.path()).await?;
@@ -566,12 +569,7 @@ pub async fn a_watch_resumed_across_a_prefix_move_ends_rather_than_skip_events(
 ) -> anyhow::Result<()> {
     let (dir, cell_a, cell_b, map) = two_cells(&[("", "a"), ("other/", "b")]).await?;
     let a_endpoint = cell_a.endpoints()[0].clone();
-    let shardmap = |args: &[&str]| {
-        let mut all = vec!["shardmap"];
-        all.extend_from_slice(args);
-        all.extend_from_slice(&["--etcd", &a_endpoint]);
-        lockcell_cell(&all)
-    };
+    let shardmap = |args: &[&str]| shardmap_at(&a_endpoint, args);
     shardmap(&["set", &map.display().to_string()])?;
     let options = ProxyOptions::new("a", cell_a.endpoints());
     let mut proxy = ProxyProcess::start(&options, dir.path()).await?;
@@ -697,12 +695,7 @@ pub async fn a_linearizable_read_during_a_move_never_answers_from_the_cell_left(
         ),
     )?;
     let a_endpoint = cell_a.endpoints()[0].clone();
-    let shardmap = |args: &[&str]| {
-        let mut all = vec!["shardmap"];
-        all.extend_from_slice(args);
-        all.extend_from_slice(&["--etcd", &a_endpoint]);
-        lockcell_cell(&all)
-    };
+    let shardmap = |args: &[&str]| shardmap_at(&a_endpoint, args);
     shardmap(&["set", &map.display().to_string()])?;
     let proxy = ProxyProcess::start(
         &ProxyOptions::new("a", vec![link_a.addr.clone()]),
