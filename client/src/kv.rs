@@ -39,6 +39,65 @@ pub struct Entry {
     pub ephemeral: bool,
 }
 
+/// A revision and the cell it is a revision of: where a read stood, and where a watch
+/// goes on from ([`WatchOptions::after`](crate::WatchOptions::after)). Revisions of two
+/// cells are unrelated, and a prefix can move from one cell to another (or a cell be
+/// restored from a backup) between a read and the watch that follows it; the cell makes
+/// the watch end with [`Error::WatchMoved`] then, rather than read one cell's revision
+/// in another.
+///
+/// Written as `REVISION@CELL` (`Display`, `FromStr`), for scripts and files; a bare
+/// `REVISION` parses with no cell (not checked).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CellRevision {
+    pub revision: i64,
+    /// The cell's position: its cluster id, epoch and route epoch (empty: unknown).
+    pub cell: String,
+}
+
+impl std::fmt::Display for CellRevision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.cell.is_empty() {
+            write!(f, "{}", self.revision)
+        } else {
+            write!(f, "{}@{}", self.revision, self.cell)
+        }
+    }
+}
+
+impl std::str::FromStr for CellRevision {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (revision, cell) = s.split_once('@').unwrap_or((s, ""));
+        let revision = revision
+            .parse::<i64>()
+            .ok()
+            .filter(|r| *r >= 0)
+            .ok_or_else(|| {
+                format!("{s:?} is not a position: expected REVISION or REVISION@CELL, REVISION a number of 0 or more")
+            })?;
+        if s.contains('@') && cell.is_empty() {
+            return Err(format!(
+                "{s:?} is not a position: the cell after '@' is empty"
+            ));
+        }
+        Ok(CellRevision {
+            revision,
+            cell: cell.to_owned(),
+        })
+    }
+}
+
+/// A linearizable read with the position it reflects: every key it found, and the
+/// revision (of its cell) it was made at. Watch from [`Snapshot::at`] to follow on
+/// with nothing missed and nothing twice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    pub entries: Vec<Entry>,
+    pub at: CellRevision,
+}
+
 /// What a write did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Written {
@@ -154,11 +213,37 @@ impl Client {
 
     /// One key, as of now (linearizable).
     pub async fn get(&self, key: &str) -> Result<Option<Entry>, Error> {
-        Ok(self.read(key, false).await?.into_iter().next())
+        Ok(self.read(key, false).await?.entries.into_iter().next())
     }
 
     /// Every key under `prefix`, as of now (linearizable).
     pub async fn get_prefix(&self, prefix: &str) -> Result<Vec<Entry>, Error> {
+        Ok(self.read(prefix, true).await?.entries)
+    }
+
+    /// One key as of now (linearizable), with the position the read reflects: to watch
+    /// the key from there, `client.watch(key, WatchOptions::default().after(&snapshot.at))`.
+    pub async fn snapshot(&self, key: &str) -> Result<Snapshot, Error> {
+        self.read(key, false).await
+    }
+
+    /// Every key under `prefix` as of now (linearizable), with the position the read
+    /// reflects.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::WatchOptions;
+    ///
+    /// let snapshot = client.snapshot_prefix("config/api/").await?;
+    /// let mut watcher = client
+    ///     .watch("config/api/", WatchOptions::prefix().after(&snapshot.at))
+    ///     .await?;
+    /// // Every change after the snapshot, none missed, none twice; or
+    /// // `Error::WatchMoved` if the prefix moved to another cell in between.
+    /// let batch = watcher.next().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn snapshot_prefix(&self, prefix: &str) -> Result<Snapshot, Error> {
         self.read(prefix, true).await
     }
 
@@ -187,7 +272,7 @@ impl Client {
         Ok(reply.succeeded && reply.deleted > 0)
     }
 
-    async fn read(&self, key: &str, prefix: bool) -> Result<Vec<Entry>, Error> {
+    async fn read(&self, key: &str, prefix: bool) -> Result<Snapshot, Error> {
         let mut request = tonic::Request::new(GetRequest {
             key: key.to_owned(),
             prefix,
@@ -199,7 +284,18 @@ impl Client {
             .await
             .map_err(|s| Error::from_status(s, Call::Unbound))?
             .into_inner();
-        Ok(reply.kvs.into_iter().map(entry).collect())
+        if reply.more {
+            return Err(Error::Protocol(format!(
+                "the read of {key:?} was cut short although it asked for no limit"
+            )));
+        }
+        Ok(Snapshot {
+            entries: reply.kvs.into_iter().map(entry).collect(),
+            at: CellRevision {
+                revision: reply.revision,
+                cell: reply.cell,
+            },
+        })
     }
 
     async fn write(

@@ -67,7 +67,7 @@ pub use client::{Client, ClientOptions};
 pub use election::{LeaderInfo, LeaderStream, Leadership};
 pub use error::Error;
 pub use holdings::{Held, SessionEvent, SessionEvents};
-pub use kv::{Condition, Entry, Txn, TxnOutcome, Written};
+pub use kv::{CellRevision, Condition, Entry, Snapshot, Txn, TxnOutcome, Written};
 pub use lock::{LockGuard, Mode, Sequencer, Wait};
 pub use lockcell_proto::FencingToken;
 pub use members::{MemberChange, Members};

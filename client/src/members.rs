@@ -10,13 +10,9 @@
 
 use std::collections::BTreeMap;
 
-use lockcell_proto::v1::kv_client::KvClient;
-use lockcell_proto::v1::GetRequest;
-
-use crate::client::{Client, UNARY_TIMEOUT};
-use crate::error::{Call, Error};
-use crate::kv::entry;
-use crate::kv::{Condition, Entry, Written};
+use crate::client::Client;
+use crate::error::Error;
+use crate::kv::{Condition, Written};
 use crate::session::Session;
 use crate::watch::{EventKind, WatchEvent, WatchOptions, Watcher};
 
@@ -126,18 +122,14 @@ impl Client {
         &self,
         prefix: &str,
     ) -> Result<(BTreeMap<String, Vec<u8>>, Watcher), Error> {
-        let (entries, revision, cell) = read_prefix(self, prefix).await?;
-        let current = entries
+        let snapshot = self.snapshot_prefix(prefix).await?;
+        let current = snapshot
+            .entries
             .into_iter()
             .filter_map(|e| Some((member_of(prefix, &e.key)?.to_owned(), e.value)))
             .collect();
         let watcher = self
-            .watch(
-                prefix,
-                WatchOptions::prefix()
-                    .from_revision(revision + 1)
-                    .in_cell(cell),
-            )
+            .watch(prefix, WatchOptions::prefix().after(&snapshot.at))
             .await?;
         Ok((current, watcher))
     }
@@ -189,33 +181,6 @@ impl Members {
             }
         }
     }
-}
-
-/// A linearizable read of every key under `prefix`, with the revision it reflects and
-/// the cell it is a revision of. (Here rather than in `kv.rs`, whose reads return only
-/// the entries.)
-async fn read_prefix(client: &Client, prefix: &str) -> Result<(Vec<Entry>, i64, String), Error> {
-    let mut request = tonic::Request::new(GetRequest {
-        key: prefix.to_owned(),
-        prefix: true,
-        ..Default::default()
-    });
-    request.set_timeout(UNARY_TIMEOUT);
-    let reply = KvClient::new(client.channel())
-        .get(request)
-        .await
-        .map_err(|s| Error::from_status(s, Call::Unbound))?
-        .into_inner();
-    if reply.more {
-        return Err(Error::Protocol(format!(
-            "the read of {prefix:?} was cut short although it asked for no limit"
-        )));
-    }
-    Ok((
-        reply.kvs.into_iter().map(entry).collect(),
-        reply.revision,
-        reply.cell,
-    ))
 }
 
 /// Applies `events` to `current` and says what changed, in order. A write that leaves
@@ -278,6 +243,7 @@ fn diff(old: &BTreeMap<String, Vec<u8>>, new: &BTreeMap<String, Vec<u8>>) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv::Entry;
 
     const WEB: &str = "members/web/";
 

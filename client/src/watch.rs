@@ -49,7 +49,7 @@ pub struct WatchOptions {
     /// For how long after a stream breaks the watcher keeps trying to resume it before
     /// [`Watcher::next`] gives up with [`Error::Unavailable`].
     pub reconnect_for: Duration,
-    /// The cell `start_revision` is a revision of (from the read the watch follows on;
+    /// The cell `start_revision` is a revision of (set by [`WatchOptions::after`];
     /// empty: whichever cell serves the key now).
     pub(crate) cell: String,
 }
@@ -119,11 +119,17 @@ impl WatchOptions {
         }
     }
 
-    /// `start_revision` is a revision of `cell` (a read's): if another cell serves the
-    /// key now, the watch ends with [`Error::WatchMoved`] rather than read another
-    /// cell's revisions as this one's.
-    pub(crate) fn in_cell(self, cell: String) -> Self {
-        WatchOptions { cell, ..self }
+    /// Deliver every event after `at` (a [`Snapshot`](crate::Snapshot)'s, or a
+    /// [`Watcher::at`] saved earlier): from its revision + 1, in its cell. If another
+    /// cell serves the key now (its prefix moved, or the cell was restored from a
+    /// backup), the watch ends with [`Error::WatchMoved`] rather than read one cell's
+    /// revision in another.
+    pub fn after(self, at: &crate::CellRevision) -> Self {
+        WatchOptions {
+            start_revision: at.revision + 1,
+            cell: at.cell.clone(),
+            ..self
+        }
     }
 }
 
@@ -283,6 +289,15 @@ impl Watcher {
     /// revision after which the watch delivers events).
     pub fn revision(&self) -> i64 {
         self.position.revision
+    }
+
+    /// [`revision`](Watcher::revision) and the cell it is of: where a later watch goes
+    /// on from ([`WatchOptions::after`]) with nothing missed and nothing twice.
+    pub fn at(&self) -> crate::CellRevision {
+        crate::CellRevision {
+            revision: self.position.revision,
+            cell: self.cell.clone(),
+        }
     }
 
     /// The next batch of events, or a progress report (empty `events`).

@@ -1,4 +1,4 @@
-//! Lock classes (DESIGN.md section 9): the rules a lock name's prefix brings with it —
+//! Lock classes (docs/lock-classes.md): the rules a lock name's prefix brings with it —
 //! session TTL bounds, modes, fencing, fairness and lock-delay — declared in a TOML file
 //! kept in Git, and the [`ClassBook`] that keeps the last good file in force across
 //! reloads.

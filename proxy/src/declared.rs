@@ -1,4 +1,4 @@
-//! Declared configuration (DESIGN.md section 9): files kept in Git and loaded by the
+//! Declared configuration: files kept in Git and loaded by the
 //! proxy — lock classes, prefix grants — and the [`Book`] that keeps the last good file
 //! of each in force across reloads.
 //!

@@ -39,6 +39,15 @@ pub enum ProxyError {
     /// The revision asked for is no longer kept.
     #[error("{0}")]
     OutOfRange(String),
+    /// A read or watch from a revision of cell position `was`, while `now` serves its
+    /// names: revisions of two cells are unrelated. OUT_OF_RANGE, naming `now` in the
+    /// metadata ([`WATCH_CELL`]).
+    #[error("{what}: its revisions are those of cell position {was:?}, and these names are at cell position {now:?} now (their prefix moved, or the cell was restored): read them again and go on from that read's revision")]
+    OtherCell {
+        what: String,
+        was: String,
+        now: String,
+    },
     /// The call would pass a limit of the cell or the proxy: RESOURCE_EXHAUSTED.
     #[error("{0}")]
     Exhausted(String),
@@ -82,6 +91,9 @@ pub const FENCE_LEASE: &str = "lockcell-fence-lease";
 /// Metadata of an acquire refused because the session holds the lock through another
 /// call: the revision of that hold.
 pub const ALREADY_HELD: &str = "lockcell-already-held";
+/// Metadata of an OUT_OF_RANGE refusing a read or ending a watch whose revisions are
+/// another cell's than the one serving its names now: that cell's position.
+pub const WATCH_CELL: &str = "lockcell-watch-cell";
 
 impl From<ProxyError> for Status {
     fn from(e: ProxyError) -> Status {
@@ -101,6 +113,13 @@ impl From<ProxyError> for Status {
             | ProxyError::Moving(_)
             | ProxyError::Busy(_) => Status::unavailable(message),
             ProxyError::OutOfRange(_) => Status::out_of_range(message),
+            ProxyError::OtherCell { ref now, .. } => {
+                let mut status = Status::out_of_range(message);
+                if let Ok(value) = now.parse() {
+                    status.metadata_mut().insert(WATCH_CELL, value);
+                }
+                status
+            }
             ProxyError::Exhausted(_) => Status::resource_exhausted(message),
             ProxyError::FencedOut {
                 revision, lease, ..

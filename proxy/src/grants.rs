@@ -1,4 +1,4 @@
-//! Prefix grants (DESIGN.md section 9): which identities may lock, read, write and watch
+//! Prefix grants (docs/security.md): which identities may lock, read, write and watch
 //! which name prefixes, declared in a TOML file kept in Git (`--grants`, example in
 //! deploy/config/grants.toml) and reloaded like the lock classes.
 //!

@@ -1,6 +1,6 @@
 //! lockcell-proxy: the zone proxy. It holds client sessions in memory, answers their
 //! keepalives itself, and attaches every key its clients create to one of K etcd leases
-//! of its own (DESIGN.md sections 1, 4 and 5).
+//! of its own (docs/architecture.md).
 //!
 //! Pure parts ([`sessions`], [`leases`], [`classes`], the arbiter queues behind
 //! [`queues`]) hold the proxy's bookkeeping; the runtime parts ([`lease_keeper`],

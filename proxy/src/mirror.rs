@@ -1,7 +1,7 @@
 //! The proxy's copy of the small-key space (`/k/`), fed by its one watch over the cell.
 //!
 //! Linearizable reads are answered from it once it has applied the revision a read
-//! barrier fixed (DESIGN.md section 8); the events it applies carry the value each key
+//! barrier fixed (`crate::barrier`); the events it applies carry the value each key
 //! had before, so watchers asking for previous values cost etcd nothing more.
 
 use std::collections::BTreeMap;

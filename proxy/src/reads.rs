@@ -73,38 +73,51 @@ impl Reads {
             .map_err(ProxyError::EtcdUnavailable)
     }
 
-    /// One key or a prefix, as of now (or as of `revision` when it is not 0).
+    /// One key or a prefix, as of now (or as of `revision` when it is not 0), with the
+    /// read's position: the cell its revision is of (see [`Routes::position`]).
+    ///
+    /// A read at a revision names the cell that revision came from (`cell`; empty: the
+    /// caller does not say): when the names' position is another now (their prefix
+    /// moved, or the cell was restored), revisions of the two are unrelated and the
+    /// read is refused with OUT_OF_RANGE.
     pub async fn get(
         &self,
         key: &str,
         prefix: bool,
         limit: i64,
-        revision: i64,
+        (revision, cell): (i64, &str),
         serializable: bool,
-    ) -> Result<Read, ProxyError> {
+    ) -> Result<(Read, String), ProxyError> {
         let topic = topic(key, prefix)?;
         if revision > 0 {
+            // Checked before (a revision of another cell means nothing here, in the
+            // future or not) and after the read (a move that began meanwhile is seen).
+            self.same_cell(key, (revision, cell), &topic)?;
             let now = self.barrier().await?;
             if revision > now {
                 return Err(ProxyError::BadArgument(format!(
                     "read of {key:?} at revision {revision}: that revision is in the future (the store is at {now})"
                 )));
             }
-            return self.direct(key, prefix, limit, revision, false).await;
+            let read = self.direct(key, prefix, limit, revision, false).await?;
+            let position = self.same_cell(key, (revision, cell), &topic)?;
+            return Ok((read, position));
         }
         if serializable {
+            let position = self.routes.position(&topic.name, prefix);
             if self.feed.is_live() {
-                return Ok(self.mirror_read(&topic, limit, "mirror"));
+                return Ok((self.mirror_read(&topic, limit, "mirror"), position));
             }
-            return self.direct(key, prefix, limit, 0, true).await;
+            let read = self.direct(key, prefix, limit, 0, true).await?;
+            return Ok((read, position));
         }
         if self.feed.is_live() {
             let at = self.barrier().await?;
             if self.feed.applied_through(at, self.timeout).await {
                 // The feed keeps the cell's map copy as of what it applied: this check
                 // sees every move that began before the read did.
-                self.routes.read_here(&topic.name, prefix)?;
-                return Ok(self.mirror_read(&topic, limit, "barrier"));
+                let position = self.routes.read_here(&topic.name, prefix)?;
+                return Ok((self.mirror_read(&topic, limit, "barrier"), position));
             }
             self.feed.report_stall();
         }
@@ -114,8 +127,27 @@ impl Reads {
             .refresh(&mut self.etcd.clone(), self.timeout)
             .await
             .map_err(ProxyError::from)?;
-        self.routes.read_here(&topic.name, prefix)?;
-        Ok(read)
+        let position = self.routes.read_here(&topic.name, prefix)?;
+        Ok((read, position))
+    }
+
+    /// The names' position now, unless the caller's `cell` (when it names one) is
+    /// another: then its `revision` is another cell's.
+    fn same_cell(
+        &self,
+        key: &str,
+        (revision, cell): (i64, &str),
+        topic: &Topic,
+    ) -> Result<String, ProxyError> {
+        let position = self.routes.position(&topic.name, topic.prefix);
+        if !cell.is_empty() && cell != position {
+            return Err(ProxyError::OtherCell {
+                what: format!("read of {key:?} at revision {revision}"),
+                was: cell.to_owned(),
+                now: position,
+            });
+        }
+        Ok(position)
     }
 
     fn mirror_read(&self, topic: &Topic, limit: i64, path: &'static str) -> Read {

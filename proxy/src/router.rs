@@ -1,5 +1,5 @@
-//! The proxy's front: routes each call to the cell that serves its name (DESIGN.md
-//! section 11).
+//! The proxy's front: routes each call to the cell that serves its name (docs/operations.md,
+//! "Adding a cell and moving a prefix").
 //!
 //! A proxy serves every cell of the shard map it found at start, one engine
 //! ([`ProxyState`]) per cell. A call about one name (a lock, an election, a small key)

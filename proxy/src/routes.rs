@@ -1,5 +1,6 @@
 //! Which names a proxy may grant and write in one cell: those the cell's own copy of the
-//! shard map routes to it, unpaused (DESIGN.md section 11).
+//! shard map routes to it, unpaused (docs/operations.md, "Adding a cell and moving a
+//! prefix").
 //!
 //! Every cell of a shard map holds a copy at `/sys/shardmap`. A grant or write in a cell
 //! is checked against that cell's copy and compares the copy's mod revision in its
@@ -61,6 +62,12 @@ impl Routes {
     /// The copy in force (`None`: the cell has no shard map).
     pub fn copy(&self) -> Option<Arc<StoredMap>> {
         self.copy.borrow().clone()
+    }
+
+    /// The mod revision of the copy in force (0: none): it changes with every change of
+    /// the copy.
+    pub fn copy_revision(&self) -> i64 {
+        self.copy.borrow().as_ref().map_or(0, |c| c.mod_revision)
     }
 
     /// Follows the copy: a receiver that sees every change.
@@ -152,10 +159,13 @@ impl Routes {
     /// from this cell: its copy routes the name (every route under the prefix) here,
     /// paused or not (a paused prefix takes no writes anywhere). Checked after a read
     /// barrier against the copy as of that barrier, so a read never answers from a
-    /// cell a prefix left before the read began.
-    pub fn read_here(&self, name: &str, prefix: bool) -> Result<(), ProxyError> {
+    /// cell a prefix left before the read began. Returns the read's position (see
+    /// [`Routes::position`]) as of that same copy.
+    pub fn read_here(&self, name: &str, prefix: bool) -> Result<String, ProxyError> {
         let Some(copy) = self.copy() else {
-            return self.serve_in(None, name).map(|_| ());
+            return self
+                .serve_in(None, name)
+                .map(|_| self.position_in(None, name, prefix));
         };
         let map = &copy.map;
         let version = map.version;
@@ -177,7 +187,7 @@ impl Routes {
             [] => Err(ProxyError::NotServed(format!(
                 "no cell serves {name:?}: no route of the shard map (version {version}) matches it"
             ))),
-            [cell] if cell == me => Ok(()),
+            [cell] if cell == me => Ok(self.position_in(Some(&copy), name, prefix)),
             _ => Err(ProxyError::Moving(format!(
                 "{name:?} is served by cell {} now (shard map version {version}), not by the cell this read reached: it moved; read again",
                 cells.join(", ")
@@ -185,22 +195,30 @@ impl Routes {
         }
     }
 
-    /// The highest epoch of the routes that serve `name` (with `prefix`, any name under
-    /// it) in the copy in force (0: none, or no copy): it rises with every move of them.
-    pub fn route_epoch(&self, name: &str, prefix: bool) -> u64 {
-        let Some(copy) = self.copy() else {
-            return 0;
-        };
-        let map = &copy.map;
-        let own = map.route(name).map_or(0, |r| r.epoch);
-        if !prefix {
-            return own;
-        }
-        map.routes
-            .iter()
-            .filter(|r| r.prefix.starts_with(name))
-            .map(|r| r.epoch)
-            .fold(own, u64::max)
+    /// Whose revisions a read or watch of `name` (with `prefix`, of every name under
+    /// it) speaks of, as the copy in force says: the cell's cluster id and epoch (a
+    /// restore from backup raises the epoch, and may take revisions back), and the
+    /// highest epoch of the names' routes (every move of them raises it; 0 without a
+    /// copy). A prefix moved away and back is in the same cell again, but the cell's
+    /// history lacks what was written elsewhere meanwhile, so its position differs.
+    pub fn position(&self, name: &str, prefix: bool) -> String {
+        self.position_in(self.copy().as_deref(), name, prefix)
+    }
+
+    fn position_in(&self, copy: Option<&StoredMap>, name: &str, prefix: bool) -> String {
+        let route_epoch = copy.map_or(0, |copy| {
+            let map = &copy.map;
+            let own = map.route(name).map_or(0, |r| r.epoch);
+            if !prefix {
+                return own;
+            }
+            map.routes
+                .iter()
+                .filter(|r| r.prefix.starts_with(name))
+                .map(|r| r.epoch)
+                .fold(own, u64::max)
+        });
+        format!("{}/{}/{route_epoch}", self.cluster_id, self.cell_epoch)
     }
 
     /// When this cell's own copy routes `name` here but paused (a move of its prefix has

@@ -127,17 +127,9 @@ impl ProxyState {
     }
 
     /// Whose revisions a read or watch of `name` (with `prefix`, of every name under
-    /// it) speaks of: the cell's cluster id and epoch (a restore from backup raises the
-    /// epoch, and may take revisions back), and the epoch of the names' routes (every
-    /// move of a prefix raises it). A prefix moved away and back is in the same cell
-    /// again, but the cell's history lacks what was written elsewhere meanwhile.
+    /// it) speaks of: see [`crate::routes::Routes::position`].
     pub fn position_id(&self, name: &str, prefix: bool) -> String {
-        format!(
-            "{}/{}/{}",
-            self.cell.record.cluster_id,
-            self.cell.record.epoch,
-            self.routes.route_epoch(name, prefix)
-        )
+        self.routes.position(name, prefix)
     }
 
     /// The fencing token of `name`'s holder granted at `revision` (in the epoch of

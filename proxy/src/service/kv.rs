@@ -64,14 +64,14 @@ impl KvApi for KvService {
             ))
             .into());
         }
-        let read = self
+        let (read, cell) = self
             .state
             .reads
             .get(
                 &req.key,
                 req.prefix,
                 req.limit,
-                req.revision,
+                (req.revision, &req.cell),
                 req.serializable,
             )
             .await?;
@@ -79,9 +79,7 @@ impl KvApi for KvService {
             kvs: read.entries.into_iter().map(wire).collect(),
             revision: read.revision,
             more: read.more,
-            cell: crate::reads::topic(&req.key, req.prefix)
-                .map(|t| self.state.position_id(&t.name, t.prefix))
-                .unwrap_or_default(),
+            cell,
         }))
     }
 

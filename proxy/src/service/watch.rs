@@ -71,7 +71,12 @@ impl WatchApi for WatchService {
             .into());
         }
         let topic = crate::reads::topic(&req.key, req.prefix)?;
-        let cell = state.position_id(&topic.name, topic.prefix);
+        // Whether the names are served here as of what the feed applied, and the
+        // position the watch's revisions are of: a watch is never set up in a cell its
+        // names left (the deletes that follow a move there are no changes of theirs).
+        // (The copy's revision first: a change after it is looked at again.)
+        let checked_copy = std::sync::atomic::AtomicI64::new(state.routes.copy_revision());
+        let cell = state.routes.read_here(&topic.name, topic.prefix)?;
         if req.start_revision > 0 && !req.cell.is_empty() && req.cell != cell {
             return Err(moved(&describe(&req), &req.cell, &cell));
         }
@@ -108,6 +113,8 @@ impl WatchApi for WatchService {
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let pump = Pump {
             cell,
+            checked_copy,
+            routes: state.routes.clone(),
             tx,
             what: describe(&req),
             topic,
@@ -142,6 +149,12 @@ fn describe(req: &WatchRequest) -> String {
 struct Pump {
     /// The cell whose revisions these are (in the created response).
     cell: String,
+    /// The cell's copy of the shard map, as of what the feed applied: once it moves
+    /// the names, the watch ends before the batch that would deliver later revisions
+    /// (the move's deletes of the copied keys among them).
+    routes: Arc<crate::routes::Routes>,
+    /// The copy's mod revision when the position was last found unchanged.
+    checked_copy: std::sync::atomic::AtomicI64,
     tx: mpsc::Sender<Sent>,
     what: String,
     topic: Topic,
@@ -287,11 +300,31 @@ impl Pump {
         };
         match self.batch(&batch, *last) {
             Some(response) => {
+                if let Some(now) = self.moved_away() {
+                    let _ = self.tx.send(Err(moved(&self.what, &self.cell, &now))).await;
+                    return false;
+                }
                 *last = batch.revision;
                 self.send(response).await
             }
             None => true,
         }
+    }
+
+    /// The names' position now, if it is no longer the watch's (looked at only when the
+    /// cell's copy of the shard map changed since the last look).
+    fn moved_away(&self) -> Option<String> {
+        let copy = self.routes.copy_revision();
+        if copy == self.checked_copy.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        let now = self.routes.position(&self.topic.name, self.topic.prefix);
+        if now != self.cell {
+            return Some(now);
+        }
+        self.checked_copy
+            .store(copy, std::sync::atomic::Ordering::Relaxed);
+        None
     }
 
     /// The response for a fan-out batch: its events from the watcher's start on.
@@ -456,17 +489,15 @@ fn response(created: bool, revision: i64, events: Vec<WatchEvent>) -> WatchRespo
 /// The end of a watch whose position is a revision of cell `was`, while cell `now`
 /// serves its names: revisions of two cells are unrelated.
 pub fn moved(what: &str, was: &str, now: &str) -> Status {
-    let mut status = Status::out_of_range(format!(
-        "watch of {what}: its revisions are cell {was:?}'s, and cell {now:?} serves these names now (a prefix moved, or the cell was restored): read them again and watch from that read's revision + 1"
-    ));
-    if let Ok(value) = MetadataValue::try_from(now) {
-        status.metadata_mut().insert(WATCH_CELL, value);
+    ProxyError::OtherCell {
+        what: format!("watch of {what}"),
+        was: was.to_owned(),
+        now: now.to_owned(),
     }
-    status
+    .into()
 }
 
-/// Metadata of an OUT_OF_RANGE that ends a watch whose names another cell serves now.
-pub const WATCH_CELL: &str = "lockcell-watch-cell";
+pub use crate::errors::WATCH_CELL;
 
 fn insert(status: &mut Status, key: &'static str, revision: i64) {
     if let Ok(value) = MetadataValue::try_from(revision.to_string()) {

@@ -121,6 +121,7 @@ fn main() {
         shardmap::a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves_back,
         shardmap::a_watch_resumed_across_a_prefix_move_ends_rather_than_skip_events,
         shardmap::a_linearizable_read_during_a_move_never_answers_from_the_cell_left,
+        shardmap::a_reads_position_carried_across_a_move_is_refused_not_read_in_the_other_cell,
         admin::the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut_off,
         admin::the_audit_tailers_readyz_follows_etcd_and_drain_stops_it,
         guide::the_client_guides_examples_run_against_a_real_cell,

@@ -763,3 +763,117 @@ pub async fn a_linearizable_read_during_a_move_never_answers_from_the_cell_left(
     println!("moved and written in {written:?}; {fresh} fresh reads, {refused} refused");
     Ok(())
 }
+
+/// `lockctl` with `--proxy proxy` and `args`: its exit status, stdout and stderr.
+async fn lockctl_at(proxy: &str, args: &[&str]) -> anyhow::Result<(Option<i32>, String, String)> {
+    let out = tokio::process::Command::new(lockcell_tests::bins::workspace_bin("lockctl")?)
+        .arg("--proxy")
+        .arg(proxy)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await?;
+    Ok((
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// A read's position names its cell, and everything that goes on from it checks the
+/// cell: a key is read (`lockctl get --position`, the SDK's snapshot), its prefix moves
+/// to another cell and is written there, and then a watch after that read (`lockctl
+/// watch --after`, `WatchOptions::after`) and a read at its revision (`GetRequest.cell`)
+/// are refused rather than read the new cell's history from the old cell's revision.
+/// From a read made after the move, the watch follows on.
+pub async fn a_reads_position_carried_across_a_move_is_refused_not_read_in_the_other_cell(
+) -> anyhow::Result<()> {
+    let (dir, cell_a, _cell_b, map) = two_cells(&[("", "a"), ("other/", "b")]).await?;
+    let a_endpoint = cell_a.endpoints()[0].clone();
+    let shardmap = |args: &[&str]| shardmap_at(&a_endpoint, args);
+    shardmap(&["set", &map.display().to_string()])?;
+    let proxy =
+        ProxyProcess::start(&ProxyOptions::new("a", cell_a.endpoints()), dir.path()).await?;
+    let client = Client::connect(&proxy.url()).await?;
+    // Cell a's revisions run ahead of cell b's.
+    for i in 0..20 {
+        client
+            .put(&format!("busy/{i}"), b"v", Condition::Always)
+            .await?;
+    }
+    client.put("cfg/x", b"1", Condition::Always).await?;
+
+    let (status, out, err) = lockctl_at(&proxy.addr, &["get", "--position", "cfg/x"]).await?;
+    ensure!(status == Some(0), "lockctl get --position failed: {err}");
+    let mut lines = out.lines();
+    let position = lines.next().context("no position line")?.to_owned();
+    ensure!(
+        lines.next() == Some("1"),
+        "lockctl get --position did not print the value after the position:\n{out}"
+    );
+    let at: lockcell_client::CellRevision = position.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    ensure!(
+        !at.cell.is_empty(),
+        "the position names no cell: {position}"
+    );
+    let snapshot = client.snapshot("cfg/x").await?;
+    ensure!(snapshot.at.cell == at.cell, "{:?} vs {at:?}", snapshot.at);
+    let mut kv = lockcell_proto::v1::kv_client::KvClient::connect(proxy.url()).await?;
+    let at_revision = |cell: String| GetRequest {
+        key: "cfg/x".into(),
+        revision: at.revision,
+        cell,
+        ..Default::default()
+    };
+    let before = kv.get(at_revision(at.cell.clone())).await?.into_inner();
+    ensure!(
+        before.kvs.first().map(|k| k.value.as_slice()) == Some(b"1".as_slice()),
+        "a read at the position's revision in its own cell: {before:?}"
+    );
+
+    shardmap(&["move", "cfg/", "--to", "b"]).context("moving cfg/")?;
+    client.put("cfg/x", b"2", Condition::Always).await?;
+
+    let refused = kv
+        .get(at_revision(at.cell.clone()))
+        .await
+        .err()
+        .context("a read at a revision of the cell cfg/ left was answered")?;
+    ensure!(
+        refused.code() == tonic::Code::OutOfRange
+            && refused.metadata().get("lockcell-watch-cell").is_some(),
+        "a read at a revision of the cell cfg/ left: {refused:?}"
+    );
+    println!("read at {position} refused: {}", refused.message());
+    match client
+        .watch("cfg/x", WatchOptions::default().after(&snapshot.at))
+        .await
+    {
+        Err(Error::WatchMoved { cell, .. }) => ensure!(cell != at.cell),
+        other => anyhow::bail!("a watch after a read in the cell cfg/ left: {other:?}"),
+    }
+    let (status, _, err) =
+        lockctl_at(&proxy.addr, &["watch", "cfg/x", "--after", &position]).await?;
+    ensure!(
+        status == Some(4) && err.contains("serves these keys now"),
+        "lockctl watch --after a position in the cell cfg/ left: status {status:?}, {err}"
+    );
+
+    // From a read in the cell that serves cfg/ now, the watch follows on.
+    let now = client.snapshot("cfg/x").await?;
+    ensure!(
+        now.at.cell != at.cell,
+        "the position did not change: {now:?}"
+    );
+    ensure!(now.entries.first().map(|e| e.value.as_slice()) == Some(b"2".as_slice()));
+    let mut watch = client
+        .watch("cfg/x", WatchOptions::default().after(&now.at))
+        .await?;
+    client.put("cfg/x", b"3", Condition::Always).await?;
+    let batch = tokio::time::timeout(Duration::from_secs(10), watch.next()).await??;
+    ensure!(
+        batch.events.len() == 1 && batch.events[0].entry.value == b"3",
+        "the watch after the new read: {batch:?}"
+    );
+    Ok(())
+}

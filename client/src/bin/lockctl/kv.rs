@@ -23,11 +23,19 @@ when the key does not exist, with --if-revision R only when its last write was a
 revision R (compare-and-swap); a condition that does not hold writes nothing and exits 1
 printing the current revision. del KEY deletes (also with --if-revision).
 
+With --position, get first prints the read's position on a line of its own,
+REVISION@CELL (the revision the read reflects, and the cell it is a revision of), then
+the value or lines as usual (also when the key does not exist): lockctl watch --after
+that position follows on from the read with nothing missed, and exits 4 rather than
+read another cell's revisions if the keys' prefix moved to another cell meanwhile.
+
 Exit statuses: 0 done, 1 the condition did not hold, 3 no such key (get), 64 a bad key
 or value, 69 the proxy is unreachable.
 
 Example:
-  rev=$(lockctl get --revision config/api/limit) && lockctl put --if-revision \"$rev\" config/api/limit 200";
+  rev=$(lockctl get --revision config/api/limit) && lockctl put --if-revision \"$rev\" config/api/limit 200
+  { read -r at; read -r limit; } < <(lockctl get --position config/api/limit)
+  lockctl watch config/api/limit --after \"$at\"";
 
 /// Arguments of `lockctl get`.
 #[derive(Debug, clap::Args)]
@@ -40,6 +48,9 @@ pub(crate) struct GetArgs {
     /// Print the key's last-write revision instead of its value (for --if-revision).
     #[arg(long, conflicts_with = "prefix")]
     pub(crate) revision: bool,
+    /// First print the read's position, REVISION@CELL, for lockctl watch --after.
+    #[arg(long, conflicts_with = "revision")]
+    pub(crate) position: bool,
 }
 
 /// Arguments of `lockctl put`.
@@ -66,13 +77,21 @@ pub(crate) struct DelArgs {
 
 pub(crate) async fn get(proxy: &Target, args: &GetArgs) -> anyhow::Result<u8> {
     let client = proxy.connect().await?;
+    let snapshot = if args.prefix {
+        client.snapshot_prefix(&args.key).await?
+    } else {
+        client.snapshot(&args.key).await?
+    };
+    if args.position {
+        print_line(&snapshot.at.to_string())?;
+    }
     if args.prefix {
-        for entry in client.get_prefix(&args.key).await? {
+        for entry in snapshot.entries {
             print_line(&format!("{}={}", entry.key, value_text(&entry.value)))?;
         }
         return Ok(0);
     }
-    match client.get(&args.key).await? {
+    match snapshot.entries.first() {
         Some(entry) if args.revision => print_line(&entry.mod_revision.to_string()).map(|()| 0),
         Some(entry) => print_line(&value_text(&entry.value)).map(|()| 0),
         None => {

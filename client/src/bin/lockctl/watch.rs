@@ -21,9 +21,11 @@ VALUE is printed as text when it is UTF-8 without control characters, else as 0x
 bytes in hex. With --prev, a line ends with \" (was VALUE)\" when the key had a value
 before the event.
 
-Without --from the watch starts now; with --from REV it prints every event from revision
-REV on (e.g. one past the revision lockctl get --revision KEY printed, to follow on from
-that read of KEY). The watch goes on
+Without --from or --after the watch starts now. With --after POS (REVISION@CELL, as
+lockctl get --position prints it) it prints every event after that read, in that read's
+cell. With --from REV it prints every event from revision REV on, in whichever cell
+serves the keys now (e.g. one past the revision lockctl get --revision KEY printed). The
+watch goes on
 across a restarted proxy or a broken connection with no event missed or repeated. If it
 falls too far behind, the proxy cuts it off and lockctl resumes where it was (saying so on
 stderr). --all watches every small key.
@@ -39,7 +41,8 @@ reached (for 30s, once watching), 1 anything else.
 Example:
   lockctl watch config/api/limit
   lockctl watch config/api/ --prefix --prev
-  lockctl watch config/api/limit --from \"$(( $(lockctl get --revision config/api/limit) + 1 ))\"";
+  { read -r at; read -r limit; } < <(lockctl get --position config/api/limit)
+  lockctl watch config/api/limit --after \"$at\"";
 
 pub(crate) const MEMBERS_LONG: &str = "\
 Print the members of group GROUP, or follow who joins and leaves.
@@ -82,6 +85,11 @@ pub(crate) struct WatchArgs {
     #[arg(long, value_name = "REV", value_parser = clap::value_parser!(i64).range(1..))]
     pub(crate) from: Option<i64>,
 
+    /// Print every event after position POS (REVISION@CELL, from lockctl get
+    /// --position); exit 4 if another cell serves the keys now.
+    #[arg(long, value_name = "POS", conflicts_with = "from")]
+    pub(crate) after: Option<lockcell_client::CellRevision>,
+
     /// Print each event's previous value too.
     #[arg(long)]
     pub(crate) prev: bool,
@@ -104,6 +112,9 @@ impl WatchArgs {
         }
         if let Some(from) = self.from {
             opts = opts.from_revision(from);
+        }
+        if let Some(after) = &self.after {
+            opts = opts.after(after);
         }
         if self.prev {
             opts = opts.with_prev_kv();
