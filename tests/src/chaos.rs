@@ -11,8 +11,11 @@
 //! link black-holed); the etcd leader SIGKILLed (and started again); a whole zone lost
 //! (its etcd member, its proxy and the clients whose own zone it is, all SIGKILLed, then
 //! started again); a client or proxy started again with its clocks running fast or
-//! slow within the proxies' clock-rate bound (libfaketime). Clients know every proxy
-//! and move their sessions (locks and tokens unchanged) when theirs fails.
+//! slow within the proxies' clock-rate bound (libfaketime); etcd compacted at its
+//! current revision; a client killed and started again at once; the small keys' prefix
+//! moved to a second cell (one etcd member, behind the same shard map) and back while
+//! clients write, read and watch it. Clients know every proxy and move their sessions
+//! (locks and tokens unchanged) when theirs fails.
 //!
 //! Every run has a lock of the default class (waiters in each proxy's arbiter) and one
 //! of a fair class (waiters in line in the store). Besides the checks over the clients'
@@ -43,7 +46,7 @@ use crate::process::Managed;
 use crate::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess, Relay};
 
 /// The kinds of fault a run injects, each once, in an order the seed picks.
-pub const FAULTS: [&str; 12] = [
+pub const FAULTS: [&str; 13] = [
     "pause-client",
     "kill-proxy",
     "pause-proxy",
@@ -56,6 +59,7 @@ pub const FAULTS: [&str; 12] = [
     "skew-clock",
     "compact-etcd",
     "restart-client",
+    "move-prefix",
 ];
 
 /// The fault kinds this machine can inject: every one, "skew-clock" only where
@@ -80,6 +84,11 @@ name = "chaos-fair"
 prefix = "chaos/fair/"
 fair = true
 "#;
+
+/// The prefix the "move-prefix" fault moves to the run's second cell and back: the
+/// clients' persistent small keys (a move waits for no holder or ephemeral key, and
+/// there are none under it).
+const MOVED: &str = "chaos/kv/";
 
 /// The names of a run's locks: even ones of the default class, odd ones fair.
 fn lock_names(locks: usize) -> Vec<String> {
@@ -171,6 +180,36 @@ pub async fn run_in_temp_dir(
 pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> {
     let mut rng = StdRng::seed_from_u64(options.seed);
     let mut etcd = EtcdCluster::start_in(dir, 3).await?;
+    // The second cell, behind one shard map with the first: every name is served by
+    // the first until the "move-prefix" fault moves the small keys.
+    let other_dir = dir.join("other-cell");
+    std::fs::create_dir_all(&other_dir)?;
+    let other = EtcdCluster::start_in(&other_dir, 1).await?;
+    let clusters = [
+        etcd.init_cell().await?.cluster_id,
+        other.init_cell().await?.cluster_id,
+    ];
+    let map = dir.join("shardmap.toml");
+    std::fs::write(
+        &map,
+        format!(
+            "[cells.main]\nendpoints = {:?}\n[cells.other]\nendpoints = {:?}\n\n[[route]]\nprefix = \"\"\ncell = \"main\"\n",
+            etcd.endpoints(),
+            other.endpoints()
+        ),
+    )?;
+    let main_endpoint = etcd.endpoints()[0].clone();
+    let shardmap = |args: &[&str]| {
+        let mut all = vec!["shardmap"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--etcd", &main_endpoint]);
+        let all: Vec<String> = all.into_iter().map(str::to_owned).collect();
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = all.iter().map(String::as_str).collect();
+            crate::etcd::lockcell_cell(&args)
+        })
+    };
+    shardmap(&["set", &map.display().to_string()]).await??;
     let relay = Relay::start(&etcd.endpoints()[0]).await?;
     let proxy_options = ProxyShape::new(dir)?;
     let mut proxies = Vec::new();
@@ -185,6 +224,7 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
     }
     let lease_ttl = ProxyOptions::new("c", Vec::new()).lease_ttl;
     let watch = StoreWatch::start(&etcd).await?;
+    let other_watch = StoreWatch::start(&other).await?;
     // Clients reach each proxy through a relay of their own, which a fault black-holes.
     let mut client_relays = Vec::new();
     for proxy in &proxies {
@@ -314,6 +354,17 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
                 clients[c].respawn()?;
                 tokio::time::sleep(options.ttl * 3).await;
             }
+            "move-prefix" => {
+                // To the second cell and back, each move waiting for none of its names
+                // to be held (there are only persistent keys under it), while clients
+                // write (refused during the pause), read and watch it.
+                for to in ["other", "main"] {
+                    shardmap(&["move", MOVED, "--to", to, "--wait", "60s"])
+                        .await?
+                        .with_context(|| format!("moving {MOVED} to cell {to}"))?;
+                    tokio::time::sleep(options.ttl * 3).await;
+                }
+            }
             "skew-clock" => {
                 // Within the bound, so the checker must find nothing. The process keeps
                 // its clocks' rate for the rest of the run.
@@ -348,10 +399,12 @@ pub async fn run(dir: &Path, options: &RunOptions) -> anyhow::Result<RunReport> 
             std::fs::read_to_string(dir.join(format!("client-{c}.jsonl"))).unwrap_or_default();
         records.extend(checker::read_records(&text));
     }
-    let (mut verdict, history) = watch
+    let (mut verdict, mut history) = watch
         .verdict(&etcd, &records, options.ttl, lease_ttl)
         .await?;
-    let kv = kvcheck::check(&records, &history, &mut verdict.violations);
+    history.cluster = clusters[0].clone();
+    let other_history = other_watch.history(&other, &clusters[1]).await?;
+    let kv = kvcheck::check(&records, &[history, other_history], &mut verdict.violations);
     // Every client is gone: once their sessions have expired (and a dead proxy's leases
     // with them), no holder, waiter or membership key may be left. One that is belongs
     // to nobody.
@@ -651,7 +704,24 @@ impl StoreWatch {
         verdict
             .violations
             .extend(checker::check_store(records, &events, bounds));
-        Ok((verdict, History { events: kv, from }))
+        let history = History {
+            cluster: String::new(),
+            events: kv,
+            from,
+        };
+        Ok((verdict, history))
+    }
+
+    /// The history of the small keys it saw (of the cell whose cluster id is
+    /// `cluster`), once it has caught up.
+    async fn history(self, etcd: &EtcdCluster, cluster: &str) -> anyhow::Result<History> {
+        let from = self.from;
+        let (_, events, _) = self.finish(etcd).await?;
+        Ok(History {
+            cluster: cluster.to_owned(),
+            events,
+            from,
+        })
     }
 
     /// Waits until the watch has seen everything written so far, stops it, and returns

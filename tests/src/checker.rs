@@ -76,18 +76,27 @@ pub enum Record {
         prefix: String,
         began_ns: u64,
         entries: Vec<(String, i64, String)>,
+        /// The cell the read's revisions are of (its position, `cluster/epoch/route
+        /// epoch`; empty: not said).
+        #[serde(default)]
+        cell: String,
     },
     /// A watch of `prefix` (re)started: it delivers every change from revision `from` on
-    /// (the first, or after an error that ended the previous one).
+    /// (the first, or after an error that ended the previous one), in `cell` (as for
+    /// `Read`).
     WatchFrom {
         client: String,
         prefix: String,
         from: i64,
+        #[serde(default)]
+        cell: String,
     },
-    /// A batch the watch delivered: every change through revision `through`, as
-    /// (revision, key, put) in delivery order.
+    /// A batch the watch of `prefix` delivered: every change through revision
+    /// `through`, as (revision, key, put) in delivery order.
     Watched {
         client: String,
+        #[serde(default)]
+        prefix: String,
         through: i64,
         events: Vec<(i64, String, bool)>,
     },

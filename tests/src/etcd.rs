@@ -336,3 +336,20 @@ fn plain() -> etcd_client::ConnectOptions {
         .with_connect_timeout(Duration::from_secs(2))
         .with_timeout(CALL_TIMEOUT)
 }
+
+/// Runs `lockcell-cell ARGS` to completion, logged in to etcd as `lockcell-admin`; its
+/// stdout, or its stderr as the error.
+pub fn lockcell_cell(args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(bins::workspace_bin("lockcell-cell")?)
+        .args(args)
+        .env("LOCKCELL_ETCD_USER", rbac::ADMIN_USER)
+        .env("LOCKCELL_ETCD_PASSWORD", ADMIN_PASSWORD)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "lockcell-cell {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

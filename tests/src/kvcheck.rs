@@ -1,12 +1,20 @@
 //! The small-key checks of fault runs: every acknowledged write, read and watch a client
 //! recorded, compared with the store's history of the small keys as the run's own watch
-//! on etcd saw it.
+//! on each cell's etcd saw it.
 //!
-//! - an acknowledged write is in the history: the key had that value at that revision;
+//! A prefix can move between cells during a run: its keys are copied to the other cell
+//! (with new revisions there) and deleted from the one they left. Reads and watches name
+//! the cell their revisions are of and are compared with that cell's history.
+//!
+//! - an acknowledged write is in a cell's history: the key had that value at that
+//!   revision;
 //! - a linearizable read shows, for every key under its prefix, no value older than a
-//!   write acknowledged before the read was sent, and only values the key really had;
+//!   write acknowledged before the read was sent, and only values the key really had in
+//!   the read's cell. A write made in one cell reaches another as a copy with the same
+//!   value: its place in the read's cell is the first change there to that value
+//!   (values are never written twice);
 //! - a watch delivers, from the revision it (re)started at through the last revision it
-//!   reported, exactly the changes the history has under its prefix: none missed,
+//!   reported, exactly the changes its cell's history has under its prefix: none missed,
 //!   doubled, reordered or made up;
 //! - an ephemeral key stays while the session that wrote it last is valid: no delete of
 //!   it arrives before the deadline that session's write left, unless its client
@@ -29,16 +37,38 @@ pub struct KvEvent {
     pub value: Option<String>,
 }
 
-/// What the checks compare the records with.
+/// What the checks compare the records with: one cell's history.
 #[derive(Debug, Clone, Default)]
 pub struct History {
+    /// The cell's cluster id: the first part of the positions its reads and watches
+    /// name (`cluster/epoch/route epoch`).
+    pub cluster: String,
     /// Every change of a small key from `from` on, in the store's order.
     pub events: Vec<KvEvent>,
     /// The first revision the history covers.
     pub from: i64,
 }
 
+/// The history of the cell `cell` (a position) names; the first one when it names none
+/// (a proxy that does not say).
+fn history_of<'h>(histories: &'h [History], cell: &str) -> Option<&'h History> {
+    if cell.is_empty() {
+        return histories.first();
+    }
+    let cluster = cell.split('/').next().unwrap_or_default();
+    histories.iter().find(|h| h.cluster == cluster)
+}
+
 impl History {
+    /// The first revision at which `key` took `value` (values are never written twice:
+    /// later ones are copies made by a prefix move).
+    fn first_put(&self, key: &str, value: &str) -> Option<i64> {
+        self.events
+            .iter()
+            .find(|e| e.key == key && e.value.as_deref() == Some(value))
+            .map(|e| e.revision)
+    }
+
     /// The value `key` had at `revision`, if the history covers it: `Some(None)` absent.
     fn value_at(&self, key: &str, revision: i64) -> Option<Option<&str>> {
         if revision < self.from {
@@ -76,22 +106,27 @@ pub struct Checked {
     pub reads: usize,
     /// Events delivered by watches and compared with the history.
     pub watched: usize,
+    /// Reads and watches (from one start each) made in another cell than the first
+    /// (after a prefix moved there).
+    pub elsewhere: usize,
 }
 
-/// Runs every check over `records` (all clients') against `history`; appends what it
-/// finds to `violations`.
-pub fn check(records: &[Record], history: &History, violations: &mut Vec<String>) -> Checked {
+/// Runs every check over `records` (all clients') against `histories` (one per cell,
+/// the run's own first); appends what it finds to `violations`.
+pub fn check(records: &[Record], histories: &[History], violations: &mut Vec<String>) -> Checked {
     let mut checked = Checked::default();
-    check_writes(records, history, violations, &mut checked);
-    check_reads(records, history, violations, &mut checked);
-    check_watches(records, history, violations, &mut checked);
-    check_ephemeral(records, history, violations);
+    check_writes(records, histories, violations, &mut checked);
+    check_reads(records, histories, violations, &mut checked);
+    check_watches(records, histories, violations, &mut checked);
+    for history in histories {
+        check_ephemeral(records, history, violations);
+    }
     checked
 }
 
 fn check_writes(
     records: &[Record],
-    history: &History,
+    histories: &[History],
     violations: &mut Vec<String>,
     checked: &mut Checked,
 ) {
@@ -105,17 +140,19 @@ fn check_writes(
         else {
             continue;
         };
-        let found = history
-            .events
-            .iter()
-            .find(|e| e.revision == *revision && e.key == *key);
-        if *revision < history.from {
+        // Which cell took it is not recorded: one whose history has it at that revision.
+        let found = histories.iter().any(|h| {
+            h.events.iter().any(|e| {
+                e.revision == *revision && e.key == *key && e.value.as_deref() == Some(value)
+            })
+        });
+        if histories.iter().all(|h| *revision < h.from) {
             continue;
         }
         checked.writes += 1;
-        if found.and_then(|e| e.value.as_deref()) != Some(value.as_str()) {
+        if !found {
             violations.push(format!(
-                "the acknowledged write of {value:?} to {key} at revision {revision} is not in the store's history"
+                "the acknowledged write of {value:?} to {key} at revision {revision} is not in any cell's history"
             ));
         }
     }
@@ -123,23 +160,23 @@ fn check_writes(
 
 fn check_reads(
     records: &[Record],
-    history: &History,
+    histories: &[History],
     violations: &mut Vec<String>,
     checked: &mut Checked,
 ) {
-    // The persistent writes acknowledged, by key: (acknowledged at, revision).
-    let mut acked: HashMap<&str, Vec<(u64, i64)>> = HashMap::new();
+    // The persistent writes acknowledged, by key: (acknowledged at, value).
+    let mut acked: HashMap<&str, Vec<(u64, &str)>> = HashMap::new();
     for record in records {
         if let Record::KvWrite {
             key,
-            revision,
+            value,
             acked_ns,
             deadline_ns: 0,
             ..
         } = record
         {
             if *acked_ns > 0 {
-                acked.entry(key).or_default().push((*acked_ns, *revision));
+                acked.entry(key).or_default().push((*acked_ns, value));
             }
         }
     }
@@ -149,20 +186,33 @@ fn check_reads(
             prefix,
             began_ns,
             entries,
+            cell,
         } = record
         else {
             continue;
         };
         checked.reads += 1;
+        let history = history_of(histories, cell);
+        if history.is_some_and(|h| !std::ptr::eq(h, &histories[0])) {
+            checked.elsewhere += 1;
+        }
+        let Some(history) = history else {
+            violations.push(format!(
+                "{client}'s read of {prefix} at {began_ns} ns names cell {cell:?}, which is none of the run's"
+            ));
+            continue;
+        };
         let found: HashMap<&str, (i64, &str)> = entries
             .iter()
             .map(|(k, r, v)| (k.as_str(), (*r, v.as_str())))
             .collect();
         for (key, writes) in acked.iter().filter(|(k, _)| k.starts_with(prefix.as_str())) {
+            // Where the newest value acknowledged before the read stands in the read's
+            // cell (written there, or copied there by a move).
             let Some(newest) = writes
                 .iter()
                 .filter(|(at, _)| at < began_ns)
-                .map(|(_, r)| *r)
+                .filter_map(|(_, value)| history.first_put(key, value))
                 .max()
             else {
                 continue;
@@ -170,7 +220,7 @@ fn check_reads(
             match found.get(key) {
                 Some((revision, _)) if *revision >= newest => {}
                 seen => violations.push(format!(
-                    "{client}'s read of {prefix} at {began_ns} ns saw {key} at {:?}, older than its write at revision {newest}, acknowledged before the read was sent",
+                    "{client}'s read of {prefix} at {began_ns} ns in cell {cell:?} saw {key} at {:?}, older than revision {newest}, where a write acknowledged before the read was sent stands in that cell",
                     seen.map(|(r, _)| *r)
                 )),
             }
@@ -180,7 +230,7 @@ fn check_reads(
                 Some(Some(had)) if had == *value => {}
                 None => {}
                 had => violations.push(format!(
-                    "{client}'s read of {prefix} at {began_ns} ns saw {key} = {value:?} at revision {revision}, which the store's history has as {had:?}"
+                    "{client}'s read of {prefix} at {began_ns} ns saw {key} = {value:?} at revision {revision}, which cell {cell:?}'s history has as {had:?}"
                 )),
             }
         }
@@ -189,49 +239,78 @@ fn check_reads(
 
 fn check_watches(
     records: &[Record],
-    history: &History,
+    histories: &[History],
     violations: &mut Vec<String>,
     checked: &mut Checked,
 ) {
-    // Each client's watch, segment by segment: (prefix, from, last through, delivered).
-    type Segment = (String, i64, i64, Vec<(i64, String, bool)>);
-    let mut segments: BTreeMap<&str, Vec<Segment>> = BTreeMap::new();
+    /// One watch from one (re)start: its cell, start, last revision reported, and the
+    /// events delivered.
+    struct Segment<'r> {
+        cell: &'r str,
+        from: i64,
+        through: i64,
+        delivered: Vec<(i64, String, bool)>,
+    }
+    // Each client's watch of each prefix, segment by segment.
+    let mut segments: BTreeMap<(&str, &str), Vec<Segment>> = BTreeMap::new();
     for record in records {
         match record {
             Record::WatchFrom {
                 client,
                 prefix,
                 from,
-            } => segments.entry(client).or_default().push((
-                prefix.clone(),
-                *from,
-                from - 1,
-                Vec::new(),
-            )),
+                cell,
+            } => segments.entry((client, prefix)).or_default().push(Segment {
+                cell,
+                from: *from,
+                through: from - 1,
+                delivered: Vec::new(),
+            }),
             Record::Watched {
                 client,
+                prefix,
                 through,
                 events,
             } => {
-                let Some(segment) = segments.get_mut(client.as_str()).and_then(|s| s.last_mut())
+                let Some(segment) = segments
+                    .get_mut(&(client.as_str(), prefix.as_str()))
+                    .and_then(|s| s.last_mut())
                 else {
-                    violations.push(format!("{client} recorded a watch batch before any watch"));
+                    violations.push(format!(
+                        "{client} recorded a batch of its watch of {prefix} before any watch"
+                    ));
                     continue;
                 };
-                if *through < segment.2 {
+                if *through < segment.through {
                     violations.push(format!(
-                        "{client}'s watch of {} went back from revision {} to {through}",
-                        segment.0, segment.2
+                        "{client}'s watch of {prefix} went back from revision {} to {through}",
+                        segment.through
                     ));
                 }
-                segment.2 = segment.2.max(*through);
-                segment.3.extend(events.iter().cloned());
+                segment.through = segment.through.max(*through);
+                segment.delivered.extend(events.iter().cloned());
             }
             _ => {}
         }
     }
-    for (client, segments) in segments {
-        for (prefix, from, through, delivered) in segments {
+    for ((client, prefix), segments) in segments {
+        for segment in segments {
+            let Segment {
+                cell,
+                from,
+                through,
+                delivered,
+            } = segment;
+            let history = history_of(histories, cell);
+            if history.is_some_and(|h| !std::ptr::eq(h, &histories[0])) {
+                checked.elsewhere += 1;
+            }
+            let Some(history) = history else {
+                violations.push(format!(
+                    "{client}'s watch of {prefix} from {from} names cell {cell:?}, which is none of the run's"
+                ));
+                continue;
+            };
             // Only what the history covers is compared.
             let start = from.max(history.from);
             let mut got: Vec<(i64, String, bool)> =
@@ -247,7 +326,23 @@ fn check_watches(
                     "{client}'s watch of {prefix} from {from} delivered an event past the revision it reported ({through})"
                 ));
             }
-            let mut want = history.changes(&prefix, start, through);
+            // A move deletes the keys it copied from the cell they left: those deletes
+            // are no change of the keys, and a watch must end before them.
+            for (revision, key, _) in got.iter().filter(|e| !e.2) {
+                let Some(Some(had)) = history.value_at(key, revision - 1) else {
+                    continue;
+                };
+                let copied = histories
+                    .iter()
+                    .filter(|h| !std::ptr::eq(*h, history))
+                    .any(|h| h.first_put(key, had).is_some());
+                if copied {
+                    violations.push(format!(
+                        "{client}'s watch of {prefix} from {from} in cell {cell:?} delivered the delete of {key} at revision {revision}, which a move made after copying its value {had:?} to another cell"
+                    ));
+                }
+            }
+            let mut want = history.changes(prefix, start, through);
             checked.watched += got.len();
             // Within one revision the order of keys is not compared.
             got.sort();
@@ -256,7 +351,7 @@ fn check_watches(
                 let missed: Vec<_> = want.iter().filter(|e| !got.contains(e)).take(3).collect();
                 let extra: Vec<_> = got.iter().filter(|e| !want.contains(e)).take(3).collect();
                 violations.push(format!(
-                    "{client}'s watch of {prefix} from {from} through {through}: {} events, the store had {}; missed {missed:?}, not in the store or doubled {extra:?}",
+                    "{client}'s watch of {prefix} from {from} through {through} in cell {cell:?}: {} events, the store had {}; missed {missed:?}, not in the store or doubled {extra:?}",
                     got.len(),
                     want.len()
                 ));
@@ -348,6 +443,7 @@ mod tests {
 
     fn history() -> History {
         History {
+            cluster: "ca".into(),
             from: 10,
             events: vec![
                 put(10, "kv/a", "a1", 100),
@@ -362,7 +458,7 @@ mod tests {
 
     fn run(records: &[Record]) -> Vec<String> {
         let mut violations = Vec::new();
-        check(records, &history(), &mut violations);
+        check(records, &[history()], &mut violations);
         violations
     }
 
@@ -387,6 +483,7 @@ mod tests {
                 .iter()
                 .map(|(k, r, v)| ((*k).to_owned(), *r, (*v).to_owned()))
                 .collect(),
+            cell: String::new(),
         };
         let acked = write("kv/a", "a2", 13, 131, 0);
         // Sent after the ack: must see 13 or later.
@@ -409,9 +506,11 @@ mod tests {
             client: "c2".into(),
             prefix: "kv/".into(),
             from,
+            cell: "ca/1/0".into(),
         };
         let batch = |through, events: &[(i64, &str, bool)]| Record::Watched {
             client: "c2".into(),
+            prefix: "kv/".into(),
             through,
             events: events
                 .iter()
@@ -448,6 +547,87 @@ mod tests {
             batch(15, &[(15, "kv/a", true)]),
         ];
         assert!(run(&restarted).is_empty(), "{:?}", run(&restarted));
+    }
+
+    #[test]
+    fn reads_and_watches_are_checked_in_the_cell_they_name() {
+        // kv/a moved from cell ca to cell cb after revision 15: copied there at 3 with
+        // the value it had, deleted from ca at 16; written in cb at 4.
+        let mut a = history();
+        a.events.push(delete(16, "kv/a", 160));
+        let b = History {
+            cluster: "cb".into(),
+            from: 1,
+            events: vec![put(3, "kv/a", "a3", 155), put(4, "kv/a", "a4", 170)],
+        };
+        let histories = [a, b];
+        let run = |records: &[Record]| {
+            let mut violations = Vec::new();
+            check(records, &histories, &mut violations);
+            violations
+        };
+        let read = |cell: &str, began_ns, entries: &[(&str, i64, &str)]| Record::Read {
+            client: "c1".into(),
+            prefix: "kv/".into(),
+            began_ns,
+            entries: entries
+                .iter()
+                .map(|(k, r, v)| ((*k).to_owned(), *r, (*v).to_owned()))
+                .collect(),
+            cell: cell.into(),
+        };
+        // Acknowledged in ca at 15: a read in cb after sees the copy (3) or later.
+        let acked = write("kv/a", "a3", 15, 151, 0);
+        assert!(run(&[acked.clone(), read("cb/1/2", 160, &[("kv/a", 3, "a3")])]).is_empty());
+        let second = write("kv/a", "a4", 4, 171, 0);
+        assert!(run(&[second.clone()]).is_empty(), "a write found in cb");
+        let stale = run(&[second, read("cb/1/2", 180, &[("kv/a", 3, "a3")])]);
+        assert!(stale[0].contains("older"), "{stale:?}");
+        // A value of cb's read as ca's is one the key never had there.
+        let crossed = run(&[read("ca/1/0", 160, &[("kv/a", 15, "a4")])]);
+        assert!(crossed[0].contains("history has"), "{crossed:?}");
+        let stranger = run(&[read("cz/1/0", 160, &[])]);
+        assert!(stranger[0].contains("none of the run's"), "{stranger:?}");
+        // A watch in cb from 1 sees cb's changes, not ca's.
+        let from = Record::WatchFrom {
+            client: "c2".into(),
+            prefix: "kv/".into(),
+            from: 1,
+            cell: "cb/1/2".into(),
+        };
+        let batch = |events: &[(i64, &str, bool)]| Record::Watched {
+            client: "c2".into(),
+            prefix: "kv/".into(),
+            through: 4,
+            events: events
+                .iter()
+                .map(|(r, k, p)| (*r, (*k).to_owned(), *p))
+                .collect(),
+        };
+        let whole = [from.clone(), batch(&[(3, "kv/a", true), (4, "kv/a", true)])];
+        assert!(run(&whole).is_empty(), "{:?}", run(&whole));
+        let mut checked = Checked::default();
+        check_watches(&whole, &histories, &mut Vec::new(), &mut checked);
+        assert_eq!(checked.elsewhere, 1);
+        let missed = run(&[from, batch(&[(4, "kv/a", true)])]);
+        assert!(missed[0].contains("missed [(3"), "{missed:?}");
+        // A watch in ca that goes on past the move delivers its delete of the copy.
+        let in_a = [
+            Record::WatchFrom {
+                client: "c3".into(),
+                prefix: "kv/".into(),
+                from: 15,
+                cell: "ca/1/0".into(),
+            },
+            Record::Watched {
+                client: "c3".into(),
+                prefix: "kv/".into(),
+                through: 16,
+                events: vec![(15, "kv/a".into(), true), (16, "kv/a".into(), false)],
+            },
+        ];
+        let phantom = run(&in_a);
+        assert!(phantom[0].contains("which a move made"), "{phantom:?}");
     }
 
     #[test]

@@ -13,8 +13,11 @@
 //! and written again as an ephemeral key.
 //!
 //! It also reads every client's small key (linearizably, after each of its own writes)
-//! and follows all of them with a watch, recording what it read and every batch the
-//! watch delivered, for the checks against the store's history (`kvcheck`).
+//! and follows them and the membership keys with a watch each, recording what it read
+//! and every batch each watch delivered, with the cell their revisions are of, for the
+//! checks against each cell's history (`kvcheck`). The small keys' prefix moves between
+//! cells during a run: writes are refused while it moves, and a watch of it ends when
+//! it has moved and starts again from now.
 
 use std::fs::File;
 use std::io::Write;
@@ -219,11 +222,14 @@ async fn main() -> anyhow::Result<()> {
         .retry(retries())
         .notify(|e, _| eprintln!("{}: connect: {e}", args.name))
         .await?;
-    tokio::spawn(follow_keys(
-        client.clone(),
-        args.name.clone(),
-        recorder.clone(),
-    ));
+    for prefix in WATCHED {
+        tokio::spawn(follow_keys(
+            client.clone(),
+            args.name.clone(),
+            prefix,
+            recorder.clone(),
+        ));
+    }
     loop {
         let session = (|| open(&client, args.ttl, &args.name))
             .retry(retries())
@@ -242,31 +248,33 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-/// The prefix every client's small keys are under, which each client watches.
-const KEYS: &str = "chaos/";
+/// The prefixes each client watches: the small keys' (which a fault moves to another
+/// cell and back) and the membership keys'.
+const WATCHED: [&str; 2] = [KV, "chaos/members/"];
 /// The prefix of the persistent small keys, which each client reads.
 const KV: &str = "chaos/kv/";
 
-/// Follows every client's small keys with a watch for as long as the client runs, and
-/// records each batch delivered. A watch that cannot go on (compacted, or its names
-/// served by another cell) starts again from now, recorded as a new start.
-async fn follow_keys(client: Client, name: String, recorder: Recorder) {
+/// Follows every client's keys under `prefix` with a watch for as long as the client
+/// runs, and records each batch delivered. A watch that cannot go on (compacted, or its
+/// names served by another cell) starts again from now, recorded as a new start.
+async fn follow_keys(client: Client, name: String, prefix: &'static str, recorder: Recorder) {
     loop {
         let options = WatchOptions::prefix().reconnecting_for(Duration::from_secs(30));
-        let mut watch = match client.watch(KEYS, options).await {
+        let mut watch = match client.watch(prefix, options).await {
             Ok(watch) => watch,
             Err(e) => {
-                eprintln!("{name}: watch {KEYS}: {e}");
+                eprintln!("{name}: watch {prefix}: {e}");
                 tokio::time::sleep(RETRY_MAX).await;
                 continue;
             }
         };
-        let from = watch.revision() + 1;
+        let at = watch.at();
         if recorder
             .write(&Record::WatchFrom {
                 client: name.clone(),
-                prefix: KEYS.to_owned(),
-                from,
+                prefix: prefix.to_owned(),
+                from: at.revision + 1,
+                cell: at.cell,
             })
             .is_err()
         {
@@ -288,6 +296,7 @@ async fn follow_keys(client: Client, name: String, recorder: Recorder) {
                         .collect();
                     let written = recorder.write(&Record::Watched {
                         client: name.clone(),
+                        prefix: prefix.to_owned(),
                         through: batch.revision,
                         events,
                     });
@@ -298,7 +307,7 @@ async fn follow_keys(client: Client, name: String, recorder: Recorder) {
                 // Goes on where it was, with no gap.
                 Err(Error::WatchCutOff { .. } | Error::Unavailable(_)) => {}
                 Err(e) => {
-                    eprintln!("{name}: watch {KEYS}: {e}; watching again from now");
+                    eprintln!("{name}: watch {prefix}: {e}; watching again from now");
                     break;
                 }
             }
@@ -351,18 +360,20 @@ async fn write_keys(
         }
     }
     let began_ns = clock.ns(Instant::now());
-    match client.get_prefix(KV).await {
-        Ok(entries) => recorder.write(&Record::Read {
+    match client.snapshot_prefix(KV).await {
+        Ok(snapshot) => recorder.write(&Record::Read {
             client: args.name.clone(),
             prefix: KV.to_owned(),
             began_ns,
-            entries: entries
+            entries: snapshot
+                .entries
                 .into_iter()
                 .map(|e| {
                     let value = String::from_utf8_lossy(&e.value).into_owned();
                     (e.key, e.mod_revision, value)
                 })
                 .collect(),
+            cell: snapshot.at.cell,
         })?,
         Err(e) => eprintln!("{}: read {KV}: {e}", args.name),
     }

@@ -24,6 +24,23 @@ struct Args {
     /// Stop after this many runs.
     #[arg(long)]
     runs: Option<u64>,
+    /// Inject only these fault kinds (comma-separated; default: every kind this machine
+    /// can inject), to replay or study a few.
+    #[arg(long, value_delimiter = ',', value_parser = fault_kind)]
+    faults: Vec<&'static str>,
+}
+
+/// A fault kind by name, or an error listing them.
+fn fault_kind(name: &str) -> Result<&'static str, String> {
+    chaos::FAULTS
+        .into_iter()
+        .find(|f| *f == name)
+        .ok_or_else(|| {
+            format!(
+                "no fault kind {name:?}; the kinds are {}",
+                chaos::FAULTS.join(", ")
+            )
+        })
 }
 
 #[tokio::main]
@@ -45,10 +62,14 @@ async fn main() -> anyhow::Result<()> {
     let mut failing = Vec::new();
     while started.elapsed() < args.duration && args.runs.is_none_or(|n| runs < n) {
         let seed = first + runs;
-        let (dir, report) = chaos::run_in_temp_dir(&RunOptions::new(seed)).await?;
+        let mut options = RunOptions::new(seed);
+        if !args.faults.is_empty() {
+            options.faults = args.faults.clone();
+        }
+        let (dir, report) = chaos::run_in_temp_dir(&options).await?;
         let v = &report.verdict;
         println!(
-            "run {runs} seed {seed}: faults {:?}, {} grants, {} acts ({} refused by fencing), {} acknowledged writes, {} reads, {} watched events, {} violations",
+            "run {runs} seed {seed}: faults {:?}, {} grants, {} acts ({} refused by fencing), {} acknowledged writes, {} reads, {} watched events, {} reads and watches in the second cell, {} violations",
             report.faults,
             v.grants,
             v.acts,
@@ -56,6 +77,7 @@ async fn main() -> anyhow::Result<()> {
             report.kv.writes,
             report.kv.reads,
             report.kv.watched,
+            report.kv.elsewhere,
             v.violations.len()
         );
         if let Some(skewed) = &report.skewed {
@@ -72,6 +94,7 @@ async fn main() -> anyhow::Result<()> {
         kv.writes += report.kv.writes;
         kv.reads += report.kv.reads;
         kv.watched += report.kv.watched;
+        kv.elsewhere += report.kv.elsewhere;
         violations += v.violations.len();
         if !v.violations.is_empty() {
             let kept = dir.keep();
@@ -80,11 +103,12 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     println!(
-        "lockcell-chaos: {runs} runs in {:.0?}, {faults} faults injected, {grants} grants, {acts} acts, {} acknowledged writes, {} reads and {} watched events checked, {refused} acts refused by fencing, {violations} violations",
+        "lockcell-chaos: {runs} runs in {:.0?}, {faults} faults injected, {grants} grants, {acts} acts, {} acknowledged writes, {} reads and {} watched events checked ({} reads and watches in the second cell), {refused} acts refused by fencing, {violations} violations",
         started.elapsed(),
         kv.writes,
         kv.reads,
-        kv.watched
+        kv.watched,
+        kv.elsewhere
     );
     if !failing.is_empty() {
         println!("failing seeds: {failing:?} (replay: lockcell-chaos --runs 1 --seed SEED)");

@@ -13,22 +13,7 @@ use nix::sys::signal::Signal;
 
 use crate::support::short_session;
 
-/// Runs `lockcell-cell ARGS` to completion, logged in to etcd as `lockcell-admin`; its
-/// stdout, or its stderr as the error.
-pub fn lockcell_cell(args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(bins::workspace_bin("lockcell-cell")?)
-        .args(args)
-        .env("LOCKCELL_ETCD_USER", rbac::ADMIN_USER)
-        .env("LOCKCELL_ETCD_PASSWORD", etcd::ADMIN_PASSWORD)
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "lockcell-cell {} failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
+pub use lockcell_tests::etcd::lockcell_cell;
 
 fn etcdctl(args: &[&str]) -> anyhow::Result<()> {
     let program = bins::on_path("etcdctl").context("no etcdctl on PATH (install etcd-client)")?;

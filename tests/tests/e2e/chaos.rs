@@ -25,8 +25,8 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
     let (dir, report) = chaos::run_in_temp_dir(&RunOptions::new(seed)).await?;
     let v = &report.verdict;
     println!(
-        "faults {:?}: {} grants, {} acts ({} refused by the fenced resource), {} writes accepted, {} acknowledged small-key writes, {} reads and {} watched events checked, {} violations",
-        report.faults, v.grants, v.acts, v.refused, report.accepted, report.kv.writes, report.kv.reads, report.kv.watched, v.violations.len()
+        "faults {:?}: {} grants, {} acts ({} refused by the fenced resource), {} writes accepted, {} acknowledged small-key writes, {} reads and {} watched events checked ({} reads and watches in the second cell), {} violations",
+        report.faults, v.grants, v.acts, v.refused, report.accepted, report.kv.writes, report.kv.reads, report.kv.watched, report.kv.elsewhere, v.violations.len()
     );
     ensure!(
         report.faults.len() == chaos::available_faults().len(),
@@ -52,6 +52,11 @@ pub async fn a_fault_run_of_every_kind_breaks_no_rule() -> anyhow::Result<()> {
     ensure!(
         report.kv.writes >= 20 && report.kv.reads >= 20 && report.kv.watched >= 20,
         "the clients kept writing, reading and watching through the faults: {:?}",
+        report.kv
+    );
+    ensure!(
+        report.kv.elsewhere > 0,
+        "some reads and watches were made in the second cell while the small keys' prefix was there: {:?}",
         report.kv
     );
     Ok(())
