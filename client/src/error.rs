@@ -91,20 +91,29 @@ pub enum Error {
     /// again and watch from that read's revision + 1. [`Members`](crate::Members) does
     /// so by itself.
     #[error(
-        "the watch on {key:?} cannot go on: cell {cell:?} serves it now, and revisions of two cells are unrelated (read it again and watch from the read's revision + 1)"
+        "the watch on {key:?} cannot go on from its position: the key is at position {cell:?} now (its prefix moved, or the cell was restored), and revisions of two positions are unrelated (read it again and watch from the read's revision + 1)"
     )]
     WatchMoved {
         /// The key or prefix watched.
         key: String,
-        /// The cell that serves it now (its cluster id and epoch).
+        /// The position of the key's revisions as the proxy saw it when it refused the
+        /// watch (`CLUSTER/EPOCH/ROUTE-EPOCH`), for messages: it may still change as a
+        /// move completes, so never go on from it; read again.
         cell: String,
     },
     /// The proxy's reply broke the protocol (a bug on one side or the other).
     #[error("protocol violation by the proxy: {0}")]
     Protocol(String),
-    /// Any other gRPC failure.
+    /// Any other gRPC failure. (Not the error's source: the message says all of it,
+    /// and an error chain would say it twice.)
     #[error("lockcell call failed ({:?}): {}", .0.code(), .0.message())]
-    Status(#[from] Status),
+    Status(Status),
+}
+
+impl From<Status> for Error {
+    fn from(status: Status) -> Self {
+        Error::Status(status)
+    }
 }
 
 /// What a failed call was made for. NOT_FOUND and FAILED_PRECONDITION mean different

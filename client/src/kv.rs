@@ -47,7 +47,7 @@ pub struct Entry {
 /// in another.
 ///
 /// Written as `REVISION@CELL` (`Display`, `FromStr`), for scripts and files; a bare
-/// `REVISION` parses with no cell (not checked).
+/// `REVISION` parses with no cell (not checked). A cell is `CLUSTER/EPOCH/ROUTE-EPOCH`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CellRevision {
     pub revision: i64,
@@ -77,9 +77,22 @@ impl std::str::FromStr for CellRevision {
             .ok_or_else(|| {
                 format!("{s:?} is not a position: expected REVISION or REVISION@CELL, REVISION a number of 0 or more")
             })?;
-        if s.contains('@') && cell.is_empty() {
+        let parts: Vec<&str> = cell.split('/').collect();
+        let well_formed = match &parts[..] {
+            [""] => !s.contains('@'),
+            [cluster, epoch, route] => {
+                !cluster.is_empty()
+                    && cluster
+                        .bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+                    && epoch.parse::<u64>().is_ok()
+                    && route.parse::<u64>().is_ok()
+            }
+            _ => false,
+        };
+        if !well_formed {
             return Err(format!(
-                "{s:?} is not a position: the cell after '@' is empty"
+                "{s:?} is not a position: after '@' comes a cell as reads give it, CLUSTER/EPOCH/ROUTE-EPOCH (lowercase hex, then two numbers)"
             ));
         }
         Ok(CellRevision {
@@ -393,6 +406,33 @@ pub(crate) fn entry(kv: KeyValue) -> Entry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn positions_parse_only_as_replies_write_them() {
+        let at: CellRevision = "17@6a1f/1796184997/0".parse().unwrap();
+        assert_eq!(
+            at,
+            CellRevision {
+                revision: 17,
+                cell: "6a1f/1796184997/0".into()
+            }
+        );
+        assert_eq!(at.to_string(), "17@6a1f/1796184997/0");
+        assert_eq!("17".parse::<CellRevision>().unwrap().cell, "");
+        for bad in [
+            "",
+            "-1",
+            "x@6a1f/1/0",
+            "17@",
+            "17@bogus",
+            "17@6a1f/1/0/",
+            "17@6A1F/1/0",
+            "17@6a1f/1/0@x",
+            "17@6a1f/one/0",
+        ] {
+            assert!(bad.parse::<CellRevision>().is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn conditions_map_to_the_wire() {

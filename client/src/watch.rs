@@ -126,7 +126,7 @@ impl WatchOptions {
     /// revision in another.
     pub fn after(self, at: &crate::CellRevision) -> Self {
         WatchOptions {
-            start_revision: at.revision + 1,
+            start_revision: at.revision.saturating_add(1),
             cell: at.cell.clone(),
             ..self
         }

@@ -48,6 +48,16 @@ pub enum ProxyError {
         was: String,
         now: String,
     },
+    /// A read or watch from a revision older than the position it names: from before
+    /// the names' routes took their epochs in this cell (a move brought them here, or
+    /// back), or before the cell's epoch. OUT_OF_RANGE, as [`ProxyError::OtherCell`].
+    #[error("{what}: revision {revision} is from before position {now:?} began at revision {since} (the names moved here then, or the cell was restored): read them again and go on from that read's revision")]
+    BeforePosition {
+        what: String,
+        revision: i64,
+        since: i64,
+        now: String,
+    },
     /// The call would pass a limit of the cell or the proxy: RESOURCE_EXHAUSTED.
     #[error("{0}")]
     Exhausted(String),
@@ -113,7 +123,7 @@ impl From<ProxyError> for Status {
             | ProxyError::Moving(_)
             | ProxyError::Busy(_) => Status::unavailable(message),
             ProxyError::OutOfRange(_) => Status::out_of_range(message),
-            ProxyError::OtherCell { ref now, .. } => {
+            ProxyError::OtherCell { ref now, .. } | ProxyError::BeforePosition { ref now, .. } => {
                 let mut status = Status::out_of_range(message);
                 if let Ok(value) = now.parse() {
                     status.metadata_mut().insert(WATCH_CELL, value);

@@ -257,10 +257,7 @@ pub async fn run(
         }
     }
     if !changed.is_empty() {
-        anyhow::bail!(
-            "stopped: the cell changed under this proxy: {}",
-            changed.join("; ")
-        );
+        anyhow::bail!("the cell changed under this proxy: {}", changed.join("; "));
     }
     tracing::info!("lockcell-proxy stopped");
     Ok(if drained.load(std::sync::atomic::Ordering::SeqCst) {
@@ -399,7 +396,8 @@ impl Engine {
                 .draining_with(shared.drain.clone()),
         );
         let events = Arc::new(events::LockEvents::new());
-        let mut routes = routes::Routes::new(&epoch.record.cluster_id, epoch.record.epoch, map);
+        let mut routes = routes::Routes::new(&epoch.record.cluster_id, epoch.record.epoch, map)
+            .epoch_since(epoch.mod_revision);
         if name.is_some() {
             routes = routes.in_map();
         }

@@ -99,8 +99,11 @@ impl Reads {
                     "read of {key:?} at revision {revision}: that revision is in the future (the store is at {now})"
                 )));
             }
-            let read = self.direct(key, prefix, limit, revision, false).await?;
+            let mut read = self.direct(key, prefix, limit, revision, false).await?;
             let position = self.same_cell(key, (revision, cell), &topic)?;
+            // etcd answers with the store's revision now; the answer reflects the one
+            // asked for.
+            read.revision = revision;
             return Ok((read, position));
         }
         if serializable {
@@ -132,22 +135,35 @@ impl Reads {
     }
 
     /// The names' position now, unless the caller's `cell` (when it names one) is
-    /// another: then its `revision` is another cell's.
+    /// another, or `revision` is from before it began: then `revision` is another
+    /// position's.
     fn same_cell(
         &self,
         key: &str,
         (revision, cell): (i64, &str),
         topic: &Topic,
     ) -> Result<String, ProxyError> {
-        let position = self.routes.position(&topic.name, topic.prefix);
-        if !cell.is_empty() && cell != position {
-            return Err(ProxyError::OtherCell {
-                what: format!("read of {key:?} at revision {revision}"),
-                was: cell.to_owned(),
-                now: position,
-            });
+        let place = self.routes.place(&topic.name, topic.prefix);
+        if !cell.is_empty() {
+            crate::routes::check_position_syntax(cell)?;
+            let what = || format!("read of {key:?} at revision {revision}");
+            if cell != place.position {
+                return Err(ProxyError::OtherCell {
+                    what: what(),
+                    was: cell.to_owned(),
+                    now: place.position,
+                });
+            }
+            if revision < place.since {
+                return Err(ProxyError::BeforePosition {
+                    what: what(),
+                    revision,
+                    since: place.since,
+                    now: place.position,
+                });
+            }
         }
-        Ok(position)
+        Ok(place.position)
     }
 
     fn mirror_read(&self, topic: &Topic, limit: i64, path: &'static str) -> Read {

@@ -606,20 +606,35 @@ impl Router {
                         let still = matches!(&now, Ok(e) if e.cell_name == cell);
                         if !still {
                             let (Watched::Prefix(name) | Watched::Key(name)) = &watched;
-                            let mut status = Status::out_of_range(format!(
-                                "the names of this stream ({name:?}) moved out of cell {:?} (the shard map changed): revisions there are not the same; read them again and watch from that read's revision + 1",
-                                cell.as_deref().unwrap_or_default()
-                            ));
-                            let (Watched::Prefix(key) | Watched::Key(key)) = &watched;
-                            let topic =
-                                crate::reads::topic(key, matches!(watched, Watched::Prefix(_)));
-                            if let Some(value) = now.as_ref().ok().zip(topic.ok()).and_then(
-                                |(e, t)| e.position_id(&t.name, t.prefix).parse().ok(),
-                            ) {
-                                status
-                                    .metadata_mut()
-                                    .insert(crate::service::watch::WATCH_CELL, value);
-                            }
+                            let left = cell.as_deref().unwrap_or_default();
+                            let status = match &now {
+                                // The names are in several cells now (a longer prefix under
+                                // them moved), or none: no one stream can go on.
+                                Err(refused) => Status::new(
+                                    refused.code(),
+                                    format!(
+                                        "the names of this stream ({name:?}) are no longer all in cell {left:?} (the shard map changed), so it ends: {}",
+                                        refused.message()
+                                    ),
+                                ),
+                                Ok(engine) => {
+                                    let mut status = Status::out_of_range(format!(
+                                        "the names of this stream ({name:?}) moved out of cell {left:?} (the shard map changed): revisions there are not the same; read them again and watch from that read's revision + 1",
+                                    ));
+                                    let topic = crate::reads::topic(
+                                        name,
+                                        matches!(watched, Watched::Prefix(_)),
+                                    );
+                                    if let Some(value) = topic.ok().and_then(|t| {
+                                        engine.position_id(&t.name, t.prefix).parse().ok()
+                                    }) {
+                                        status
+                                            .metadata_mut()
+                                            .insert(crate::service::watch::WATCH_CELL, value);
+                                    }
+                                    status
+                                }
+                            };
                             let _ = tx.send(Err(status)).await;
                             return;
                         }

@@ -40,16 +40,49 @@ pub struct Routes {
     /// nothing (a cell of one proxy's own serves everything without one).
     in_map: bool,
     copy: watch::Sender<Option<Arc<StoredMap>>>,
+    /// The revision of this cell's copy that first showed each route (prefix, epoch)
+    /// here: where positions with that route epoch begin. For the copy loaded at start
+    /// no earlier one is known, so its own revision.
+    first_seen: std::sync::Mutex<std::collections::HashMap<(String, u64), i64>>,
+    /// The mod revision of the cell's epoch record: where positions of this epoch begin.
+    epoch_revision: i64,
+}
+
+/// Where reads and watches of some names stand in this cell: the position their
+/// revisions are of (see [`Routes::position`]), and the first revision of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    pub position: String,
+    /// Revisions before it are of an earlier position: before the names' routes took
+    /// their epochs here, or before the cell's epoch.
+    pub since: i64,
 }
 
 impl Routes {
     pub fn new(cluster_id: &str, cell_epoch: u64, copy: Option<StoredMap>) -> Self {
+        let first_seen = copy
+            .iter()
+            .flat_map(|c| {
+                c.map
+                    .routes
+                    .iter()
+                    .map(|r| ((r.prefix.clone(), r.epoch), c.mod_revision))
+            })
+            .collect();
         Routes {
             cluster_id: cluster_id.to_owned(),
             cell_epoch,
             in_map: false,
             copy: watch::Sender::new(copy.map(Arc::new)),
+            first_seen: std::sync::Mutex::new(first_seen),
+            epoch_revision: 0,
         }
+    }
+
+    /// Positions of this cell's epoch begin at `revision` (its epoch record's).
+    pub fn epoch_since(mut self, revision: i64) -> Self {
+        self.epoch_revision = revision;
+        self
     }
 
     /// Marks the cell as one of the shard map's many: it serves nothing while it has no
@@ -86,6 +119,13 @@ impl Routes {
                 None => now.is_some() && read_at > current,
             };
             if newer {
+                if let Some(c) = &copy {
+                    let mut seen = self.first_seen.lock().expect("first-seen lock");
+                    for route in &c.map.routes {
+                        seen.entry((route.prefix.clone(), route.epoch))
+                            .or_insert(c.mod_revision);
+                    }
+                }
                 *now = copy.map(Arc::new);
             }
             newer
@@ -205,18 +245,33 @@ impl Routes {
         self.position_in(self.copy().as_deref(), name, prefix)
     }
 
+    /// The names' position and its first revision, from one copy.
+    pub fn place(&self, name: &str, prefix: bool) -> Place {
+        let copy = self.copy();
+        let copy = copy.as_deref();
+        let routes = copy
+            .map(|c| routes_of(&c.map, name, prefix))
+            .unwrap_or_default();
+        let seen = self.first_seen.lock().expect("first-seen lock");
+        let since = routes
+            .iter()
+            .map(|r| {
+                let known = seen.get(&(r.prefix.clone(), r.epoch)).copied();
+                known.unwrap_or_else(|| copy.map_or(0, |c| c.mod_revision))
+            })
+            .fold(self.epoch_revision, i64::max);
+        Place {
+            position: self.position_in(copy, name, prefix),
+            since,
+        }
+    }
+
     fn position_in(&self, copy: Option<&StoredMap>, name: &str, prefix: bool) -> String {
         let route_epoch = copy.map_or(0, |copy| {
-            let map = &copy.map;
-            let own = map.route(name).map_or(0, |r| r.epoch);
-            if !prefix {
-                return own;
-            }
-            map.routes
+            routes_of(&copy.map, name, prefix)
                 .iter()
-                .filter(|r| r.prefix.starts_with(name))
                 .map(|r| r.epoch)
-                .fold(own, u64::max)
+                .fold(0, u64::max)
         });
         format!("{}/{}/{route_epoch}", self.cluster_id, self.cell_epoch)
     }
@@ -279,6 +334,42 @@ impl Routes {
         };
         self.update(copy, revision);
     }
+}
+
+/// Refuses a position a client sent that is not of the form replies give
+/// (`CLUSTER/EPOCH/ROUTE-EPOCH`: hex, then two numbers).
+pub fn check_position_syntax(cell: &str) -> Result<(), ProxyError> {
+    let parts: Vec<&str> = cell.split('/').collect();
+    let well_formed = matches!(&parts[..], [cluster, epoch, route]
+        if !cluster.is_empty()
+            && cluster.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+            && epoch.parse::<u64>().is_ok()
+            && route.parse::<u64>().is_ok());
+    if well_formed {
+        Ok(())
+    } else {
+        Err(ProxyError::BadArgument(format!(
+            "cell {cell:?} is not a cell position: expected CLUSTER/EPOCH/ROUTE-EPOCH as a read's or watch's reply gives it (lowercase hex, then two numbers)"
+        )))
+    }
+}
+
+/// The routes that serve `name` (with `prefix`, any name under it): the one that
+/// matches it, and every longer one under it.
+fn routes_of<'m>(
+    map: &'m ShardMap,
+    name: &str,
+    prefix: bool,
+) -> Vec<&'m lockcell_cell::shardmap::Route> {
+    let mut routes: Vec<_> = map.route(name).into_iter().collect();
+    if prefix {
+        routes.extend(
+            map.routes
+                .iter()
+                .filter(|r| r.prefix.starts_with(name) && r.prefix.len() > name.len()),
+        );
+    }
+    routes
 }
 
 /// The cell of `map` whose cluster id is `cluster_id`.
@@ -425,6 +516,79 @@ mod tests {
         // One copy for every name of a transaction.
         assert!(routes.serve_all(["orders/1", "orders/2"]).is_ok());
         assert!(routes.serve_all(["orders/1", "billing/7"]).is_err());
+    }
+
+    #[test]
+    fn a_position_begins_where_its_routes_took_their_epochs_here() {
+        let routes = cell_a().epoch_since(5);
+        // At start only the loaded copy is known: positions begin at its revision.
+        let start = routes.place("orders/", true);
+        assert_eq!(
+            start,
+            Place {
+                position: "ca/100/0".into(),
+                since: 42
+            }
+        );
+        // billing/sub/ moves here at revision 50 (epoch 7): positions of billing/sub/
+        // and of prefixes over it begin there; orders/ keeps its beginning.
+        let moved = map(
+            4,
+            &[
+                ("", "a", false, 0),
+                ("billing/", "b", false, 0),
+                ("billing/sub/", "a", false, 7),
+                ("hr/", "a", true, 0),
+            ],
+        );
+        routes.update(
+            Some(StoredMap {
+                map: moved.clone(),
+                mod_revision: 50,
+            }),
+            50,
+        );
+        assert_eq!(routes.place("orders/", true), start);
+        assert_eq!(
+            routes.place("billing/sub/x", false),
+            Place {
+                position: "ca/100/7".into(),
+                since: 50
+            }
+        );
+        assert_eq!(routes.place("billing/", true).since, 50);
+        // A later copy (another prefix paused) keeps where each epoch began.
+        let mut later = moved;
+        later.version = 5;
+        later.routes[3].paused = false;
+        routes.update(
+            Some(StoredMap {
+                map: later,
+                mod_revision: 60,
+            }),
+            60,
+        );
+        assert_eq!(routes.place("billing/sub/", true).since, 50);
+        // Without a copy, the cell's epoch is where positions begin.
+        assert_eq!(
+            Routes::new("ca", 7, None)
+                .epoch_since(9)
+                .place("x", false)
+                .since,
+            9
+        );
+        assert!(check_position_syntax("ca/100/7").is_ok());
+        for bad in [
+            "",
+            "ca",
+            "ca/100",
+            "CA/100/7",
+            "ca/x/7",
+            "ca/100/7/",
+            "bogus",
+        ] {
+            assert!(check_position_syntax(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

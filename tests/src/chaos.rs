@@ -850,19 +850,23 @@ async fn holding(record: &Path, within: Duration) -> anyhow::Result<Paused> {
     .await
 }
 
-/// The index of the member that leads now.
+/// The index of the member that leads now, once one does (an election may be under
+/// way just after an earlier fault).
 async fn leader_of(etcd: &EtcdCluster) -> anyhow::Result<usize> {
-    for i in 0..etcd.members.len() {
-        let Ok(mut client) = etcd.member_client(i).await else {
-            continue;
-        };
-        let Ok(status) = client.status().await else {
-            continue;
-        };
-        let me = status.header().map(|h| h.member_id());
-        if me == Some(status.leader()) {
-            return Ok(i);
+    eventually("an etcd member leads", Duration::from_secs(15), || async {
+        for i in 0..etcd.members.len() {
+            let Ok(mut client) = etcd.member_client(i).await else {
+                continue;
+            };
+            let Ok(status) = client.status().await else {
+                continue;
+            };
+            let me = status.header().map(|h| h.member_id());
+            if me == Some(status.leader()) {
+                return Ok(Some(i));
+            }
         }
-    }
-    anyhow::bail!("no etcd member says it leads")
+        Ok(None)
+    })
+    .await
 }

@@ -580,7 +580,10 @@ mod tests {
         let acked = write("kv/a", "a3", 15, 151, 0);
         assert!(run(&[acked.clone(), read("cb/1/2", 160, &[("kv/a", 3, "a3")])]).is_empty());
         let second = write("kv/a", "a4", 4, 171, 0);
-        assert!(run(&[second.clone()]).is_empty(), "a write found in cb");
+        assert!(
+            run(std::slice::from_ref(&second)).is_empty(),
+            "a write found in cb"
+        );
         let stale = run(&[second, read("cb/1/2", 180, &[("kv/a", 3, "a3")])]);
         assert!(stale[0].contains("older"), "{stale:?}");
         // A value of cb's read as ca's is one the key never had there.

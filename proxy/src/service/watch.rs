@@ -77,8 +77,27 @@ impl WatchApi for WatchService {
         // (The copy's revision first: a change after it is looked at again.)
         let checked_copy = std::sync::atomic::AtomicI64::new(state.routes.copy_revision());
         let cell = state.routes.read_here(&topic.name, topic.prefix)?;
-        if req.start_revision > 0 && !req.cell.is_empty() && req.cell != cell {
-            return Err(moved(&describe(&req), &req.cell, &cell));
+        if !req.cell.is_empty() {
+            crate::routes::check_position_syntax(&req.cell)?;
+        }
+        if req.start_revision > 0 && !req.cell.is_empty() {
+            if req.cell != cell {
+                return Err(moved(&describe(&req), &req.cell, &cell));
+            }
+            let place = state.routes.place(&topic.name, topic.prefix);
+            if req.start_revision < place.since {
+                return Err(ProxyError::BeforePosition {
+                    what: format!(
+                        "watch of {} from revision {}",
+                        describe(&req),
+                        req.start_revision
+                    ),
+                    revision: req.start_revision,
+                    since: place.since,
+                    now: place.position,
+                }
+                .into());
+            }
         }
         let feed = &state.reads.feed;
         if !feed.live_within(state.config.etcd_timeout).await {

@@ -830,6 +830,12 @@ pub async fn a_reads_position_carried_across_a_move_is_refused_not_read_in_the_o
         before.kvs.first().map(|k| k.value.as_slice()) == Some(b"1".as_slice()),
         "a read at the position's revision in its own cell: {before:?}"
     );
+    ensure!(
+        before.revision == at.revision,
+        "a read at revision {} says it reflects revision {}",
+        at.revision,
+        before.revision
+    );
 
     shardmap(&["move", "cfg/", "--to", "b"]).context("moving cfg/")?;
     client.put("cfg/x", b"2", Condition::Always).await?;
@@ -855,7 +861,7 @@ pub async fn a_reads_position_carried_across_a_move_is_refused_not_read_in_the_o
     let (status, _, err) =
         lockctl_at(&proxy.addr, &["watch", "cfg/x", "--after", &position]).await?;
     ensure!(
-        status == Some(4) && err.contains("serves these keys now"),
+        status == Some(4) && err.contains("at another position now"),
         "lockctl watch --after a position in the cell cfg/ left: status {status:?}, {err}"
     );
 
@@ -864,6 +870,44 @@ pub async fn a_reads_position_carried_across_a_move_is_refused_not_read_in_the_o
     ensure!(
         now.at.cell != at.cell,
         "the position did not change: {now:?}"
+    );
+    // The new position with a revision from before cfg/ came to cell b: the copy the
+    // move made and what came before it are not cfg/'s history there.
+    let before_it = lockcell_client::CellRevision {
+        revision: 1,
+        cell: now.at.cell.clone(),
+    };
+    match client
+        .watch("cfg/x", WatchOptions::default().after(&before_it))
+        .await
+    {
+        Err(Error::WatchMoved { .. }) => {}
+        other => anyhow::bail!("a watch from before the position began: {other:?}"),
+    }
+    let early = kv
+        .get(GetRequest {
+            key: "cfg/x".into(),
+            revision: 1,
+            cell: now.at.cell.clone(),
+            ..Default::default()
+        })
+        .await
+        .err()
+        .context("a read at a revision from before the position began was answered")?;
+    ensure!(early.code() == tonic::Code::OutOfRange, "{early:?}");
+    let malformed = kv
+        .get(GetRequest {
+            key: "cfg/x".into(),
+            revision: now.at.revision,
+            cell: "bogus".into(),
+            ..Default::default()
+        })
+        .await
+        .err()
+        .context("a malformed cell was taken")?;
+    ensure!(
+        malformed.code() == tonic::Code::InvalidArgument,
+        "{malformed:?}"
     );
     ensure!(now.entries.first().map(|e| e.value.as_slice()) == Some(b"2".as_slice()));
     let mut watch = client

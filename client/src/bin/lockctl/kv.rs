@@ -30,7 +30,9 @@ that position follows on from the read with nothing missed, and exits 4 rather t
 read another cell's revisions if the keys' prefix moved to another cell meanwhile.
 
 Exit statuses: 0 done, 1 the condition did not hold, 3 no such key (get), 64 a bad key
-or value, 69 the proxy is unreachable.
+or value, 69 the proxy is unreachable or could not finish the call (etcd away; or the
+key's prefix is moving between cells, which the message says: nothing was written, try
+again shortly), 1 anything else (e.g. a prefix whose keys are in several cells).
 
 Example:
   rev=$(lockctl get --revision config/api/limit) && lockctl put --if-revision \"$rev\" config/api/limit 200

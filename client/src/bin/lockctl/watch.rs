@@ -35,8 +35,10 @@ Runs until Ctrl-C (SIGINT) or SIGTERM.
 Exit statuses: 0 stopped by SIGINT or SIGTERM, 4 the revisions to watch from were
 compacted (the message names the oldest one still available: read the keys again and
 watch from there) or are another cell's (the keys' prefix moved to another cell, or the
-cell was restored: read the keys again and watch from that read), 64 the proxy refused the key or revision, 69 the proxy could not be
-reached (for 30s, once watching), 1 anything else.
+cell was restored, or --after names a revision from before the keys came to their cell:
+read the keys again and watch from that read), 64 the proxy refused the key or revision,
+69 the proxy could not be reached (for 30s, once watching), 1 anything else (e.g. a
+prefix whose keys are in several cells, now or after a move of part of it).
 
 Example:
   lockctl watch config/api/limit
@@ -86,8 +88,8 @@ pub(crate) struct WatchArgs {
     pub(crate) from: Option<i64>,
 
     /// Print every event after position POS (REVISION@CELL, from lockctl get
-    /// --position); exit 4 if another cell serves the keys now.
-    #[arg(long, value_name = "POS", conflicts_with = "from")]
+    /// --position); exit 4 if the keys are at another position now.
+    #[arg(long, value_name = "POS", conflicts_with = "from", value_parser = position)]
     pub(crate) after: Option<lockcell_client::CellRevision>,
 
     /// Print each event's previous value too.
@@ -97,6 +99,18 @@ pub(crate) struct WatchArgs {
     /// Watch every small key (the empty prefix), instead of KEY.
     #[arg(long, conflicts_with = "key")]
     pub(crate) all: bool,
+}
+
+/// A position for --after: REVISION@CELL, the cell required (a bare revision is what
+/// --from takes).
+fn position(text: &str) -> Result<lockcell_client::CellRevision, String> {
+    let at: lockcell_client::CellRevision = text.parse()?;
+    if at.cell.is_empty() {
+        return Err(format!(
+            "{text:?} has no cell: --after takes REVISION@CELL as lockctl get --position prints it (a bare revision: --from REVISION+1)"
+        ));
+    }
+    Ok(at)
 }
 
 impl WatchArgs {
@@ -209,10 +223,11 @@ fn stopped(args: &WatchArgs, from: i64, error: Error) -> anyhow::Result<u8> {
         }
         Error::WatchMoved { cell, .. } => {
             eprintln!(
-                "lockctl: cannot watch {} from revision {from}: cell {cell:?} serves these keys \
-                 now (their prefix moved, or the cell was restored), and its revisions are not \
-                 the ones watched so far; read the keys again and watch from the read's \
-                 revision + 1",
+                "lockctl: cannot watch {} from revision {from}: the keys are at another \
+                 position now ({cell:?} as the proxy sees it: their prefix moved to another \
+                 cell, or the cell was restored), or the revision is from before they came \
+                 to this cell, and revisions of two positions are unrelated; read the keys \
+                 again (lockctl get --position) and watch --after that",
                 args.what()
             );
             Ok(COMPACTED)
