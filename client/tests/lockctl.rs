@@ -1,5 +1,5 @@
 //! `lockctl` as a user runs it, against the fake proxy: the environment CMD gets, exit
-//! statuses, stopping CMD on jeopardy and on signals, elections, leader queries,
+//! statuses, stopping CMD when the session ends and on signals, elections, leader queries,
 //! sequencer checks, and the help text.
 
 mod cli;
@@ -138,17 +138,17 @@ async fn a_lock_still_held_after_the_timeout_exits_75() {
 }
 
 #[tokio::test]
-async fn jeopardy_stops_cmd_with_sigterm() {
+async fn a_session_the_proxy_ended_gets_cmd_killed_at_once() {
     let proxy = start(1_000).await;
     let (child, stderr) = start_holding(&proxy, "jobs/x").await;
     let holder = proxy.fake.locks.lock().unwrap()["jobs/x"].0.clone();
     proxy.fake.killed.lock().unwrap().push(holder);
     let (code, rest) = finish(child, stderr).await;
-    assert_eq!(code, 128 + 15, "{rest}");
+    assert_eq!(code, 90, "{rest}");
     assert!(
         rest.contains(
-            "lockctl: session past its deadline; stopping CMD \
-             (lock jobs/x may pass to another holder)"
+            "lockctl: the proxy ended the session (lock jobs/x may pass to another \
+             holder); killing CMD's process group (SIGKILL)"
         ),
         "{rest}"
     );
@@ -304,7 +304,7 @@ async fn elect_exits_75_when_another_session_still_leads() {
 }
 
 #[tokio::test]
-async fn elect_stops_cmd_with_sigterm_on_jeopardy() {
+async fn elect_gets_cmd_killed_when_the_proxy_ends_the_session() {
     let proxy = start(1_000).await;
     let (child, stderr) = start_until(
         &proxy,
@@ -315,11 +315,11 @@ async fn elect_stops_cmd_with_sigterm_on_jeopardy() {
     let leader = proxy.fake.leaders.borrow()["db"].session_id.clone();
     proxy.fake.killed.lock().unwrap().push(leader);
     let (code, rest) = finish(child, stderr).await;
-    assert_eq!(code, 128 + 15, "{rest}");
+    assert_eq!(code, 90, "{rest}");
     assert!(
         rest.contains(
-            "lockctl: session past its deadline; stopping CMD \
-             (leadership of db may pass to another session)"
+            "lockctl: the proxy ended the session (leadership of db may pass to another \
+             session); killing CMD's process group (SIGKILL)"
         ),
         "{rest}"
     );

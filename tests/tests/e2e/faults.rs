@@ -162,8 +162,187 @@ pub async fn lockctl_stops_its_command_when_the_session_passes_its_deadline() ->
         .await
         .context("lockctl did not stop its command after the session's deadline")??;
     ensure!(
-        status.code() == Some(128 + 15),
-        "lockctl exited with {status:?}, not 143 (command got SIGTERM)"
+        status.code() == Some(90),
+        "lockctl exited with {status:?}, not 90 (it had to stop its command)"
+    );
+    Ok(())
+}
+
+/// `lockctl --proxy PROXY --ttl TTL --stop-grace GRACE lock NAME -- sh -c SCRIPT`,
+/// started with `dir` in `$DIR`, its output piped.
+fn lockctl_lock(
+    proxy: &str,
+    (ttl, grace): (&str, &str),
+    name: &str,
+    script: &str,
+    dir: &std::path::Path,
+) -> anyhow::Result<tokio::process::Child> {
+    Ok(
+        tokio::process::Command::new(bins::workspace_bin("lockctl")?)
+            .args(["--proxy", proxy, "--ttl", ttl, "--stop-grace", grace])
+            .args(["lock", name, "--", "sh", "-c", script])
+            .env("DIR", dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?,
+    )
+}
+
+/// Waits for `child`'s first line on stdout to be `want`.
+async fn first_line(child: &mut tokio::process::Child, want: &str) -> anyhow::Result<()> {
+    let stdout = child.stdout.take().context("stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .context("lockctl's command did not start within 20 s")??;
+    ensure!(
+        first.as_deref() == Some(want),
+        "command printed {first:?}, not {want:?}"
+    );
+    Ok(())
+}
+
+/// Waits up to 30 s for `child` to exit; its status and stderr.
+async fn exited(child: tokio::process::Child) -> anyhow::Result<(Option<i32>, String)> {
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .context("lockctl did not exit within 30 s of its session's loss")??;
+    Ok((
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// The pids listed in `file` that are still running (zombies count as gone).
+fn running(file: &std::path::Path) -> anyhow::Result<Vec<i32>> {
+    let text = std::fs::read_to_string(file)?;
+    let mut alive = Vec::new();
+    for pid in text.split_whitespace() {
+        let pid: i32 = pid.parse()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The state follows the command's name in parentheses; Z is a zombie.
+        let state = stat.rsplit_once(") ").map(|(_, rest)| rest.chars().next());
+        if matches!(state, Some(Some(s)) if s != 'Z') {
+            alive.push(pid);
+        }
+    }
+    Ok(alive)
+}
+
+/// A command that ignores SIGTERM (it and its child) holds a lock through lockctl, whose
+/// link to its proxy is then cut. lockctl must kill the whole process group by the
+/// session's deadline, so that when a second lockctl, on another proxy, is granted the
+/// lock, nothing of the first command is running.
+pub async fn lockctl_kills_a_command_that_ignores_sigterm_before_the_lock_passes(
+) -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a", "b"]).await?;
+    let dir = tempfile::tempdir()?;
+    let link = lockcell_tests::Relay::start(&proxies[0].addr).await?;
+    let mut first = lockctl_lock(
+        &link.addr,
+        ("3s", "1s"),
+        "jobs/stubborn",
+        r#"trap "" TERM; sleep 1000 & echo $! > "$DIR/pids"; echo $$ >> "$DIR/pids"; echo started; wait"#,
+        dir.path(),
+    )?;
+    first_line(&mut first, "started").await?;
+    link.cut(true);
+    let second = lockctl_lock(
+        &proxies[1].addr,
+        ("3s", "1s"),
+        "jobs/stubborn",
+        r#"for p in $(cat "$DIR/pids"); do s=$(cut -d' ' -f3 "/proc/$p/stat" 2>/dev/null); if [ -n "$s" ] && [ "$s" != Z ]; then echo "running $p"; fi; done; echo granted"#,
+        dir.path(),
+    )?;
+    let out = tokio::time::timeout(Duration::from_secs(40), second.wait_with_output())
+        .await
+        .context("the second lockctl was not granted the lock within 40 s")??;
+    let said = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        said.contains("granted"),
+        "the second lockctl's command did not run: {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        !said.contains("running"),
+        "the lock passed while the first command's process group still ran: {said}"
+    );
+    let (status, stderr) = exited(first).await?;
+    ensure!(
+        status == Some(90) && stderr.contains("SIGKILL"),
+        "the first lockctl exited {status:?}: {stderr}"
+    );
+    ensure!(running(&dir.path().join("pids"))?.is_empty());
+    Ok(())
+}
+
+/// `sh -c 'step & step'`: lockctl stops both steps when it stops the command, not only
+/// the shell.
+pub async fn lockctl_stops_every_process_of_a_compound_command() -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a"]).await?;
+    let dir = tempfile::tempdir()?;
+    let link = lockcell_tests::Relay::start(&proxies[0].addr).await?;
+    let mut child = lockctl_lock(
+        &link.addr,
+        ("3s", "1s"),
+        "jobs/compound",
+        r#"sleep 1000 & echo $! > "$DIR/pids"; echo $$ >> "$DIR/pids"; echo started; sleep 1000"#,
+        dir.path(),
+    )?;
+    first_line(&mut child, "started").await?;
+    link.cut(true);
+    let (status, stderr) = exited(child).await?;
+    ensure!(status == Some(90), "lockctl exited {status:?}: {stderr}");
+    let left = running(&dir.path().join("pids"))?;
+    ensure!(
+        left.is_empty(),
+        "processes of the stopped command still run: {left:?}\n{stderr}"
+    );
+    Ok(())
+}
+
+/// A command that winds down on SIGTERM within the stop grace gets SIGTERM before the
+/// session's deadline (as `LOCKCELL_DEADLINE_FILE` says it) and ends before it; lockctl
+/// sends no SIGKILL and says how CMD ended.
+pub async fn lockctl_lets_a_command_wind_down_within_the_grace_before_the_deadline(
+) -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a"]).await?;
+    let dir = tempfile::tempdir()?;
+    let link = lockcell_tests::Relay::start(&proxies[0].addr).await?;
+    let mut child = lockctl_lock(
+        &link.addr,
+        ("6s", "2s"),
+        "jobs/graceful",
+        r#"trap 'cp "$LOCKCELL_DEADLINE_FILE" "$DIR/deadline"; sleep 0.3; date +%s%3N > "$DIR/stopped"; exit 0' TERM; [ -n "$LOCKCELL_DEADLINE" ] && echo started; while :; do sleep 0.1; done"#,
+        dir.path(),
+    )?;
+    first_line(&mut child, "started").await?;
+    link.cut(true);
+    let (status, stderr) = exited(child).await?;
+    ensure!(status == Some(90), "lockctl exited {status:?}: {stderr}");
+    ensure!(
+        stderr.contains("within the stop grace") && !stderr.contains("SIGKILL)"),
+        "lockctl did not let the command end within the grace: {stderr}"
+    );
+    let read = |name: &str| -> anyhow::Result<u64> {
+        let text = std::fs::read_to_string(dir.path().join(name))
+            .with_context(|| format!("the command wrote no {name}"))?;
+        Ok(text.trim().parse()?)
+    };
+    let (deadline, stopped) = (read("deadline")?, read("stopped")?);
+    ensure!(
+        stopped < deadline,
+        "the command ended at {stopped}, after the session's deadline {deadline} (ms)"
+    );
+    ensure!(
+        deadline - stopped <= 2_000,
+        "SIGTERM came {} ms before the deadline, more than the grace",
+        deadline - stopped
+    );
+    println!(
+        "the command ended {} ms before the session's deadline",
+        deadline - stopped
     );
     Ok(())
 }

@@ -3,15 +3,13 @@
 
 use crate::target::Target;
 use std::ffi::OsString;
-use std::process::ExitStatus;
 use std::time::Duration;
 
 use lockcell_client::{Error, Session, SessionOptions};
-use tokio::process::{Child, Command};
 
-use crate::exit::{exit_code, EX_TEMPFAIL};
-use crate::hold::terminate;
+use crate::exit::EX_TEMPFAIL;
 use crate::signals::Signals;
+use crate::supervise;
 
 /// Status when the session was lost: the member may have left the group.
 pub(crate) const SESSION_LOST: u8 = EX_TEMPFAIL;
@@ -29,18 +27,25 @@ instead, the member leaves when the session's TTL runs out.
 
 With -- CMD ARGS..., runs CMD once announced (with LOCKCELL_GROUP, LOCKCELL_MEMBER and
 LOCKCELL_MEMBER_VALUE in its environment) and stays as long as CMD runs: when CMD exits
-the member leaves and lockctl exits with CMD's status (128+N if CMD was killed by signal
-N). SIGINT and SIGTERM sent to lockctl are forwarded to CMD as SIGTERM.
+(and what it left in its process group is stopped) the member leaves and lockctl exits
+with CMD's status (128+N if CMD was killed by signal N). CMD runs in a process group of
+its own and is stopped, all of it, before the membership can end behind its back, as for
+lockctl lock (see lockctl lock --help): SIGTERM once the session's time left falls
+below --stop-grace, SIGKILL at its deadline; LOCKCELL_DEADLINE and
+LOCKCELL_DEADLINE_FILE give the deadline. SIGINT and SIGTERM sent to lockctl are passed
+to the group as SIGTERM.
 
-If the session falls past its deadline (the proxy is unreachable, for instance), the
-proxy may have ended it and the member may already be gone: lockctl says so, stops CMD
-(SIGTERM) if there is one, and exits 75. Announce again to rejoin.
+Without CMD, if the session falls past its deadline (the proxy is unreachable, for
+instance), the proxy may have ended it and the member may already be gone: lockctl says
+so and exits 75. Announce again to rejoin.
 
 MEMBER is one name segment: not empty, no '/'. Announcing a member name that another
 session announced takes it over.
 
 Exit statuses: 0 stopped by SIGINT or SIGTERM (without CMD), CMD's status (with CMD),
-75 the session was lost, 64 the proxy refused the group or member name, 69 the proxy is
+90 lockctl had to stop CMD because the session's time left fell below the grace or its
+deadline passed, 128+N (with CMD) lockctl was sent signal N and stopped CMD, 75 the
+session was lost (without CMD), 64 the proxy refused the group or member name, 69 the proxy is
 unreachable, 126/127 CMD could not be run, 1 anything else.
 
 Example:
@@ -80,6 +85,7 @@ pub(crate) async fn announce(
     proxy: &Target,
     options: SessionOptions,
     args: &AnnounceArgs,
+    grace: Duration,
     signals: &mut Signals,
 ) -> anyhow::Result<u8> {
     let session = tokio::select! {
@@ -111,20 +117,21 @@ pub(crate) async fn announce(
     let code = match args.command.split_first() {
         None => stay(&session, args, signals).await,
         Some((program, program_args)) => {
-            let spawned = Command::new(program)
-                .args(program_args)
-                .envs(args.env())
-                .spawn();
-            let mut child = match spawned {
-                Ok(child) => child,
+            let env: Vec<(&str, String)> = args
+                .env()
+                .iter()
+                .map(|(k, v)| (*k, (*v).to_owned()))
+                .collect();
+            let cmd = match supervise::spawn(program, program_args, &env, &session) {
+                Ok(cmd) => cmd,
                 Err(error) => {
                     close(session).await;
-                    return Err(anyhow::Error::new(error)
-                        .context(format!("cannot run {}", program.to_string_lossy())));
+                    return Err(error.context(format!("cannot run {}", program.to_string_lossy())));
                 }
             };
-            match supervise(&mut child, &session, args, signals).await {
-                Ok(code) => code,
+            let at_stake = format!("member {} may leave group {}", args.member, args.group);
+            match cmd.supervise(&session, grace, &at_stake, signals).await {
+                Ok(ended) => ended.code(),
                 Err(error) => {
                     close(session).await;
                     return Err(anyhow::Error::new(error).context("waiting for CMD"));
@@ -149,43 +156,6 @@ async fn stay(session: &Session, args: &AnnounceArgs, signals: &mut Signals) -> 
             lost(session, args);
             SESSION_LOST
         }
-    }
-}
-
-/// Waits for CMD, stopping it when the session is lost or lockctl is told to stop.
-/// Returns lockctl's exit status.
-async fn supervise(
-    child: &mut Child,
-    session: &Session,
-    args: &AnnounceArgs,
-    signals: &mut Signals,
-) -> std::io::Result<u8> {
-    let jeopardy = session.jeopardy();
-    tokio::pin!(jeopardy);
-    let mut was_lost = false;
-    loop {
-        tokio::select! {
-            status = child.wait() => return Ok(outcome(status?, was_lost)),
-            () = &mut jeopardy, if !was_lost => {
-                was_lost = true;
-                lost(session, args);
-                eprintln!("lockctl: stopping CMD");
-                terminate(child);
-            }
-            signo = signals.recv() => {
-                tracing::info!(signal = signo, "forwarding SIGTERM to CMD");
-                terminate(child);
-            }
-        }
-    }
-}
-
-/// lockctl's status once CMD has ended: CMD's own, unless the session was lost.
-fn outcome(status: ExitStatus, was_lost: bool) -> u8 {
-    if was_lost {
-        SESSION_LOST
-    } else {
-        exit_code(status)
     }
 }
 
@@ -220,16 +190,7 @@ async fn close(session: Session) {
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::process::ExitStatusExt as _;
-
     use super::*;
-
-    #[test]
-    fn a_lost_session_outranks_cmds_status() {
-        assert_eq!(outcome(ExitStatus::from_raw(3 << 8), false), 3);
-        assert_eq!(outcome(ExitStatus::from_raw(0), true), SESSION_LOST);
-        assert_eq!(outcome(ExitStatus::from_raw(15), false), 128 + 15);
-    }
 
     #[test]
     fn cmd_environment() {

@@ -1,22 +1,19 @@
 //! `lockctl lock` and `lockctl elect`: hold a lock or the leadership of an election
-//! while CMD runs, and stop CMD (SIGTERM) the moment holding it can no longer be
-//! trusted. Both commands take the one path in [`hold_and_run`].
+//! while CMD runs, and stop CMD's whole process group before the hold can pass on
+//! ([`crate::supervise`]). Both commands take the one path in [`hold_and_run`].
 
 use crate::target::Target;
 use std::ffi::OsString;
-use std::process::ExitStatus;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use lockcell_client::{
     Error, FencingToken, Leadership, LockGuard, Mode, Session, SessionOptions, Wait,
 };
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
-use tokio::process::{Child, Command};
 
-use crate::exit::{exit_code, EX_TEMPFAIL};
+use crate::exit::EX_TEMPFAIL;
 use crate::signals::Signals;
+use crate::supervise;
 
 /// How long lockctl waits for the proxy to confirm release (or resignation) and close
 /// once CMD has ended. An unreachable proxy must not keep lockctl around: the session's
@@ -32,15 +29,30 @@ environment. Pass the token to every resource CMD changes, so a resource can ref
 holder that has been superseded. With --shared, CMD runs alongside other shared holders
 but never while an exclusive holder has the lock.
 
-If the session falls past its deadline while CMD runs (the proxy is unreachable, for
-instance), the lock may pass to another holder: lockctl sends CMD SIGTERM and waits for
-it. SIGINT and SIGTERM sent to lockctl are forwarded to CMD as SIGTERM. When CMD ends,
-the lock is released and lockctl exits with CMD's exit status (128+N if CMD was killed by
-signal N).
+CMD runs in a process group of its own, and every signal lockctl sends goes to the
+whole group (CMD, and what it started: the steps of sh -c, forked workers). The lock may
+pass to another holder once the session's deadline has passed, so lockctl stops the
+group before then: each confirmed renewal moves the deadline a validity ahead (--ttl,
+or less when the proxy's leases are shorter), every third of it; once the time left
+falls below --stop-grace (default 3s, at most a third of the validity), the group gets
+SIGTERM, and at the deadline SIGKILL if anything of it is left. The next
+holder is granted the lock only after that. A command that needs longer to wind down
+must use the SDK and act on the session's deadline itself. LOCKCELL_DEADLINE is the
+deadline when CMD started, in Unix milliseconds; the file named by
+LOCKCELL_DEADLINE_FILE always holds the current one (rewritten with every renewal):
+check it before each step that must not run without the lock. SIGINT and SIGTERM sent
+to lockctl are passed to the group as SIGTERM (a second one: SIGKILL). When CMD ends,
+whatever it left running in its group gets SIGTERM (SIGKILL after the grace), then the
+lock is released. CMD cannot read the terminal (its group is not the terminal's
+foreground): give it input by redirection. A process that leaves the group (setsid) is
+out of lockctl's reach.
 
-Other exit statuses: 64 the proxy refused the lock name (or shared mode for it), 69 the
-proxy is unreachable, 75 the lock was held when --try tried or still held when --timeout
-ran out, 126/127 CMD could not be run, 1 anything else.
+Exit statuses: CMD's own when it ended by itself (128+N if CMD was killed by signal N);
+90 lockctl had to stop CMD because the session's time left fell below the grace or its
+deadline passed (stderr says which, and how CMD ended); 128+N lockctl was sent signal N
+and stopped CMD; 64 the proxy refused the lock name (or shared mode for it), 69 the
+proxy is unreachable, 75 the lock was held when --try tried or still held when
+--timeout ran out, 126/127 CMD could not be run, 1 anything else.
 
 Example:
   lockctl lock billing/nightly --timeout 30s -- ./nightly.sh --full
@@ -56,14 +68,18 @@ LOCKCELL_LEADER_VALUE=VALUE in its environment. Observers (lockctl leader, lockc
 observe) see VALUE as the leader's value. Pass the token to every resource CMD changes,
 so a resource can refuse a leader that has been superseded.
 
-If the session falls past its deadline while CMD runs, the leadership may pass to
-another session: lockctl sends CMD SIGTERM and waits for it. SIGINT and SIGTERM sent to
-lockctl are forwarded to CMD as SIGTERM. When CMD ends, lockctl resigns and exits with
-CMD's exit status (128+N if CMD was killed by signal N).
+CMD runs in a process group of its own and is stopped, all of it, before the
+leadership can pass to another session, as for lockctl lock (see lockctl lock --help):
+SIGTERM once the session's time left falls below --stop-grace, SIGKILL at its deadline;
+LOCKCELL_DEADLINE and LOCKCELL_DEADLINE_FILE give the deadline. SIGINT and SIGTERM sent
+to lockctl are passed to the group as SIGTERM. When CMD ends, what it left in its group
+is stopped, then lockctl resigns.
 
-Other exit statuses: 64 the proxy refused the election name, 69 the proxy is
-unreachable, 75 another session still led when --timeout ran out, 126/127 CMD could not
-be run, 1 anything else.
+Exit statuses: CMD's own when it ended by itself (128+N if CMD was killed by signal N);
+90 lockctl had to stop CMD because the session's time left fell below the grace or its
+deadline passed; 128+N lockctl was sent signal N and stopped CMD; 64 the proxy refused
+the election name, 69 the proxy is unreachable, 75 another session still led when
+--timeout ran out, 126/127 CMD could not be run, 1 anything else.
 
 Example:
   lockctl elect db/primary 10.0.0.7:5432 -- ./serve-primary.sh
@@ -304,13 +320,15 @@ impl Held {
 }
 
 /// Opens a session, obtains `want` (waiting as `wait` says), runs `command` while
-/// holding it, then gives it up and closes the session. Returns lockctl's exit status.
+/// holding it (stopped once the time left before the session's deadline is below
+/// `grace`: see [`crate::supervise`]), then gives it up and closes the session. Returns
+/// lockctl's exit status.
 pub(crate) async fn hold_and_run(
     proxy: &Target,
     options: SessionOptions,
     want: Want<'_>,
     wait: Wait,
-    command: &[OsString],
+    (command, grace): (&[OsString], Duration),
     signals: &mut Signals,
 ) -> anyhow::Result<u8> {
     let (program, program_args) = command.split_first().context("no CMD given")?;
@@ -352,66 +370,23 @@ pub(crate) async fn hold_and_run(
     let token = held.token();
     eprintln!("lockctl: {}", want.holding(token));
 
-    let spawned = Command::new(program)
-        .args(program_args)
-        .envs(want.env(token))
-        .spawn();
-    let mut child = match spawned {
-        Ok(child) => child,
+    let cmd = match supervise::spawn(program, program_args, &want.env(token), &session) {
+        Ok(cmd) => cmd,
         Err(error) => {
             finish(Some(held), session).await;
-            return Err(anyhow::Error::new(error)
-                .context(format!("cannot run {}", program.to_string_lossy())));
+            return Err(error.context(format!("cannot run {}", program.to_string_lossy())));
         }
     };
-    let status = supervise(&mut child, &session, &want.at_stake(), signals).await;
+    let ended = cmd
+        .supervise(&session, grace, &want.at_stake(), signals)
+        .await;
     finish(Some(held), session).await;
-    Ok(exit_code(status.context("waiting for CMD")?))
+    Ok(ended.context("waiting for CMD")?.code())
 }
 
 async fn open_session(proxy: &Target, options: SessionOptions) -> Result<Session, Error> {
     let client = proxy.connect().await?;
     client.open_session(options).await
-}
-
-/// Waits for CMD, stopping it when the session falls into jeopardy or lockctl is told
-/// to stop. `at_stake` says what jeopardy may cost.
-async fn supervise(
-    child: &mut Child,
-    session: &Session,
-    at_stake: &str,
-    signals: &mut Signals,
-) -> std::io::Result<ExitStatus> {
-    let jeopardy = session.jeopardy();
-    tokio::pin!(jeopardy);
-    let mut stopped_for_jeopardy = false;
-    loop {
-        tokio::select! {
-            status = child.wait() => return status,
-            () = &mut jeopardy, if !stopped_for_jeopardy => {
-                stopped_for_jeopardy = true;
-                eprintln!("lockctl: session past its deadline; stopping CMD ({at_stake})");
-                if let Some(reason) = session.expired_reason() {
-                    eprintln!("lockctl: {reason}");
-                }
-                terminate(child);
-            }
-            signo = signals.recv() => {
-                tracing::info!(signal = signo, "forwarding SIGTERM to CMD");
-                terminate(child);
-            }
-        }
-    }
-}
-
-/// Sends CMD SIGTERM, unless it has already exited.
-pub(crate) fn terminate(child: &Child) {
-    let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok()) else {
-        return;
-    };
-    if let Err(errno) = kill(Pid::from_raw(pid), Signal::SIGTERM) {
-        tracing::debug!(%errno, pid, "could not signal CMD (already gone?)");
-    }
 }
 
 /// Gives up what is held (if anything) and closes the session, within

@@ -12,6 +12,7 @@ mod hold;
 mod kv;
 mod leader;
 mod signals;
+mod supervise;
 mod target;
 mod watch;
 
@@ -73,6 +74,14 @@ struct Cli {
     /// if lockctl dies, at the cost of renewals.
     #[arg(long, default_value = "12s", value_parser = humantime::parse_duration, global = true)]
     ttl: Duration,
+
+    /// How long before the session's deadline CMD gets SIGTERM once renewals stop being
+    /// confirmed (lock, elect, announce with CMD); SIGKILL follows at the deadline. At
+    /// most a third of the validity a renewal gives (--ttl, or less when the proxy's
+    /// leases are shorter): renewals come every third of it. 0 means SIGKILL at the
+    /// deadline with no SIGTERM before.
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration, global = true)]
+    stop_grace: Duration,
 
     /// Identity recorded with the session (lock, elect, announce), for whoever investigates who
     /// held the lock or led (default: HOSTNAME/PID).
@@ -178,6 +187,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
     let Cli {
         proxy,
         ttl,
+        stop_grace,
         identity,
         target,
         command,
@@ -191,18 +201,21 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
     if let Some(identity) = identity {
         options.identity = identity;
     }
+    let grace = stop_grace;
     match command {
         Cmd::Lock(args) => {
             // Installed first: from here on SIGINT/SIGTERM no longer kill lockctl
             // outright, so it can always release and close before leaving.
             let mut signals = Signals::new()?;
             let (want, wait) = (args.want(), args.wait());
-            hold_and_run(&proxy, options, want, wait, &args.run.command, &mut signals).await
+            let run = (args.run.command.as_slice(), grace);
+            hold_and_run(&proxy, options, want, wait, run, &mut signals).await
         }
         Cmd::Elect(args) => {
             let mut signals = Signals::new()?;
             let (want, wait) = (args.want(), args.wait());
-            hold_and_run(&proxy, options, want, wait, &args.run.command, &mut signals).await
+            let run = (args.run.command.as_slice(), grace);
+            hold_and_run(&proxy, options, want, wait, run, &mut signals).await
         }
         Cmd::Leader(args) => leader::leader(&proxy, &args).await,
         Cmd::Observe(args) => {
@@ -225,7 +238,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Announce(args) => {
             // Installed first, as for lock: the session is always closed before leaving.
             let mut signals = Signals::new()?;
-            announce::announce(&proxy, options, &args, &mut signals).await
+            announce::announce(&proxy, options, &args, grace, &mut signals).await
         }
     }
 }
