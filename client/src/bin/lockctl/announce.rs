@@ -130,7 +130,10 @@ pub(crate) async fn announce(
                 }
             };
             let at_stake = format!("member {} may leave group {}", args.member, args.group);
-            match cmd.supervise(&session, grace, &at_stake, signals).await {
+            match cmd
+                .supervise(&session, (grace, &|| true), &at_stake, signals)
+                .await
+            {
                 Ok(ended) => ended.code(),
                 Err(error) => {
                     close(session).await;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use lockcell_client::{
-    Error, FencingToken, Leadership, LockGuard, Mode, Session, SessionOptions, Wait,
+    Error, FencingToken, Leadership, LockGuard, Mode, Session, SessionOptions, SessionState, Wait,
 };
 
 use crate::exit::EX_TEMPFAIL;
@@ -36,7 +36,9 @@ group before then: each confirmed renewal moves the deadline a validity ahead (-
 or less when the proxy's leases are shorter), every third of it; once the time left
 falls below --stop-grace (default 3s, at most a third of the validity), the group gets
 SIGTERM, and at the deadline SIGKILL if anything of it is left. The next
-holder is granted the lock only after that. A command that needs longer to wind down
+holder is granted the lock only after that. A lock found lost while the session is
+valid (the session moved to another proxy, which could not take the lock along) means
+SIGKILL at once. A command that needs longer to wind down
 must use the SDK and act on the session's deadline itself. LOCKCELL_DEADLINE is the
 deadline when CMD started, in Unix milliseconds; the file named by
 LOCKCELL_DEADLINE_FILE always holds the current one (rewritten with every renewal):
@@ -377,8 +379,9 @@ pub(crate) async fn hold_and_run(
             return Err(error.context(format!("cannot run {}", program.to_string_lossy())));
         }
     };
+    let still_held = || held.is_valid() || session.state() != SessionState::Valid;
     let ended = cmd
-        .supervise(&session, grace, &want.at_stake(), signals)
+        .supervise(&session, (grace, &still_held), &want.at_stake(), signals)
         .await;
     finish(Some(held), session).await;
     Ok(ended.context("waiting for CMD")?.code())

@@ -9,7 +9,8 @@
 //! lockctl sends SIGTERM to CMD's process group, and SIGKILL at the deadline to
 //! whatever of the group is left. The proxy lets the hold go only after the
 //! client's deadline has passed, so the next holder starts after CMD's group is gone. A
-//! session the proxy says has ended is past its deadline at once: SIGKILL.
+//! session the proxy says has ended, or a hold found lost when the session moved, is
+//! past its deadline at once: SIGKILL.
 //!
 //! When CMD ends by itself, what it left running in its group is stopped the same way
 //! (SIGTERM, then SIGKILL after the grace or at the deadline, whichever comes first)
@@ -47,8 +48,8 @@ const KILLED_WITHIN: Duration = Duration::from_secs(5);
 pub(crate) enum Stop {
     /// The time left before the session's deadline fell below the stop grace: SIGTERM.
     Jeopardy,
-    /// The deadline passed (or the proxy ended the session) with the group still
-    /// there: SIGKILL.
+    /// The deadline passed, the proxy ended the session, or the hold was lost, with the
+    /// group still there: SIGKILL.
     Deadline,
     /// lockctl was sent this signal (SIGINT or SIGTERM) and passed SIGTERM on.
     Signal(u8),
@@ -117,10 +118,13 @@ impl Cmd {
     /// validity if that is less; SIGKILL at the deadline),
     /// and when lockctl is sent SIGINT or SIGTERM. `at_stake` says what the hold's loss
     /// may cost.
+    /// `still_held` says whether the hold itself is still this session's (a lock found
+    /// gone when the session moved is lost at once, with the session valid): once it is
+    /// not, the group gets SIGKILL at once, since another holder may have it already.
     pub(crate) async fn supervise(
         mut self,
         session: &Session,
-        grace: Duration,
+        (grace, still_held): (Duration, &(dyn Fn() -> bool + Sync)),
         at_stake: &str,
         signals: &mut Signals,
     ) -> std::io::Result<Ended> {
@@ -134,15 +138,18 @@ impl Cmd {
             let deadline = session.deadline();
             self.deadline.update(deadline);
             let expired = session.state() == SessionState::Expired;
+            let lost = !still_held() && session.state() == SessionState::Valid;
             let now = Instant::now();
             if deadline > last_deadline {
                 last_deadline = deadline;
                 validity = deadline.saturating_duration_since(now);
             }
             let grace = grace.min(validity / 3);
-            if (now >= deadline || expired) && !stops.contains(&Stop::Deadline) {
+            if (now >= deadline || expired || lost) && !stops.contains(&Stop::Deadline) {
                 stops.push(Stop::Deadline);
-                let why = if expired {
+                let why = if lost {
+                    "the hold was lost (found gone when the session moved)"
+                } else if expired {
                     "the proxy ended the session"
                 } else {
                     "the session's deadline passed"
@@ -184,7 +191,7 @@ impl Cmd {
             eprintln!(
                 "lockctl: CMD {} ({}); exiting {EX_HOLD_LOST}",
                 if killed {
-                    "was killed: the session's deadline passed, or the proxy ended it"
+                    "was killed: the hold was lost, the session's deadline passed, or the proxy ended it"
                 } else {
                     "ended after SIGTERM, within the stop grace"
                 },
