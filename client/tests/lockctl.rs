@@ -148,7 +148,7 @@ async fn a_session_the_proxy_ended_gets_cmd_killed_at_once() {
     assert!(
         rest.contains(
             "lockctl: the proxy ended the session (lock jobs/x may pass to another \
-             holder); killing CMD's process group (SIGKILL)"
+             holder); killing CMD and everything it started (SIGKILL)"
         ),
         "{rest}"
     );
@@ -164,6 +164,35 @@ async fn sigterm_is_forwarded_and_the_lock_released() {
     assert_eq!(code, 128 + 15, "{rest}");
     assert_eq!(proxy.fake.released.borrow().as_slice(), ["jobs/x"]);
     assert_eq!(proxy.fake.closed.borrow().len(), 1);
+}
+
+#[tokio::test]
+async fn a_hangup_stops_cmd_and_ctrl_z_does_not_stop_lockctl() {
+    let proxy = start(1_000).await;
+    let (child, mut stderr) = start_holding(&proxy, "jobs/x").await;
+    let pid = Pid::from_raw(child.id().unwrap() as i32);
+    // Ctrl-Z: a stopped lockctl would renew nothing while CMD runs on; it says so and
+    // goes on.
+    kill(pid, Signal::SIGTSTP).unwrap();
+    let mut line = String::new();
+    timeout(PATIENCE, async {
+        while !line.contains("ignoring SIGTSTP") {
+            line.clear();
+            assert_ne!(
+                stderr.read_line(&mut line).await.unwrap(),
+                0,
+                "stderr closed"
+            );
+        }
+    })
+    .await
+    .expect("lockctl did not say it ignores SIGTSTP");
+    // The terminal closed: CMD is stopped and the lock released, as for SIGTERM.
+    kill(pid, Signal::SIGHUP).unwrap();
+    let (code, rest) = finish(child, stderr).await;
+    assert_eq!(code, 128 + 1, "{rest}");
+    assert!(rest.contains("lockctl: SIGHUP; stopping CMD"), "{rest}");
+    assert_eq!(proxy.fake.released.borrow().as_slice(), ["jobs/x"]);
 }
 
 #[tokio::test]
@@ -319,7 +348,7 @@ async fn elect_gets_cmd_killed_when_the_proxy_ends_the_session() {
     assert!(
         rest.contains(
             "lockctl: the proxy ended the session (leadership of db may pass to another \
-             session); killing CMD's process group (SIGKILL)"
+             session); killing CMD and everything it started (SIGKILL)"
         ),
         "{rest}"
     );

@@ -242,7 +242,7 @@ async fn announce_refuses_a_member_name_with_a_slash() {
 }
 
 #[tokio::test]
-async fn announce_says_so_and_exits_75_when_the_session_is_lost() {
+async fn announce_kills_cmd_and_exits_90_when_the_session_is_lost() {
     let proxy = start(600).await;
     let announce = start_until(
         &proxy,
@@ -255,9 +255,10 @@ async fn announce_says_so_and_exits_75_when_the_session_is_lost() {
     // lockctl's session is the fake's first.
     proxy.fake.kill("s0");
     let (code, stderr) = announce.finish().await;
-    assert_eq!(code, 75, "{stderr}");
+    assert_eq!(code, 90, "{stderr}");
     assert!(
-        stderr.contains("session lost") && stderr.contains("member a may have left group web"),
+        stderr.contains("the proxy ended the session (member a may leave group web)")
+            && stderr.contains("(SIGKILL)"),
         "{stderr}"
     );
     assert!(stderr.contains("killed by the test"), "{stderr}");

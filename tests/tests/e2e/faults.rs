@@ -277,8 +277,9 @@ pub async fn lockctl_kills_a_command_that_ignores_sigterm_before_the_lock_passes
     Ok(())
 }
 
-/// `sh -c 'step & step'`: lockctl stops both steps when it stops the command, not only
-/// the shell.
+/// `sh -c 'step & step'`: lockctl stops every step when it stops the command, not only
+/// the shell; also one that left the command's process group (`timeout` takes a group
+/// of its own) and ignores SIGTERM.
 pub async fn lockctl_stops_every_process_of_a_compound_command() -> anyhow::Result<()> {
     let (_etcd, proxies) = cell(&["a"]).await?;
     let dir = tempfile::tempdir()?;
@@ -287,7 +288,13 @@ pub async fn lockctl_stops_every_process_of_a_compound_command() -> anyhow::Resu
         &link.addr,
         ("3s", "1s"),
         "jobs/compound",
-        r#"sleep 1000 & echo $! > "$DIR/pids"; echo $$ >> "$DIR/pids"; echo started; sleep 1000"#,
+        // A background job, and (through `timeout`, which takes a process group of its
+        // own) a shell that ignores SIGTERM with a child of its own.
+        r#"sleep 1000 & echo $! > "$DIR/pids"
+timeout 1000 sh -c 'trap "" TERM; sleep 1000 & echo $! >> "$DIR/pids"; echo $$ >> "$DIR/pids"; wait' &
+echo $! >> "$DIR/pids"; echo $$ >> "$DIR/pids"
+while [ "$(wc -l < "$DIR/pids")" -lt 5 ]; do sleep 0.05; done
+echo started; sleep 1000"#,
         dir.path(),
     )?;
     first_line(&mut child, "started").await?;
@@ -322,7 +329,8 @@ pub async fn lockctl_lets_a_command_wind_down_within_the_grace_before_the_deadli
     let (status, stderr) = exited(child).await?;
     ensure!(status == Some(90), "lockctl exited {status:?}: {stderr}");
     ensure!(
-        stderr.contains("within the stop grace") && !stderr.contains("SIGKILL)"),
+        stderr.contains("CMD ended after SIGTERM, before the session's deadline")
+            && !stderr.contains("(SIGKILL)"),
         "lockctl did not let the command end within the grace: {stderr}"
     );
     let read = |name: &str| -> anyhow::Result<u64> {

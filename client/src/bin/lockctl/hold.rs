@@ -30,24 +30,29 @@ holder that has been superseded. With --shared, CMD runs alongside other shared 
 but never while an exclusive holder has the lock.
 
 CMD runs in a process group of its own, and every signal lockctl sends goes to the
-whole group (CMD, and what it started: the steps of sh -c, forked workers). The lock may
-pass to another holder once the session's deadline has passed, so lockctl stops the
-group before then: each confirmed renewal moves the deadline a validity ahead (--ttl,
-or less when the proxy's leases are shorter), every third of it; once the time left
-falls below --stop-grace (default 3s, at most a third of the validity), the group gets
-SIGTERM, and at the deadline SIGKILL if anything of it is left. The next
-holder is granted the lock only after that. A lock found lost while the session is
-valid (the session moved to another proxy, which could not take the lock along) means
-SIGKILL at once. A command that needs longer to wind down
-must use the SDK and act on the session's deadline itself. LOCKCELL_DEADLINE is the
-deadline when CMD started, in Unix milliseconds; the file named by
-LOCKCELL_DEADLINE_FILE always holds the current one (rewritten with every renewal):
-check it before each step that must not run without the lock. SIGINT and SIGTERM sent
-to lockctl are passed to the group as SIGTERM (a second one: SIGKILL). When CMD ends,
-whatever it left running in its group gets SIGTERM (SIGKILL after the grace), then the
-lock is released. CMD cannot read the terminal (its group is not the terminal's
-foreground): give it input by redirection. A process that leaves the group (setsid) is
-out of lockctl's reach.
+whole group and to everything else CMD started, even what left the group (setsid,
+setpgid: timeout, set -m), since lockctl is its subreaper. The lock may pass to another
+holder once the session's deadline has passed, so lockctl stops all of it before then:
+each confirmed renewal moves the deadline a validity ahead (--ttl, or less when the
+proxy's leases are shorter), every third of it; once the time left falls below
+--stop-grace (default 3s, at most a third of the validity), CMD gets SIGTERM, and just
+before the deadline SIGKILL if anything is left. The next holder is granted the lock
+only after that. A session the proxy ends, or a lock found lost while the session is
+valid (the session moved to another proxy, which could not take it along), means
+SIGKILL at once. A command that needs longer to wind down must use the SDK and act on
+the session's deadline itself. LOCKCELL_DEADLINE is the deadline when CMD started, in
+Unix milliseconds; the file named by LOCKCELL_DEADLINE_FILE always holds the current
+one (rewritten with every renewal): check it before each step that must not run
+without the lock. SIGINT, SIGTERM, SIGHUP (the terminal closed), SIGQUIT, SIGUSR1,
+SIGUSR2 and SIGALRM sent to lockctl are passed on as SIGTERM (a second one: SIGKILL);
+SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU are ignored. When CMD ends, whatever it left
+running gets SIGTERM (SIGKILL after the grace), then the lock is released. CMD cannot
+read the terminal (its group is not the terminal's foreground): give it input by
+redirection. What lockctl cannot do is stop CMD while lockctl itself is stopped
+(SIGSTOP, a debugger) or after it is killed (SIGKILL, the OOM killer): the lock then
+passes when the session's TTL runs out while CMD runs on, and only the fencing token
+(or a script that checks LOCKCELL_DEADLINE_FILE, which stops moving) protects what CMD
+changes.
 
 Exit statuses: CMD's own when it ended by itself (128+N if CMD was killed by signal N);
 90 lockctl had to stop CMD because the session's time left fell below the grace or its
@@ -74,7 +79,8 @@ CMD runs in a process group of its own and is stopped, all of it, before the
 leadership can pass to another session, as for lockctl lock (see lockctl lock --help):
 SIGTERM once the session's time left falls below --stop-grace, SIGKILL at its deadline;
 LOCKCELL_DEADLINE and LOCKCELL_DEADLINE_FILE give the deadline. SIGINT and SIGTERM sent
-to lockctl are passed to the group as SIGTERM. When CMD ends, what it left in its group
+to lockctl (and SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM) are passed on as SIGTERM;
+SIGTSTP is ignored. When CMD ends, what it left in its group
 is stopped, then lockctl resigns.
 
 Exit statuses: CMD's own when it ended by itself (128+N if CMD was killed by signal N);

@@ -177,8 +177,10 @@ async fn main() -> ExitCode {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    use std::io::IsTerminal as _;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(filter)
         .init();
 }
@@ -206,13 +208,13 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         Cmd::Lock(args) => {
             // Installed first: from here on SIGINT/SIGTERM no longer kill lockctl
             // outright, so it can always release and close before leaving.
-            let mut signals = Signals::new()?;
+            let mut signals = Signals::holding()?;
             let (want, wait) = (args.want(), args.wait());
             let run = (args.run.command.as_slice(), grace);
             hold_and_run(&proxy, options, want, wait, run, &mut signals).await
         }
         Cmd::Elect(args) => {
-            let mut signals = Signals::new()?;
+            let mut signals = Signals::holding()?;
             let (want, wait) = (args.want(), args.wait());
             let run = (args.run.command.as_slice(), grace);
             hold_and_run(&proxy, options, want, wait, run, &mut signals).await
@@ -237,7 +239,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
         }
         Cmd::Announce(args) => {
             // Installed first, as for lock: the session is always closed before leaving.
-            let mut signals = Signals::new()?;
+            let mut signals = Signals::holding()?;
             announce::announce(&proxy, options, &args, grace, &mut signals).await
         }
     }

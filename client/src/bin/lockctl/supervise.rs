@@ -6,16 +6,23 @@
 //! less when the proxy's leases bound it), and renewals come every third of it, so the
 //! time left stays above two thirds of it while they are confirmed. Once the time left
 //! falls below the stop grace (at most a third of the validity: a renewal is overdue),
-//! lockctl sends SIGTERM to CMD's process group, and SIGKILL at the deadline to
-//! whatever of the group is left. The proxy lets the hold go only after the
+//! lockctl sends SIGTERM to CMD's process group, and SIGKILL to whatever is left just
+//! before the deadline (by a twentieth of the validity, at most 50 ms, so a timer that
+//! fires late is still in time). The proxy lets the hold go only after the
 //! client's deadline has passed, so the next holder starts after CMD's group is gone. A
 //! session the proxy says has ended, or a hold found lost when the session moved, is
 //! past its deadline at once: SIGKILL.
 //!
-//! When CMD ends by itself, what it left running in its group is stopped the same way
-//! (SIGTERM, then SIGKILL after the grace or at the deadline, whichever comes first)
-//! before the hold is given up. lockctl is the group's child subreaper, so the group's
-//! orphans are its children, and it reaps them.
+//! Signals go to CMD's process group and to every other live descendant of lockctl:
+//! lockctl is their child subreaper, so what CMD started stays its descendant even when
+//! it leaves the group (`setsid`, `setpgid`: `timeout`, `set -m`) or its parent ends.
+//! When CMD ends by itself, what it left running is stopped the same way (SIGTERM,
+//! then SIGKILL after the grace or before the deadline, whichever comes first) before
+//! the hold is given up.
+//!
+//! What lockctl cannot do: stop CMD while it is itself stopped (SIGSTOP, a debugger)
+//! or after it is killed with SIGKILL (the OOM killer). The deadline file then stops
+//! moving, so a script that checks it stops on its own.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -24,7 +31,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lockcell_client::{Session, SessionState};
 use nix::errno::Errno;
-use nix::sys::signal::{killpg, Signal};
+use nix::sys::signal::{kill, killpg, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
@@ -42,18 +49,8 @@ const LOOK_EVERY: Duration = Duration::from_millis(100);
 /// How long lockctl waits for CMD's group to be gone after SIGKILL before it gives up
 /// waiting (a process stuck in the kernel, say) and says so.
 const KILLED_WITHIN: Duration = Duration::from_secs(5);
-
-/// Why lockctl stopped CMD.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Stop {
-    /// The time left before the session's deadline fell below the stop grace: SIGTERM.
-    Jeopardy,
-    /// The deadline passed, the proxy ended the session, or the hold was lost, with the
-    /// group still there: SIGKILL.
-    Deadline,
-    /// lockctl was sent this signal (SIGINT or SIGTERM) and passed SIGTERM on.
-    Signal(u8),
-}
+/// The most SIGKILL goes out ahead of the deadline (see [`Validity::kill_at`]).
+const KILL_AHEAD: Duration = Duration::from_millis(50);
 
 /// How CMD ended, and what lockctl had to do to it.
 #[derive(Debug)]
@@ -112,15 +109,24 @@ pub(crate) fn spawn(
     })
 }
 
+/// What lockctl has done to CMD for the hold's sake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ForHold {
+    Nothing,
+    /// SIGTERM: the time left fell below the grace.
+    Termed,
+    /// SIGKILL, and why.
+    Killed(&'static str),
+}
+
 impl Cmd {
-    /// Waits for CMD and its process group to end, stopping them before the hold can
-    /// pass on (SIGTERM once the time left is below `grace`, or a third of the
-    /// validity if that is less; SIGKILL at the deadline),
-    /// and when lockctl is sent SIGINT or SIGTERM. `at_stake` says what the hold's loss
-    /// may cost.
-    /// `still_held` says whether the hold itself is still this session's (a lock found
-    /// gone when the session moved is lost at once, with the session valid): once it is
-    /// not, the group gets SIGKILL at once, since another holder may have it already.
+    /// Waits for CMD and everything it started to end, stopping them before the hold
+    /// can pass on: SIGTERM once the time left is below `grace` (or a third of the
+    /// validity, if that is less), SIGKILL just before the deadline; SIGKILL at once
+    /// when the proxy ends the session or `still_held` says the hold itself is gone (a
+    /// lock found lost when the session moved: another holder may have it already).
+    /// A signal asking lockctl to stop is passed on as SIGTERM, a second as SIGKILL.
+    /// `at_stake` says what the hold's loss may cost.
     pub(crate) async fn supervise(
         mut self,
         session: &Session,
@@ -128,127 +134,147 @@ impl Cmd {
         at_stake: &str,
         signals: &mut Signals,
     ) -> std::io::Result<Ended> {
-        let mut stops: Vec<Stop> = Vec::new();
-        // The validity a renewal gives (the time left just after one): renewals come
-        // every third of it, so the time left stays above two thirds of it while they
-        // are confirmed. The grace used is at most a third of it.
-        let mut last_deadline = session.deadline();
-        let mut validity = last_deadline.saturating_duration_since(Instant::now());
+        let mut for_hold = ForHold::Nothing;
+        let mut signalled: Option<u8> = None;
+        let mut validity = Validity::new(session.deadline());
         let status = loop {
             let deadline = session.deadline();
             self.deadline.update(deadline);
-            let expired = session.state() == SessionState::Expired;
-            let lost = !still_held() && session.state() == SessionState::Valid;
             let now = Instant::now();
-            if deadline > last_deadline {
-                last_deadline = deadline;
-                validity = deadline.saturating_duration_since(now);
-            }
-            let grace = grace.min(validity / 3);
-            if (now >= deadline || expired || lost) && !stops.contains(&Stop::Deadline) {
-                stops.push(Stop::Deadline);
-                let why = if lost {
-                    "the hold was lost (found gone when the session moved)"
-                } else if expired {
-                    "the proxy ended the session"
-                } else {
-                    "the session's deadline passed"
-                };
-                eprintln!("lockctl: {why} ({at_stake}); killing CMD's process group (SIGKILL)");
-                if let Some(reason) = session.expired_reason() {
-                    eprintln!("lockctl: {reason}");
+            validity.observe(deadline, now);
+            let grace = grace.min(validity.span / 3);
+            let kill_at = validity.kill_at(deadline);
+            let killed = match session.state() {
+                SessionState::Expired => Some("the proxy ended the session"),
+                SessionState::Valid if !still_held() => {
+                    Some("the hold was found lost when the session moved")
                 }
-                self.signal(Signal::SIGKILL);
-            } else if now + grace >= deadline && !stops.contains(&Stop::Jeopardy) {
-                stops.push(Stop::Jeopardy);
-                eprintln!(
-                    "lockctl: no renewal of the session confirmed for a while: {} left before its deadline ({at_stake}); stopping CMD's process group (SIGTERM), SIGKILL at the deadline",
-                    humantime::format_duration(round_ms(deadline.saturating_duration_since(now)))
-                );
-                self.signal(Signal::SIGTERM);
+                _ if now >= kill_at => Some("the session's deadline came"),
+                _ => None,
+            };
+            match (for_hold, killed) {
+                (ForHold::Killed(_), _) => {}
+                (_, Some(why)) => {
+                    eprintln!("lockctl: {why} ({at_stake}); killing CMD and everything it started (SIGKILL)");
+                    if let Some(reason) = session.expired_reason() {
+                        eprintln!("lockctl: {reason}");
+                    }
+                    self.signal(Signal::SIGKILL);
+                    for_hold = ForHold::Killed(why);
+                }
+                (ForHold::Nothing, None) if now + grace >= deadline => {
+                    eprintln!(
+                        "lockctl: no renewal of the session confirmed for a while: {} left before its deadline ({at_stake}); stopping CMD and everything it started (SIGTERM), SIGKILL at the deadline",
+                        humantime::format_duration(round_ms(deadline.saturating_duration_since(now)))
+                    );
+                    self.signal(Signal::SIGTERM);
+                    for_hold = ForHold::Termed;
+                }
+                (ForHold::Termed, None) if now + grace < deadline => {
+                    eprintln!(
+                        "lockctl: a renewal got through: {} left before the session's deadline again; CMD was sent SIGTERM already and is no longer being stopped for the hold",
+                        humantime::format_duration(round_ms(deadline.saturating_duration_since(now)))
+                    );
+                    for_hold = ForHold::Nothing;
+                }
+                _ => {}
             }
+            // Awake in time for the next step, and every LOOK_EVERY to follow renewals.
+            let mut wake = now + LOOK_EVERY;
+            if for_hold == ForHold::Nothing {
+                wake = wake.min(deadline.checked_sub(grace).unwrap_or(now));
+            }
+            wake = wake.min(kill_at).max(now);
             tokio::select! {
                 status = self.child.wait() => break status?,
-                () = tokio::time::sleep(LOOK_EVERY) => {}
+                () = tokio::time::sleep_until(wake) => {}
                 signo = signals.recv() => {
-                    if stops.iter().any(|s| matches!(s, Stop::Signal(_))) {
-                        eprintln!("lockctl: signal {signo} again; killing CMD's process group (SIGKILL)");
+                    if signalled.is_some() {
+                        eprintln!("lockctl: {} again; killing CMD and everything it started (SIGKILL)", signal_name(signo));
                         self.signal(Signal::SIGKILL);
                     } else {
-                        eprintln!("lockctl: signal {signo}; stopping CMD's process group (SIGTERM)");
+                        eprintln!("lockctl: {}; stopping CMD and everything it started (SIGTERM)", signal_name(signo));
                         self.signal(Signal::SIGTERM);
+                        signalled = Some(signo);
                     }
-                    stops.push(Stop::Signal(signo));
                 }
             }
         };
-        self.stop_the_rest(session, grace, &mut stops).await;
-        let hold_lost = stops
-            .iter()
-            .any(|s| matches!(s, Stop::Jeopardy | Stop::Deadline));
-        if hold_lost {
-            let killed = stops.contains(&Stop::Deadline);
-            eprintln!(
-                "lockctl: CMD {} ({}); exiting {EX_HOLD_LOST}",
-                if killed {
-                    "was killed: the hold was lost, the session's deadline passed, or the proxy ended it"
-                } else {
-                    "ended after SIGTERM, within the stop grace"
-                },
+        let grace = grace.min(validity.span / 3);
+        self.stop_the_rest(
+            session,
+            (grace, &mut validity),
+            for_hold,
+            signalled.is_some(),
+        )
+        .await;
+        match for_hold {
+            ForHold::Killed(why) => eprintln!(
+                "lockctl: CMD was killed ({why}; {}); exiting {EX_HOLD_LOST}",
                 describe(status)
-            );
+            ),
+            ForHold::Termed => eprintln!(
+                "lockctl: CMD ended after SIGTERM, before the session's deadline ({}); exiting {EX_HOLD_LOST}",
+                describe(status)
+            ),
+            ForHold::Nothing => {}
         }
         Ok(Ended {
             status,
-            hold_lost,
-            signalled: stops.iter().find_map(|s| match s {
-                Stop::Signal(signo) => Some(*signo),
-                _ => None,
-            }),
+            hold_lost: for_hold != ForHold::Nothing,
+            signalled,
         })
     }
 
-    /// Once CMD has ended: stops what it left running in its process group (SIGTERM,
-    /// then SIGKILL after `grace` or at the deadline, whichever is first) and waits
-    /// until none of the group is left.
-    async fn stop_the_rest(&mut self, session: &Session, grace: Duration, stops: &mut Vec<Stop>) {
-        self.reap();
-        if self.group_gone() {
+    /// Once CMD has ended: stops what it left running (SIGTERM, unless it was sent one
+    /// already, then SIGKILL after the grace or just before the deadline, whichever is
+    /// first; SIGKILL at once if the hold is already gone) and waits until nothing of
+    /// it is left.
+    async fn stop_the_rest(
+        &mut self,
+        session: &Session,
+        (grace, validity): (Duration, &mut Validity),
+        for_hold: ForHold,
+        signalled: bool,
+    ) {
+        reap();
+        if self.nothing_left() {
             return;
         }
-        if !stops
-            .iter()
-            .any(|s| matches!(s, Stop::Jeopardy | Stop::Signal(_)))
-        {
-            eprintln!(
-                "lockctl: CMD ended; stopping what it left running in its process group (SIGTERM)"
-            );
-            self.signal(Signal::SIGTERM);
-        }
-        let term_sent = Instant::now();
+        let started = Instant::now();
         let mut killed_at = None;
+        match for_hold {
+            ForHold::Killed(_) => {
+                self.signal(Signal::SIGKILL);
+                killed_at = Some(started);
+            }
+            ForHold::Termed => {}
+            ForHold::Nothing if signalled => {}
+            ForHold::Nothing => {
+                eprintln!("lockctl: CMD ended; stopping what it left running (SIGTERM)");
+                self.signal(Signal::SIGTERM);
+            }
+        }
         loop {
-            self.reap();
-            if self.group_gone() {
+            reap();
+            if self.nothing_left() {
                 return;
             }
             let now = Instant::now();
             let deadline = session.deadline();
             self.deadline.update(deadline);
-            let expired = session.state() == SessionState::Expired;
+            validity.observe(deadline, now);
+            let gone =
+                session.state() == SessionState::Expired || now >= validity.kill_at(deadline);
             match killed_at {
-                None if now >= deadline || expired || now >= term_sent + grace => {
-                    if now >= deadline || expired {
-                        stops.push(Stop::Deadline);
-                    }
-                    eprintln!("lockctl: CMD's process group is still there; killing it (SIGKILL)");
+                None if gone || now >= started + grace => {
+                    eprintln!("lockctl: what CMD started is still running; killing it (SIGKILL)");
                     self.signal(Signal::SIGKILL);
                     killed_at = Some(now);
                 }
                 Some(at) if now >= at + KILLED_WITHIN => {
                     eprintln!(
-                        "lockctl: processes of CMD's process group {} are still there {} after SIGKILL; giving up waiting for them",
-                        self.group,
+                        "lockctl: processes CMD started are still there {} after SIGKILL (stuck in the kernel?); giving up waiting for them",
                         humantime::format_duration(KILLED_WITHIN)
                     );
                     return;
@@ -259,6 +285,8 @@ impl Cmd {
         }
     }
 
+    /// Sends `signal` to CMD's process group and to every other process lockctl
+    /// started, also one that left the group (`setsid`, `setpgid`: `timeout`, `set -m`).
     fn signal(&self, signal: Signal) {
         match killpg(self.group, signal) {
             Ok(()) | Err(Errno::ESRCH) => {}
@@ -267,23 +295,114 @@ impl Cmd {
                 self.group
             ),
         }
-    }
-
-    /// Whether no process of CMD's group is left (zombies of lockctl's own reaped).
-    fn group_gone(&self) -> bool {
-        matches!(killpg(self.group, None), Err(Errno::ESRCH))
-    }
-
-    /// Reaps the group's processes that have ended and are lockctl's children (CMD's
-    /// orphans, lockctl being their subreaper). Called only once CMD itself is reaped.
-    fn reap(&self) {
-        let any_of_group = Pid::from_raw(-self.group.as_raw());
-        while let Ok(status) = waitpid(any_of_group, Some(WaitPidFlag::WNOHANG)) {
-            if status == WaitStatus::StillAlive {
-                break;
+        for pid in descendants() {
+            match kill(pid, signal) {
+                Ok(()) | Err(Errno::ESRCH) => {}
+                Err(errno) => eprintln!("lockctl: cannot send {signal} to process {pid}: {errno}"),
             }
         }
     }
+
+    /// Whether nothing CMD started is left: no process in its group, and no other
+    /// descendant of lockctl alive.
+    fn nothing_left(&self) -> bool {
+        matches!(killpg(self.group, None), Err(Errno::ESRCH)) && descendants().is_empty()
+    }
+}
+
+/// How far each confirmed renewal moves the deadline (the validity a renewal gives:
+/// the time left just after one). Renewals come every third of it.
+struct Validity {
+    span: Duration,
+    last_deadline: Instant,
+}
+
+impl Validity {
+    fn new(deadline: Instant) -> Validity {
+        Validity {
+            span: deadline.saturating_duration_since(Instant::now()),
+            last_deadline: deadline,
+        }
+    }
+
+    fn observe(&mut self, deadline: Instant, now: Instant) {
+        if deadline > self.last_deadline {
+            self.last_deadline = deadline;
+            self.span = deadline.saturating_duration_since(now);
+        }
+    }
+
+    /// When SIGKILL goes out: a little before the deadline (a twentieth of the
+    /// validity, at most KILL_AHEAD), so a timer that fires late still fires in time.
+    fn kill_at(&self, deadline: Instant) -> Instant {
+        let ahead = KILL_AHEAD.min(self.span / 20);
+        deadline.checked_sub(ahead).unwrap_or(deadline)
+    }
+}
+
+/// Reaps every child of lockctl that has ended: once CMD is reaped, they are what CMD
+/// left (lockctl is their subreaper).
+fn reap() {
+    while let Ok(status) = waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+        if status == WaitStatus::StillAlive {
+            break;
+        }
+    }
+}
+
+/// lockctl's live descendants (zombies aside): CMD and all it started, wherever their
+/// process groups are, since orphans among them become lockctl's children. Empty
+/// where /proc cannot say.
+fn descendants() -> Vec<Pid> {
+    let me = std::process::id() as i32;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    // (pid, parent) of every live process.
+    let mut parents: Vec<(i32, i32)> = Vec::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let mut fields = rest.split(' ');
+        let (Some(state), Some(ppid)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if state == "Z" || state == "X" {
+            continue;
+        }
+        if let Ok(ppid) = ppid.parse() {
+            parents.push((pid, ppid));
+        }
+    }
+    let mut found = vec![me];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(
+            parents
+                .iter()
+                .filter(|(_, p)| *p == parent)
+                .map(|(c, _)| *c),
+        );
+        i += 1;
+    }
+    found.into_iter().skip(1).map(Pid::from_raw).collect()
+}
+
+fn signal_name(signo: u8) -> &'static str {
+    Signal::try_from(i32::from(signo)).map_or("a signal", |s| s.as_str())
 }
 
 /// Makes lockctl the child subreaper of its descendants: an orphan of CMD's group
