@@ -59,6 +59,19 @@ fn history_of<'h>(histories: &'h [History], cell: &str) -> Option<&'h History> {
     histories.iter().find(|h| h.cluster == cluster)
 }
 
+/// [`history_of`], counting a read or watch made in another cell than the first.
+fn cell_history<'h>(
+    histories: &'h [History],
+    cell: &str,
+    checked: &mut Checked,
+) -> Option<&'h History> {
+    let history = history_of(histories, cell);
+    if history.is_some_and(|h| !std::ptr::eq(h, &histories[0])) {
+        checked.elsewhere += 1;
+    }
+    history
+}
+
 impl History {
     /// The first revision at which `key` took `value` (values are never written twice:
     /// later ones are copies made by a prefix move).
@@ -192,11 +205,7 @@ fn check_reads(
             continue;
         };
         checked.reads += 1;
-        let history = history_of(histories, cell);
-        if history.is_some_and(|h| !std::ptr::eq(h, &histories[0])) {
-            checked.elsewhere += 1;
-        }
-        let Some(history) = history else {
+        let Some(history) = cell_history(histories, cell, checked) else {
             violations.push(format!(
                 "{client}'s read of {prefix} at {began_ns} ns names cell {cell:?}, which is none of the run's"
             ));
@@ -301,11 +310,7 @@ fn check_watches(
                 through,
                 delivered,
             } = segment;
-            let history = history_of(histories, cell);
-            if history.is_some_and(|h| !std::ptr::eq(h, &histories[0])) {
-                checked.elsewhere += 1;
-            }
-            let Some(history) = history else {
+            let Some(history) = cell_history(histories, cell, checked) else {
                 violations.push(format!(
                     "{client}'s watch of {prefix} from {from} names cell {cell:?}, which is none of the run's"
                 ));
@@ -441,6 +446,20 @@ mod tests {
         }
     }
 
+    /// c1's read of `kv/` in `cell`, sent at `began_ns`, finding `entries`.
+    fn read_in(cell: &str, began_ns: u64, entries: &[(&str, i64, &str)]) -> Record {
+        Record::Read {
+            client: "c1".into(),
+            prefix: "kv/".into(),
+            began_ns,
+            entries: entries
+                .iter()
+                .map(|(k, r, v)| ((*k).to_owned(), *r, (*v).to_owned()))
+                .collect(),
+            cell: cell.into(),
+        }
+    }
+
     fn history() -> History {
         History {
             cluster: "ca".into(),
@@ -475,16 +494,7 @@ mod tests {
 
     #[test]
     fn a_read_sees_every_write_acknowledged_before_it_and_only_real_values() {
-        let read = |began_ns, entries: &[(&str, i64, &str)]| Record::Read {
-            client: "c1".into(),
-            prefix: "kv/".into(),
-            began_ns,
-            entries: entries
-                .iter()
-                .map(|(k, r, v)| ((*k).to_owned(), *r, (*v).to_owned()))
-                .collect(),
-            cell: String::new(),
-        };
+        let read = |began_ns, entries: &[(&str, i64, &str)]| read_in("", began_ns, entries);
         let acked = write("kv/a", "a2", 13, 131, 0);
         // Sent after the ack: must see 13 or later.
         assert!(run(&[acked.clone(), read(140, &[("kv/a", 13, "a2")])]).is_empty());
@@ -566,16 +576,7 @@ mod tests {
             check(records, &histories, &mut violations);
             violations
         };
-        let read = |cell: &str, began_ns, entries: &[(&str, i64, &str)]| Record::Read {
-            client: "c1".into(),
-            prefix: "kv/".into(),
-            began_ns,
-            entries: entries
-                .iter()
-                .map(|(k, r, v)| ((*k).to_owned(), *r, (*v).to_owned()))
-                .collect(),
-            cell: cell.into(),
-        };
+        let read = read_in;
         // Acknowledged in ca at 15: a read in cb after sees the copy (3) or later.
         let acked = write("kv/a", "a3", 15, 151, 0);
         assert!(run(&[acked.clone(), read("cb/1/2", 160, &[("kv/a", 3, "a3")])]).is_empty());

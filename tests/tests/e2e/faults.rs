@@ -230,30 +230,56 @@ fn running(file: &std::path::Path) -> anyhow::Result<Vec<i32>> {
     Ok(alive)
 }
 
+/// A cell of proxies in `zones`, and `lockctl lock NAME -- sh -c SCRIPT` holding NAME
+/// through a link to the first proxy, cut once SCRIPT has printed "started".
+struct CutOff {
+    _etcd: EtcdCluster,
+    proxies: Vec<ProxyProcess>,
+    dir: tempfile::TempDir,
+    _link: lockcell_tests::Relay,
+    lockctl: tokio::process::Child,
+}
+
+async fn cut_off(
+    zones: &[&str],
+    (ttl, grace): (&str, &str),
+    name: &str,
+    script: &str,
+) -> anyhow::Result<CutOff> {
+    let (etcd, proxies) = cell(zones).await?;
+    let dir = tempfile::tempdir()?;
+    let link = lockcell_tests::Relay::start(&proxies[0].addr).await?;
+    let mut lockctl = lockctl_lock(&link.addr, (ttl, grace), name, script, dir.path())?;
+    first_line(&mut lockctl, "started").await?;
+    link.cut(true);
+    Ok(CutOff {
+        _etcd: etcd,
+        proxies,
+        dir,
+        _link: link,
+        lockctl,
+    })
+}
+
 /// A command that ignores SIGTERM (it and its child) holds a lock through lockctl, whose
 /// link to its proxy is then cut. lockctl must kill the whole process group by the
 /// session's deadline, so that when a second lockctl, on another proxy, is granted the
 /// lock, nothing of the first command is running.
 pub async fn lockctl_kills_a_command_that_ignores_sigterm_before_the_lock_passes(
 ) -> anyhow::Result<()> {
-    let (_etcd, proxies) = cell(&["a", "b"]).await?;
-    let dir = tempfile::tempdir()?;
-    let link = lockcell_tests::Relay::start(&proxies[0].addr).await?;
-    let mut first = lockctl_lock(
-        &link.addr,
+    let first = cut_off(
+        &["a", "b"],
         ("3s", "1s"),
         "jobs/stubborn",
         r#"trap "" TERM; sleep 1000 & echo $! > "$DIR/pids"; echo $$ >> "$DIR/pids"; echo started; wait"#,
-        dir.path(),
-    )?;
-    first_line(&mut first, "started").await?;
-    link.cut(true);
+    )
+    .await?;
     let second = lockctl_lock(
-        &proxies[1].addr,
+        &first.proxies[1].addr,
         ("3s", "1s"),
         "jobs/stubborn",
         r#"for p in $(cat "$DIR/pids"); do s=$(cut -d' ' -f3 "/proc/$p/stat" 2>/dev/null); if [ -n "$s" ] && [ "$s" != Z ]; then echo "running $p"; fi; done; echo granted"#,
-        dir.path(),
+        first.dir.path(),
     )?;
     let out = tokio::time::timeout(Duration::from_secs(40), second.wait_with_output())
         .await
@@ -268,12 +294,12 @@ pub async fn lockctl_kills_a_command_that_ignores_sigterm_before_the_lock_passes
         !said.contains("running"),
         "the lock passed while the first command's process group still ran: {said}"
     );
-    let (status, stderr) = exited(first).await?;
+    let (status, stderr) = exited(first.lockctl).await?;
     ensure!(
         status == Some(90) && stderr.contains("SIGKILL"),
         "the first lockctl exited {status:?}: {stderr}"
     );
-    ensure!(running(&dir.path().join("pids"))?.is_empty());
+    ensure!(running(&first.dir.path().join("pids"))?.is_empty());
     Ok(())
 }
 
@@ -281,11 +307,8 @@ pub async fn lockctl_kills_a_command_that_ignores_sigterm_before_the_lock_passes
 /// the shell; also one that left the command's process group (`timeout` takes a group
 /// of its own) and ignores SIGTERM.
 pub async fn lockctl_stops_every_process_of_a_compound_command() -> anyhow::Result<()> {
-    let (_etcd, proxies) = cell(&["a"]).await?;
-    let dir = tempfile::tempdir()?;
-    let link = lockcell_tests::Relay::start(&proxies[0].addr).await?;
-    let mut child = lockctl_lock(
-        &link.addr,
+    let run = cut_off(
+        &["a"],
         ("3s", "1s"),
         "jobs/compound",
         // A background job, and (through `timeout`, which takes a process group of its
@@ -295,13 +318,11 @@ timeout 1000 sh -c 'trap "" TERM; sleep 1000 & echo $! >> "$DIR/pids"; echo $$ >
 echo $! >> "$DIR/pids"; echo $$ >> "$DIR/pids"
 while [ "$(wc -l < "$DIR/pids")" -lt 5 ]; do sleep 0.05; done
 echo started; sleep 1000"#,
-        dir.path(),
-    )?;
-    first_line(&mut child, "started").await?;
-    link.cut(true);
-    let (status, stderr) = exited(child).await?;
+    )
+    .await?;
+    let (status, stderr) = exited(run.lockctl).await?;
     ensure!(status == Some(90), "lockctl exited {status:?}: {stderr}");
-    let left = running(&dir.path().join("pids"))?;
+    let left = running(&run.dir.path().join("pids"))?;
     ensure!(
         left.is_empty(),
         "processes of the stopped command still run: {left:?}\n{stderr}"
@@ -314,19 +335,15 @@ echo started; sleep 1000"#,
 /// sends no SIGKILL and says how CMD ended.
 pub async fn lockctl_lets_a_command_wind_down_within_the_grace_before_the_deadline(
 ) -> anyhow::Result<()> {
-    let (_etcd, proxies) = cell(&["a"]).await?;
-    let dir = tempfile::tempdir()?;
-    let link = lockcell_tests::Relay::start(&proxies[0].addr).await?;
-    let mut child = lockctl_lock(
-        &link.addr,
+    let run = cut_off(
+        &["a"],
         ("6s", "2s"),
         "jobs/graceful",
         r#"trap 'cp "$LOCKCELL_DEADLINE_FILE" "$DIR/deadline"; sleep 0.3; date +%s%3N > "$DIR/stopped"; exit 0' TERM; [ -n "$LOCKCELL_DEADLINE" ] && echo started; while :; do sleep 0.1; done"#,
-        dir.path(),
-    )?;
-    first_line(&mut child, "started").await?;
-    link.cut(true);
-    let (status, stderr) = exited(child).await?;
+    )
+    .await?;
+    let dir = &run.dir;
+    let (status, stderr) = exited(run.lockctl).await?;
     ensure!(status == Some(90), "lockctl exited {status:?}: {stderr}");
     ensure!(
         stderr.contains("CMD ended after SIGTERM, before the session's deadline")

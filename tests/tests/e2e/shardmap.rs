@@ -84,6 +84,32 @@ async fn two_cells(
     Ok((dir, cell_a, cell_b, map))
 }
 
+/// Two cells behind a shard map routing `routes`, and one proxy started on cell a.
+struct OnCellA {
+    _dir: tempfile::TempDir,
+    a: EtcdCluster,
+    b: EtcdCluster,
+    a_endpoint: String,
+    proxy: ProxyProcess,
+    client: Client,
+}
+
+async fn proxy_on_a(routes: &[(&str, &str)]) -> anyhow::Result<OnCellA> {
+    let (dir, a, b, map) = two_cells(routes).await?;
+    let a_endpoint = a.endpoints()[0].clone();
+    shardmap_at(&a_endpoint, &["set", &map.display().to_string()])?;
+    let proxy = ProxyProcess::start(&ProxyOptions::new("a", a.endpoints()), dir.path()).await?;
+    let client = Client::connect(&proxy.url()).await?;
+    Ok(OnCellA {
+        _dir: dir,
+        a,
+        b,
+        a_endpoint,
+        proxy,
+        client,
+    })
+}
+
 async fn epoch_of(etcd: &EtcdCluster) -> anyhow::Result<u64> {
     let mut kv = etcd.client().await?.kv_client();
     let stored = lockcell_cell::epoch::read(&mut kv, Duration::from_secs(5))
@@ -474,13 +500,9 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
 /// must not serve the deleted key again, nor the old value.
 pub async fn a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves_back(
 ) -> anyhow::Result<()> {
-    let (dir, cell_a, cell_b, map) = two_cells(&[("cfg/", "a"), ("other/", "b")]).await?;
-    let a_endpoint = cell_a.endpoints()[0].clone();
-    let shardmap = |args: &[&str]| shardmap_at(&a_endpoint, args);
-    shardmap(&["set", &map.display().to_string()])?;
-    let proxy =
-        ProxyProcess::start(&ProxyOptions::new("a", cell_a.endpoints()), dir.path()).await?;
-    let client = Client::connect(&proxy.url()).await?;
+    let cells = proxy_on_a(&[("cfg/", "a"), ("other/", "b")]).await?;
+    let (cell_a, cell_b, proxy, client) = (&cells.a, &cells.b, &cells.proxy, &cells.client);
+    let shardmap = |args: &[&str]| shardmap_at(&cells.a_endpoint, args);
     for key in ["cfg/gone", "cfg/kept", "cfg/changed"] {
         client.put(key, b"v1", Condition::Always).await?;
     }
@@ -520,7 +542,7 @@ pub async fn a_key_deleted_after_a_move_does_not_come_back_when_its_prefix_moves
         "cfg/changed does not read as last written in b"
     );
     ensure!(
-        keys_under(&cell_b, "/k/cfg/").await?.is_empty(),
+        keys_under(cell_b, "/k/cfg/").await?.is_empty(),
         "cell b still holds keys of cfg/ after it moved away"
     );
     // A watch position taken in a before the round trip is not a's again: a's history
@@ -788,13 +810,9 @@ async fn lockctl_at(proxy: &str, args: &[&str]) -> anyhow::Result<(Option<i32>, 
 /// From a read made after the move, the watch follows on.
 pub async fn a_reads_position_carried_across_a_move_is_refused_not_read_in_the_other_cell(
 ) -> anyhow::Result<()> {
-    let (dir, cell_a, _cell_b, map) = two_cells(&[("", "a"), ("other/", "b")]).await?;
-    let a_endpoint = cell_a.endpoints()[0].clone();
-    let shardmap = |args: &[&str]| shardmap_at(&a_endpoint, args);
-    shardmap(&["set", &map.display().to_string()])?;
-    let proxy =
-        ProxyProcess::start(&ProxyOptions::new("a", cell_a.endpoints()), dir.path()).await?;
-    let client = Client::connect(&proxy.url()).await?;
+    let cells = proxy_on_a(&[("", "a"), ("other/", "b")]).await?;
+    let (proxy, client) = (&cells.proxy, &cells.client);
+    let shardmap = |args: &[&str]| shardmap_at(&cells.a_endpoint, args);
     // Cell a's revisions run ahead of cell b's.
     for i in 0..20 {
         client
