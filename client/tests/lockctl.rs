@@ -196,6 +196,47 @@ async fn a_hangup_stops_cmd_and_ctrl_z_does_not_stop_lockctl() {
 }
 
 #[tokio::test]
+async fn a_second_sigint_kills_a_command_that_ignores_the_first() {
+    let proxy = start(5_000).await;
+    let (child, mut stderr) = start_until(
+        &proxy,
+        &[
+            "--ttl",
+            "5s",
+            "lock",
+            "jobs/x",
+            "--",
+            "sh",
+            "-c",
+            "trap '' TERM; sleep 30 & wait",
+        ],
+        "holding",
+    )
+    .await;
+    let pid = Pid::from_raw(child.id().unwrap() as i32);
+    kill(pid, Signal::SIGINT).unwrap();
+    let mut line = String::new();
+    timeout(PATIENCE, async {
+        while !line.contains("SIGINT; stopping CMD") {
+            line.clear();
+            assert_ne!(
+                stderr.read_line(&mut line).await.unwrap(),
+                0,
+                "stderr closed"
+            );
+        }
+    })
+    .await
+    .expect("lockctl did not pass SIGINT on");
+    // The command ignores SIGTERM; a second SIGINT kills it, and the lock is released.
+    kill(pid, Signal::SIGINT).unwrap();
+    let (code, rest) = finish(child, stderr).await;
+    assert_eq!(code, 128 + 2, "{rest}");
+    assert!(rest.contains("SIGINT again; killing CMD"), "{rest}");
+    assert_eq!(proxy.fake.released.borrow().as_slice(), ["jobs/x"]);
+}
+
+#[tokio::test]
 async fn help_explains_every_flag() {
     let proxy = "127.0.0.1:1";
     let (code, top, _) = run(proxy, &["--help"]).await;
