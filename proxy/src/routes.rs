@@ -46,6 +46,8 @@ pub struct Routes {
     first_seen: std::sync::Mutex<std::collections::HashMap<(String, u64), i64>>,
     /// The mod revision of the cell's epoch record: where positions of this epoch begin.
     epoch_revision: i64,
+    /// Counts the copies taken in (see [`Routes::copy_changes`]).
+    changes: std::sync::atomic::AtomicI64,
 }
 
 /// Where reads and watches of some names stand in this cell: the position their
@@ -76,6 +78,7 @@ impl Routes {
             copy: watch::Sender::new(copy.map(Arc::new)),
             first_seen: std::sync::Mutex::new(first_seen),
             epoch_revision: 0,
+            changes: std::sync::atomic::AtomicI64::new(0),
         }
     }
 
@@ -97,10 +100,10 @@ impl Routes {
         self.copy.borrow().clone()
     }
 
-    /// The mod revision of the copy in force (0: none): it changes with every change of
-    /// the copy.
-    pub fn copy_revision(&self) -> i64 {
-        self.copy.borrow().as_ref().map_or(0, |c| c.mod_revision)
+    /// How many copies this proxy has taken in: it changes with every change of the
+    /// copy, and costs one atomic load to look at (the watch path looks per batch).
+    pub fn copy_changes(&self) -> i64 {
+        self.changes.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Follows the copy: a receiver that sees every change.
@@ -127,6 +130,8 @@ impl Routes {
                     }
                 }
                 *now = copy.map(Arc::new);
+                self.changes
+                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             }
             newer
         });

@@ -75,7 +75,7 @@ impl WatchApi for WatchService {
         // position the watch's revisions are of: a watch is never set up in a cell its
         // names left (the deletes that follow a move there are no changes of theirs).
         // (The copy's revision first: a change after it is looked at again.)
-        let checked_copy = std::sync::atomic::AtomicI64::new(state.routes.copy_revision());
+        let checked_copy = std::sync::atomic::AtomicI64::new(state.routes.copy_changes());
         let cell = state.routes.read_here(&topic.name, topic.prefix)?;
         if !req.cell.is_empty() {
             crate::routes::check_position_syntax(&req.cell)?;
@@ -172,7 +172,7 @@ struct Pump {
     /// the names, the watch ends before the batch that would deliver later revisions
     /// (the move's deletes of the copied keys among them).
     routes: Arc<crate::routes::Routes>,
-    /// The copy's mod revision when the position was last found unchanged.
+    /// The copies taken in when the position was last found unchanged.
     checked_copy: std::sync::atomic::AtomicI64,
     tx: mpsc::Sender<Sent>,
     what: String,
@@ -333,7 +333,7 @@ impl Pump {
     /// The names' position now, if it is no longer the watch's (looked at only when the
     /// cell's copy of the shard map changed since the last look).
     fn moved_away(&self) -> Option<String> {
-        let copy = self.routes.copy_revision();
+        let copy = self.routes.copy_changes();
         if copy == self.checked_copy.load(std::sync::atomic::Ordering::Relaxed) {
             return None;
         }
