@@ -208,9 +208,10 @@ async fn a_second_sigint_kills_a_command_that_ignores_the_first() {
             "--",
             "sh",
             "-c",
-            "trap '' TERM; sleep 30 & wait",
+            "trap '' TERM; echo ignoring TERM >&2; sleep 30 & wait",
         ],
-        "holding",
+        // Not "holding": the first SIGINT must find the trap set.
+        "ignoring TERM",
     )
     .await;
     let pid = Pid::from_raw(child.id().unwrap() as i32);
