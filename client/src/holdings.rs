@@ -136,6 +136,8 @@ pub(crate) struct Holdings {
     held: Mutex<Vec<Arc<Holding>>>,
     /// Raised by every hold added, so a resume can tell whether it named them all.
     version: AtomicU64,
+    /// Raised by every hold a proxy reported lost, so a move can tell it lost one.
+    losses: AtomicU64,
     events: broadcast::Sender<SessionEvent>,
     /// Releases of dropped guards still under way, by lock name: the session's next
     /// acquire of that lock waits for them, so it is never sent while the old hold
@@ -148,6 +150,7 @@ impl Default for Holdings {
         Holdings {
             held: Mutex::default(),
             version: AtomicU64::new(0),
+            losses: AtomicU64::new(0),
             events: broadcast::Sender::new(EVENT_BACKLOG),
             releasing: Mutex::default(),
         }
@@ -267,6 +270,11 @@ impl Holdings {
         }
     }
 
+    /// How many holds proxies have reported lost so far.
+    pub(crate) fn losses(&self) -> u64 {
+        self.losses.load(Ordering::Relaxed)
+    }
+
     /// Marks the hold a proxy reported lost, and says so on the event channel.
     pub(crate) fn lose(&self, key: &HeldKey, reason: &str) {
         let lost: Vec<Arc<Holding>> = {
@@ -276,6 +284,7 @@ impl Holdings {
             lost
         };
         for holding in lost {
+            self.losses.fetch_add(1, Ordering::Relaxed);
             let reason: Arc<str> = reason.into();
             holding.lost.send_replace(Some(reason.clone()));
             tracing::warn!(held = ?holding.held, %reason, "hold lost");

@@ -382,6 +382,9 @@ impl Driver {
                     secret: s.secret.clone(),
                     incarnation: home.incarnation,
                     cells: home.cells,
+                    held_until: s.deadline(),
+                    losses: s.holdings.losses(),
+                    lost: false,
                 }
             })
             .collect();
@@ -412,6 +415,12 @@ impl Driver {
             self.backoff = backoff();
             self.open();
             if index != from {
+                let mut left = left;
+                for (stay, session) in left.iter_mut().zip(&sessions) {
+                    stay.lost = session.holdings.losses() != stay.losses;
+                    // A renewal from the old proxy may have landed during the move.
+                    stay.held_until = stay.held_until.max(session.deadline());
+                }
                 close_left_behind(old, left);
             }
             self.home_again_at = Instant::now() + self.fail_back_after;
@@ -869,35 +878,47 @@ struct LeftBehind {
     secret: String,
     incarnation: u64,
     cells: Vec<CellStay>,
+    /// The session's deadline before the move: until then its holds stood on that
+    /// proxy's word, and the application may act on one the move found lost.
+    held_until: Instant,
+    /// [`Holdings::losses`](crate::holdings::Holdings) before the move.
+    losses: u64,
+    /// Whether the move reported a hold lost (a key it did not move).
+    lost: bool,
 }
 
 /// Closes the moved sessions on the proxy they left, in the background: it then deletes
 /// what is still on its lease (keys the client never heard of, such as a grant whose
 /// reply was lost) and, draining, sees them gone. What moved is not on its lease.
 ///
+/// A stay whose move reported a hold lost is closed only once its old deadline has
+/// passed: the lost hold's key is still on that proxy's lease, the application heard
+/// of the loss only now and may be acting on it until that deadline, and the close
+/// would let the lock pass at once.
+///
 /// Each close names the stay it ends, so one that arrives late (after the client came
 /// back to that proxy) closes nothing.
 fn close_left_behind(channel: Channel, left: Vec<LeftBehind>) {
     tokio::spawn(async move {
+        let (now, mut later): (Vec<_>, Vec<_>) = left.into_iter().partition(|s| !s.lost);
+        later.sort_by_key(|s| s.held_until);
         let mut tasks = tokio::task::JoinSet::new();
-        for LeftBehind {
-            id,
-            secret,
-            incarnation,
-            cells,
-        } in left
-        {
+        for stay in now.into_iter().chain(later) {
+            if stay.lost {
+                sleep_until(stay.held_until).await;
+            }
             while tasks.len() >= RESUMES_AT_ONCE {
                 tasks.join_next().await;
             }
             let mut request = tonic::Request::new(CloseRequest {
-                session_id: id.clone(),
-                incarnation,
-                cells,
-                session_secret: secret,
+                session_id: stay.id.clone(),
+                incarnation: stay.incarnation,
+                cells: stay.cells,
+                session_secret: stay.secret,
             });
             request.set_timeout(UNARY_TIMEOUT);
             let mut client = SessionClient::new(channel.clone());
+            let id = stay.id;
             tasks.spawn(async move {
                 if let Err(status) = client.close(request).await {
                     tracing::debug!(session.id = %id, status = %brief(&status), "not closed on the proxy left behind");
