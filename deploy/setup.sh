@@ -5,8 +5,9 @@
 # Also, when missing, libfaketime (the Debian package faketime), which the fault runs'
 # clock faults preload, and the servers only the audit store tests use: clickhouse-server
 # (Debian package) and the S3-compatible moto server (PyPI, into a virtualenv at
-# .lockcell-tools/venv), and kubernetes-validate (PyPI, same virtualenv), which checks
-# the manifests of deploy/kubernetes/ against the Kubernetes schemas it bundles, offline.
+# .lockcell-tools/venv), kubernetes-validate (PyPI, same virtualenv), which checks
+# the manifests of deploy/kubernetes/ against the Kubernetes schemas it bundles, offline,
+# and promtool (the Debian package prometheus), which runs the alert rules' unit tests.
 # These are optional: if they cannot be installed, setup says so and succeeds, and
 # those tests report themselves skipped.
 set -eu
@@ -87,6 +88,22 @@ if [ ! -x "$venv/bin/kubernetes-validate" ]; then
         :
     else
         echo "lockcell setup: missing: kubernetes-validate (PyPI, in $venv); the deploy test's schema check will be skipped" >&2
+    fi
+fi
+
+# Optional: promtool for the deploy test (the alert rules' unit tests). Only promtool is
+# wanted: the Prometheus server the package also installs is stopped and disabled.
+if ! command -v promtool >/dev/null 2>&1; then
+    if can_apt && echo "lockcell setup: installing prometheus (for promtool)" \
+        && apt_install --no-install-recommends prometheus \
+        && command -v promtool >/dev/null 2>&1; then
+        if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+            systemctl disable --now prometheus >/dev/null 2>&1 || true
+        elif command -v invoke-rc.d >/dev/null 2>&1; then
+            invoke-rc.d prometheus stop >/dev/null 2>&1 || true
+        fi
+    else
+        echo "lockcell setup: missing: promtool (Debian package prometheus); the deploy test's alert rule tests will be skipped" >&2
     fi
 fi
 exit 0

@@ -71,6 +71,12 @@ impl CellError {
 /// outcome (`ok`, `error`, `timeout`), in seconds.
 pub const ETCD_REQUEST_SECONDS: &str = "lockcell_etcd_request_duration_seconds";
 
+/// Histogram buckets of [`ETCD_REQUEST_SECONDS`] (proxies and the audit tailer alike),
+/// in seconds: 0.5 ms to 10 s.
+pub const ETCD_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+];
+
 /// Records one etcd call's latency in [`ETCD_REQUEST_SECONDS`].
 pub fn record_etcd_call(call: &'static str, outcome: &'static str, took: Duration) {
     metrics::histogram!(ETCD_REQUEST_SECONDS, "call" => call, "outcome" => outcome)

@@ -6,6 +6,8 @@
 //! | `/l/<lock>/!x` | the exclusive holder of `<lock>` | the holder session's proxy lease |
 //! | `/l/<lock>/!s/<session>` | one shared holder of `<lock>` | same |
 //! | `/l/<lock>/!r` | written with every clean release, for lock-delay and the audit trail; deleted by the next grant | the releasing holder's proxy lease |
+//! | `/s/<session>` | the fence of a session that moved between proxies | its proxy lease |
+//! | `/s/!proxy/<proxy id>` | a running proxy: its zone, addresses and version | one of that proxy's leases |
 //! | `/q/<lock>/!x/<session>`, `/q/<lock>/!s/<session>` | a waiter of a fair class, in line by create revision | the waiter's proxy lease |
 //!
 //! Lock names are `/`-separated paths (`billing/nightly`), so one lock's name may be a
@@ -29,6 +31,7 @@ const LOCKS_ROOT: &str = "/l/";
 const QUEUES_ROOT: &str = "/q/";
 const KV_ROOT: &str = "/k/";
 const SESSIONS_ROOT: &str = "/s/";
+const PRESENCE_ROOT: &str = "/s/!proxy/";
 const MARK: &str = "/!";
 
 /// Why a lock name was refused. The message names the rule the name broke.
@@ -264,6 +267,18 @@ pub fn kv_name(key: &[u8]) -> Option<&str> {
 /// after a later one.
 pub fn session_fence_key(session: &str) -> String {
     format!("{SESSIONS_ROOT}{session}")
+}
+
+/// Where a running proxy says so: `/s/!proxy/<proxy id>`, on one of its leases, so
+/// the key lives exactly as long as the proxy holds a lease in the cell. Session ids
+/// never contain `!`, so no session fence is under it.
+pub fn proxy_presence_key(proxy_id: &str) -> String {
+    format!("{PRESENCE_ROOT}{proxy_id}")
+}
+
+/// The prefix of every proxy's presence key.
+pub fn proxy_presence_root() -> &'static str {
+    PRESENCE_ROOT
 }
 
 /// The prefix of every fair-class waiter key (for the proxy's one watch).

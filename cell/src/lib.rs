@@ -19,6 +19,7 @@ pub mod grants;
 pub mod keyspace;
 pub mod kv;
 pub mod locklog;
+pub mod presence;
 pub mod rbac;
 pub mod shardmap;
 pub mod tls;

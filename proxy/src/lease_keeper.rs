@@ -23,6 +23,9 @@ pub async fn run(state: Arc<ProxyState>, bucket: usize) {
             lease = grant(&state, bucket) => lease,
             _ = shutdown.wait_for(|stop| *stop) => return,
         };
+        if bucket == 0 {
+            tokio::spawn(announce(state.clone(), lease));
+        }
         let reason = tokio::select! {
             reason = renew(&state, bucket, lease) => reason,
             _ = shutdown.wait_for(|stop| *stop) => return,
@@ -59,6 +62,44 @@ async fn grant(state: &ProxyState, bucket: usize) -> i64 {
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(2));
     }
+}
+
+/// Writes the proxy's presence record on `lease` (its first bucket's), so that
+/// `lockcell-cell` sees which proxies run on the cell; tries again until it is written,
+/// or the lease is replaced or the proxy stops.
+async fn announce(state: Arc<ProxyState>, lease: i64) {
+    let presence = lockcell_cell::presence::Presence {
+        proxy_id: state.proxy_id.clone(),
+        zone: state.config.zone.clone(),
+        listen: state.config.listen.to_string(),
+        admin: state.config.admin_listen.to_string(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_ms: started_ms(),
+    };
+    let mut pause = Duration::from_millis(100);
+    while state.leases.lease(0) == Some(lease) && !*state.shutdown.borrow() {
+        let mut kv = state.etcd.kv_client();
+        let timeout = state.config.etcd_timeout;
+        match lockcell_cell::presence::announce(&mut kv, &presence, lease, timeout).await {
+            Ok(()) => return,
+            Err(error) => {
+                tracing::warn!(%error, lease, "writing the proxy's presence record failed; retrying")
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// When the proxy first held a lease, Unix milliseconds: when it started, for its
+/// presence record.
+fn started_ms() -> u64 {
+    static STARTED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *STARTED.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    })
 }
 
 /// Records a lease call's latency with the other etcd calls'.

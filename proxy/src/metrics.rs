@@ -51,9 +51,7 @@ pub const ACQUIRE_BUCKETS: &[f64] = &[
 ];
 
 /// Histogram buckets for etcd calls and resumes, in seconds: 0.5 ms to 10 s.
-pub const ETCD_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
-];
+pub const ETCD_BUCKETS: &[f64] = lockcell_cell::error::ETCD_BUCKETS;
 
 /// Histogram buckets for the validity granted to clients, in seconds.
 pub const VALIDITY_BUCKETS: &[f64] = &[0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0];
@@ -76,8 +74,13 @@ impl Drop for Counted {
     }
 }
 
-/// Gives every metric its help text (call once, after the recorder is installed).
+/// Gives every metric its help text (call once, after the recorder is installed), and
+/// exports every counter at 0 from the start: `increase()` over a counter that appears
+/// with its first event misses that event, and an alert on it would not fire.
 pub fn describe() {
+    for path in ["barrier", "mirror", "etcd"] {
+        metrics::counter!(KV_READS, "path" => path).absolute(0);
+    }
     describe_histogram!(
         ETCD_REQUEST_SECONDS,
         Unit::Seconds,
@@ -98,18 +101,18 @@ pub fn describe() {
         "etcd watch streams the proxy holds (its cell watch, lock-log watches, record watches, catch-ups of watchers that started in the past), whatever the number of client watchers."
     );
     describe_gauge!(SESSIONS_OPEN, "Client sessions held by this proxy now.");
-    describe_counter!(SESSIONS_OPENED, "Client sessions opened.");
-    describe_counter!(
+    counter(SESSIONS_OPENED, "Client sessions opened.");
+    counter(
         SESSIONS_RESUMED,
-        "Client sessions taken over from another proxy (Resume)."
+        "Client sessions taken over from another proxy (Resume).",
     );
-    describe_counter!(
+    counter(
         KEYS_MOVED,
-        "Keys moved onto this proxy's leases by resumed sessions (tokens unchanged)."
+        "Keys moved onto this proxy's leases by resumed sessions (tokens unchanged).",
     );
-    describe_counter!(
+    counter(
         KEYS_LOST_ON_RESUME,
-        "Keys a resuming session named that were gone or changed: reported lost to the client."
+        "Keys a resuming session named that were gone or changed: reported lost to the client.",
     );
     describe_gauge!(
         LEASE_REMAINING,
@@ -124,21 +127,21 @@ pub fn describe() {
         DRAINING,
         "1 while the proxy is draining (asking its clients to move before it stops)."
     );
-    describe_counter!(
+    counter(
         SESSIONS_EXPIRED,
         "Client sessions expired (no renewal within TTL, or their proxy lease was lost); with several cells, counted by each session's stay in the proxy's first cell."
     );
-    describe_counter!(
+    counter(
         KEEPALIVES,
-        "Session keepalives received from clients (answered from memory)."
+        "Session keepalives received from clients (answered from memory).",
     );
-    describe_counter!(
+    counter(
         LEASE_RENEWALS,
         "Keepalives of the proxy's own etcd leases sent to etcd (K leases, each every renew interval)."
     );
-    describe_counter!(
+    counter(
         LEASES_LOST,
-        "Proxy etcd leases given up (revoked by etcd, or not renewed before their lower bound)."
+        "Proxy etcd leases given up (revoked by etcd, or not renewed before their lower bound).",
     );
     describe_histogram!(
         HANDOVER_SECONDS,
@@ -150,67 +153,67 @@ pub fn describe() {
         Unit::Seconds,
         "Time from an Acquire call to its grant, waiting included."
     );
-    describe_counter!(
+    counter(
         LOCKS_GRANTED,
-        "Locks granted (retried acquires that found their own grant not counted)."
+        "Locks granted (retried acquires that found their own grant not counted).",
     );
-    describe_counter!(LOCKS_RELEASED, "Locks released by their holder.");
+    counter(LOCKS_RELEASED, "Locks released by their holder.");
     describe_gauge!(WATCHERS, "Watch streams open on this proxy.");
     describe_gauge!(
         WAITERS,
         "Acquires waiting now: for their turn in the proxy's queue, or, for a fair class, in the lock's line in etcd."
     );
-    describe_counter!(
+    counter(
         GRANT_ATTEMPTS,
-        "Grant transactions tried (a waiter's turn, or an acquire's first try)."
+        "Grant transactions tried (a waiter's turn, or an acquire's first try).",
     );
-    describe_counter!(
+    counter(
         CLASSES_RELOADS,
-        "Lock classes files loaded (at start, on SIGHUP or when the file changed)."
+        "Lock classes files loaded (at start, on SIGHUP or when the file changed).",
     );
-    describe_counter!(
+    counter(
         CLASSES_RELOAD_FAILURES,
-        "Lock classes files refused (the last good one stays in force)."
+        "Lock classes files refused (the last good one stays in force).",
     );
-    describe_counter!(
+    counter(
         GRANTS_RELOADS,
-        "Prefix grants files loaded (at start, on SIGHUP or when the file changed)."
+        "Prefix grants files loaded (at start, on SIGHUP or when the file changed).",
     );
-    describe_counter!(
+    counter(
         GRANTS_RELOAD_FAILURES,
-        "Prefix grants files refused (the last good one stays in force)."
+        "Prefix grants files refused (the last good one stays in force).",
     );
-    describe_counter!(
+    counter(
         WAIT_RETRIES,
-        "Turns of waiting acquires that etcd failed (slow or away); the waiter tried again."
+        "Turns of waiting acquires that etcd failed (slow or away); the waiter tried again.",
     );
-    describe_counter!(
+    counter(
         WATCH_EVENTS_SENT,
-        "Watch events sent to clients (fanned out from the proxy's one watch, or caught up)."
+        "Watch events sent to clients (fanned out from the proxy's one watch, or caught up).",
     );
-    describe_counter!(
+    counter(
         WATCH_BATCHES_SENT,
-        "Batches of events the fan-out handed to watchers."
+        "Batches of events the fan-out handed to watchers.",
     );
-    describe_counter!(
+    counter(
         WATCHERS_CUT_OFF,
-        "Watchers cut off because they fell more than the backlog behind."
+        "Watchers cut off because they fell more than the backlog behind.",
     );
-    describe_counter!(
+    counter(
         WATCH_CATCH_UPS,
-        "Watchers that started from an older revision and caught up on a watch of their own."
+        "Watchers that started from an older revision and caught up on a watch of their own.",
     );
-    describe_counter!(
+    counter(
         FEED_RELOADS,
         "Times the proxy reloaded its view of the small keys (a compaction passed it, etcd lost events, the store went back, or the watch stalled)."
     );
-    describe_counter!(
+    counter(
         FEED_GAPS,
         "Holes in the revisions the proxy's watch delivered (etcd lost events); each one reloads the proxy's view."
     );
-    describe_counter!(
+    counter(
         READ_BARRIERS,
-        "Linearizable etcd requests made to fix a revision for a batch of reads."
+        "Linearizable etcd requests made to fix a revision for a batch of reads.",
     );
     describe_histogram!(
         READ_BARRIER_BATCH,
@@ -220,13 +223,13 @@ pub fn describe() {
         KV_READS,
         "Small-key reads, by how they were served: barrier (linearizable, from the mirror), mirror (serializable), etcd (directly)."
     );
-    describe_counter!(
+    counter(
         TLS_RELOADS,
-        "Times the proxy read its TLS certificate, key and client CA again after they changed."
+        "Times the proxy read its TLS certificate, key and client CA again after they changed.",
     );
-    describe_counter!(
+    counter(
         TLS_RELOAD_FAILURES,
-        "Changed TLS files the proxy refused (the previous ones stay in force); the log says why."
+        "Changed TLS files the proxy refused (the previous ones stay in force); the log says why.",
     );
     describe_gauge!(
         KV_BYTES,
@@ -236,6 +239,12 @@ pub fn describe() {
         CLEANUPS_PENDING,
         "Key clean-ups of ended sessions still waiting for etcd."
     );
+}
+
+/// Describes the counter `name` and exports it at 0.
+fn counter(name: &'static str, help: &'static str) {
+    describe_counter!(name, help);
+    metrics::counter!(name).absolute(0);
 }
 
 #[cfg(test)]

@@ -5,9 +5,11 @@
 //!
 //! Run with `make test` (or `cargo test -p lockcell-tests --test deploy`). A check whose
 //! tool is missing reports itself ignored (skipped), never passed: kubernetes-validate
-//! (`make setup` installs it into `.lockcell-tools/venv`), systemd-analyze, and the
-//! workspace's binaries (`cargo build --workspace --bins`), whose `--help` the flags
-//! in the files are checked against.
+//! (`make setup` installs it into `.lockcell-tools/venv`), systemd-analyze, promtool
+//! (`make setup` installs Debian's prometheus package, which has it; it runs the alert
+//! rules' unit tests, deploy/monitoring/alerts.test.yaml), and the workspace's binaries
+//! (`cargo build --workspace --bins`), whose `--help` the flags in the files are
+//! checked against.
 
 mod flags;
 mod kubernetes;
@@ -63,6 +65,11 @@ fn main() {
         ),
         check!(monitoring::alert_rules_use_real_metrics_and_link_existing_runbooks),
         check!(monitoring::dashboard_parses_and_uses_real_metrics),
+        check!(monitoring::every_alert_has_a_unit_test_that_fires_it),
+        needs!(
+            monitoring::alert_rules_pass_promtool,
+            monitoring::promtool()
+        ),
     ];
     libtest_mimic::run(&args, trials).exit();
 }

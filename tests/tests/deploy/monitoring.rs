@@ -1,14 +1,18 @@
 //! The alert rules and the dashboard: every query parses as PromQL and uses only
-//! metrics lockcell exports, and every alert links a heading of docs/operations.md.
+//! metrics lockcell exports, and every alert links a heading of docs/operations.md. The
+//! rules pass `promtool check rules` and their unit tests, which hold a case that fires
+//! every alert (`promtool test rules deploy/monitoring/alerts.test.yaml`).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use promql_parser::parser::Expr;
 use promql_parser::util::{walk_expr, ExprVisitor};
 use serde_json::Value;
 
-use crate::{read, root};
+use crate::{on_path, read, root};
 
 /// Every metric name the proxy and the audit tailer export.
 fn known_metrics() -> Result<BTreeSet<String>> {
@@ -150,6 +154,94 @@ pub(crate) fn alert_rules_use_real_metrics_and_link_existing_runbooks() -> Resul
         "deploy/monitoring/alerts.yaml:\n  {}",
         problems.join("\n  ")
     );
+    Ok(())
+}
+
+/// The alert names of deploy/monitoring/alerts.yaml.
+fn alert_names() -> Result<BTreeSet<String>> {
+    let rules: Value = serde_yaml::from_str(&read("deploy/monitoring/alerts.yaml")?)?;
+    let mut names = BTreeSet::new();
+    for group in rules["groups"].as_array().context("no groups")? {
+        for rule in group["rules"].as_array().context("a group without rules")? {
+            let alert = rule["alert"]
+                .as_str()
+                .context("a rule without an alert name")?;
+            names.insert(alert.to_owned());
+        }
+    }
+    ensure!(!names.is_empty(), "no alert rules");
+    Ok(names)
+}
+
+/// Every alert has a case in alerts.test.yaml that expects it to fire (promtool runs
+/// them, below); the file tests alerts.yaml.
+pub(crate) fn every_alert_has_a_unit_test_that_fires_it() -> Result<()> {
+    let tests: Value = serde_yaml::from_str(&read("deploy/monitoring/alerts.test.yaml")?)
+        .context("deploy/monitoring/alerts.test.yaml is not YAML")?;
+    let files = tests["rule_files"]
+        .as_array()
+        .context("alerts.test.yaml: no rule_files")?;
+    ensure!(
+        files.iter().any(|f| f.as_str() == Some("alerts.yaml")),
+        "alerts.test.yaml: rule_files does not name alerts.yaml"
+    );
+    let mut fired = BTreeSet::new();
+    for test in tests["tests"]
+        .as_array()
+        .context("alerts.test.yaml: no tests")?
+    {
+        for case in test["alert_rule_test"].as_array().into_iter().flatten() {
+            let expects_alerts = case["exp_alerts"]
+                .as_array()
+                .is_some_and(|alerts| !alerts.is_empty());
+            if let (true, Some(name)) = (expects_alerts, case["alertname"].as_str()) {
+                fired.insert(name.to_owned());
+            }
+        }
+    }
+    let alerts = alert_names()?;
+    let untested: Vec<&String> = alerts.difference(&fired).collect();
+    ensure!(
+        untested.is_empty(),
+        "deploy/monitoring/alerts.test.yaml has no case that expects these alerts to fire: {untested:?}"
+    );
+    let unknown: Vec<&String> = fired.difference(&alerts).collect();
+    ensure!(
+        unknown.is_empty(),
+        "deploy/monitoring/alerts.test.yaml expects alerts that alerts.yaml does not have: {unknown:?}"
+    );
+    Ok(())
+}
+
+pub(crate) fn promtool() -> Result<PathBuf, String> {
+    on_path("promtool").ok_or_else(|| {
+        "promtool is not on PATH (`make setup` installs it: the Debian package prometheus)"
+            .to_string()
+    })
+}
+
+/// `promtool check rules` on the rules, then their unit tests: each alert fed the
+/// series of its runbook's situation fires when it must (the lease alerts before the
+/// lease can lapse) and stays quiet in normal operation.
+pub(crate) fn alert_rules_pass_promtool(promtool: PathBuf) -> Result<()> {
+    for args in [
+        ["check", "rules", "deploy/monitoring/alerts.yaml"],
+        ["test", "rules", "deploy/monitoring/alerts.test.yaml"],
+    ] {
+        let out = Command::new(&promtool)
+            .current_dir(root())
+            .args(args)
+            .output()
+            .context("running promtool")?;
+        ensure!(
+            out.status.success(),
+            "promtool {} {}:\n{}{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     Ok(())
 }
 

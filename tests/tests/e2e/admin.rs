@@ -231,3 +231,54 @@ pub async fn the_audit_tailers_readyz_follows_etcd_and_drain_stops_it() -> anyho
     );
     Ok(())
 }
+
+/// Every counter the proxy names, from its source: `pub const X: &str = "…_total";`.
+fn proxy_counters() -> Vec<&'static str> {
+    include_str!("../../../proxy/src/metrics.rs")
+        .lines()
+        .filter_map(|l| l.strip_prefix("pub const ")?.split_once(": &str = \""))
+        .filter_map(|(_, rest)| rest.strip_suffix("\";"))
+        .filter(|name| name.ends_with("_total"))
+        .collect()
+}
+
+/// An alert on `increase(counter[…])` misses the counter's first event when the
+/// counter appears with it: a proxy's first refused classes file raised nothing. Every
+/// counter is on the page, at 0, before anything has happened.
+pub async fn a_fresh_proxy_exports_every_counter_at_zero() -> anyhow::Result<()> {
+    let counters = proxy_counters();
+    ensure!(
+        counters.len() >= 20 && counters.contains(&"lockcell_classes_reload_failures_total"),
+        "the counters were not read from the proxy's source: {counters:?}"
+    );
+    let etcd = EtcdCluster::start(1).await?;
+    let proxy = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), &etcd.dir).await?;
+    let page = proxy.metrics().await?;
+    let missing: Vec<&str> = counters
+        .iter()
+        .copied()
+        .filter(|name| {
+            !page.lines().any(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+            })
+        })
+        .collect();
+    ensure!(
+        missing.is_empty(),
+        "a fresh proxy's /metrics lacks these counters: {missing:?}"
+    );
+    for name in [
+        "lockcell_classes_reload_failures_total",
+        "lockcell_grants_reload_failures_total",
+        "lockcell_etcd_leases_lost_total",
+        "lockcell_keys_lost_on_resume_total",
+        "lockcell_tls_reload_failures_total",
+    ] {
+        ensure!(
+            gauge(&page, name) == Some(0.0),
+            "{name} is not 0 on a fresh proxy:\n{page}"
+        );
+    }
+    Ok(())
+}

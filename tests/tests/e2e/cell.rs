@@ -161,7 +161,7 @@ pub async fn a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising() -> 
     let session = client
         .open_session(short_session(Duration::from_secs(5)))
         .await?;
-    lockcell_cell(&["bump-epoch", "--etcd", &endpoint])?;
+    lockcell_cell(&["bump-epoch", "--force", "--etcd", &endpoint])?;
     let refused = session.acquire("restore/other", Wait::Try).await;
     let message = match refused {
         Ok(granted) => anyhow::bail!(

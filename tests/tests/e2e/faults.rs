@@ -170,27 +170,41 @@ pub async fn lockctl_stops_its_command_when_the_session_passes_its_deadline() ->
 
 /// `lockctl --proxy PROXY --ttl TTL --stop-grace GRACE lock NAME -- sh -c SCRIPT`,
 /// started with `dir` in `$DIR`, its output piped.
-fn lockctl_lock(
+pub(crate) fn lockctl_lock(
     proxy: &str,
     (ttl, grace): (&str, &str),
     name: &str,
     script: &str,
     dir: &std::path::Path,
 ) -> anyhow::Result<tokio::process::Child> {
-    Ok(
-        tokio::process::Command::new(bins::workspace_bin("lockctl")?)
-            .args(["--proxy", proxy, "--ttl", ttl, "--stop-grace", grace])
-            .args(["lock", name, "--", "sh", "-c", script])
-            .env("DIR", dir)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()?,
-    )
+    Ok(lockctl_command(proxy, (ttl, grace), name, script, dir)?.spawn()?)
+}
+
+/// `lockctl lock NAME -- sh -c SCRIPT` through `proxy` (several, comma-separated), with
+/// `$DIR` set for SCRIPT, its output piped, killed when dropped.
+pub(crate) fn lockctl_command(
+    proxy: &str,
+    (ttl, grace): (&str, &str),
+    name: &str,
+    script: &str,
+    dir: &std::path::Path,
+) -> anyhow::Result<tokio::process::Command> {
+    let mut command = tokio::process::Command::new(bins::workspace_bin("lockctl")?);
+    command
+        .args(["--proxy", proxy, "--ttl", ttl, "--stop-grace", grace])
+        .args(["lock", name, "--", "sh", "-c", script])
+        .env("DIR", dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    Ok(command)
 }
 
 /// Waits for `child`'s first line on stdout to be `want`.
-async fn first_line(child: &mut tokio::process::Child, want: &str) -> anyhow::Result<()> {
+pub(crate) async fn first_line(
+    child: &mut tokio::process::Child,
+    want: &str,
+) -> anyhow::Result<()> {
     let stdout = child.stdout.take().context("stdout")?;
     let mut lines = tokio::io::BufReader::new(stdout).lines();
     let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
@@ -204,7 +218,7 @@ async fn first_line(child: &mut tokio::process::Child, want: &str) -> anyhow::Re
 }
 
 /// Waits up to 30 s for `child` to exit; its status and stderr.
-async fn exited(child: tokio::process::Child) -> anyhow::Result<(Option<i32>, String)> {
+pub(crate) async fn exited(child: tokio::process::Child) -> anyhow::Result<(Option<i32>, String)> {
     let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
         .await
         .context("lockctl did not exit within 30 s of its session's loss")??;
@@ -215,7 +229,7 @@ async fn exited(child: tokio::process::Child) -> anyhow::Result<(Option<i32>, St
 }
 
 /// The pids listed in `file` that are still running (zombies count as gone).
-fn running(file: &std::path::Path) -> anyhow::Result<Vec<i32>> {
+pub(crate) fn running(file: &std::path::Path) -> anyhow::Result<Vec<i32>> {
     let text = std::fs::read_to_string(file)?;
     let mut alive = Vec::new();
     for pid in text.split_whitespace() {

@@ -22,6 +22,7 @@ mod kv;
 mod locks;
 mod members;
 mod modes;
+mod operations;
 mod rbac;
 mod reads;
 mod safety;
@@ -127,6 +128,10 @@ fn main() {
         shardmap::a_reads_position_carried_across_a_move_is_refused_not_read_in_the_other_cell,
         admin::the_admin_endpoints_answer_and_readyz_goes_unready_when_etcd_is_cut_off,
         admin::the_audit_tailers_readyz_follows_etcd_and_drain_stops_it,
+        admin::a_fresh_proxy_exports_every_counter_at_zero,
+        operations::lockctl_stops_its_command_when_a_narrowed_grant_loses_the_hold,
+        operations::lockctl_stops_its_command_when_an_epoch_bump_loses_the_hold,
+        operations::bump_epoch_refuses_a_cell_with_running_proxies,
         guide::the_client_guides_examples_run_against_a_real_cell,
         grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
         grants::a_proxy_reaches_etcd_over_mutual_tls,

@@ -154,10 +154,15 @@ impl Readiness {
 }
 
 /// Calls etcd every `interval` (a count-only read of one key) until `stop`, for
-/// `/readyz` and `lockcell_etcd_reachable`.
+/// `/readyz` and `lockcell_etcd_reachable`; each answer's revision is the store's head
+/// for the lag (`lockcell_audit_lag_revisions`), so a watch that stalls while etcd
+/// answers shows as a growing lag.
 pub async fn probe(
     etcd: etcd_client::Client,
-    readiness: Arc<Readiness>,
+    (readiness, stats): (
+        Arc<Readiness>,
+        Arc<lockcell_cell::audit::tailer::TailerStats>,
+    ),
     interval: Duration,
     etcd_timeout: Duration,
     mut stop: watch::Receiver<bool>,
@@ -168,8 +173,13 @@ pub async fn probe(
         let answer =
             tokio::time::timeout(etcd_timeout, kv.get("/sys/epoch", Some(options.clone()))).await;
         let reachable = matches!(answer, Ok(Ok(_)));
-        if reachable {
+        if let Ok(Ok(resp)) = &answer {
             readiness.etcd_answered();
+            if let Some(header) = resp.header() {
+                stats
+                    .head
+                    .fetch_max(header.revision(), std::sync::atomic::Ordering::Relaxed);
+            }
         }
         metrics::gauge!("lockcell_etcd_reachable").set(if reachable { 1.0 } else { 0.0 });
         tokio::select! {

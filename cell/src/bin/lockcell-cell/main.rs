@@ -21,6 +21,7 @@ use lockcell_cell::audit::archive::{Archive, ArchiveOptions};
 use lockcell_cell::audit::store::Store;
 use lockcell_cell::audit::tailer::{self, TailerOptions, TailerStats};
 use lockcell_cell::epoch;
+use lockcell_cell::presence;
 use lockcell_cell::rbac::{self, Credentials, Passwords, Secret};
 use tracing_subscriber::EnvFilter;
 
@@ -72,7 +73,13 @@ enum Command {
     /// to the backup's, and the epoch (the first part of every fencing token) keeps
     /// tokens rising. A running proxy sees the record change, grants nothing more,
     /// drains and exits.
-    BumpEpoch(EtcdArgs),
+    ///
+    /// Refuses while proxies run on the cell (each keeps a presence record on its etcd
+    /// lease; a record restored from the backup is told apart by watching its lease
+    /// expire, which takes up to the proxies' lease TTL): on a live cell a bump makes
+    /// every proxy drain at once, with nowhere for their clients to go, and every lock
+    /// held in the cell is lost. --force raises it anyway.
+    BumpEpoch(BumpEpochArgs),
     /// Runs the audit tailer until SIGTERM or SIGINT; `audit rebuild` first rebuilds
     /// the store from the archive.
     Audit(Box<AuditArgs>),
@@ -103,6 +110,23 @@ enum Command {
     /// every cell's certificates with the same CA.
     Shardmap(shardmap::ShardmapArgs),
 }
+
+#[derive(Debug, Args)]
+struct BumpEpochArgs {
+    #[command(flatten)]
+    etcd: EtcdArgs,
+
+    /// Raise the epoch even though proxies run on the cell: each of them grants nothing
+    /// more, drains and exits, and every lock held in the cell is lost to its holder
+    /// (their sessions keep nothing when they resume). For a cell whose proxies kept
+    /// running through a restore, or when a proxy cannot be stopped.
+    #[arg(long)]
+    force: bool,
+}
+
+/// How long `bump-epoch` watches presence records' leases before counting what is left
+/// as running proxies (longer than any sensible proxy lease TTL).
+const PRESENCE_PATIENCE: Duration = Duration::from_secs(60);
 
 /// Where the cell's etcd is.
 #[derive(Debug, Clone, Args)]
@@ -399,8 +423,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 ),
             }
         }
-        Command::BumpEpoch(etcd) => {
+        Command::BumpEpoch(BumpEpochArgs { etcd, force }) => {
             let client = etcd.connect().await?;
+            running_proxies(&client, &etcd, force).await?;
             let (before, after) =
                 epoch::bump(&mut client.kv_client(), etcd.address.etcd_timeout).await?;
             println!(
@@ -417,6 +442,53 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Shardmap(args) => shardmap::run(args).await?,
     }
     Ok(())
+}
+
+/// Refuses (unless `force`) a cell with running proxies, naming them; says what it
+/// waits for while presence records restored from a backup expire.
+async fn running_proxies(
+    client: &etcd_client::Client,
+    etcd: &EtcdArgs,
+    force: bool,
+) -> anyhow::Result<()> {
+    let timeout = etcd.address.etcd_timeout;
+    let recorded = presence::recorded(&mut client.kv_client(), timeout).await?;
+    if recorded.is_empty() {
+        return Ok(());
+    }
+    eprintln!(
+        "lockcell-cell: {} proxy presence record(s) in the cell; watching their etcd leases (up to their TTL) to tell running proxies from records restored from a backup",
+        recorded.len()
+    );
+    let running = presence::running(client, timeout, PRESENCE_PATIENCE).await?;
+    if running.is_empty() {
+        eprintln!("lockcell-cell: none of them is renewed: no proxy runs on the cell");
+        return Ok(());
+    }
+    let names: Vec<String> = running
+        .iter()
+        .map(|p| {
+            format!(
+                "{} (zone {}, at {}, admin {})",
+                p.proxy_id, p.zone, p.listen, p.admin
+            )
+        })
+        .collect();
+    if force {
+        eprintln!(
+            "lockcell-cell: --force: raising the epoch under {} running proxies: {}; each drains and exits, and every lock held in the cell is lost",
+            running.len(),
+            names.join(", ")
+        );
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{} proxies run on the cell at {}: {}. Raising the epoch now makes every one of them grant nothing more, drain and exit at once, with no proxy left for their clients to move to, and every lock held in the cell is lost to its holder. \
+         After a restore, stop the proxies first (docs/operations.md, \"Restore from backup\"); to raise it under running proxies anyway, pass --force",
+        running.len(),
+        etcd.address.endpoints(),
+        names.join(", ")
+    )
 }
 
 async fn auth_enable(args: AuthEnableArgs) -> anyhow::Result<()> {
@@ -505,7 +577,14 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
         rebuild(&store, archive).await?;
     }
 
+    // etcd latency as a histogram, with the proxies' buckets: one query for both.
     let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full(
+                lockcell_cell::error::ETCD_REQUEST_SECONDS.to_owned(),
+            ),
+            lockcell_cell::error::ETCD_BUCKETS,
+        )?
         .install_recorder()
         .context("installing the metrics recorder")?;
     let stats = Arc::new(TailerStats::default());
@@ -548,7 +627,7 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
     let etcd = args.etcd.connect().await?;
     tokio::spawn(http::probe(
         etcd.clone(),
-        readiness,
+        (readiness, stats.clone()),
         PROBE_INTERVAL,
         etcd_timeout,
         stop.clone(),

@@ -1,0 +1,158 @@
+//! Which proxies are running on a cell: each proxy keeps a presence record at
+//! `/s/!proxy/<proxy id>` on one of its etcd leases, so the record goes when the proxy's
+//! leases go (a drain revokes them; a killed proxy's expire).
+//!
+//! A record alone does not prove a proxy runs: a store restored from a snapshot holds
+//! the records of the proxies that ran when it was taken, on leases etcd restored with
+//! their full TTL. [`running`] therefore watches each record's lease: one whose time to
+//! live rises was renewed (its proxy runs); one that expires was a leftover.
+
+use std::time::Duration;
+
+use etcd_client::{GetOptions, LeaseTimeToLiveOptions, PutOptions};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::error::{with_timeout, CellError};
+use crate::keyspace;
+
+/// What a proxy says about itself in its presence record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Presence {
+    pub proxy_id: String,
+    pub zone: String,
+    /// The client address it listens on.
+    pub listen: String,
+    /// Its admin address (`/readyz`, `/metrics`, `/drain`).
+    pub admin: String,
+    /// The lockcell version it runs.
+    pub version: String,
+    /// When it started, Unix milliseconds.
+    pub started_ms: u64,
+}
+
+/// Writes `presence` on `lease`.
+pub async fn announce(
+    kv: &mut etcd_client::KvClient,
+    presence: &Presence,
+    lease: i64,
+    timeout: Duration,
+) -> Result<(), CellError> {
+    let key = keyspace::proxy_presence_key(&presence.proxy_id);
+    let body = serde_json::to_vec(presence).expect("presence serializes");
+    with_timeout(
+        "write proxy presence",
+        timeout,
+        kv.put(key, body, Some(PutOptions::new().with_lease(lease))),
+    )
+    .await?;
+    Ok(())
+}
+
+/// A presence record as read: what it says, and the lease it is on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    pub presence: Presence,
+    pub lease: i64,
+}
+
+/// Every presence record in the cell, by proxy id. A record that does not parse (written
+/// by hand, or by a newer version) is shown with its key as the proxy id.
+pub async fn recorded(
+    kv: &mut etcd_client::KvClient,
+    timeout: Duration,
+) -> Result<Vec<Recorded>, CellError> {
+    let root = keyspace::proxy_presence_root();
+    let resp = with_timeout(
+        "read proxy presence",
+        timeout,
+        kv.get(root, Some(GetOptions::new().with_prefix())),
+    )
+    .await?;
+    Ok(resp
+        .kvs()
+        .iter()
+        .map(|kv| {
+            let key = String::from_utf8_lossy(kv.key());
+            let presence = serde_json::from_slice(kv.value()).unwrap_or_else(|_| Presence {
+                proxy_id: key.strip_prefix(root).unwrap_or(&key).to_owned(),
+                zone: "?".into(),
+                listen: "?".into(),
+                admin: "?".into(),
+                version: "?".into(),
+                started_ms: 0,
+            });
+            Recorded {
+                presence,
+                lease: kv.lease(),
+            }
+        })
+        .collect())
+}
+
+/// How often [`running`] looks at the leases again.
+const LOOK_EVERY: Duration = Duration::from_millis(250);
+
+/// The proxies running on the cell: those whose presence record's lease is renewed
+/// while this watches it. Returns once every record is either seen renewed or gone, or
+/// after `patience` (then the records left are counted as running: their leases
+/// outlived the wait, so something renews them or their TTL is longer than `patience`).
+/// A record not on a lease is counted as running: nothing would ever remove it.
+pub async fn running(
+    client: &etcd_client::Client,
+    timeout: Duration,
+    patience: Duration,
+) -> Result<Vec<Presence>, CellError> {
+    let mut pending = recorded(&mut client.kv_client(), timeout).await?;
+    let mut live = Vec::new();
+    let mut last: Vec<Option<i64>> = vec![None; pending.len()];
+    let until = Instant::now() + patience;
+    let mut leases = client.lease_client();
+    while !pending.is_empty() {
+        let mut i = 0;
+        while i < pending.len() {
+            let lease = pending[i].lease;
+            let ttl = if lease == 0 {
+                i64::MAX
+            } else {
+                let resp = with_timeout(
+                    "read proxy lease",
+                    timeout,
+                    leases.time_to_live(lease, Some(LeaseTimeToLiveOptions::new())),
+                )
+                .await;
+                match resp {
+                    Ok(resp) => resp.ttl(),
+                    // etcd says "requested lease not found" for a lease that expired.
+                    Err(CellError::Etcd { source, .. })
+                        if source.to_string().contains("not found") =>
+                    {
+                        -1
+                    }
+                    Err(other) => return Err(other),
+                }
+            };
+            let renewed = lease == 0 || last[i].is_some_and(|before| ttl > before);
+            if renewed {
+                live.push(pending.remove(i).presence);
+                last.remove(i);
+            } else if ttl <= 0 {
+                pending.remove(i);
+                last.remove(i);
+            } else {
+                last[i] = Some(ttl);
+                i += 1;
+            }
+        }
+        if pending.is_empty() {
+            break;
+        }
+        if Instant::now() >= until {
+            live.extend(pending.into_iter().map(|r| r.presence));
+            break;
+        }
+        tokio::time::sleep(LOOK_EVERY).await;
+    }
+    live.sort_by(|a, b| a.proxy_id.cmp(&b.proxy_id));
+    Ok(live)
+}
