@@ -5,7 +5,8 @@
 //! A record alone does not prove a proxy runs: a store restored from a snapshot holds
 //! the records of the proxies that ran when it was taken, on leases etcd restored with
 //! their full TTL. [`running`] therefore watches each record's lease: one whose time to
-//! live rises was renewed (its proxy runs); one that expires was a leftover.
+//! live rises, or that outlives the time to live it had, was renewed (its proxy runs);
+//! one that expires was a leftover.
 
 use std::time::Duration;
 
@@ -93,6 +94,10 @@ pub async fn recorded(
 /// How often [`running`] looks at the leases again.
 const LOOK_EVERY: Duration = Duration::from_millis(250);
 
+/// How long past the time to live it first had a lease must still be there to count as
+/// renewed: etcd's whole seconds, rounded either way.
+const OUTLIVED: Duration = Duration::from_millis(1500);
+
 /// The proxies running on the cell: those whose presence record's lease is renewed
 /// while this watches it. Returns once every record is either seen renewed or gone, or
 /// after `patience` (then the records left are counted as running: their leases
@@ -105,7 +110,8 @@ pub async fn running(
 ) -> Result<Vec<Presence>, CellError> {
     let mut pending = recorded(&mut client.kv_client(), timeout).await?;
     let mut live = Vec::new();
-    let mut last: Vec<Option<i64>> = vec![None; pending.len()];
+    // Per record: its time to live when last seen, when first seen, and that time.
+    let mut last: Vec<Option<(i64, i64, Instant)>> = vec![None; pending.len()];
     let until = Instant::now() + patience;
     let mut leases = client.lease_client();
     while !pending.is_empty() {
@@ -132,7 +138,16 @@ pub async fn running(
                     Err(other) => return Err(other),
                 }
             };
-            let renewed = lease == 0 || last[i].is_some_and(|before| ttl > before);
+            // Renewed: its time to live rose, or it outlived the time to live it had
+            // when first seen (etcd reports whole seconds, so a short TTL renewed
+            // every second may never be seen to rise).
+            let renewed = lease == 0
+                || last[i].is_some_and(|(before, first_ttl, first_seen)| {
+                    ttl > before
+                        || (ttl > 0
+                            && first_seen.elapsed()
+                                > Duration::from_secs(first_ttl.max(0) as u64) + OUTLIVED)
+                });
             if renewed {
                 live.push(pending.remove(i).presence);
                 last.remove(i);
@@ -140,7 +155,10 @@ pub async fn running(
                 pending.remove(i);
                 last.remove(i);
             } else {
-                last[i] = Some(ttl);
+                let (first_ttl, first_seen) = last[i]
+                    .map(|(_, ttl, seen)| (ttl, seen))
+                    .unwrap_or((ttl, Instant::now()));
+                last[i] = Some((ttl, first_ttl, first_seen));
                 i += 1;
             }
         }

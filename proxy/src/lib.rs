@@ -12,6 +12,7 @@ pub mod acquire;
 pub mod admin;
 pub mod barrier;
 pub mod cellguard;
+pub mod check;
 pub mod classes;
 pub mod cleanup;
 pub mod config;
@@ -533,7 +534,7 @@ impl Engine {
 /// The gRPC service's TLS, when --tls-cert and --tls-key are given (and mutual TLS with
 /// --tls-client-ca).
 /// The TLS files of the gRPC service, when it serves TLS.
-fn tls_files(config: &ProxyConfig) -> Option<tls::TlsFiles> {
+pub(crate) fn tls_files(config: &ProxyConfig) -> Option<tls::TlsFiles> {
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
         return None;
     };

@@ -12,12 +12,6 @@ async fn main() -> anyhow::Result<()> {
         print!("{reference}");
         return Ok(());
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     // tonic's TLS and reqwest's both use rustls; this process uses ring.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let loaded = match lockcell_proxy::settings::load(std::env::args_os().collect()) {
@@ -32,9 +26,19 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("lockcell-proxy: {e}");
         std::process::exit(2);
     }
+    if config.check_config {
+        check(&config);
+    }
     if config.print_config {
         return Ok(());
     }
+    // After the checks above, so that --check-config prints its lines alone.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let prometheus = lockcell_proxy::install_metrics()?;
     match lockcell_proxy::run(config, prometheus, shutdown_signal()).await {
         Ok(lockcell_proxy::Stopped::Asked) => Ok(()),
@@ -50,6 +54,27 @@ async fn main() -> anyhow::Result<()> {
             std::process::exit(1);
         }
     }
+}
+
+/// `--check-config`: checks what a start would read, says what it found, and exits 0
+/// when a start would get past every file, 1 when not.
+fn check(config: &lockcell_proxy::ProxyConfig) -> ! {
+    let report = lockcell_proxy::check::check(config);
+    for line in &report.checked {
+        println!("{line}");
+    }
+    for e in &report.refused {
+        eprintln!("lockcell-proxy: {e:#}");
+    }
+    if report.ok() {
+        println!("lockcell-proxy: configuration OK");
+        std::process::exit(0);
+    }
+    eprintln!(
+        "lockcell-proxy: configuration refused ({} problem(s)): a start would fail; fix the file(s) and check again",
+        report.refused.len()
+    );
+    std::process::exit(1);
 }
 
 async fn shutdown_signal() {

@@ -26,7 +26,14 @@ use clap::parser::ValueSource;
 use clap::{Arg, ArgAction, ArgMatches, Command, FromArgMatches, Parser};
 
 /// Flags that are not settings.
-const NOT_SETTINGS: &[&str] = &["help", "version", "config", "print-config"];
+const NOT_SETTINGS: &[&str] = &[
+    "help",
+    "version",
+    "config",
+    "print-config",
+    "check-config",
+    "force",
+];
 
 /// The hidden argument that prints the binary's part of `docs/configuration.md`.
 const REFERENCE_FLAG: &str = "--config-reference";

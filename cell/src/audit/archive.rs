@@ -328,20 +328,67 @@ impl Archive {
     /// Every archived event in (revision, seq) order, each once (segments written
     /// again after a crash between two classes' writes overlap).
     pub async fn read_all(&self) -> Result<Vec<AuditEvent>, AuditError> {
+        Ok(self.read_all_checked().await?.0)
+    }
+
+    /// [`Archive::read_all`], and what is wrong with the segments: an event (revision
+    /// and place) held by two segments (two tailers wrote the same revisions; of each
+    /// such event one is kept), or revisions between two segments of a class that no
+    /// segment covers. A tailer writes neither: a class's segments follow one another,
+    /// and where one overlaps the one before (a flush that failed half-way and was
+    /// tried again) it skips the events that one holds.
+    pub async fn read_all_checked(&self) -> Result<(Vec<AuditEvent>, Vec<String>), AuditError> {
         let mut events = Vec::new();
+        let mut problems = Vec::new();
+        let mut holder: std::collections::HashMap<(i64, u32), (Path, AuditEvent)> =
+            std::collections::HashMap::new();
         for class in Class::ALL {
+            let mut segments = Vec::new();
             let mut listing = self.store.list(Some(&Path::from(class.as_str())));
             while let Some(meta) = listing.next().await {
                 let meta = meta.map_err(|source| self.failed("listing segments", source))?;
-                if parse_segment(&meta.location).is_none() {
-                    continue;
+                segments.extend(parse_segment(&meta.location));
+            }
+            segments.sort_by_key(|s| (s.first, s.through));
+            let mut reached: Option<(i64, &Path)> = None;
+            for segment in &segments {
+                if let Some((through, before)) = reached {
+                    if segment.first > through + 1 {
+                        problems.push(format!(
+                            "revisions {} to {} are in no segment of class {} (between {before} and {})",
+                            through + 1,
+                            segment.first - 1,
+                            class.as_str(),
+                            segment.path
+                        ));
+                    }
                 }
-                events.extend(self.read_segment(&meta.location).await?);
+                if reached.is_none_or(|(through, _)| segment.through > through) {
+                    reached = Some((segment.through, &segment.path));
+                }
+                for event in self.read_segment(&segment.path).await? {
+                    let at = (event.revision, event.seq);
+                    if let Some((other, first)) = holder.get(&at) {
+                        problems.push(format!(
+                            "revision {} place {} is in both {other} and {}{}",
+                            at.0,
+                            at.1,
+                            segment.path,
+                            if *first == event {
+                                " (the same event)"
+                            } else {
+                                " (two different events)"
+                            }
+                        ));
+                        continue;
+                    }
+                    holder.insert(at, (segment.path.clone(), event.clone()));
+                    events.push(event);
+                }
             }
         }
         events.sort_by_key(|e| (e.revision, e.seq));
-        events.dedup_by_key(|e| (e.revision, e.seq));
-        Ok(events)
+        Ok((events, problems))
     }
 
     /// Deletes the segments dated more than 365 days (class `1y`) or 7 × 365 days

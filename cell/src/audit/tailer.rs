@@ -49,6 +49,15 @@ pub enum TailerError {
     /// other events, so the tailer stops rather than mix the two.
     #[error("the cell is at revision {now}, below revision {through} the audit trail already holds: it was restored from a backup. Keep this trail as the record of the old history and start the tailer on a new store and archive for the restored cell")]
     Restored { now: i64, through: i64 },
+    /// The trail was written from another history of the cell: etcd was restored from
+    /// a backup since (and its epoch raised), and its revisions have since grown past
+    /// the trail's checkpoint, so the store did not look restored by its revision.
+    #[error("the audit trail holds revision {checkpoint}, but the cell's epoch record as of that revision was written at revision {written}, and the trail's last write of it is at revision {recorded}: the cell was restored from a backup since this trail was written. Keep this trail as the record of the old history and start the tailer on a new store and archive for the restored cell")]
+    OtherHistory {
+        checkpoint: i64,
+        written: i64,
+        recorded: i64,
+    },
     #[error(transparent)]
     Sink(#[from] AuditError),
 }
@@ -129,6 +138,7 @@ pub async fn run(
     else {
         return Ok(());
     };
+    same_history(&etcd, store, next - 1, options.etcd_timeout).await?;
     let mut reading = Reading { epoch };
     tracing::info!(
         store = %store.describe(),
@@ -424,6 +434,49 @@ struct Reading {
 
 /// The epoch record as of `revision` (0: now), asking until etcd answers; `None` when
 /// the tailer was stopped first.
+/// Checks that the trail (up to `checkpoint`) and the cell share their history: the
+/// epoch record as etcd has it at the checkpoint must have been written at the last
+/// epoch write the trail recorded. After a restore and `bump-epoch`, the bump's write
+/// is at a revision the old trail holds other events for. Passes when it cannot tell:
+/// a fresh trail, a checkpoint etcd has compacted (or not reached: the watch then finds
+/// the store went back), a trail that began after the record was last written.
+async fn same_history(
+    etcd: &etcd_client::Client,
+    store: &Store,
+    checkpoint: i64,
+    timeout: Duration,
+) -> Result<(), TailerError> {
+    if checkpoint <= 0 {
+        return Ok(());
+    }
+    let key = keyspace::epoch_key();
+    let options = GetOptions::new().with_revision(checkpoint);
+    let Ok(resp) = with_timeout(
+        "read epoch record",
+        timeout,
+        etcd.kv_client().get(key, Some(options)),
+    )
+    .await
+    else {
+        return Ok(());
+    };
+    let Some(written) = resp.kvs().first().map(KeyValue::mod_revision) else {
+        return Ok(());
+    };
+    let trail = store.history(key, None, 100_000).await?;
+    let Some(last) = trail.iter().rev().find(|e| e.revision <= checkpoint) else {
+        return Ok(());
+    };
+    if last.revision == written {
+        return Ok(());
+    }
+    Err(TailerError::OtherHistory {
+        checkpoint,
+        written,
+        recorded: last.revision,
+    })
+}
+
 async fn epoch_when_reachable(
     etcd: &etcd_client::Client,
     revision: i64,

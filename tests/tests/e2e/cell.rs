@@ -30,8 +30,53 @@ fn etcdctl(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Saves a snapshot of the one-member cell at `endpoint` to `backup`.
+pub fn snapshot(endpoint: &str, backup: &Path) -> anyhow::Result<()> {
+    let root = format!("{}:{}", rbac::ROOT_USER, etcd::ROOT_PASSWORD);
+    etcdctl(&[
+        "--endpoints",
+        endpoint,
+        "--user",
+        &root,
+        "snapshot",
+        "save",
+        &backup.display().to_string(),
+    ])
+}
+
+/// Stops the one-member cell `etcd` (started in `etcd_dir` on `ports`), replaces its
+/// data by `backup` and starts it again on the same ports.
+pub async fn restore(
+    etcd: EtcdCluster,
+    etcd_dir: &Path,
+    ports: &[(u16, u16)],
+    backup: &Path,
+) -> anyhow::Result<EtcdCluster> {
+    drop(etcd);
+    let member = etcd_dir.join("etcd-a");
+    std::fs::remove_dir_all(&member)?;
+    let (client_port, peer_port) = ports[0];
+    let peer = format!("http://127.0.0.1:{peer_port}");
+    etcdctl(&[
+        "snapshot",
+        "restore",
+        &backup.display().to_string(),
+        "--name",
+        "a",
+        "--data-dir",
+        &member.display().to_string(),
+        "--initial-cluster",
+        &format!("a={peer}"),
+        "--initial-advertise-peer-urls",
+        &peer,
+        "--initial-cluster-token",
+        &format!("lockcell-{client_port}"),
+    ])?;
+    EtcdCluster::start_on(etcd_dir, ports).await
+}
+
 /// Takes `lock` and lets it go again; the grant's token.
-async fn grant(client: &Client, lock: &str) -> anyhow::Result<FencingToken> {
+pub async fn grant(client: &Client, lock: &str) -> anyhow::Result<FencingToken> {
     let session = client
         .open_session(short_session(Duration::from_secs(5)))
         .await?;
@@ -83,16 +128,7 @@ pub async fn a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising() -> 
         "a new cell's first token is {first}: its epoch is not the time it was set up"
     );
     let backup = dir.path().join("backup.db");
-    let root = format!("{}:{}", rbac::ROOT_USER, etcd::ROOT_PASSWORD);
-    etcdctl(&[
-        "--endpoints",
-        &endpoint,
-        "--user",
-        &root,
-        "snapshot",
-        "save",
-        &backup.display().to_string(),
-    ])?;
+    snapshot(&endpoint, &backup)?;
     // Grants after the backup: the restored cell will not know them.
     let mut before = first;
     for _ in 0..5 {
@@ -112,27 +148,7 @@ pub async fn a_restore_from_backup_with_a_raised_epoch_keeps_tokens_rising() -> 
         "the proxy did not stop cleanly: {stopped}"
     );
     drop(client);
-    drop(etcd);
-    let member = etcd_dir.join("etcd-a");
-    std::fs::remove_dir_all(&member)?;
-    let (client_port, peer_port) = ports[0];
-    let peer = format!("http://127.0.0.1:{peer_port}");
-    etcdctl(&[
-        "snapshot",
-        "restore",
-        &backup.display().to_string(),
-        "--name",
-        "a",
-        "--data-dir",
-        &member.display().to_string(),
-        "--initial-cluster",
-        &format!("a={peer}"),
-        "--initial-advertise-peer-urls",
-        &peer,
-        "--initial-cluster-token",
-        &format!("lockcell-{client_port}"),
-    ])?;
-    let etcd = EtcdCluster::start_on(&etcd_dir, &ports).await?;
+    let etcd = restore(etcd, &etcd_dir, &ports, &backup).await?;
     let restored_at = etcd.revision().await?;
     ensure!(
         restored_at < before.revision,

@@ -11,6 +11,7 @@ mod auth_tokens;
 mod bad_input;
 mod cell;
 mod chaos;
+mod check_config;
 mod contention;
 mod dev;
 mod elections;
@@ -132,6 +133,9 @@ fn main() {
         operations::lockctl_stops_its_command_when_a_narrowed_grant_loses_the_hold,
         operations::lockctl_stops_its_command_when_an_epoch_bump_loses_the_hold,
         operations::bump_epoch_refuses_a_cell_with_running_proxies,
+        operations::one_tailer_per_folder_one_that_cannot_follow_exits_overlaps_refused,
+        operations::a_tailer_on_the_trail_of_a_restored_cell_refuses_to_merge_it,
+        check_config::check_config_finds_a_bad_file_before_a_restart_does,
         guide::the_client_guides_examples_run_against_a_real_cell,
         grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
         grants::a_proxy_reaches_etcd_over_mutual_tls,

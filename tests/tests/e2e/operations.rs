@@ -6,11 +6,13 @@ use std::time::Duration;
 use anyhow::{ensure, Context};
 use lockcell_cell::rbac;
 use lockcell_client::{Client, ClientOptions, SessionOptions, Wait};
+use lockcell_tests::audit::AuditProcess;
 use lockcell_tests::certs::token_sha256;
 use lockcell_tests::etcd::{reserve_ports, ADMIN_PASSWORD};
 use lockcell_tests::{bins, eventually, EtcdCluster, ProxyOptions, ProxyProcess};
 use nix::sys::signal::Signal;
 
+use crate::cell::restore;
 use crate::faults::{exited, first_line, lockctl_command, lockctl_lock, running};
 use crate::support::short_session;
 
@@ -239,6 +241,244 @@ pub async fn bump_epoch_refuses_a_cell_with_running_proxies() -> anyhow::Result<
             && stdout.contains("raised the epoch")
             && stderr.contains("no proxy runs"),
         "bump-epoch once the proxies were gone exited {status:?}: {stdout}{stderr}"
+    );
+    Ok(())
+}
+
+/// `lockcell-cell audit` on `etcd` with its data in `data`, logging to `log`, more
+/// `args` after.
+async fn tailer(
+    etcd: &[String],
+    data: &std::path::Path,
+    args: &[&str],
+) -> anyhow::Result<AuditProcess> {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    AuditProcess::start("run", etcd, data, &args, &data.with_extension("log")).await
+}
+
+/// Runs `lockcell-cell audit` on `etcd` with its data in `data`, which must exit by
+/// itself within 30 s: its exit status and stderr.
+async fn tailer_exits(
+    etcd: &str,
+    data: &std::path::Path,
+) -> anyhow::Result<(std::process::ExitStatus, String)> {
+    let run = tokio::process::Command::new(bins::workspace_bin("lockcell-cell")?)
+        .args(["audit", "--etcd", etcd, "--data-dir"])
+        .arg(data)
+        .args(["--listen", "127.0.0.1:0", "--etcd-user", rbac::TAILER_USER])
+        .env(
+            "LOCKCELL_ETCD_PASSWORD",
+            lockcell_tests::etcd::TAILER_PASSWORD,
+        )
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .context("the tailer kept running")??;
+    Ok((
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// The exit status and log of a tailer that must stop by itself within `within`.
+async fn stops_by_itself(
+    mut tailer: AuditProcess,
+    within: Duration,
+) -> anyhow::Result<(std::process::ExitStatus, String)> {
+    let status = tailer.process.wait_exit(within).await.with_context(|| {
+        format!(
+            "the tailer is still running:\n{}",
+            tailer.process.log_tail(20)
+        )
+    })?;
+    Ok((status, tailer.process.log_tail(20)))
+}
+
+/// A tailer started on the data folder another one uses is refused; a tailer that
+/// cannot reach etcd exits with status 1 once --give-up-after has passed; a rebuild
+/// from an archive with overlapping segments is refused unless --force.
+pub async fn one_tailer_per_folder_one_that_cannot_follow_exits_overlaps_refused(
+) -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let proxy = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), &etcd.dir).await?;
+    let client = Client::connect(&proxy.url()).await?;
+    let first = tailer(&etcd.endpoints(), &data, &[]).await?;
+    for _ in 0..3 {
+        crate::cell::grant(&client, "audit/x").await?;
+    }
+    eventually(
+        "the trail holds the grants",
+        Duration::from_secs(20),
+        || async {
+            let granted = first.history("audit/x").await?;
+            Ok((granted.len() >= 6).then_some(()))
+        },
+    )
+    .await?;
+
+    // A second tailer on the same folder.
+    let (status, said) = tailer_exits(&etcd.endpoints()[0], &data).await?;
+    ensure!(
+        status.code() == Some(1) && said.contains("another audit tailer runs on the data folder"),
+        "a second tailer on the same data folder exited {status}: {said}"
+    );
+    // Its segments: stopped, the first one flushes its archive.
+    first.stop().await?;
+
+    // A tailer whose link to etcd is cut gives up after --give-up-after.
+    let link = lockcell_tests::Relay::start(&etcd.endpoints()[0]).await?;
+    let cut = tailer(
+        std::slice::from_ref(&link.addr),
+        &dir.path().join("cut"),
+        &["--give-up-after", "3s"],
+    )
+    .await?;
+    eventually(
+        "the cut-off tailer is ready",
+        Duration::from_secs(20),
+        || async {
+            let (status, _, _) =
+                lockcell_tests::proxy::http_call(&cut.addr, "GET", "/readyz").await?;
+            Ok((status == 200).then_some(()))
+        },
+    )
+    .await?;
+    link.cut(true);
+    let (status, log) = stops_by_itself(cut, Duration::from_secs(30)).await?;
+    ensure!(
+        status.code() == Some(1)
+            && (log.contains("etcd has not answered for 3s") || log.contains("stayed at revision"))
+            && log.contains("--give-up-after"),
+        "a tailer cut off from etcd exited {status}:\n{log}"
+    );
+
+    // Two segments for one range: what two tailers writing one archive leave.
+    let archive = data.join("archive");
+    let segment = walk(&archive)?
+        .into_iter()
+        .find(|p| p.starts_with(archive.join("7y")) && p.to_string_lossy().ends_with(".jsonl.gz"))
+        .with_context(|| format!("no 7y segment in the archive: {:?}", walk(&archive)))?;
+    let twin = archive.join("7y/2001/01/01");
+    std::fs::create_dir_all(&twin)?;
+    std::fs::copy(&segment, twin.join(segment.file_name().context("name")?))?;
+    for force in [false, true] {
+        let mut rebuild = tokio::process::Command::new(bins::workspace_bin("lockcell-cell")?);
+        rebuild
+            .args([
+                "audit",
+                "rebuild",
+                "--etcd",
+                &etcd.endpoints()[0],
+                "--data-dir",
+            ])
+            .arg(&data)
+            .args(["--listen", "127.0.0.1:0", "--etcd-user", rbac::TAILER_USER])
+            .env(
+                "LOCKCELL_ETCD_PASSWORD",
+                lockcell_tests::etcd::TAILER_PASSWORD,
+            )
+            // Forced, it rebuilds, then tails until etcd is away for a second.
+            .env("LOCKCELL_AUDIT_GIVE_UP_AFTER", "1s")
+            .kill_on_drop(true);
+        if force {
+            rebuild.arg("--force");
+            let mut rebuilt = rebuild.stderr(std::process::Stdio::piped()).spawn()?;
+            let stderr = rebuilt.stderr.take().context("stderr")?;
+            let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stderr));
+            let said = tokio::time::timeout(Duration::from_secs(30), async {
+                while let Some(line) = lines.next_line().await? {
+                    if line.contains("rebuilt the audit store") {
+                        return anyhow::Ok(line);
+                    }
+                }
+                anyhow::bail!("the forced rebuild ended without rebuilding")
+            })
+            .await
+            .context("the forced rebuild did not finish within 30 s")??;
+            ensure!(said.contains("audit.db"), "the forced rebuild said: {said}");
+            continue;
+        }
+        let refused = rebuild.output().await?;
+        let said = String::from_utf8_lossy(&refused.stderr);
+        ensure!(
+            refused.status.code() == Some(1)
+                && said.contains("is in both")
+                && said.contains("--force"),
+            "a rebuild from overlapping segments exited {}: {said}",
+            refused.status
+        );
+    }
+    Ok(())
+}
+
+/// Every file under `dir`.
+fn walk(dir: &std::path::Path) -> anyhow::Result<Vec<std::path::PathBuf>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            files.extend(walk(&path)?);
+        } else {
+            files.push(path);
+        }
+    }
+    Ok(files)
+}
+
+/// After a restore and `bump-epoch`, a tailer started on the old trail refuses it,
+/// even once the restored store's revisions have grown past the trail's checkpoint.
+pub async fn a_tailer_on_the_trail_of_a_restored_cell_refuses_to_merge_it() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let ports = reserve_ports(1);
+    let etcd_dir = dir.path().join("etcd");
+    let etcd = EtcdCluster::start_on(&etcd_dir, &ports).await?;
+    let endpoint = etcd.endpoints()[0].clone();
+    let data = dir.path().join("data");
+    let trail = tailer(&etcd.endpoints(), &data, &[]).await?;
+    let mut proxy =
+        ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), dir.path()).await?;
+    let client = Client::connect(&proxy.url()).await?;
+    crate::cell::grant(&client, "restore/r").await?;
+    let backup = dir.path().join("backup.db");
+    crate::cell::snapshot(&endpoint, &backup)?;
+    let mut last = None;
+    for _ in 0..5 {
+        last = Some(crate::cell::grant(&client, "restore/r").await?);
+    }
+    let last = last.context("no grant")?;
+    eventually(
+        "the trail holds the last grant",
+        Duration::from_secs(20),
+        || async {
+            let history = trail.history("restore/r").await?;
+            Ok(history
+                .iter()
+                .any(|e| e.token == last.to_string())
+                .then_some(()))
+        },
+    )
+    .await?;
+    trail.stop().await?;
+    drop(client);
+    proxy.signal(Signal::SIGTERM)?;
+    proxy.process.wait_exit(Duration::from_secs(30)).await?;
+
+    let etcd = restore(etcd, &etcd_dir, &ports, &backup).await?;
+    let (status, _, stderr) = lockcell_cell(&["bump-epoch", "--etcd", &endpoint]).await?;
+    ensure!(status == Some(0), "bump-epoch after the restore: {stderr}");
+    let proxy = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), dir.path()).await?;
+    let client = Client::connect(&proxy.url()).await?;
+    // The restored store grows past the old trail's checkpoint.
+    while etcd.revision().await? <= last.revision + 5 {
+        crate::cell::grant(&client, "restore/r").await?;
+    }
+    let (status, log) = tailer_exits(&endpoint, &data).await?;
+    ensure!(
+        status.code() == Some(1) && log.contains("restored from a backup"),
+        "a tailer on the old trail of a restored cell exited {status}:\n{log}"
     );
     Ok(())
 }

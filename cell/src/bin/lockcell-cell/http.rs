@@ -143,7 +143,7 @@ impl Readiness {
     }
 
     /// How long ago etcd last answered, if ever.
-    fn since_answer(&self) -> Option<Duration> {
+    pub fn since_answer(&self) -> Option<Duration> {
         let at = self.answered.load(Ordering::Relaxed).checked_sub(1)?;
         Some(
             self.started

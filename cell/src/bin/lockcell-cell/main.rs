@@ -25,6 +25,7 @@ use lockcell_cell::presence;
 use lockcell_cell::rbac::{self, Credentials, Passwords, Secret};
 use tracing_subscriber::EnvFilter;
 
+mod check;
 mod http;
 mod shardmap;
 
@@ -55,6 +56,14 @@ struct Cli {
     /// format, and exits without doing anything.
     #[arg(long, global = true)]
     print_config: bool,
+
+    /// Checks the files the command would read (for `audit`: --grants,
+    /// --admin-token-file, --tls-cert and --tls-key; for every command: the settings and
+    /// the --etcd-tls-* files) and exits without doing anything or contacting etcd.
+    /// Prints what was checked and `configuration OK` (exit 0), or each error, naming
+    /// the file (exit 1; bad settings exit 2).
+    #[arg(long, global = true)]
+    check_config: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -343,6 +352,20 @@ struct AuditArgs {
     /// service-mesh sidecar forwarding from 127.0.0.6 defeats.
     #[arg(long, env = "LOCKCELL_ADMIN_TOKEN_FILE")]
     admin_token_file: Option<PathBuf>,
+
+    /// Exit with status 1 when the tailer cannot follow its cell for this long: etcd
+    /// has not answered, or it answers but the trail has not moved while the store
+    /// did. Its supervisor (systemd, Kubernetes) then starts it again, and /readyz and
+    /// the exit status say something is wrong instead of a tailer that looks alive.
+    #[arg(long, env = "LOCKCELL_AUDIT_GIVE_UP_AFTER", default_value = "60s", value_parser = humantime::parse_duration)]
+    give_up_after: Duration,
+
+    /// `audit rebuild` only: rebuild even though the archive has overlapping segments
+    /// (two tailers wrote the same revisions) or missing ones (a gap between two
+    /// segments of a class). Where two segments hold an event of the same revision and
+    /// place, one of them is kept.
+    #[arg(long)]
+    force: bool,
 }
 
 #[tokio::main]
@@ -366,6 +389,9 @@ async fn main() {
     if loaded.config.print_config {
         print!("{}", loaded.render());
         return;
+    }
+    if loaded.config.check_config {
+        check::exit(&loaded.config);
     }
     if let Err(e) = run(loaded.config.command).await {
         eprintln!("lockcell-cell: {e:#}");
@@ -542,6 +568,7 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("creating the data folder {}", args.data_dir.display()))?;
+    let _only_tailer = lock_data_dir(&args.data_dir)?;
     let store_spec = args
         .store
         .clone()
@@ -574,7 +601,7 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
                 "`audit rebuild` needs the archive; --no-archive leaves nothing to rebuild from"
             );
         };
-        rebuild(&store, archive).await?;
+        rebuild(&store, archive, args.force).await?;
     }
 
     // etcd latency as a histogram, with the proxies' buckets: one query for both.
@@ -627,7 +654,7 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
     let etcd = args.etcd.connect().await?;
     tokio::spawn(http::probe(
         etcd.clone(),
-        (readiness, stats.clone()),
+        (readiness.clone(), stats.clone()),
         PROBE_INTERVAL,
         etcd_timeout,
         stop.clone(),
@@ -639,15 +666,91 @@ async fn audit(args: AuditArgs) -> anyhow::Result<()> {
         ..TailerOptions::default()
     };
     tracing::info!(listen = %args.listen, "lockcell-cell audit ready");
-    let result = tailer::run(etcd, &store, archive.as_mut(), &options, stats, stop).await;
+    let result = tokio::select! {
+        result = tailer::run(etcd, &store, archive.as_mut(), &options, stats.clone(), stop) => {
+            result.map_err(Into::into)
+        }
+        stuck = watchdog(&readiness, &stats, args.give_up_after) => Err(stuck),
+    };
     housekeeping.abort();
     server.abort();
-    result.map_err(Into::into)
+    result
+}
+
+/// Holds `DATA_DIR/audit.lock` for as long as it lives: one tailer per data folder. A
+/// second one would write the same revisions into the same store and archive.
+fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    let path = dir.join("audit.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
+            "another audit tailer runs on the data folder {} (it holds {}): one tailer per data folder; stop that one first, or give this one its own --data-dir",
+            dir.display(),
+            path.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(e).with_context(|| format!("locking {}", path.display()))
+        }
+    }
+}
+
+/// Returns (an error saying why) once the tailer has not followed its cell for
+/// `give_up`: etcd unanswered that long, or the store moving while the trail does not.
+async fn watchdog(
+    readiness: &http::Readiness,
+    stats: &TailerStats,
+    give_up: Duration,
+) -> anyhow::Error {
+    let started = tokio::time::Instant::now();
+    let mut trail = (stats.checkpoint.load(Ordering::Relaxed), started);
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = tokio::time::Instant::now();
+        let unanswered = readiness
+            .since_answer()
+            .unwrap_or_else(|| now.duration_since(started));
+        if unanswered >= give_up {
+            return anyhow::anyhow!(
+                "etcd has not answered for {}; the audit tailer exits so that its supervisor starts it again (--give-up-after)",
+                humantime::format_duration(give_up)
+            );
+        }
+        let checkpoint = stats.checkpoint.load(Ordering::Relaxed);
+        if checkpoint != trail.0 || stats.lag() == 0 {
+            trail = (checkpoint, now);
+        } else if now.duration_since(trail.1) >= give_up {
+            return anyhow::anyhow!(
+                "the audit trail has stayed at revision {checkpoint} for {} while etcd is at revision {}: the tailer's watch does not follow the cell; exiting so that its supervisor starts it again (--give-up-after)",
+                humantime::format_duration(give_up),
+                stats.head.load(Ordering::Relaxed)
+            );
+        }
+    }
 }
 
 /// Empties the store and loads every archived event into it, a few revisions at a time.
-async fn rebuild(store: &Store, archive: &Archive) -> anyhow::Result<()> {
-    let events = archive.read_all().await?;
+/// Refuses an archive with overlapping or missing segments unless `force`.
+async fn rebuild(store: &Store, archive: &Archive, force: bool) -> anyhow::Result<()> {
+    let (events, problems) = archive.read_all_checked().await?;
+    if !problems.is_empty() {
+        let mut listed = problems[..problems.len().min(5)].join("; ");
+        if problems.len() > 5 {
+            listed.push_str(&format!("; and {} more", problems.len() - 5));
+        }
+        if !force {
+            anyhow::bail!(
+                "the archive {} is not one unbroken run of segments: {listed}. Overlapping segments mean two tailers wrote the same revisions (their events may differ, and a rebuild keeps only one of each); missing ones, revisions no segment holds. Nothing was rebuilt: look at the segments named, or pass --force to rebuild anyway",
+                archive.describe()
+            );
+        }
+        tracing::warn!(archive = %archive.describe(), problems = %listed, "--force: rebuilding from an archive with overlapping or missing segments");
+    }
     store.clear().await?;
     let mut start = 0;
     while start < events.len() {
