@@ -120,7 +120,7 @@ pub enum ShardMapError {
 }
 
 /// The operator's file: no version, pause, epoch or cluster id (`set` fills them in).
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct MapFile {
     #[serde(default)]
@@ -129,13 +129,13 @@ struct MapFile {
     routes: Vec<RouteFile>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct CellFile {
     endpoints: Vec<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct RouteFile {
     prefix: String,
@@ -143,6 +143,33 @@ struct RouteFile {
 }
 
 impl ShardMap {
+    /// The map as an operator's file, which [`ShardMap::from_toml`] (and so `shardmap
+    /// set`) takes back: its cells' endpoints and its routes, without what `set` fills
+    /// in (version, cluster ids, pauses, epochs).
+    pub fn to_toml(&self) -> String {
+        let file = MapFile {
+            cells: self
+                .cells
+                .iter()
+                .map(|(name, spec)| {
+                    let cell = CellFile {
+                        endpoints: spec.endpoints.clone(),
+                    };
+                    (name.clone(), cell)
+                })
+                .collect(),
+            routes: self
+                .routes
+                .iter()
+                .map(|r| RouteFile {
+                    prefix: r.prefix.clone(),
+                    cell: r.cell.clone(),
+                })
+                .collect(),
+        };
+        toml::to_string(&file).expect("a shard map file serializes")
+    }
+
     /// Reads an operator's file (see the module doc) and validates it: version 0, no
     /// cluster ids, every route unpaused at epoch 0.
     pub fn from_toml(text: &str) -> Result<ShardMap, ShardMapError> {

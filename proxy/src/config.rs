@@ -164,7 +164,10 @@ pub struct ProxyConfig {
     /// How long a stopping proxy (SIGTERM, or POST /drain on the admin address) waits
     /// for its clients to resume their sessions on other proxies before it shuts down.
     /// Sessions still here then are ended as before: the proxy waits until no holder can
-    /// still act, then revokes its leases.
+    /// still act, then revokes its leases. Each client is told to move at a turn of
+    /// its own, drawn at random over the first 60 % of this time, so that a fleet's
+    /// resumes reach etcd as a stream: a drain of even one idle client may take up to
+    /// 18 s with the default (lower it where few clients connect).
     #[arg(long, env = "LOCKCELL_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
 
@@ -209,6 +212,12 @@ pub struct ProxyConfig {
     /// file and line (exit 1; bad settings exit 2). Run it before every restart.
     #[arg(long)]
     pub check_config: bool,
+
+    /// The log's format on stderr: `text` (coloured only on a terminal) or `json`
+    /// (one object per line). The level comes from RUST_LOG (default info; for
+    /// example RUST_LOG=lockcell_proxy=debug,info).
+    #[arg(long, env = "LOCKCELL_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: lockcell_settings::logs::LogFormat,
 }
 
 /// Why a configuration was refused.

@@ -116,11 +116,27 @@ fn record<T, E>(
     lockcell_cell::error::record_etcd_call(call, outcome, sent.elapsed());
 }
 
+/// How soon a renewal that failed is first tried again (on a new stream, which may
+/// reach another etcd member); the pause doubles with each failure in a row, up to the
+/// renew interval.
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
+
 /// Renews `lease` until it is lost; returns why.
+///
+/// Each attempt gets at most one renew interval (less than `--etcd-timeout` with the
+/// defaults): a member that stopped answering (a dead host, a frozen process) holds
+/// a stream until the attempt gives up, and an attempt that waited the whole etcd
+/// timeout could outlast the lease. A failed attempt is tried again soon on a new
+/// stream, which etcd's client may open on another member.
 async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
     let mut tick = tokio::time::interval(state.config.renew_interval());
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let attempt = state.config.etcd_timeout.min(state.config.renew_interval());
+    // The stream, and the member it is open on.
     let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
+    let mut member = 0;
+    let mut pause = RETRY_PAUSE;
+    let most = state.config.renew_interval();
     loop {
         tick.tick().await;
         if state.leases.past_bound(bucket, Instant::now()) {
@@ -129,16 +145,26 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
         let (keeper, replies) = match stream.as_mut() {
             Some(pair) => pair,
             None => {
-                let mut client = state.etcd.lease_client();
+                let (at, client) = state.members.lease_client().await;
+                member = at;
+                let Some(mut client) = client else {
+                    state.members.failed(member).await;
+                    retry_soon(&mut tick, &mut pause, most);
+                    continue;
+                };
                 let call = client.keep_alive(lease);
-                match tokio::time::timeout(state.config.etcd_timeout, call).await {
+                match tokio::time::timeout(attempt, call).await {
                     Ok(Ok(pair)) => stream.insert(pair),
                     Ok(Err(e)) => {
                         tracing::warn!(bucket, lease, error = %e, "lease keepalive stream failed to open");
+                        state.members.failed(member).await;
+                        retry_soon(&mut tick, &mut pause, most);
                         continue;
                     }
                     Err(_) => {
                         tracing::warn!(bucket, lease, "lease keepalive stream timed out opening");
+                        state.members.failed(member).await;
+                        retry_soon(&mut tick, &mut pause, most);
                         continue;
                     }
                 }
@@ -150,12 +176,13 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
             keeper.keep_alive().await?;
             replies.message().await
         };
-        let result = tokio::time::timeout(state.config.etcd_timeout, exchange).await;
+        let result = tokio::time::timeout(attempt, exchange).await;
         record("lease keepalive", &result, sent.0);
         match result {
             Ok(Ok(Some(reply))) if reply.id() == lease && reply.ttl() > 0 => {
                 let ttl = Duration::from_secs(reply.ttl() as u64);
                 state.leases.renewed(bucket, lease, sent, ttl);
+                pause = RETRY_PAUSE;
                 if let Some(header) = reply.header() {
                     state.cell.saw(header.revision());
                 }
@@ -171,9 +198,18 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
                 };
                 tracing::warn!(bucket, lease, error = %what, "lease renewal failed; reopening the stream");
                 stream = None;
+                state.members.failed(member).await;
+                retry_soon(&mut tick, &mut pause, most);
             }
         }
     }
+}
+
+/// After a failed renewal: the next try after `pause` (sooner than the next renewal),
+/// and the pause after that doubled, up to `most`.
+fn retry_soon(tick: &mut tokio::time::Interval, pause: &mut Duration, most: Duration) {
+    tick.reset_after(*pause);
+    *pause = (*pause * 2).min(most);
 }
 
 /// Renews `bucket`'s `lease` once, now, outside the keeper's rhythm (a resume needs a

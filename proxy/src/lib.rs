@@ -27,6 +27,7 @@ pub mod handover;
 pub mod kvbudget;
 pub mod lease_keeper;
 pub mod leases;
+pub mod members;
 pub mod metrics;
 pub mod mirror;
 pub mod queues;
@@ -321,6 +322,8 @@ struct Shared {
 /// One connection to a cell, with what the proxy read from it at the start.
 struct Connection {
     etcd: etcd_client::Client,
+    /// The same cell, one member at a time, for the lease renewals.
+    members: Arc<members::Members>,
     epoch: epoch::Stored,
     revision: i64,
     /// The cell's copy of the shard map.
@@ -382,6 +385,7 @@ impl Engine {
     ) -> anyhow::Result<Engine> {
         let Connection {
             etcd,
+            members,
             epoch,
             revision: start_revision,
             map,
@@ -437,6 +441,7 @@ impl Engine {
             cleanup: Default::default(),
             renewing: (0..config.leases).map(|_| Default::default()).collect(),
             etcd: etcd.clone(),
+            members,
             shutdown: shared.stop.clone(),
             drain: shared.drain.clone(),
             drain_started: Default::default(),
@@ -610,6 +615,11 @@ async fn connect(
             let map = lockcell_cell::shardmap::read(&mut kv, config.etcd_timeout).await?;
             anyhow::Ok(Connection {
                 etcd: client,
+                members: Arc::new(members::Members::new(
+                    endpoints,
+                    options.clone(),
+                    config.etcd_timeout,
+                )),
                 epoch: record,
                 revision,
                 map,

@@ -2,8 +2,6 @@
 //! until SIGTERM or SIGINT.
 #![forbid(unsafe_code)]
 
-use tracing_subscriber::EnvFilter;
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     if let Some(reference) =
@@ -33,12 +31,7 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     // After the checks above, so that --check-config prints its lines alone.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    lockcell_settings::logs::init(config.log_format, "info");
     let prometheus = lockcell_proxy::install_metrics()?;
     match lockcell_proxy::run(config, prometheus, shutdown_signal()).await {
         Ok(lockcell_proxy::Stopped::Asked) => Ok(()),

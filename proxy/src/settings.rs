@@ -53,7 +53,7 @@ mod tests {
         assert!(
             shown
                 .lines()
-                .any(|l| l.starts_with("leases = \"8\"") && l.ends_with("# file")),
+                .any(|l| l.starts_with("leases = 8 ") && l.ends_with("# file")),
             "{shown}"
         );
     }

@@ -55,6 +55,8 @@ pub struct ProxyState {
     pub renewing: Vec<tokio::sync::Mutex<()>>,
     /// The connection to etcd (cheap clones share it).
     pub etcd: etcd_client::Client,
+    /// The cell's members one at a time, for the lease renewals.
+    pub members: std::sync::Arc<crate::members::Members>,
     /// Turns true when the proxy starts shutting down; long-lived calls end on it.
     pub shutdown: watch::Receiver<bool>,
     /// Turns true when the proxy is asked to stop (SIGTERM, or the admin `/drain`): it

@@ -18,6 +18,8 @@
 //! force, in the file's format, each with where it came from, secrets hidden.
 //! [`reference`] is the binary's part of `docs/configuration.md`.
 
+pub mod logs;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -503,8 +505,13 @@ fn hide_credentials(value: &str) -> String {
     format!("{}{authority}{rest}", &value[..start])
 }
 
+/// `value` as the file would say it: a whole number bare (`leases = 4`), anything else
+/// as a TOML string. The file's values are handed to the flags as text either way.
 fn quote(value: &str) -> String {
-    toml::Value::String(value.to_owned()).to_string()
+    match value.parse::<i64>() {
+        Ok(number) if number.to_string() == value => value.to_owned(),
+        _ => toml::Value::String(value.to_owned()).to_string(),
+    }
 }
 
 /// The file as a table: the parser's message, and where, but not its quote of the

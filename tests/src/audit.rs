@@ -30,6 +30,25 @@ impl AuditProcess {
         args: &[String],
         log: &Path,
     ) -> anyhow::Result<Self> {
+        Self::start_as(
+            action,
+            etcd,
+            (data_dir, log),
+            args,
+            crate::etcd::TAILER_PASSWORD,
+        )
+        .await
+    }
+
+    /// [`AuditProcess::start`] with `lockcell-tailer`'s `password` (the dev cell makes
+    /// its own).
+    pub async fn start_as(
+        action: &str,
+        etcd: &[String],
+        (data_dir, log): (&Path, &Path),
+        args: &[String],
+        password: &str,
+    ) -> anyhow::Result<Self> {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut cmd = Command::new(bins::workspace_bin("lockcell-cell")?);
         cmd.arg("audit")
@@ -43,7 +62,7 @@ impl AuditProcess {
             .arg("--etcd-user")
             .arg(lockcell_cell::rbac::TAILER_USER)
             .args(args)
-            .env("LOCKCELL_ETCD_PASSWORD", crate::etcd::TAILER_PASSWORD)
+            .env("LOCKCELL_ETCD_PASSWORD", password)
             .env("RUST_LOG", "info");
         let process = Managed::spawn("audit tailer", cmd, log)?;
         let tailer = AuditProcess {
@@ -51,10 +70,20 @@ impl AuditProcess {
             addr,
             data_dir: data_dir.to_path_buf(),
         };
+        // Over TLS (the dev cell's) the tailer says it is ready in its log; over plain
+        // HTTP it answers.
+        let tls = args.iter().any(|a| a == "--tls-cert");
+        let log = tailer.process.log.clone();
         eventually(
             "the audit tailer answers",
             Duration::from_secs(30),
-            || async { Ok(http_get(&tailer.addr, "/healthz").await.ok()) },
+            || async {
+                if tls {
+                    let text = std::fs::read_to_string(&log).unwrap_or_default();
+                    return Ok(text.contains("lockcell-cell audit ready").then_some(()));
+                }
+                Ok(http_get(&tailer.addr, "/healthz").await.ok().map(|_| ()))
+            },
         )
         .await
         .map_err(|e| anyhow::anyhow!("{e}\n{}", tailer.process.log_tail(30)))?;

@@ -17,6 +17,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use lockcell_cell::rbac::{self, Passwords};
+use lockcell_tests::audit::AuditProcess;
 use lockcell_tests::certs::Authority;
 use lockcell_tests::etcd::EtcdOptions;
 use lockcell_tests::{bins, EtcdCluster, ProxyOptions, ProxyProcess};
@@ -77,6 +78,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let users_file = dir.join("etcd-users");
     write_users(&users_file, &passwords)?;
+    let tailer_password = passwords.tailer.clone();
     let etcd_options = EtcdOptions {
         auth: Some(passwords),
         ..EtcdOptions::default()
@@ -104,6 +106,25 @@ async fn main() -> anyhow::Result<()> {
         proxies.push(ProxyProcess::start(&options, &dir).await?);
     }
 
+    // The audit tailer, serving `lockctl audit` over TLS to the dev identity.
+    let tailer_args: Vec<String> = vec![
+        "--grants".into(),
+        grants.display().to_string(),
+        "--tls-cert".into(),
+        server.cert.display().to_string(),
+        "--tls-key".into(),
+        server.key.display().to_string(),
+    ];
+    let mut tailer = AuditProcess::start_as(
+        "run",
+        &etcd.endpoints(),
+        (&dir.join("audit"), &dir.join("audit.log")),
+        &tailer_args,
+        &tailer_password,
+    )
+    .await?;
+    let audit_url = format!("https://{}", tailer.addr);
+
     let mut listing = String::new();
     for (member, proxy) in etcd.members.iter().zip(&proxies) {
         writeln!(listing, "etcd {} {}", member.name, member.client_addr)?;
@@ -125,10 +146,12 @@ async fn main() -> anyhow::Result<()> {
              export LOCKCELL_PROXY={all}\n\
              export LOCKCELL_TLS_CA={ca}\n\
              export LOCKCELL_AUTH_TOKEN={token}\n\
+             export LOCKCELL_AUDIT={audit}\n\
              export PATH={bin}:\"$PATH\"\n",
             env = env_file.display(),
             all = shell_quote(&all_proxies.join(",")),
             ca = shell_quote(&ca_file.display().to_string()),
+            audit = shell_quote(&audit_url),
             bin = shell_quote(&bin_dir.display().to_string()),
         ),
     )?;
@@ -142,6 +165,10 @@ async fn main() -> anyhow::Result<()> {
             proxy.zone, proxy.addr, proxy.admin_addr
         );
     }
+    println!(
+        "  audit tailer: {audit_url} (`lockctl audit NAME` asks it; data in {})",
+        dir.join("audit").display()
+    );
     println!("Endpoints are listed in {}.", endpoints_file.display());
     println!(
         "etcd runs with authentication on; its users and passwords (root for etcdctl --user) are in {}.",
@@ -153,7 +180,7 @@ async fn main() -> anyhow::Result<()> {
         grants.display()
     );
     println!(
-        "In another terminal, `. {}` sets LOCKCELL_PROXY (the three proxies), LOCKCELL_TLS_CA and LOCKCELL_AUTH_TOKEN and puts lockctl on PATH: every lockctl line of docs/client-guide.md then runs as written.",
+        "In another terminal, `. {}` sets LOCKCELL_PROXY (the three proxies), LOCKCELL_TLS_CA, LOCKCELL_AUTH_TOKEN and LOCKCELL_AUDIT and puts lockctl on PATH: every lockctl line of docs/client-guide.md then runs as written.",
         env_file.display()
     );
     println!("Or try, in another terminal:");
@@ -173,9 +200,11 @@ async fn main() -> anyhow::Result<()> {
     for proxy in &proxies {
         let _ = proxy.signal(nix::sys::signal::Signal::SIGTERM);
     }
+    let _ = tailer.process.signal(nix::sys::signal::Signal::SIGTERM);
     for proxy in proxies.iter_mut() {
         proxy.process.stop(args.lease_ttl + Duration::from_secs(5));
     }
+    tailer.process.stop(Duration::from_secs(10));
     for member in etcd.members.iter_mut() {
         member.process.stop(Duration::from_secs(10));
     }

@@ -482,3 +482,73 @@ pub async fn a_tailer_on_the_trail_of_a_restored_cell_refuses_to_merge_it() -> a
     );
     Ok(())
 }
+
+/// The index of the member that leads the cluster now.
+async fn leader(etcd: &EtcdCluster) -> anyhow::Result<usize> {
+    for index in 0..etcd.members.len() {
+        let mut client = etcd.member_client(index).await?;
+        let status = client.status().await?;
+        let me = status.header().context("status has no header")?.member_id();
+        if status.leader() == me {
+            return Ok(index);
+        }
+    }
+    anyhow::bail!("no member says it leads")
+}
+
+/// The etcd leader stops answering (quorum kept): the proxy, which dialled it first, keeps its
+/// leases (renewals go to a live member within a fraction of the lease TTL), stays
+/// ready but for a moment, and its client keeps its lock.
+pub async fn losing_the_etcd_leader_costs_no_lease_and_no_lock() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(3).await?;
+    let lead = leader(&etcd).await?;
+    // The leader first in the proxy's list: it is the member the proxy dials.
+    let mut endpoints = etcd.endpoints();
+    endpoints.swap(0, lead);
+    let mut options = ProxyOptions::new("a", endpoints);
+    options.lease_ttl = Duration::from_secs(6);
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    let client = Client::connect(&proxy.url()).await?;
+    let session = client
+        .open_session(short_session(Duration::from_secs(6)))
+        .await?;
+    let held = session
+        .acquire("ops/leader-loss", Wait::Try)
+        .await?
+        .context("a free lock was not granted")?;
+
+    // Frozen, not killed: a host that is gone answers nothing, not even a reset.
+    etcd.members[lead].process.signal(Signal::SIGSTOP)?;
+    let killed = tokio::time::Instant::now();
+    let mut unready = Duration::ZERO;
+    let mut last = killed;
+    while killed.elapsed() < options.lease_ttl * 3 {
+        let (status, _, _) = lockcell_tests::proxy::http_call(&proxy.admin_addr, "GET", "/readyz")
+            .await
+            .unwrap_or((0, String::new(), String::new()));
+        let now = tokio::time::Instant::now();
+        if status != 200 {
+            unready += now - last;
+        }
+        last = now;
+        ensure!(
+            held.is_valid(),
+            "the lock was lost {:?} after the etcd leader died; the proxy's log:\n{}",
+            killed.elapsed(),
+            proxy.process.log_tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let lost = proxy.metric("lockcell_etcd_leases_lost_total").await?;
+    ensure!(
+        lost == 0.0,
+        "the proxy lost {lost} etcd leases when the etcd leader died ({unready:?} unready); its log:\n{}",
+        proxy.process.log_tail(40)
+    );
+    ensure!(
+        unready < options.lease_ttl / 2,
+        "the proxy was unready for {unready:?} of the {:?} after the etcd leader died",
+        options.lease_ttl * 3
+    );
+    Ok(())
+}

@@ -23,7 +23,6 @@ use lockcell_cell::audit::tailer::{self, TailerOptions, TailerStats};
 use lockcell_cell::epoch;
 use lockcell_cell::presence;
 use lockcell_cell::rbac::{self, Credentials, Passwords, Secret};
-use tracing_subscriber::EnvFilter;
 
 mod check;
 mod http;
@@ -64,6 +63,17 @@ struct Cli {
     /// the file (exit 1; bad settings exit 2).
     #[arg(long, global = true)]
     check_config: bool,
+
+    /// The log's format on stderr: `text` (coloured only on a terminal) or `json`
+    /// (one object per line). The level comes from RUST_LOG (default info).
+    #[arg(
+        long,
+        env = "LOCKCELL_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
+    log_format: lockcell_settings::logs::LogFormat,
 }
 
 #[derive(Debug, Subcommand)]
@@ -370,12 +380,6 @@ struct AuditArgs {
 
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     // The audit tailer's HTTPS and etcd's TLS both use rustls; this process uses ring.
     let _ = rustls::crypto::ring::default_provider().install_default();
     if let Some(reference) = lockcell_settings::reference_requested::<Cli>() {
@@ -393,6 +397,7 @@ async fn main() {
     if loaded.config.check_config {
         check::exit(&loaded.config);
     }
+    lockcell_settings::logs::init(loaded.config.log_format, "info");
     if let Err(e) = run(loaded.config.command).await {
         eprintln!("lockcell-cell: {e:#}");
         if let Some(hint) = refusal_hint(&e) {

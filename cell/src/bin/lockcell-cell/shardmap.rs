@@ -36,8 +36,13 @@ enum ShardmapCommand {
     /// settings are used for every cell.
     Show {
         /// Print the --etcd cell's copy as stored (JSON; `null` when it has none).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "toml")]
         json: bool,
+        /// Print the --etcd cell's copy as a file `shardmap set` takes (its cells and
+        /// routes): to write the map in force to a cell restored from a backup, run it
+        /// on a cell that holds the map in force, and `set` that file.
+        #[arg(long)]
+        toml: bool,
         #[command(flatten)]
         etcd: EtcdArgs,
     },
@@ -118,8 +123,13 @@ enum ShardmapCommand {
 
 pub async fn run(args: ShardmapArgs) -> anyhow::Result<()> {
     match args.command {
-        ShardmapCommand::Show { json: true, etcd } => show_json(&etcd).await,
-        ShardmapCommand::Show { json: false, etcd } => show(&etcd).await,
+        ShardmapCommand::Show {
+            json: true, etcd, ..
+        } => show_json(&etcd).await,
+        ShardmapCommand::Show {
+            toml: true, etcd, ..
+        } => show_toml(&etcd).await,
+        ShardmapCommand::Show { etcd, .. } => show(&etcd).await,
         ShardmapCommand::Set { file, etcd } => set(&etcd, &file).await,
         ShardmapCommand::Move {
             prefix,
@@ -353,6 +363,18 @@ async fn show_json(etcd: &EtcdArgs) -> anyhow::Result<()> {
     match resp.kvs().first() {
         Some(kv) => println!("{}", String::from_utf8_lossy(kv.value())),
         None => println!("null"),
+    }
+    Ok(())
+}
+
+async fn show_toml(etcd: &EtcdArgs) -> anyhow::Result<()> {
+    let mut kv = etcd.connect().await?.kv_client();
+    match lockcell_cell::shardmap::read(&mut kv, etcd.address.etcd_timeout).await? {
+        Some(stored) => print!("{}", stored.map.to_toml()),
+        None => anyhow::bail!(
+            "the cell at {} holds no shard map; run `shardmap show` there to see which cells do",
+            etcd.address.endpoints()
+        ),
     }
     Ok(())
 }
