@@ -108,69 +108,91 @@ pub async fn running(
     timeout: Duration,
     patience: Duration,
 ) -> Result<Vec<Presence>, CellError> {
-    let mut pending = recorded(&mut client.kv_client(), timeout).await?;
+    let mut pending: Vec<Watched> = recorded(&mut client.kv_client(), timeout)
+        .await?
+        .into_iter()
+        .map(|record| Watched { record, seen: None })
+        .collect();
     let mut live = Vec::new();
-    // Per record: its time to live when last seen, when first seen, and that time.
-    let mut last: Vec<Option<(i64, i64, Instant)>> = vec![None; pending.len()];
     let until = Instant::now() + patience;
     let mut leases = client.lease_client();
-    while !pending.is_empty() {
-        let mut i = 0;
-        while i < pending.len() {
-            let lease = pending[i].lease;
-            let ttl = if lease == 0 {
-                i64::MAX
-            } else {
-                let resp = with_timeout(
-                    "read proxy lease",
-                    timeout,
-                    leases.time_to_live(lease, Some(LeaseTimeToLiveOptions::new())),
-                )
-                .await;
-                match resp {
-                    Ok(resp) => resp.ttl(),
-                    // etcd says "requested lease not found" for a lease that expired.
-                    Err(CellError::Etcd { source, .. })
-                        if source.to_string().contains("not found") =>
-                    {
-                        -1
-                    }
-                    Err(other) => return Err(other),
-                }
-            };
-            // Renewed: its time to live rose, or it outlived the time to live it had
-            // when first seen (etcd reports whole seconds, so a short TTL renewed
-            // every second may never be seen to rise).
-            let renewed = lease == 0
-                || last[i].is_some_and(|(before, first_ttl, first_seen)| {
-                    ttl > before
-                        || (ttl > 0
-                            && first_seen.elapsed()
-                                > Duration::from_secs(first_ttl.max(0) as u64) + OUTLIVED)
-                });
-            if renewed {
-                live.push(pending.remove(i).presence);
-                last.remove(i);
-            } else if ttl <= 0 {
-                pending.remove(i);
-                last.remove(i);
-            } else {
-                let (first_ttl, first_seen) = last[i]
-                    .map(|(_, ttl, seen)| (ttl, seen))
-                    .unwrap_or((ttl, Instant::now()));
-                last[i] = Some((ttl, first_ttl, first_seen));
-                i += 1;
+    loop {
+        let mut still = Vec::with_capacity(pending.len());
+        for mut watched in pending {
+            let ttl = time_to_live(&mut leases, watched.record.lease, timeout).await?;
+            if watched.renewed(ttl) {
+                live.push(watched.record.presence);
+            } else if ttl > 0 {
+                watched.seen(ttl);
+                still.push(watched);
             }
         }
+        pending = still;
         if pending.is_empty() {
             break;
         }
         if Instant::now() >= until {
-            live.extend(pending.into_iter().map(|r| r.presence));
+            live.extend(pending.into_iter().map(|w| w.record.presence));
             break;
         }
         tokio::time::sleep(LOOK_EVERY).await;
     }
     live.sort_by(|a, b| a.proxy_id.cmp(&b.proxy_id));
     Ok(live)
+}
+
+/// A presence record [`running`] watches: its lease's time to live when first seen and
+/// when last seen.
+struct Watched {
+    record: Recorded,
+    /// (first time to live, when first seen, last time to live)
+    seen: Option<(i64, Instant, i64)>,
+}
+
+impl Watched {
+    /// Whether the lease was renewed: a record on no lease (nothing removes it), a time
+    /// to live that rose, or a lease that outlived the time to live it had when first
+    /// seen (etcd reports whole seconds, so a short TTL renewed every second may never
+    /// be seen to rise).
+    fn renewed(&self, ttl: i64) -> bool {
+        self.record.lease == 0
+            || self.seen.is_some_and(|(first_ttl, first_seen, last)| {
+                ttl > last
+                    || (ttl > 0
+                        && first_seen.elapsed()
+                            > Duration::from_secs(first_ttl.max(0) as u64) + OUTLIVED)
+            })
+    }
+
+    fn seen(&mut self, ttl: i64) {
+        let (first_ttl, first_seen) = self
+            .seen
+            .map_or((ttl, Instant::now()), |(first, at, _)| (first, at));
+        self.seen = Some((first_ttl, first_seen, ttl));
+    }
+}
+
+/// The time to live of `lease` in seconds; -1 once it has expired, `i64::MAX` for no
+/// lease.
+async fn time_to_live(
+    leases: &mut etcd_client::LeaseClient,
+    lease: i64,
+    timeout: Duration,
+) -> Result<i64, CellError> {
+    if lease == 0 {
+        return Ok(i64::MAX);
+    }
+    let options = Some(LeaseTimeToLiveOptions::new());
+    match with_timeout(
+        "read proxy lease",
+        timeout,
+        leases.time_to_live(lease, options),
+    )
+    .await
+    {
+        Ok(resp) => Ok(resp.ttl()),
+        // etcd says "requested lease not found" for a lease that expired.
+        Err(CellError::Etcd { source, .. }) if source.to_string().contains("not found") => Ok(-1),
+        Err(other) => Err(other),
+    }
 }

@@ -215,8 +215,14 @@ fn retry_soon(tick: &mut tokio::time::Interval, pause: &mut Duration, most: Dura
 /// Renews `bucket`'s `lease` once, now, outside the keeper's rhythm (a resume needs a
 /// later lower bound than the lease has). Returns whether it renewed.
 pub async fn renew_now(state: &ProxyState, bucket: usize, lease: i64) -> bool {
+    // Through the member the keeper renews through: not a member that stopped answering.
+    let (member, client) = state.members.lease_client().await;
+    let Some(mut client) = client else {
+        state.members.failed(member).await;
+        return false;
+    };
     let exchange = async {
-        let (mut keeper, mut replies) = state.etcd.lease_client().keep_alive(lease).await?;
+        let (mut keeper, mut replies) = client.keep_alive(lease).await?;
         let sent = (Instant::now(), state.leases.generation());
         keeper.keep_alive().await?;
         Ok::<_, etcd_client::Error>((sent, replies.message().await?))
@@ -228,7 +234,11 @@ pub async fn renew_now(state: &ProxyState, bucket: usize, lease: i64) -> bool {
             state.leases.renewed(bucket, lease, sent, ttl);
             true
         }
-        _ => false,
+        Ok(Ok((_, Some(_)))) => false,
+        _ => {
+            state.members.failed(member).await;
+            false
+        }
     }
 }
 

@@ -522,7 +522,11 @@ pub async fn losing_the_etcd_leader_costs_no_lease_and_no_lock() -> anyhow::Resu
     let killed = tokio::time::Instant::now();
     let mut unready = Duration::ZERO;
     let mut last = killed;
+    // Sampled every 100 ms over three lease TTLs: this watches a span, it waits for
+    // nothing.
+    let mut sample = tokio::time::interval(Duration::from_millis(100));
     while killed.elapsed() < options.lease_ttl * 3 {
+        sample.tick().await;
         let (status, _, _) = lockcell_tests::proxy::http_call(&proxy.admin_addr, "GET", "/readyz")
             .await
             .unwrap_or((0, String::new(), String::new()));
@@ -537,7 +541,6 @@ pub async fn losing_the_etcd_leader_costs_no_lease_and_no_lock() -> anyhow::Resu
             killed.elapsed(),
             proxy.process.log_tail(30)
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let lost = proxy.metric("lockcell_etcd_leases_lost_total").await?;
     ensure!(
@@ -549,6 +552,69 @@ pub async fn losing_the_etcd_leader_costs_no_lease_and_no_lock() -> anyhow::Resu
         unready < options.lease_ttl / 2,
         "the proxy was unready for {unready:?} of the {:?} after the etcd leader died",
         options.lease_ttl * 3
+    );
+    Ok(())
+}
+
+/// A service whose hold was found lost on a move asks for the lock again at once, as a
+/// retry loop would: the lock is not granted again (to it or anyone) before the deadline
+/// its first hold ran to, and then is, in the new epoch.
+pub async fn a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline(
+) -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let a = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), &etcd.dir).await?;
+    let later = format!("127.0.0.1:{}", reserve_ports(1)[0].0);
+    let client = Client::connect_with(ClientOptions::new([a.addr.clone(), later.clone()])).await?;
+    let session = client
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let held = session
+        .acquire("jobs/again", Wait::Try)
+        .await?
+        .context("a free lock was not granted")?;
+    let first = held.token();
+
+    let endpoint = etcd.endpoints()[0].clone();
+    let (status, _, stderr) =
+        lockcell_cell(&["bump-epoch", "--force", "--etcd", &endpoint]).await?;
+    ensure!(status == Some(0), "bump-epoch --force: {stderr}");
+    let mut options = ProxyOptions::new("c", etcd.endpoints());
+    options.listen = Some(later);
+    let _c = ProxyProcess::start(&options, &etcd.dir).await?;
+
+    // The deadline the first hold ran to: the last one read while the hold still
+    // stood (the SDK marks a hold lost before it takes the new proxy's deadline).
+    let mut deadline = session.deadline();
+    let mut sample = tokio::time::interval(Duration::from_millis(20));
+    let watching = tokio::time::Instant::now();
+    loop {
+        sample.tick().await;
+        let now = session.deadline();
+        if !held.is_valid() {
+            break;
+        }
+        deadline = now;
+        ensure!(
+            watching.elapsed() < Duration::from_secs(30),
+            "the hold was not reported lost within 30 s"
+        );
+    }
+    let reason = held.lost().await;
+    drop(held);
+    let again = session
+        .acquire("jobs/again", Wait::Timeout(Duration::from_secs(30)))
+        .await?
+        .with_context(|| format!("not granted again after losing it ({reason})"))?;
+    let granted_at = tokio::time::Instant::now();
+    ensure!(
+        again.token().epoch > first.epoch,
+        "granted again with {}, not in the new epoch (first {first})",
+        again.token()
+    );
+    ensure!(
+        granted_at >= deadline,
+        "granted again {:?} before the deadline the lost hold ran to",
+        deadline - granted_at
     );
     Ok(())
 }
