@@ -48,6 +48,18 @@ pub fn check_drain(
     peer: SocketAddr,
     authorization: Option<&str>,
 ) -> Result<(), (u16, String)> {
+    check_admin("POST /drain", token_file, peer, authorization)
+}
+
+/// Whether the admin call `what` (e.g. `POST /drain`) from `peer` may go ahead: a
+/// caller with the admin token when `token_file` is set, else one on this host's
+/// loopback; else the HTTP status and text to refuse it with.
+pub fn check_admin(
+    what: &str,
+    token_file: Option<&Path>,
+    peer: SocketAddr,
+    authorization: Option<&str>,
+) -> Result<(), (u16, String)> {
     let Some(file) = token_file else {
         return if is_loopback(peer) {
             Ok(())
@@ -55,25 +67,25 @@ pub fn check_drain(
             Err((
                 403,
                 format!(
-                    "POST /drain answers only callers on this host's loopback, not {}; set \
-                     --admin-token-file to drain from elsewhere\n",
+                    "{what} answers only callers on this host's loopback, not {}; set \
+                     --admin-token-file to call it from elsewhere\n",
                     peer.ip()
                 ),
             ))
         };
     };
     let token = read_admin_token(file).map_err(|e| {
-        tracing::error!("POST /drain cannot check the admin token: {e:#}");
+        tracing::error!("{what} cannot check the admin token: {e:#}");
         (
             503,
-            "POST /drain cannot check the admin token right now (the log says why)\n".to_owned(),
+            format!("{what} cannot check the admin token right now (the log says why)\n"),
         )
     })?;
     match authorization.and_then(bearer) {
         Some(offered) if same_secret(offered, &token) => Ok(()),
         _ => Err((
             401,
-            "POST /drain needs the admin token: Authorization: Bearer TOKEN\n".to_owned(),
+            format!("{what} needs the admin token: Authorization: Bearer TOKEN\n"),
         )),
     }
 }

@@ -226,6 +226,13 @@ pub fn shardmap_key() -> &'static str {
     "/sys/shardmap"
 }
 
+/// Where `lockcell-cell force-release` records who forced which hold off, and why
+/// (see [`crate::forced`]); the audit trail turns each write into a `force_released`
+/// event.
+pub fn force_release_key() -> &'static str {
+    "/sys/force-release"
+}
+
 /// The epoch record's key.
 pub fn epoch_key() -> &'static str {
     EPOCH_KEY

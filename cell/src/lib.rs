@@ -15,6 +15,7 @@ pub mod audit;
 pub mod epoch;
 pub mod error;
 pub mod etcd_tls;
+pub mod forced;
 pub mod grants;
 pub mod keyspace;
 pub mod kv;

@@ -68,6 +68,15 @@ pub struct Holder {
     pub lease: i64,
 }
 
+/// A lock's holds and line, as [`LockLog::describe`] read them at `revision`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Described {
+    pub holders: Vec<(Mode, Holder)>,
+    /// Mode, the waiter's name (its session, a dash, a nonce) and its place.
+    pub waiters: Vec<(Mode, String, i64)>,
+    pub revision: i64,
+}
+
 /// Where a fair waiter stands in line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Place {
@@ -283,6 +292,74 @@ impl LockLog {
             None => None,
         };
         Ok((holder, revision))
+    }
+
+    /// Every hold of `lock` (mode, holder) and every waiter in its line (mode, the
+    /// waiter's name, its place), read at one revision, which is returned too.
+    pub async fn describe(&self, lock: &LockName) -> Result<Described, CellError> {
+        let (start, end) = lock.holders_range();
+        let held = with_timeout(
+            "holders read",
+            self.timeout,
+            self.kv
+                .clone()
+                .get(start.as_bytes(), Some(GetOptions::new().with_range(end))),
+        )
+        .await?;
+        let revision = held.header().map(|h| h.revision()).unwrap_or_default();
+        let mut holders = Vec::new();
+        for kv in held.kvs() {
+            let key = String::from_utf8_lossy(kv.key());
+            let mode = match keyspace::parse_key(kv.key()) {
+                Some((_, keyspace::KeyKind::Exclusive)) => Mode::Exclusive,
+                Some((_, keyspace::KeyKind::Shared)) => Mode::Shared,
+                _ => continue,
+            };
+            holders.push((
+                mode,
+                Holder {
+                    record: decode(&key, kv.value())?,
+                    revision: kv.create_revision(),
+                    lease: kv.lease(),
+                },
+            ));
+        }
+        let exclusive = lock.exclusive_queue_prefix();
+        let line = with_timeout(
+            "waiters read",
+            self.timeout,
+            self.kv.clone().get(
+                lock.queue_prefix(),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_revision(revision)
+                        .with_sort(SortTarget::Create, SortOrder::Ascend),
+                ),
+            ),
+        )
+        .await?;
+        let waiters = line
+            .kvs()
+            .iter()
+            .map(|kv| {
+                let mode = if kv.key().starts_with(exclusive.as_bytes()) {
+                    Mode::Exclusive
+                } else {
+                    Mode::Shared
+                };
+                (
+                    mode,
+                    String::from_utf8_lossy(kv.value()).into_owned(),
+                    kv.create_revision(),
+                )
+            })
+            .collect();
+        Ok(Described {
+            holders,
+            waiters,
+            revision,
+        })
     }
 
     /// Puts waiter `waiter`'s key for `mode` in line (fair classes), or finds the one it

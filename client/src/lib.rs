@@ -68,7 +68,7 @@ pub use election::{LeaderInfo, LeaderStream, Leadership};
 pub use error::Error;
 pub use holdings::{Held, SessionEvent, SessionEvents};
 pub use kv::{CellRevision, Condition, Entry, Snapshot, Txn, TxnOutcome, Written};
-pub use lock::{LockGuard, Mode, Sequencer, Wait};
+pub use lock::{LockGuard, LockHolder, LockState, LockWaiter, Mode, Sequencer, Wait};
 pub use lockcell_proto::FencingToken;
 pub use members::{MemberChange, Members};
 pub use proxies::ClientTls;

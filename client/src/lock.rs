@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use lockcell_proto::v1::lock_client::LockClient;
-use lockcell_proto::v1::{AcquireRequest, CheckSequencerRequest, LockMode, ReleaseRequest};
+use lockcell_proto::v1::{
+    AcquireRequest, CheckSequencerRequest, DescribeRequest, LockMode, ReleaseRequest,
+};
 use lockcell_proto::FencingToken;
 use tracing::Instrument as _;
 
@@ -394,6 +396,95 @@ impl Client {
             .map_err(|status| Error::from_status(status, Call::Unbound))?
             .into_inner();
         sequencer(lock, token, reply.current, reply.holder.map(Into::into))
+    }
+}
+
+/// Who holds a lock and who waits for it in line ([`Client::describe`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockState {
+    /// Every hold: one exclusive, or any number of shared.
+    pub holders: Vec<LockHolder>,
+    /// A fair class's waiters, in line order (other classes' waiters are not listed:
+    /// they wait in their proxies' memory).
+    pub waiters: Vec<LockWaiter>,
+    /// The store revision read.
+    pub revision: i64,
+}
+
+/// One hold of a lock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockHolder {
+    pub mode: Mode,
+    pub token: FencingToken,
+    pub session_id: String,
+    /// The identity its client gave when it opened its session.
+    pub identity: String,
+    /// The proxy that made the grant, and its zone.
+    pub proxy_id: String,
+    pub zone: String,
+    /// When the grant was made (the granting proxy's clock).
+    pub acquired_at: std::time::SystemTime,
+    /// For an election: its leader's value.
+    pub value: Option<String>,
+}
+
+/// One waiter in a fair class's line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockWaiter {
+    pub mode: Mode,
+    pub session_id: String,
+    /// Its place in line (lower goes first).
+    pub revision: i64,
+}
+
+impl Client {
+    /// Who holds `lock` and who waits for it, for people investigating a lock that is
+    /// not released (needs the lock or read right on the name).
+    pub async fn describe(&self, lock: &str) -> Result<LockState, Error> {
+        let mut request = tonic::Request::new(DescribeRequest {
+            lock: lock.to_owned(),
+        });
+        request.set_timeout(UNARY_TIMEOUT);
+        let reply = LockClient::new(self.channel())
+            .describe(request)
+            .await
+            .map_err(|status| Error::from_status(status, Call::Unbound))?
+            .into_inner();
+        let mode = |wire: i32| match LockMode::try_from(wire) {
+            Ok(LockMode::Shared) => Mode::Shared,
+            _ => Mode::Exclusive,
+        };
+        let holders = reply
+            .holders
+            .into_iter()
+            .map(|h| LockHolder {
+                mode: mode(h.mode),
+                token: h.token.map(Into::into).unwrap_or(FencingToken {
+                    epoch: 0,
+                    revision: 0,
+                }),
+                session_id: h.session_id,
+                identity: h.identity,
+                proxy_id: h.proxy_id,
+                zone: h.zone,
+                acquired_at: std::time::UNIX_EPOCH + Duration::from_millis(h.acquired_at_ms),
+                value: h.election.then_some(h.value),
+            })
+            .collect();
+        let waiters = reply
+            .waiters
+            .into_iter()
+            .map(|w| LockWaiter {
+                mode: mode(w.mode),
+                session_id: w.session_id,
+                revision: w.revision,
+            })
+            .collect();
+        Ok(LockState {
+            holders,
+            waiters,
+            revision: reply.revision,
+        })
     }
 }
 

@@ -2,9 +2,13 @@
 //! (etcd answers and every lease is held), and `POST /drain` (what SIGTERM does: ask
 //! every client to move to another proxy, wait up to the drain timeout, then stop).
 //!
+//! `POST /sessions/end?session=ID&reason=TEXT` ends one client session for an operator
+//! (`lockcell-cell force-release`): the session is renewed no more, its client is told
+//! it expired and why, and its keys go once the validity granted to it has run out.
+//!
 //! `POST /drain` stops the proxy, so it answers only a caller it can trust: one with
 //! the admin token, when `--admin-token-file` is set, or else one on this host's
-//! loopback. A proxy stopped by it exits with [`EXIT_DRAINED`], not 0: a supervisor
+//! loopback; so does `POST /sessions/end`. A proxy stopped by it exits with [`EXIT_DRAINED`], not 0: a supervisor
 //! that restarts on failure starts it again, and a drain no operator asked for shows.
 
 use std::net::SocketAddr;
@@ -13,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{ConnectInfo, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
@@ -59,6 +63,7 @@ pub async fn serve(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/drain", post(drain))
+        .route("/sessions/end", post(end_session))
         .with_state(Admin {
             metrics,
             states,
@@ -166,6 +171,71 @@ async fn drain(
         state.config.drain_timeout
     );
     (StatusCode::ACCEPTED, body)
+}
+
+#[derive(serde::Deserialize)]
+struct EndSession {
+    session: String,
+    #[serde(default)]
+    reason: String,
+}
+
+/// Ends a client session for an operator, in whichever cell it is: 200 with what it
+/// held and when its keys go (JSON), 404 when the session is not on this proxy.
+async fn end_session(
+    State(admin): State<Admin>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Query(ask): Query<EndSession>,
+) -> (StatusCode, String) {
+    let authorization = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let what = "POST /sessions/end";
+    if let Err((status, why)) =
+        lockcell_cell::access::check_admin(what, admin.token_file.as_deref(), peer, authorization)
+    {
+        tracing::warn!(%peer, "{what} refused: {}", why.trim_end());
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FORBIDDEN);
+        return (status, why);
+    }
+    let reason: Arc<str> = if ask.reason.is_empty() {
+        "ended by an operator".into()
+    } else {
+        format!("ended by an operator: {}", ask.reason).into()
+    };
+    for state in admin.states.iter() {
+        let Some(session) = state.sessions.end(&ask.session, reason.clone()) else {
+            continue;
+        };
+        let at = session.expires_at();
+        let held: Vec<&str> = session
+            .held
+            .iter()
+            .filter(|g| !g.waiter)
+            .map(|g| g.lock.as_str())
+            .collect();
+        tracing::warn!(
+            %peer,
+            session.id = %ask.session,
+            identity = %session.identity,
+            ?held,
+            reason = session.ended.as_deref().unwrap_or_default(),
+            "session ended by an operator"
+        );
+        let body = serde_json::json!({
+            "proxy_id": state.proxy_id,
+            "session": ask.session,
+            "identity": session.identity,
+            "held": held,
+            "keys_go_in_ms": at.saturating_duration_since(Instant::now()).as_millis() as u64,
+        });
+        return (StatusCode::OK, format!("{body}\n"));
+    }
+    (
+        StatusCode::NOT_FOUND,
+        format!("session {} is not open on this proxy\n", ask.session),
+    )
 }
 
 /// Alive: the process answers (a liveness probe; readiness is `/readyz`).

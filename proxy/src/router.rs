@@ -438,6 +438,14 @@ impl LockApi for Router {
         let state = self.engine_for(&request.get_ref().lock)?.clone();
         LockService { state }.check_sequencer(request).await
     }
+
+    async fn describe(
+        &self,
+        request: Request<DescribeRequest>,
+    ) -> Result<Response<DescribeResponse>, Status> {
+        let state = self.engine_for(&request.get_ref().lock)?.clone();
+        LockService { state }.describe(request).await
+    }
 }
 
 #[tonic::async_trait]

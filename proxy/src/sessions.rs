@@ -21,6 +21,9 @@ pub type SessionId = Arc<str>;
 /// "expired" rather than "unknown".
 pub const TOMBSTONE_RETENTION: Duration = Duration::from_secs(600);
 
+/// Why a session whose client stopped renewing expired.
+const NOT_RENEWED: &str = "no renewal arrived within its TTL";
+
 /// One client session.
 #[derive(Debug, Clone)]
 pub struct Session {
@@ -48,6 +51,9 @@ pub struct Session {
     /// own deadline ends no later, so once this has passed the session's keys may be
     /// deleted without any client still believing it holds them.
     pub valid_until: Instant,
+    /// Set when an operator ended the session (`lockcell-cell force-release`): it is
+    /// renewed no more and gets nothing new; its keys go once `valid_until` has passed.
+    pub ended: Option<Arc<str>>,
 }
 
 impl Session {
@@ -74,6 +80,7 @@ impl Session {
             renewed_at: now,
             held,
             valid_until,
+            ended: None,
         }
     }
 
@@ -97,7 +104,20 @@ impl Session {
     /// fault runs' checker caught exactly that, a client paused right after a grant
     /// whose validity was counted from the grant rather than from the last renewal).
     pub fn expires_at(&self) -> Instant {
+        if self.ended.is_some() {
+            return self.valid_until;
+        }
         self.lapses_at().max(self.valid_until)
+    }
+
+    /// Why the session is over at `now`, if it is: ended by an operator, or no renewal
+    /// in time.
+    fn over(&self, now: Instant) -> Option<Arc<str>> {
+        match &self.ended {
+            Some(reason) => Some(reason.clone()),
+            None if self.expires_at() <= now => Some(NOT_RENEWED.into()),
+            None => None,
+        }
     }
 }
 
@@ -205,7 +225,7 @@ impl SessionTable {
     ) -> Result<Duration, Gone> {
         match self.live.get_mut(id) {
             Some(s) if !s.owned_by(caller) => Err(Gone::Unknown),
-            Some(mut s) if s.expires_at() > now => {
+            Some(mut s) if s.over(now).is_none() => {
                 s.renewed_at = now;
                 let valid_for = validity(Renewed {
                     bucket: s.bucket,
@@ -215,9 +235,30 @@ impl SessionTable {
                 s.valid_until = s.valid_until.max(now + valid_for);
                 Ok(valid_for)
             }
-            Some(_) => Err(Gone::Expired("no renewal arrived within its TTL".into())),
+            Some(s) => Err(Gone::Expired(
+                s.over(now).unwrap_or_else(|| NOT_RENEWED.into()),
+            )),
             None => Err(self.gone(id)),
         }
+    }
+
+    /// Ends session `id` for an operator: from now on it is renewed no more, gets
+    /// nothing new, and its client is told `reason` as the session's expiry; its keys
+    /// are deleted once the validity granted to it has run out, as for any expiry, so no
+    /// client still believes it holds them. Returns the session as ended, or `None`
+    /// when it is not here. Ending it again keeps the first reason.
+    pub fn end(&self, id: &str, reason: Arc<str>) -> Option<Session> {
+        let mut s = self.live.get_mut(id)?;
+        if s.ended.is_none() {
+            s.ended = Some(reason);
+        }
+        let ended = s.clone();
+        drop(s);
+        self.due
+            .lock()
+            .expect("due heap")
+            .push(Reverse((ended.expires_at(), id.into())));
+        Some(ended)
     }
 
     /// The identity that owns session `id`, if the proxy checks grants and knows it.
@@ -228,8 +269,10 @@ impl SessionTable {
     /// A copy of the session, if it is alive at `now`.
     pub fn get(&self, id: &str, now: Instant) -> Result<Session, Gone> {
         match self.live.get(id) {
-            Some(s) if s.expires_at() > now => Ok(s.clone()),
-            Some(_) => Err(Gone::Expired("no renewal arrived within its TTL".into())),
+            Some(s) => match s.over(now) {
+                None => Ok(s.clone()),
+                Some(reason) => Err(Gone::Expired(reason)),
+            },
             None => Err(self.gone(id)),
         }
     }
@@ -352,7 +395,8 @@ impl SessionTable {
         }
         drop(due);
         for s in &expired {
-            self.bury(s, "no renewal arrived within its TTL".into(), now);
+            let reason = s.ended.clone().unwrap_or_else(|| NOT_RENEWED.into());
+            self.bury(s, reason, now);
         }
         expired
     }
@@ -427,7 +471,32 @@ mod tests {
             renewed_at: now,
             held: Vec::new(),
             valid_until: now,
+            ended: None,
         }
+    }
+
+    #[test]
+    fn an_ended_session_is_renewed_no_more_and_goes_when_its_validity_runs_out() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        table.insert(session("a", 1, 10 * S, t0));
+        let granted = table.renew("a", None, t0, |_| 3 * S).unwrap();
+        assert_eq!(granted, 3 * S);
+        let ended = table.end("a", "stuck".into()).unwrap();
+        assert_eq!(ended.expires_at(), t0 + 3 * S);
+        assert!(table.end("b", "stuck".into()).is_none(), "not here");
+        assert_eq!(
+            table.renew("a", None, t0 + S, |_| 3 * S),
+            Err(Gone::Expired("stuck".into()))
+        );
+        assert!(table.get("a", t0 + S).is_err(), "gets nothing new");
+        assert!(
+            table.take_expired(t0 + 2 * S).is_empty(),
+            "kept while its client may still act"
+        );
+        let gone = table.take_expired(t0 + 3 * S);
+        assert_eq!(gone.len(), 1);
+        assert_eq!(table.gone("a"), Gone::Expired("stuck".into()));
     }
 
     #[test]

@@ -26,12 +26,13 @@ use super::{AuditError, AuditEvent, EventKind};
 
 /// The kinds kept seven years unless configured otherwise: who held what, who led, and
 /// what the cell was told, plus the record of what the trail missed.
-pub const DEFAULT_KINDS_7Y: [EventKind; 6] = [
+pub const DEFAULT_KINDS_7Y: [EventKind; 7] = [
     EventKind::Granted,
     EventKind::Released,
     EventKind::Expired,
     EventKind::LeaderChanged,
     EventKind::ConfigChanged,
+    EventKind::ForceReleased,
     EventKind::Gap,
 ];
 

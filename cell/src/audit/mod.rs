@@ -43,13 +43,18 @@ pub enum EventKind {
     KeyDeleted,
     /// A cell record under `/sys` (epoch, shard map) was written or deleted.
     ConfigChanged,
+    /// An operator forced a hold off (`lockcell-cell force-release`): `identity` is
+    /// the operator, `session` and `token` the hold's, `detail` the reason and the
+    /// holder's identity. The hold's own `expired` event follows once its holder's
+    /// validity has run out.
+    ForceReleased,
     /// The tailer could not read some revisions (etcd had compacted them away);
     /// `detail` names the range.
     Gap,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 10] = [
+    pub const ALL: [EventKind; 11] = [
         EventKind::Granted,
         EventKind::Released,
         EventKind::Expired,
@@ -59,6 +64,7 @@ impl EventKind {
         EventKind::KeyWritten,
         EventKind::KeyDeleted,
         EventKind::ConfigChanged,
+        EventKind::ForceReleased,
         EventKind::Gap,
     ];
 
@@ -74,6 +80,7 @@ impl EventKind {
             EventKind::KeyWritten => "key_written",
             EventKind::KeyDeleted => "key_deleted",
             EventKind::ConfigChanged => "config_changed",
+            EventKind::ForceReleased => "force_released",
             EventKind::Gap => "gap",
         }
     }

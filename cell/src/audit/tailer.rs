@@ -22,7 +22,7 @@
 //! between cannot be read any more: the tailer says so, records a [`EventKind::Gap`]
 //! event naming the range, counts it, and goes on from the compaction point.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -35,6 +35,7 @@ use super::store::Store;
 use super::{AuditError, AuditEvent, EventKind};
 use crate::epoch::EpochRecord;
 use crate::error::{with_timeout, CellError};
+use crate::forced::ForceRelease;
 use crate::keyspace::{self, KeyKind, LockName};
 use crate::locklog::HolderRecord;
 use crate::rbac;
@@ -139,7 +140,7 @@ pub async fn run(
         return Ok(());
     };
     same_history(&etcd, store, next - 1, options.etcd_timeout).await?;
-    let mut reading = Reading { epoch };
+    let mut reading = Reading::new(epoch);
     tracing::info!(
         store = %store.describe(),
         archive = %archive.as_deref().map(|a| a.describe()).unwrap_or_else(|| "none".into()),
@@ -232,7 +233,7 @@ pub async fn run(
                 through = lost_to;
                 next = resp.compact_revision();
                 match epoch_when_reachable(&etcd, 0, options.etcd_timeout, &mut stop).await {
-                    Some(epoch) => reading.epoch = epoch,
+                    Some(epoch) => reading = Reading::new(epoch),
                     None => break,
                 }
                 break;
@@ -303,6 +304,9 @@ pub async fn run(
                     .kv()
                     .map(KeyValue::mod_revision)
                     .unwrap_or_default();
+                reading
+                    .learn_epochs(&etcd, &group, options.etcd_timeout)
+                    .await;
                 pending.extend(reading.events(revision, &group, now_ms()));
                 through = revision;
                 next = revision + 1;
@@ -427,10 +431,21 @@ fn now_ms() -> i64 {
         .unwrap_or_default()
 }
 
-/// What reading the log needs to remember: the epoch tokens are minted in.
+/// What reading the log needs to remember: the epoch tokens are minted in, and which
+/// proxy each etcd lease belongs to.
 struct Reading {
     epoch: EpochRecord,
+    /// The epoch from each revision on where the epoch record was written (the epoch a
+    /// grant's token carries is the record's at the grant's revision).
+    epochs: BTreeMap<i64, u64>,
+    /// The proxy each lease is a lease of, as grants, session moves and presence
+    /// records show it: a moved or expired hold names the proxy its session was on.
+    proxies: HashMap<i64, String>,
 }
+
+/// Most leases [`Reading::proxies`] remembers (proxies keep a handful each; leases of
+/// proxies long gone are forgotten all at once past it).
+const MAX_LEASES_REMEMBERED: usize = 100_000;
 
 /// The epoch record as of `revision` (0: now), asking until etcd answers; `None` when
 /// the tailer was stopped first.
@@ -482,7 +497,7 @@ async fn epoch_when_reachable(
     revision: i64,
     timeout: Duration,
     stop: &mut watch::Receiver<bool>,
-) -> Option<EpochRecord> {
+) -> Option<(EpochRecord, i64)> {
     loop {
         match Reading::epoch_at(etcd, revision, timeout).await {
             Ok(epoch) => return Some(epoch),
@@ -495,13 +510,108 @@ async fn epoch_when_reachable(
 }
 
 impl Reading {
+    fn new((epoch, written): (EpochRecord, i64)) -> Reading {
+        Reading {
+            epochs: BTreeMap::from([(written, epoch.epoch)]),
+            epoch,
+            proxies: HashMap::new(),
+        }
+    }
+
+    /// The epoch of a grant made at `revision`.
+    fn epoch_of(&self, revision: i64) -> u64 {
+        self.epochs
+            .range(..=revision)
+            .next_back()
+            .or_else(|| self.epochs.iter().next())
+            .map_or(self.epoch.epoch, |(_, epoch)| *epoch)
+    }
+
+    /// Reads the epoch of every grant in `changes` made before the earliest epoch
+    /// record this reading knows (a hold granted before the tailer's start, and in an
+    /// earlier epoch, that expires or moves now).
+    async fn learn_epochs(
+        &mut self,
+        etcd: &etcd_client::Client,
+        changes: &[&Event],
+        timeout: Duration,
+    ) {
+        let first = self.epochs.keys().next().copied().unwrap_or_default();
+        let older: Vec<i64> = changes
+            .iter()
+            .filter_map(|e| e.kv())
+            .filter(|kv| {
+                matches!(
+                    keyspace::parse_key(kv.key()),
+                    Some((_, KeyKind::Exclusive | KeyKind::Shared))
+                )
+            })
+            .map(KeyValue::create_revision)
+            .filter(|created| *created > 0 && *created < first)
+            .collect();
+        for created in older {
+            if self.epochs.range(..=created).next_back().is_some() {
+                continue;
+            }
+            // A read that fails (compacted) leaves the earliest epoch known in force.
+            if let Ok((record, written)) = Reading::epoch_at(etcd, created, timeout).await {
+                if written <= created {
+                    self.epochs.insert(written, record.epoch);
+                }
+            }
+        }
+    }
+
+    /// Which proxy `lease` is a lease of, if this reading saw it.
+    fn proxy_of(&self, lease: i64) -> Option<&str> {
+        self.proxies.get(&lease).map(String::as_str)
+    }
+
+    fn learn_proxy(&mut self, lease: i64, proxy: &str) {
+        if lease == 0 || proxy.is_empty() {
+            return;
+        }
+        if self.proxies.len() >= MAX_LEASES_REMEMBERED {
+            self.proxies.clear();
+        }
+        self.proxies.insert(lease, proxy.to_owned());
+    }
+
+    /// Learns lease owners from one revision's puts: a session fence (its value is the
+    /// proxy the session moved to), a presence record, a grant.
+    fn learn_proxies(&mut self, changes: &[&Event]) {
+        for change in changes {
+            let Some(kv) = change.kv() else { continue };
+            if change.event_type() != EventType::Put || kv.lease() == 0 {
+                continue;
+            }
+            let key = kv.key();
+            if key.starts_with(keyspace::proxy_presence_root().as_bytes()) {
+                let id = &key[keyspace::proxy_presence_root().len()..];
+                self.learn_proxy(kv.lease(), &String::from_utf8_lossy(id));
+            } else if key.starts_with(keyspace::sessions_root().as_bytes()) {
+                self.learn_proxy(kv.lease(), &String::from_utf8_lossy(kv.value()));
+            } else if kv.create_revision() == kv.mod_revision()
+                && matches!(
+                    keyspace::parse_key(key),
+                    Some((_, KeyKind::Exclusive | KeyKind::Shared))
+                )
+            {
+                if let Ok(record) = serde_json::from_slice::<HolderRecord>(kv.value()) {
+                    self.learn_proxy(kv.lease(), &record.proxy);
+                }
+            }
+        }
+    }
+
     /// The epoch record as of `revision` (0: now), or now when etcd has compacted that
-    /// revision away; a cell without one is in epoch 0.
+    /// revision away; a cell without one is in epoch 0. With it, the revision it was
+    /// written at (0 for none).
     async fn epoch_at(
         etcd: &etcd_client::Client,
         revision: i64,
         timeout: Duration,
-    ) -> Result<EpochRecord, TailerError> {
+    ) -> Result<(EpochRecord, i64), TailerError> {
         let key = keyspace::epoch_key();
         let mut kv = etcd.kv_client();
         let options = (revision > 0).then(|| GetOptions::new().with_revision(revision));
@@ -516,15 +626,19 @@ impl Reading {
         Ok(resp
             .kvs()
             .first()
-            .and_then(|kv| serde_json::from_slice(kv.value()).ok())
-            .unwrap_or(EpochRecord {
-                cluster_id: String::new(),
-                epoch: 0,
-            }))
+            .and_then(|kv| Some((serde_json::from_slice(kv.value()).ok()?, kv.mod_revision())))
+            .unwrap_or((
+                EpochRecord {
+                    cluster_id: String::new(),
+                    epoch: 0,
+                },
+                0,
+            )))
     }
 
     /// The audit events of one revision's changes, in order.
     fn events(&mut self, revision: i64, changes: &[&Event], now_ms: i64) -> Vec<AuditEvent> {
+        self.learn_proxies(changes);
         // A delete of a holder key is a release only when the same revision wrote the
         // lock's release marker.
         let released: HashSet<LockName> = changes
@@ -577,6 +691,19 @@ impl Reading {
             }
             return Some(event);
         }
+        if put && key == keyspace::force_release_key().as_bytes() {
+            if let Ok(forced) = serde_json::from_slice::<ForceRelease>(kv.value()) {
+                let mut event = blank(EventKind::ForceReleased, forced.lock);
+                event.mode = forced.mode;
+                event.token = forced.token;
+                event.session = forced.session;
+                event.proxy = forced.proxy;
+                event.identity = forced.operator;
+                event.detail =
+                    cut(format!("{} (held by {:?})", forced.reason, forced.holder).as_bytes());
+                return Some(event);
+            }
+        }
         if key.starts_with(b"/sys/") {
             let name = String::from_utf8_lossy(key).into_owned();
             let mut event = blank(EventKind::ConfigChanged, name);
@@ -584,6 +711,7 @@ impl Reading {
                 event.detail = cut(kv.value());
                 if key == keyspace::epoch_key().as_bytes() {
                     if let Ok(record) = serde_json::from_slice::<EpochRecord>(kv.value()) {
+                        self.epochs.insert(kv.mod_revision(), record.epoch);
                         self.epoch = record;
                     }
                 }
@@ -651,11 +779,19 @@ impl Reading {
                 }
                 let created = holder.map(KeyValue::create_revision).unwrap_or_default();
                 event.mode = mode.to_owned();
-                event.token = format!("{}:{created}", self.epoch.epoch);
+                event.token = format!("{}:{created}", self.epoch_of(created));
                 event.lease = holder.map(KeyValue::lease).unwrap_or_default();
                 event.detail = record.value.clone();
                 event.session = record.session;
-                event.proxy = record.proxy;
+                // A grant names the proxy that made it; a move, a release or an expiry
+                // the proxy the session was on (its lease's), when the trail knows it.
+                event.proxy = match kind {
+                    EventKind::Granted | EventKind::LeaderChanged => record.proxy,
+                    _ => self
+                        .proxy_of(event.lease)
+                        .map(str::to_owned)
+                        .unwrap_or(record.proxy),
+                };
                 event.zone = record.zone;
                 event.identity = record.identity;
                 Some(event)

@@ -330,6 +330,15 @@ impl Lock for FakeProxy {
             holder,
         }))
     }
+
+    async fn describe(
+        &self,
+        _request: Request<lockcell_proto::v1::DescribeRequest>,
+    ) -> Result<Response<lockcell_proto::v1::DescribeResponse>, Status> {
+        Err(Status::unimplemented(
+            "the fake proxy does not describe locks",
+        ))
+    }
 }
 
 /// A running fake; the server task stops when this is dropped.

@@ -7,8 +7,9 @@ use std::time::Duration;
 use lockcell_cell::{LockName, Mode};
 use lockcell_proto::v1::lock_server::Lock as LockApi;
 use lockcell_proto::v1::{
-    AcquireRequest, AcquireResponse, CheckSequencerRequest, CheckSequencerResponse, LockMode,
-    ReleaseRequest, ReleaseResponse,
+    AcquireRequest, AcquireResponse, CheckSequencerRequest, CheckSequencerResponse,
+    DescribeRequest, DescribeResponse, LockHolder, LockMode, LockWaiter, ReleaseRequest,
+    ReleaseResponse,
 };
 use lockcell_proto::FencingToken;
 use tokio::time::Instant;
@@ -105,6 +106,58 @@ impl LockApi for LockService {
         Ok(Response::new(CheckSequencerResponse {
             current: holder == Some(token),
             holder: holder.map(Into::into),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(lock.name = %request.get_ref().lock))]
+    async fn describe(
+        &self,
+        request: Request<DescribeRequest>,
+    ) -> Result<Response<DescribeResponse>, Status> {
+        self.state.grants.current().authorize_any(
+            &request,
+            &[Right::Lock, Right::Read],
+            &request.get_ref().lock,
+        )?;
+        let lock = LockName::parse(&request.get_ref().lock).map_err(ProxyError::from)?;
+        let described = self
+            .state
+            .locklog
+            .describe(&lock)
+            .await
+            .map_err(ProxyError::from)?;
+        let wire = |mode: Mode| match mode {
+            Mode::Exclusive => LockMode::Exclusive as i32,
+            Mode::Shared => LockMode::Shared as i32,
+        };
+        let holders = described
+            .holders
+            .into_iter()
+            .map(|(mode, h)| LockHolder {
+                mode: wire(mode),
+                token: Some(self.state.token(lock.as_str(), h.revision).into()),
+                session_id: h.record.session,
+                identity: h.record.identity,
+                proxy_id: h.record.proxy,
+                zone: h.record.zone,
+                acquired_at_ms: h.record.acquired_at_ms,
+                election: h.record.election,
+                value: h.record.value,
+            })
+            .collect();
+        let waiters = described
+            .waiters
+            .into_iter()
+            .map(|(mode, waiter, revision)| LockWaiter {
+                mode: wire(mode),
+                session_id: waiter.split('-').next().unwrap_or_default().to_owned(),
+                revision,
+            })
+            .collect();
+        Ok(Response::new(DescribeResponse {
+            holders,
+            waiters,
+            revision: described.revision,
         }))
     }
 }

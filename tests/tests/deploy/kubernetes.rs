@@ -41,11 +41,13 @@ impl Doc {
 
     /// The pod spec of a workload.
     pub(crate) fn pod(&self) -> Option<&Value> {
-        matches!(
-            self.kind(),
-            "DaemonSet" | "Deployment" | "StatefulSet" | "Job"
-        )
-        .then(|| &self.value["spec"]["template"]["spec"])
+        match self.kind() {
+            "DaemonSet" | "Deployment" | "StatefulSet" | "Job" => {
+                Some(&self.value["spec"]["template"]["spec"])
+            }
+            "CronJob" => Some(&self.value["spec"]["jobTemplate"]["spec"]["template"]["spec"]),
+            _ => None,
+        }
     }
 }
 

@@ -24,6 +24,7 @@ mod locks;
 mod members;
 mod modes;
 mod operations;
+mod operations_doc;
 mod rbac;
 mod reads;
 mod safety;
@@ -138,6 +139,7 @@ fn main() {
         check_config::check_config_finds_a_bad_file_before_a_restart_does,
         operations::losing_the_etcd_leader_costs_no_lease_and_no_lock,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
+        operations_doc::the_operations_guides_commands_run_against_a_real_cell,
         guide::the_client_guides_examples_run_against_a_real_cell,
         grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
         grants::a_proxy_reaches_etcd_over_mutual_tls,

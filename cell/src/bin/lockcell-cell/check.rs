@@ -49,6 +49,8 @@ fn check(cli: &Cli) -> (Vec<String>, Vec<anyhow::Error>) {
             results.push(etcd_tls(&args.etcd.address));
             results.extend(audit(args));
         }
+        Command::Status(args) => results.push(etcd_tls(&args.etcd.address)),
+        Command::ForceRelease(args) => results.push(etcd_tls(&args.etcd.address)),
         // Its etcd settings are the shard map command's own.
         Command::Shardmap(_) => {}
     }
@@ -72,6 +74,8 @@ fn name(command: &Command) -> &'static str {
         Command::Audit(_) => "audit",
         Command::AuthEnable(_) => "auth-enable",
         Command::Shardmap(_) => "shardmap",
+        Command::Status(_) => "status",
+        Command::ForceRelease(_) => "force-release",
     }
 }
 

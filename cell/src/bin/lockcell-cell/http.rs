@@ -108,10 +108,11 @@ fn authorization(headers: &HeaderMap) -> Option<&str> {
 }
 
 /// An event as shown without its values: a small key's or leader's value and the lease
-/// are left out.
+/// are left out (a gap's range and a forced release's reason are no values).
 fn without_values(mut event: AuditEvent) -> AuditEvent {
+    use lockcell_cell::audit::EventKind;
     event.lease = 0;
-    if event.kind != lockcell_cell::audit::EventKind::Gap {
+    if !matches!(event.kind, EventKind::Gap | EventKind::ForceReleased) {
         event.detail.clear();
     }
     event

@@ -26,6 +26,7 @@ use lockcell_cell::rbac::{self, Credentials, Passwords, Secret};
 
 mod check;
 mod http;
+mod operate;
 mod shardmap;
 
 /// lockcell-cell: the authoritative side of a lockcell cell.
@@ -128,6 +129,24 @@ enum Command {
     /// every cell: give each cell's lockcell-admin user the same password, and sign
     /// every cell's certificates with the same CA.
     Shardmap(shardmap::ShardmapArgs),
+    /// Shows how the cell stands: its epoch record and shard map, each etcd member
+    /// (version, database size, leader), the etcd leases, each running proxy (zone,
+    /// version, readiness, sessions, lease lower bound, from its presence record and
+    /// its admin port) and, with --tailer, each audit tailer's lag. Exits 1 when
+    /// something does not answer, is not ready or is behind.
+    Status(operate::StatusArgs),
+    /// Forces a stuck hold off: ends the session holding NAME with the token --token, on
+    /// the proxy it is on, and waits until its keys are gone.
+    ///
+    /// First it writes who asked and why (--operator, --reason) to /sys/force-release,
+    /// which the audit trail records as a `force_released` event. The holder is told its
+    /// session expired (`lockctl lock` stops its command; the SDK reports every hold of
+    /// the session lost), and its keys are deleted once the validity the proxy granted
+    /// it has run out, so it is never still acting when the lock passes on; every other
+    /// hold of the session goes with it. A token that is not the hold's now changes
+    /// nothing. The proxies' admin ports must answer this host (their admin token with
+    /// --admin-token-file).
+    ForceRelease(operate::ForceReleaseArgs),
 }
 
 #[derive(Debug, Args)]
@@ -471,6 +490,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Audit(args) => audit(*args).await?,
         Command::AuthEnable(args) => auth_enable(args).await?,
         Command::Shardmap(args) => shardmap::run(args).await?,
+        Command::Status(args) => operate::status(args).await?,
+        Command::ForceRelease(args) => operate::force_release(args).await?,
     }
     Ok(())
 }

@@ -15,6 +15,7 @@ mod signals;
 mod supervise;
 mod target;
 mod watch;
+mod who;
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -32,6 +33,7 @@ use crate::kv::{DelArgs, GetArgs, PutArgs, KV_LONG};
 use crate::leader::{LeaderArgs, LEADER_LONG, OBSERVE_LONG};
 use crate::signals::Signals;
 use crate::watch::{MembersArgs, WatchArgs, MEMBERS_LONG, WATCH_LONG};
+use crate::who::{WhoArgs, WHO_LONG};
 
 const ABOUT_LONG: &str = "\
 Run commands while holding lockcell locks or leading lockcell elections.
@@ -125,6 +127,9 @@ enum Cmd {
     /// Check whether TOKEN is the current exclusive grant of lock NAME.
     #[command(long_about = CHECK_LONG)]
     Check(CheckArgs),
+    /// Print who holds lock NAME, since when, and who waits for it.
+    #[command(long_about = WHO_LONG)]
+    Who(WhoArgs),
     /// Print a small key's value (or every key under a prefix).
     #[command(long_about = KV_LONG)]
     Get(GetArgs),
@@ -225,6 +230,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
             leader::observe(&proxy, &args, &mut signals).await
         }
         Cmd::Check(args) => check::check(&proxy, &args).await,
+        Cmd::Who(args) => who::who(&proxy, &args).await,
         Cmd::Audit(args) => audit::audit(&args, &target).await,
         Cmd::Get(args) => kv::get(&proxy, &args).await,
         Cmd::Put(args) => kv::put(&proxy, &args).await,
