@@ -32,6 +32,8 @@ const QUEUES_ROOT: &str = "/q/";
 const KV_ROOT: &str = "/k/";
 const SESSIONS_ROOT: &str = "/s/";
 const PRESENCE_ROOT: &str = "/s/!proxy/";
+/// Where proxies record who made their latest small-key write.
+const WRITER_ROOT: &str = "/s/!writer/";
 const MARK: &str = "/!";
 
 /// Why a lock name was refused. The message names the rule the name broke.
@@ -281,6 +283,23 @@ pub fn session_fence_key(session: &str) -> String {
 /// never contain `!`, so no session fence is under it.
 pub fn proxy_presence_key(proxy_id: &str) -> String {
     format!("{PRESENCE_ROOT}{proxy_id}")
+}
+
+/// Where proxy `proxy_id` records who made its latest small-key write (see
+/// [`crate::kv::Writer`]), in the write's own transaction.
+pub fn writer_key(proxy_id: &str) -> String {
+    format!("{WRITER_ROOT}{proxy_id}")
+}
+
+/// The prefix of every proxy's writer key.
+pub fn writer_root() -> &'static str {
+    WRITER_ROOT
+}
+
+/// Where `lockcell-cell` records what its small-key writes (a shard map move's copies
+/// and clean-ups) were part of.
+pub fn admin_writer_key() -> &'static str {
+    "/sys/writer"
 }
 
 /// The prefix of every proxy's presence key.

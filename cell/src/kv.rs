@@ -8,9 +8,41 @@ use etcd_client::{
     Compare, CompareOp, GetOptions, KvClient, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{with_timeout, CellError};
 use crate::keyspace::{self, prefix_end, LockName};
 use crate::locklog::{check_map, map_guard};
+
+/// Who wrote the small keys of one transaction, for the audit trail: each write puts it,
+/// in the same transaction, at the writer's own key ([`keyspace::writer_key`] for a
+/// proxy, [`keyspace::admin_writer_key`] for `lockcell-cell`), so the trail knows who
+/// made each revision's writes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Writer {
+    /// The caller's identity (its session's, or its credential's).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub identity: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub session: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub proxy: String,
+    /// What the writes were part of, when not a client's own call (a shard map move's
+    /// copy or clean-up).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+}
+
+impl Writer {
+    /// The put that records this writer at `key`, for a transaction's writes.
+    pub fn op(&self, key: &str) -> TxnOp {
+        TxnOp::put(
+            key,
+            serde_json::to_vec(self).expect("a writer serializes"),
+            None,
+        )
+    }
+}
 
 /// What [`put_if_absent`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,9 +61,23 @@ pub async fn put_if_absent(
     call: &'static str,
     timeout: Duration,
 ) -> Result<PutIfAbsent, CellError> {
+    put_if_absent_with(kv, key, value, Vec::new(), call, timeout).await
+}
+
+/// [`put_if_absent`], with more writes (`also`) in the same transaction.
+pub async fn put_if_absent_with(
+    kv: &mut KvClient,
+    key: &[u8],
+    value: Vec<u8>,
+    also: Vec<TxnOp>,
+    call: &'static str,
+    timeout: Duration,
+) -> Result<PutIfAbsent, CellError> {
+    let mut then = vec![TxnOp::put(key, value, None)];
+    then.extend(also);
     let txn = Txn::new()
         .when([Compare::version(key, CompareOp::Equal, 0)])
-        .and_then([TxnOp::put(key, value, None)])
+        .and_then(then)
         .or_else([TxnOp::get(key, None)]);
     let resp = with_timeout(call, timeout, kv.txn(txn)).await?;
     if resp.succeeded() {
@@ -119,11 +165,31 @@ pub struct TxnOutcome {
 pub struct Kv {
     kv: KvClient,
     timeout: Duration,
+    /// Where each write records its [`Writer`], if anywhere.
+    writer_key: Option<String>,
 }
 
 impl Kv {
     pub fn new(kv: KvClient, timeout: Duration) -> Self {
-        Kv { kv, timeout }
+        Kv {
+            kv,
+            timeout,
+            writer_key: None,
+        }
+    }
+
+    /// The same, recording each write's [`Writer`] at `key` in the write's transaction.
+    pub fn with_writer_key(mut self, key: String) -> Self {
+        self.writer_key = Some(key);
+        self
+    }
+
+    /// `ops`, and the put of `writer` when writes record it.
+    fn signed(&self, mut ops: Vec<TxnOp>, writer: &Writer) -> Vec<TxnOp> {
+        if let Some(key) = &self.writer_key {
+            ops.push(writer.op(key));
+        }
+        ops
     }
 
     /// One key, or every key under `prefix` (see [`keyspace::kv_prefix`]).
@@ -168,15 +234,17 @@ impl Kv {
         lease: Option<i64>,
         condition: Condition,
         map_revision: i64,
+        writer: &Writer,
     ) -> Result<Written, CellError> {
         let key = keyspace::kv_key(name);
         let options = lease.map(|l| PutOptions::new().with_lease(l));
+        let ops = vec![
+            TxnOp::put(key.as_bytes(), value, options),
+            TxnOp::get(key.as_bytes(), None),
+        ];
         let txn = Txn::new()
             .when(guarded(compares(&key, condition), map_revision))
-            .and_then([
-                TxnOp::put(key.as_bytes(), value, options),
-                TxnOp::get(key.as_bytes(), None),
-            ])
+            .and_then(self.signed(ops, writer))
             .or_else(read_back_with_map(&key));
         let resp = with_timeout("kv write", self.timeout, self.kv.clone().txn(txn)).await?;
         if !resp.succeeded() {
@@ -195,11 +263,13 @@ impl Kv {
         name: &LockName,
         condition: Condition,
         map_revision: i64,
+        writer: &Writer,
     ) -> Result<(Written, i64), CellError> {
         let key = keyspace::kv_key(name);
+        let ops = vec![TxnOp::delete(key.as_bytes(), None)];
         let txn = Txn::new()
             .when(guarded(compares(&key, condition), map_revision))
-            .and_then([TxnOp::delete(key.as_bytes(), None)])
+            .and_then(self.signed(ops, writer))
             .or_else(read_back_with_map(&key));
         let resp = with_timeout("kv delete", self.timeout, self.kv.clone().txn(txn)).await?;
         if !resp.succeeded() {
@@ -230,6 +300,7 @@ impl Kv {
         when: &[(LockName, Condition)],
         writes: Vec<Write>,
         map_revision: i64,
+        writer: &Writer,
     ) -> Result<TxnOutcome, CellError> {
         let checks: Vec<Compare> = when
             .iter()
@@ -248,7 +319,10 @@ impl Kv {
             .map(|key| TxnOp::get(key, None))
             .chain([TxnOp::get(keyspace::shardmap_key(), None)])
             .collect();
-        let txn = Txn::new().when(checks).and_then(ops).or_else(reads);
+        let txn = Txn::new()
+            .when(checks)
+            .and_then(self.signed(ops, writer))
+            .or_else(reads);
         let resp = with_timeout("kv txn", self.timeout, self.kv.clone().txn(txn)).await?;
         if !resp.succeeded() {
             check_map(&resp.op_responses(), map_revision)?;

@@ -431,7 +431,8 @@ impl Engine {
             ),
             locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout)
                 .with_epoch_guard(epoch.mod_revision),
-            kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
+            kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout)
+                .with_writer_key(lockcell_cell::keyspace::writer_key(&shared.proxy_id)),
             reads,
             kv_budget: Default::default(),
             queues: events.queues().clone(),

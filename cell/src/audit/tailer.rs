@@ -37,6 +37,7 @@ use crate::epoch::EpochRecord;
 use crate::error::{with_timeout, CellError};
 use crate::forced::ForceRelease;
 use crate::keyspace::{self, KeyKind, LockName};
+use crate::kv::Writer;
 use crate::locklog::HolderRecord;
 use crate::rbac;
 
@@ -589,7 +590,9 @@ impl Reading {
             if key.starts_with(keyspace::proxy_presence_root().as_bytes()) {
                 let id = &key[keyspace::proxy_presence_root().len()..];
                 self.learn_proxy(kv.lease(), &String::from_utf8_lossy(id));
-            } else if key.starts_with(keyspace::sessions_root().as_bytes()) {
+            } else if key.starts_with(keyspace::sessions_root().as_bytes())
+                && !key.starts_with(keyspace::writer_root().as_bytes())
+            {
                 self.learn_proxy(kv.lease(), &String::from_utf8_lossy(kv.value()));
             } else if kv.create_revision() == kv.mod_revision()
                 && matches!(
@@ -648,10 +651,26 @@ impl Reading {
             .filter(|(_, kind)| *kind == KeyKind::Released)
             .map(|(lock, _)| lock)
             .collect();
+        // Who made this revision's small-key writes, when its transaction said.
+        let writer: Option<Writer> = changes
+            .iter()
+            .filter(|e| e.event_type() == EventType::Put)
+            .filter_map(|e| e.kv())
+            .find(|kv| {
+                kv.key().starts_with(keyspace::writer_root().as_bytes())
+                    || kv.key() == keyspace::admin_writer_key().as_bytes()
+            })
+            .and_then(|kv| serde_json::from_slice(kv.value()).ok());
         let mut out = Vec::new();
         for change in changes {
             let Some(kv) = change.kv() else { continue };
             let event = self.event(change, kv, &released, now_ms);
+            let event = event.map(|mut event| {
+                if matches!(event.kind, EventKind::KeyWritten | EventKind::KeyDeleted) {
+                    self.sign(&mut event, writer.as_ref());
+                }
+                event
+            });
             if let Some(mut event) = event {
                 event.revision = revision;
                 event.seq = out.len() as u32;
@@ -659,6 +678,30 @@ impl Reading {
             }
         }
         out
+    }
+
+    /// Says who made a small-key event: the revision's writer, else (an ephemeral key
+    /// that went with its session) the proxy whose lease it was on.
+    fn sign(&self, event: &mut AuditEvent, writer: Option<&Writer>) {
+        match writer {
+            Some(w) => {
+                event.identity = w.identity.clone();
+                event.session = w.session.clone();
+                event.proxy = w.proxy.clone();
+                if !w.detail.is_empty() {
+                    event.detail = if event.detail.is_empty() {
+                        w.detail.clone()
+                    } else {
+                        format!("{} ({})", event.detail, w.detail)
+                    };
+                }
+            }
+            None => {
+                if let Some(proxy) = self.proxy_of(event.lease) {
+                    event.proxy = proxy.to_owned();
+                }
+            }
+        }
     }
 
     fn event(
@@ -703,6 +746,9 @@ impl Reading {
                     cut(format!("{} (held by {:?})", forced.reason, forced.holder).as_bytes());
                 return Some(event);
             }
+        }
+        if key == keyspace::admin_writer_key().as_bytes() {
+            return None;
         }
         if key.starts_with(b"/sys/") {
             let name = String::from_utf8_lossy(key).into_owned();

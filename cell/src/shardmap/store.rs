@@ -11,7 +11,7 @@ use super::plan::{self, Moving};
 use super::ShardMap;
 use crate::error::{with_timeout, CellError};
 use crate::keyspace;
-use crate::kv::{put_if_absent, PutIfAbsent};
+use crate::kv::{put_if_absent_with, PutIfAbsent, Writer};
 
 /// Keys per page of a scan.
 const PAGE: i64 = 1000;
@@ -147,13 +147,17 @@ pub enum Copied {
 }
 
 /// Puts a persistent small key into the target only if the target has no such key.
+/// `why` says in the audit trail what the copy is part of.
 pub async fn copy_key(
     kv: &mut KvClient,
     key: &[u8],
     value: &[u8],
+    why: &Writer,
     timeout: Duration,
 ) -> Result<Copied, CellError> {
-    let put = put_if_absent(kv, key, value.to_vec(), "copy a small key", timeout).await?;
+    let note = vec![why.op(keyspace::admin_writer_key())];
+    let put =
+        put_if_absent_with(kv, key, value.to_vec(), note, "copy a small key", timeout).await?;
     let PutIfAbsent::Present(there) = put else {
         return Ok(Copied::Written);
     };
@@ -176,16 +180,20 @@ pub async fn value(
 }
 
 /// Deletes `key` only while it is as read (last written at `mod_revision`); whether it
-/// did.
+/// did. `why` says in the audit trail what the deletion is part of.
 pub async fn delete_key(
     kv: &mut KvClient,
     key: &[u8],
     mod_revision: i64,
+    why: &Writer,
     timeout: Duration,
 ) -> Result<bool, CellError> {
     let txn = Txn::new()
         .when([Compare::mod_revision(key, CompareOp::Equal, mod_revision)])
-        .and_then([TxnOp::delete(key, None)]);
+        .and_then([
+            TxnOp::delete(key, None),
+            why.op(keyspace::admin_writer_key()),
+        ]);
     let resp = with_timeout("delete a small key", timeout, kv.txn(txn)).await?;
     Ok(resp.succeeded())
 }
@@ -200,6 +208,7 @@ pub async fn delete_key_under_map(
     key: &[u8],
     mod_revision: i64,
     map_revision: i64,
+    why: &Writer,
     timeout: Duration,
 ) -> Result<bool, CellError> {
     let map_key = keyspace::shardmap_key();
@@ -208,7 +217,10 @@ pub async fn delete_key_under_map(
             Compare::mod_revision(key, CompareOp::Equal, mod_revision),
             Compare::mod_revision(map_key, CompareOp::Equal, map_revision),
         ])
-        .and_then([TxnOp::delete(key, None)]);
+        .and_then([
+            TxnOp::delete(key, None),
+            why.op(keyspace::admin_writer_key()),
+        ]);
     let resp = with_timeout("delete a small key", timeout, kv.txn(txn)).await?;
     Ok(resp.succeeded())
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use lockcell_cell::kv::{Condition, Entry, Write};
+use lockcell_cell::kv::{Condition, Entry, Write, Writer};
 use lockcell_cell::locklog::Grant;
 use lockcell_cell::LockName;
 use lockcell_proto::v1::condition::When;
@@ -34,6 +34,17 @@ pub const MAX_TXN_BYTES: usize = 1024 * 1024;
 
 pub struct KvService {
     pub state: Arc<ProxyState>,
+}
+
+impl KvService {
+    /// Who a call without a session writes as, for the audit trail.
+    fn writer(&self, caller: Option<String>) -> Writer {
+        Writer {
+            identity: caller.unwrap_or_default(),
+            proxy: self.state.proxy_id.clone(),
+            ..Writer::default()
+        }
+    }
 }
 
 /// A key as shown to a caller who may write it but not read it: its revisions, never
@@ -126,12 +137,23 @@ impl KvApi for KvService {
         let pending = session
             .as_ref()
             .map(|s| Grant::unsettled_ephemeral(&name, &s.id, &req.value));
+        let writer = Writer {
+            identity: session
+                .as_ref()
+                .map(|s| s.identity.clone())
+                .or(caller)
+                .unwrap_or_default(),
+            session: req.session_id.clone(),
+            proxy: state.proxy_id.clone(),
+            detail: String::new(),
+        };
         let put = state.kv.put(
             &name,
             req.value,
             session.as_ref().map(|s| s.lease),
             condition,
             served.map_revision,
+            &writer,
         );
         let written = match (&session, pending) {
             // A write that goes with a session is the session's even if no answer comes.
@@ -178,10 +200,9 @@ impl KvApi for KvService {
         &self,
         request: Request<DeleteRequest>,
     ) -> Result<Response<DeleteResponse>, Status> {
-        self.state
-            .grants
-            .current()
-            .authorize(&request, Right::Write, &[&request.get_ref().key])?;
+        let grants = self.state.grants.current();
+        grants.authorize(&request, Right::Write, &[&request.get_ref().key])?;
+        let writer = self.writer(grants.caller(&request)?);
         let req = request.into_inner();
         let name = key_name(&req.key)?;
         let condition = condition(&req.key, req.condition)?;
@@ -189,7 +210,7 @@ impl KvApi for KvService {
         let (written, deleted) = self
             .state
             .kv
-            .delete(&name, condition, served.map_revision)
+            .delete(&name, condition, served.map_revision, &writer)
             .await
             .map_err(ProxyError::from)?;
         Ok(Response::new(DeleteResponse {
@@ -212,6 +233,7 @@ impl KvApi for KvService {
             grants.authorize(&request, Right::Read, &compared)?;
             grants.authorize(&request, Right::Write, &written)?;
         }
+        let writer = self.writer(self.state.grants.current().caller(&request)?);
         let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;
         let sizes: Vec<(&str, Option<usize>)> = checked
             .writes
@@ -238,7 +260,7 @@ impl KvApi for KvService {
         let outcome = self
             .state
             .kv
-            .txn(&checked.when, checked.writes, map_revision)
+            .txn(&checked.when, checked.writes, map_revision, &writer)
             .await
             .map_err(ProxyError::from)?;
         admitted.landed(outcome.succeeded.then_some(outcome.revision));

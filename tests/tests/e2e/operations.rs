@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
+use lockcell_cell::audit::EventKind;
 use lockcell_cell::rbac;
 use lockcell_client::{Client, ClientOptions, SessionOptions, Wait};
 use lockcell_tests::audit::AuditProcess;
@@ -615,6 +616,98 @@ pub async fn a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old
         granted_at >= deadline,
         "granted again {:?} before the deadline the lost hold ran to",
         deadline - granted_at
+    );
+    Ok(())
+}
+
+/// The audit trail's details: a moved or expired hold names the proxy its session was
+/// on, not the one that granted it; a hold granted before an epoch bump and lost after
+/// it keeps its own token; a small-key write names who wrote it.
+pub async fn audit_events_name_the_sessions_proxy_the_grants_epoch_and_the_writer(
+) -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let mut a = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), &etcd.dir).await?;
+    let b = ProxyProcess::start(&ProxyOptions::new("b", etcd.endpoints()), &etcd.dir).await?;
+    // The harness names a proxy ZONE-PORT.
+    let id = |p: &ProxyProcess| format!("{}-{}", p.zone, p.addr.rsplit(':').next().unwrap_or(""));
+    let (proxy_a, proxy_b) = (id(&a), id(&b));
+    let data = tempfile::tempdir()?;
+    let tailer = AuditProcess::start(
+        "run",
+        &etcd.endpoints(),
+        &data.path().join("audit"),
+        &[],
+        &data.path().join("audit.log"),
+    )
+    .await?;
+    let client = Client::connect_with(ClientOptions::new([a.addr.clone(), b.addr.clone()])).await?;
+    let mut options = short_session(Duration::from_secs(5));
+    options.identity = "worker-6".into();
+    let session = client.open_session(options).await?;
+    let held = session
+        .acquire("jobs/details", Wait::Try)
+        .await?
+        .context("a free lock was not granted")?;
+    let token = held.token().to_string();
+    session
+        .put_ephemeral("members/details", b"up", lockcell_client::Condition::Always)
+        .await?;
+
+    // The session moves to b when a drains.
+    a.process.signal(Signal::SIGTERM)?;
+    a.process.wait_exit(Duration::from_secs(60)).await?;
+    ensure!(held.is_valid(), "the hold was lost in the move");
+    // The epoch is raised under b: the hold is lost, and its key goes.
+    crate::cell::lockcell_cell(&["bump-epoch", "--force", "--etcd", &etcd.endpoints()[0]])
+        .context("bump-epoch --force")?;
+
+    let events = eventually(
+        "the hold's end is in the trail",
+        Duration::from_secs(30),
+        || async {
+            let events = tailer.history("jobs/details").await?;
+            Ok(events
+                .iter()
+                .any(|e| matches!(e.kind, EventKind::Expired | EventKind::Released))
+                .then_some(events))
+        },
+    )
+    .await?;
+    let of = |kind: EventKind| {
+        events
+            .iter()
+            .find(|e| e.kind == kind)
+            .with_context(|| format!("no {kind} event: {events:#?}"))
+    };
+    ensure!(of(EventKind::Granted)?.proxy == proxy_a, "{events:#?}");
+    let moved = of(EventKind::Moved)?;
+    ensure!(
+        moved.proxy == proxy_b && moved.token == token,
+        "the move names proxy {:?} and token {:?}, not {proxy_b} and {token}",
+        moved.proxy,
+        moved.token
+    );
+    let end = events
+        .iter()
+        .find(|e| matches!(e.kind, EventKind::Expired | EventKind::Released))
+        .expect("found above");
+    ensure!(
+        end.token == token && end.proxy == proxy_b,
+        "the hold's end after the bump names token {:?} on proxy {:?}, not {token} on {proxy_b}",
+        end.token,
+        end.proxy
+    );
+    let written = tailer.history("members/details").await?;
+    let write = written
+        .iter()
+        .find(|e| e.kind == EventKind::KeyWritten)
+        .with_context(|| format!("no key_written event: {written:#?}"))?;
+    ensure!(
+        write.identity == "worker-6" && write.proxy == proxy_a && write.session == session.id(),
+        "the write names identity {:?}, proxy {:?}, session {:?}",
+        write.identity,
+        write.proxy,
+        write.session
     );
     Ok(())
 }

@@ -86,8 +86,11 @@ impl Cells {
         let timeout = self.timeout;
         for key in &keys {
             let kv = &mut self.cell(target)?.kv;
+            let why = moving(format!(
+                "a shard map move of {prefix:?} from cell {source}: the copy"
+            ));
             if let Copied::Differs(there) =
-                store::copy_key(kv, &key.key, &key.value, timeout).await?
+                store::copy_key(kv, &key.key, &key.value, &why, timeout).await?
             {
                 bail!(
                     "cell {target} already has the small key {} with another value ({:?}, here {:?}); {prefix:?} stays paused. Delete or correct it in {target} and run the move again, or undo the move with --abort",
@@ -130,8 +133,11 @@ impl Cells {
         let there = self.persistent(target, paused, prefix).await?;
         let kv = &mut self.cell(target)?.kv;
         let current = |t: &&Found| keys.iter().any(|k| k.key == t.key && k.value == t.value);
+        let why = moving(format!(
+            "a shard map move of {prefix:?} from cell {source}: a stale copy deleted before copying"
+        ));
         for stale in there.iter().filter(|t| !current(t)) {
-            if store::delete_key(kv, &stale.key, stale.mod_revision, timeout).await? {
+            if store::delete_key(kv, &stale.key, stale.mod_revision, &why, timeout).await? {
                 println!(
                     "  deleted {} from cell {target}: left there from before, and cell {source}, which serves it, has it with another value or not at all",
                     stale.shown()
@@ -204,8 +210,11 @@ impl Cells {
         );
         let timeout = self.timeout;
         let kv = &mut self.cell(source)?.kv;
+        let why = moving(format!(
+            "a shard map move of {prefix:?}: the clean-up; the key lives on in the cell it moved to"
+        ));
         for key in keys {
-            if !store::delete_key(kv, &key.key, key.mod_revision, timeout).await? {
+            if !store::delete_key(kv, &key.key, key.mod_revision, &why, timeout).await? {
                 println!(
                     "  left {} in cell {source}: it changed after it was copied",
                     key.shown()
@@ -315,10 +324,20 @@ impl Cells {
             bail!("cell {target} has no copy of the shard map after it was written");
         };
         let mut deleted = 0;
+        let why = moving(format!(
+            "an aborted shard map move of {prefix:?}: its copy deleted; the key lives on in cell {source}"
+        ));
         for key in &copied {
             let kv = &mut target_cell.kv;
-            if store::delete_key_under_map(kv, &key.key, key.mod_revision, map_revision, timeout)
-                .await?
+            if store::delete_key_under_map(
+                kv,
+                &key.key,
+                key.mod_revision,
+                map_revision,
+                &why,
+                timeout,
+            )
+            .await?
             {
                 deleted += 1;
             }
@@ -356,5 +375,16 @@ mod tests {
         assert!(done.ends_with("already moved; nothing to do"), "{done}");
         let leftovers = rerun_done("billing/", "a", 3);
         assert!(leftovers.contains("3 of its small keys"), "{leftovers}");
+    }
+}
+
+/// How a move's writes show in the audit trail: as `lockcell-cell shardmap move`,
+/// with `detail` saying which part of the move they are.
+fn moving(detail: String) -> lockcell_cell::kv::Writer {
+    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+    lockcell_cell::kv::Writer {
+        identity: format!("lockcell-cell shardmap move (run by {user})"),
+        detail,
+        ..Default::default()
     }
 }
