@@ -141,6 +141,7 @@ fn main() {
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
         operations_doc::the_operations_guides_commands_run_against_a_real_cell,
         operations::audit_events_name_the_sessions_proxy_the_grants_epoch_and_the_writer,
+        shardmap::a_moved_keys_history_spans_both_cells_trails_with_the_move_marked,
         guide::the_client_guides_examples_run_against_a_real_cell,
         grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
         grants::a_proxy_reaches_etcd_over_mutual_tls,

@@ -939,3 +939,86 @@ pub async fn a_reads_position_carried_across_a_move_is_refused_not_read_in_the_o
     );
     Ok(())
 }
+
+/// A prefix moved between cells, in the audit trail: each cell's tailer records its part
+/// (the copy in the new cell, the clean-up in the old one) as the move's, and `lockctl
+/// audit` given both tailers shows the key's whole history in time order.
+pub async fn a_moved_keys_history_spans_both_cells_trails_with_the_move_marked(
+) -> anyhow::Result<()> {
+    let cells = proxy_on_a(&[("cfg/", "a"), ("other/", "b")]).await?;
+    let dir = tempfile::tempdir()?;
+    let tailer = |etcd: &EtcdCluster, name: &str| {
+        let (endpoints, data, log) = (
+            etcd.endpoints(),
+            dir.path().join(name),
+            dir.path().join(format!("{name}.log")),
+        );
+        async move {
+            lockcell_tests::audit::AuditProcess::start("run", &endpoints, &data, &[], &log).await
+        }
+    };
+    let in_a = tailer(&cells.a, "a").await?;
+    let in_b = tailer(&cells.b, "b").await?;
+    cells
+        .client
+        .put("cfg/moved", b"v1", Condition::Always)
+        .await?;
+    shardmap_at(&cells.a_endpoint, &["move", "cfg/", "--to", "b"])?;
+
+    let mover = |e: &lockcell_cell::audit::AuditEvent| {
+        e.identity.starts_with("lockcell-cell shardmap move")
+    };
+    let copied = eventually(
+        "cell b's trail has the move's copy",
+        Duration::from_secs(20),
+        || async {
+            let events = in_b.history("cfg/moved").await?;
+            Ok(events
+                .into_iter()
+                .find(|e| e.kind == lockcell_cell::audit::EventKind::KeyWritten))
+        },
+    )
+    .await?;
+    ensure!(
+        mover(&copied) && copied.detail.contains("the copy"),
+        "cell b's key_written does not say it is the move's copy: {copied:?}"
+    );
+    let cleaned = eventually(
+        "cell a's trail has the move's clean-up",
+        Duration::from_secs(20),
+        || async {
+            let events = in_a.history("cfg/moved").await?;
+            Ok(events
+                .into_iter()
+                .find(|e| e.kind == lockcell_cell::audit::EventKind::KeyDeleted))
+        },
+    )
+    .await?;
+    ensure!(
+        mover(&cleaned) && cleaned.detail.contains("lives on"),
+        "cell a's key_deleted does not say it is the move's clean-up: {cleaned:?}"
+    );
+
+    let tailers = format!("http://{},http://{}", in_a.addr, in_b.addr);
+    let out = std::process::Command::new(lockcell_tests::bins::workspace_bin("lockctl")?)
+        .args(["audit", "cfg/moved", "--audit", &tailers])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let kinds: Vec<(&str, &str)> = text
+        .lines()
+        .filter_map(|l| {
+            let kind = l.split_whitespace().nth(1)?;
+            let cell = l.rsplit_once("cell=")?.1;
+            Some((kind, cell))
+        })
+        .collect();
+    let (a, b) = (in_a.addr.as_str(), in_b.addr.as_str());
+    ensure!(
+        out.status.success()
+            && kinds == [("key_written", a), ("key_written", b), ("key_deleted", a)],
+        "lockctl audit over both tailers printed ({}):\n{text}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}

@@ -11,12 +11,18 @@ use crate::target::TargetArgs;
 
 pub(crate) const AUDIT_LONG: &str = "\
 Print the audit history of lock, election or small key NAME: one line per event, oldest
-first, from the audit tailer (`lockcell-cell audit`) of the cell.
+first, from the audit tailer (`lockcell-cell audit`) of the cell, or of each cell.
+
+Each cell has its own tailer. A name whose prefix moved between cells (`lockcell-cell
+shardmap move`) has its history in each cell it was served by: give every cell's tailer
+(--audit A,B or LOCKCELL_AUDIT=A,B) and the histories are merged by time, each line
+naming its tailer (cell=HOST:PORT).
 
 Each line is: time (UTC), event, fencing token, session, identity, proxy, zone. Events:
 granted, released, expired (the holder's session ended or its proxy's lease ran out
 without a release), moved (the holder's session moved to another proxy; same token),
-leader_changed, waiting, key_written, key_deleted.
+leader_changed, waiting, key_written, key_deleted, force_released (an operator ended
+the holder's session: the identity is the operator's).
 
 The history is as of the tailer's checkpoint, printed last: events newer than it are not
 in yet. Values (a small key's, a leader's) and lease ids are left out unless --values
@@ -40,9 +46,14 @@ pub(crate) struct AuditArgs {
     #[arg(long, default_value_t = 1000)]
     pub(crate) limit: usize,
 
-    /// The audit tailer's HTTP address.
-    #[arg(long, env = "LOCKCELL_AUDIT", default_value = "http://127.0.0.1:7431")]
-    pub(crate) audit: String,
+    /// The audit tailer's HTTP address, or every cell's, separated by commas.
+    #[arg(
+        long,
+        env = "LOCKCELL_AUDIT",
+        default_value = "http://127.0.0.1:7431",
+        value_delimiter = ','
+    )]
+    pub(crate) audit: Vec<String>,
 
     /// Print the events as JSON lines instead.
     #[arg(long)]
@@ -72,16 +83,67 @@ struct Event {
     zone: String,
     #[serde(default)]
     detail: String,
+    /// The tailer it came from, when several were asked.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    cell: String,
 }
 
 /// `lockctl audit`.
 pub(crate) async fn audit(args: &AuditArgs, target: &TargetArgs) -> anyhow::Result<u8> {
-    let mut url = reqwest::Url::parse(&args.audit).with_context(|| {
-        format!(
-            "--audit {:?} is not a URL (e.g. http://127.0.0.1:7431)",
-            args.audit
-        )
-    })?;
+    let mut events = Vec::new();
+    let mut checkpoints = Vec::new();
+    for tailer in &args.audit {
+        let (mut got, checkpoint) = ask(args, target, tailer).await?;
+        if args.audit.len() > 1 {
+            let cell = reqwest::Url::parse(tailer)
+                .ok()
+                .and_then(|u| Some(format!("{}:{}", u.host_str()?, u.port_or_known_default()?)))
+                .unwrap_or_else(|| tailer.clone());
+            for event in &mut got {
+                event.cell = cell.clone();
+            }
+        }
+        events.extend(got);
+        checkpoints.push((tailer, checkpoint));
+    }
+    // Each cell's events are in revision order; across cells, time orders them.
+    if args.audit.len() > 1 {
+        events.sort_by_key(|e| e.time_ms);
+    }
+    for event in &events {
+        if args.json {
+            print_line(&serde_json::to_string(event)?)?;
+        } else {
+            print_line(&text(event))?;
+        }
+    }
+    if !args.json {
+        for (tailer, checkpoint) in checkpoints {
+            let shown = checkpoint.unwrap_or_else(|| "unknown".into());
+            if args.audit.len() > 1 {
+                eprintln!("{tailer}: audit trail complete up to revision {shown}");
+            } else {
+                eprintln!(
+                    "{} events; audit trail complete up to revision {shown}",
+                    events.len()
+                );
+            }
+        }
+        if args.audit.len() > 1 {
+            eprintln!("{} events from {} tailers", events.len(), args.audit.len());
+        }
+    }
+    Ok(0)
+}
+
+/// The events of NAME one tailer holds, and its checkpoint.
+async fn ask(
+    args: &AuditArgs,
+    target: &TargetArgs,
+    tailer: &str,
+) -> anyhow::Result<(Vec<Event>, Option<String>)> {
+    let mut url = reqwest::Url::parse(tailer)
+        .with_context(|| format!("--audit {tailer:?} is not a URL (e.g. http://127.0.0.1:7431)"))?;
     url.set_path("/v1/audit");
     {
         let mut query = url.query_pairs_mut();
@@ -110,7 +172,7 @@ pub(crate) async fn audit(args: &AuditArgs, target: &TargetArgs) -> anyhow::Resu
     let reply = request
         .send()
         .await
-        .with_context(|| format!("asking the audit tailer at {}", args.audit))?;
+        .with_context(|| format!("asking the audit tailer at {tailer}"))?;
     let status = reply.status();
     let checkpoint = reply
         .headers()
@@ -120,28 +182,13 @@ pub(crate) async fn audit(args: &AuditArgs, target: &TargetArgs) -> anyhow::Resu
     let body = reply.text().await?;
     if !status.is_success() {
         anyhow::bail!(
-            "the audit tailer at {} answered {status}: {}",
-            args.audit,
+            "the audit tailer at {tailer} answered {status}: {}",
             body.trim()
         );
     }
     let events: Vec<Event> =
         serde_json::from_str(&body).context("the audit tailer's answer is not a list of events")?;
-    for event in &events {
-        if args.json {
-            print_line(&serde_json::to_string(event)?)?;
-        } else {
-            print_line(&text(event))?;
-        }
-    }
-    if !args.json {
-        let shown = checkpoint.unwrap_or_else(|| "unknown".into());
-        eprintln!(
-            "{} events; audit trail complete up to revision {shown}",
-            events.len()
-        );
-    }
-    Ok(0)
+    Ok((events, checkpoint))
 }
 
 fn text(e: &Event) -> String {
@@ -166,6 +213,9 @@ fn text(e: &Event) -> String {
     );
     if !e.detail.is_empty() {
         line.push_str(&format!(" value={:?}", e.detail));
+    }
+    if !e.cell.is_empty() {
+        line.push_str(&format!(" cell={}", e.cell));
     }
     line
 }

@@ -365,6 +365,17 @@ fn rerun_done(prefix: &str, target: &str, left: usize) -> String {
     }
 }
 
+/// How a move's writes show in the audit trail: as `lockcell-cell shardmap move`,
+/// with `detail` saying which part of the move they are.
+fn moving(detail: String) -> lockcell_cell::kv::Writer {
+    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+    lockcell_cell::kv::Writer {
+        identity: format!("lockcell-cell shardmap move (run by {user})"),
+        detail,
+        ..Default::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::rerun_done;
@@ -375,16 +386,5 @@ mod tests {
         assert!(done.ends_with("already moved; nothing to do"), "{done}");
         let leftovers = rerun_done("billing/", "a", 3);
         assert!(leftovers.contains("3 of its small keys"), "{leftovers}");
-    }
-}
-
-/// How a move's writes show in the audit trail: as `lockcell-cell shardmap move`,
-/// with `detail` saying which part of the move they are.
-fn moving(detail: String) -> lockcell_cell::kv::Writer {
-    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-    lockcell_cell::kv::Writer {
-        identity: format!("lockcell-cell shardmap move (run by {user})"),
-        detail,
-        ..Default::default()
     }
 }
