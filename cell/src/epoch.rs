@@ -76,9 +76,12 @@ pub async fn read(kv: &mut KvClient, timeout: Duration) -> Result<Option<Stored>
 /// cell's shard map copy, keeping the cluster id: the step after a restore from backup.
 /// Returns the record before and after. Refuses a cell with no record (a cell that was
 /// never initialised, or etcd pointed at the wrong data) rather than creating one.
+/// With `quiet_since`, refuses too if a proxy wrote its presence record after that
+/// revision (a proxy started while the caller looked for running ones).
 pub async fn bump(
     kv: &mut KvClient,
     timeout: Duration,
+    quiet_since: Option<i64>,
 ) -> Result<(EpochRecord, Stored), CellError> {
     let key = keyspace::epoch_key();
     let Some(before) = read(kv, timeout).await? else {
@@ -104,17 +107,25 @@ pub async fn bump(
         ),
         None => Compare::version(keyspace::shardmap_key(), CompareOp::Equal, 0),
     };
+    let mut when = vec![
+        Compare::mod_revision(key, CompareOp::Equal, before.mod_revision),
+        map_unchanged,
+    ];
+    if let Some(revision) = quiet_since {
+        let root = keyspace::proxy_presence_root();
+        when.push(
+            Compare::mod_revision(root, CompareOp::Less, revision + 1)
+                .with_range(keyspace::prefix_end(root.as_bytes())),
+        );
+    }
     let txn = Txn::new()
-        .when([
-            Compare::mod_revision(key, CompareOp::Equal, before.mod_revision),
-            map_unchanged,
-        ])
+        .when(when)
         .and_then([TxnOp::put(key, body, None)]);
     let resp = with_timeout("raise epoch", timeout, kv.txn(txn)).await?;
     if !resp.succeeded() {
         return Err(CellError::CorruptRecord {
             key: key.to_owned(),
-            reason: "the record or the cell's shard map changed while it was being raised (another bump-epoch, or a shard map move?); read it again and decide".to_owned(),
+            reason: "the record or the cell's shard map changed while it was being raised (another bump-epoch, or a shard map move?), or a proxy started on the cell meanwhile; nothing was raised: look again (lockcell-cell status) and decide".to_owned(),
         });
     }
     let mod_revision = resp.header().map(|h| h.revision()).unwrap_or_default();

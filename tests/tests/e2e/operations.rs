@@ -197,7 +197,11 @@ pub async fn bump_epoch_refuses_a_cell_with_running_proxies() -> anyhow::Result<
     let etcd = EtcdCluster::start(1).await?;
     let endpoint = etcd.endpoints()[0].clone();
     let mut a = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), &etcd.dir).await?;
-    let b = ProxyProcess::start(&ProxyOptions::new("b", etcd.endpoints()), &etcd.dir).await?;
+    // b's leases outlive a's by far: a bump watches a killed b's record long enough
+    // for a proxy to start meanwhile.
+    let mut slow = ProxyOptions::new("b", etcd.endpoints());
+    slow.lease_ttl = Duration::from_secs(8);
+    let b = ProxyProcess::start(&slow, &etcd.dir).await?;
     let client = Client::connect(&a.url()).await?;
     let session = client
         .open_session(short_session(Duration::from_secs(10)))
@@ -229,13 +233,29 @@ pub async fn bump_epoch_refuses_a_cell_with_running_proxies() -> anyhow::Result<
         .context("the proxy stopped granting after a refused bump-epoch")?;
 
     // b killed (its record stays until its lease expires), a stopped (it drains and
-    // revokes its leases): the bump waits for b's lease, then goes ahead.
+    // revokes its leases): the bump waits for b's lease. A proxy c that starts
+    // meanwhile is not among the records it watches, and stops the bump.
     drop(held);
     drop(session);
     drop(client);
     a.signal(Signal::SIGTERM)?;
     a.process.wait_exit(Duration::from_secs(30)).await?;
     b.signal(Signal::SIGKILL)?;
+    let bump = ["bump-epoch", "--etcd", endpoint.as_str()];
+    let c_options = ProxyOptions::new("c", etcd.endpoints());
+    let (bumped, c) = tokio::join!(
+        lockcell_cell(&bump),
+        ProxyProcess::start(&c_options, &etcd.dir)
+    );
+    let (status, _, stderr) = bumped?;
+    let c = c?;
+    ensure!(
+        status == Some(1) && stderr.contains("a proxy started on the cell meanwhile"),
+        "bump-epoch went ahead while proxy c started: {status:?} {stderr}"
+    );
+    let (_, after, _) = lockcell_cell(&["epoch", "--etcd", &endpoint]).await?;
+    ensure!(after == before, "a refused bump-epoch changed the epoch");
+    drop(c);
     let (status, stdout, stderr) = lockcell_cell(&["bump-epoch", "--etcd", &endpoint]).await?;
     ensure!(
         status == Some(0)

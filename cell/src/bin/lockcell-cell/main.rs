@@ -475,9 +475,13 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::BumpEpoch(BumpEpochArgs { etcd, force }) => {
             let client = etcd.connect().await?;
-            running_proxies(&client, &etcd, force).await?;
-            let (before, after) =
-                epoch::bump(&mut client.kv_client(), etcd.address.etcd_timeout).await?;
+            let quiet_since = running_proxies(&client, &etcd, force).await?;
+            let (before, after) = epoch::bump(
+                &mut client.kv_client(),
+                etcd.address.etcd_timeout,
+                quiet_since,
+            )
+            .await?;
             println!(
                 "raised the epoch of cluster {} from {} to {} (at revision {}); tokens granted from now on start with {}:",
                 after.record.cluster_id,
@@ -497,16 +501,35 @@ async fn run(command: Command) -> anyhow::Result<()> {
 }
 
 /// Refuses (unless `force`) a cell with running proxies, naming them; says what it
-/// waits for while presence records restored from a backup expire.
+/// waits for while presence records restored from a backup expire. Returns the
+/// revision it began looking at (none with `force`): the bump refuses a presence
+/// record written after it, a proxy that started meanwhile.
 async fn running_proxies(
     client: &etcd_client::Client,
     etcd: &EtcdArgs,
     force: bool,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<i64>> {
     let timeout = etcd.address.etcd_timeout;
+    let looked = lockcell_cell::error::with_timeout(
+        "read the store's revision",
+        timeout,
+        client.kv_client().get(
+            lockcell_cell::keyspace::proxy_presence_root(),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_count_only(),
+            ),
+        ),
+    )
+    .await?
+    .header()
+    .map(|h| h.revision())
+    .unwrap_or_default();
+    let quiet_since = (!force).then_some(looked);
     let recorded = presence::recorded(&mut client.kv_client(), timeout).await?;
     if recorded.is_empty() {
-        return Ok(());
+        return Ok(quiet_since);
     }
     eprintln!(
         "lockcell-cell: {} proxy presence record(s) in the cell; watching their etcd leases (up to their TTL) to tell running proxies from records restored from a backup",
@@ -515,7 +538,7 @@ async fn running_proxies(
     let running = presence::running(client, timeout, PRESENCE_PATIENCE).await?;
     if running.is_empty() {
         eprintln!("lockcell-cell: none of them is renewed: no proxy runs on the cell");
-        return Ok(());
+        return Ok(quiet_since);
     }
     let names: Vec<String> = running
         .iter()
@@ -532,7 +555,7 @@ async fn running_proxies(
             running.len(),
             names.join(", ")
         );
-        return Ok(());
+        return Ok(None);
     }
     anyhow::bail!(
         "{} proxies run on the cell at {}: {}. Raising the epoch now makes every one of them grant nothing more, drain and exit at once, with no proxy left for their clients to move to, and every lock held in the cell is lost to its holder. \
