@@ -636,6 +636,9 @@ impl LockLog {
         let ops = resp.op_responses();
         let found = first_kv(&ops).map(|kv| (kv.mod_revision(), kv.create_revision(), kv.lease()));
         if !resp.succeeded() {
+            if let Some(reason) = first_kv(&ops).and_then(ended) {
+                return Ok(Resume::Ended { reason });
+            }
             let (revision, _, lease) = found.unwrap_or_default();
             return Ok(Resume::FenceMoved { revision, lease });
         }
@@ -656,6 +659,9 @@ impl LockLog {
                 .or_else([TxnOp::get(fence_key.as_bytes(), None)]);
             let resp = with_timeout("resume txn", self.timeout, self.kv.clone().txn(txn)).await?;
             if !resp.succeeded() {
+                if let Some(reason) = first_kv(&resp.op_responses()).and_then(ended) {
+                    return Ok(Resume::Ended { reason });
+                }
                 let now = first_kv(&resp.op_responses()).map(|kv| (kv.mod_revision(), kv.lease()));
                 let (revision, lease) = now.unwrap_or_default();
                 return Ok(Resume::FenceMoved { revision, lease });
@@ -668,6 +674,31 @@ impl LockLog {
             fence_revision: revision,
             outcomes,
         })
+    }
+
+    /// Marks `session` ended by an operator for `reason`: its fence (on `lease`, the
+    /// session's lease here) says so, and since every resume compares the fence, no
+    /// proxy takes the session again, this one included. Returns the fence's create
+    /// revision when this write created it (the session never moved), for its clean-up.
+    pub async fn end_fence(
+        &self,
+        session: &LockName,
+        lease: i64,
+        reason: &str,
+    ) -> Result<Option<i64>, CellError> {
+        let key = crate::keyspace::session_fence_key(session.as_str());
+        let resp = with_timeout(
+            "end session fence",
+            self.timeout,
+            self.kv.clone().put(
+                key,
+                format!("{ENDED}{reason}"),
+                Some(PutOptions::new().with_lease(lease).with_prev_key()),
+            ),
+        )
+        .await?;
+        let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
+        Ok(resp.prev_key().is_none().then_some(revision))
     }
 
     /// Deletes every grant still on `lease`, each under its own guard, in as few
@@ -996,6 +1027,9 @@ pub enum Resume {
     /// The fence is at `revision` on `lease`, not what the client said: a resume it did
     /// not hear the end of landed. Nothing moved.
     FenceMoved { revision: i64, lease: i64 },
+    /// An operator ended the session (see [`LockLog::end_fence`]), for `reason`:
+    /// nothing moved, and no proxy takes the session again.
+    Ended { reason: String },
     /// etcd turned the first transaction away (too busy): nothing moved.
     TurnedAway(String),
 }
@@ -1115,6 +1149,15 @@ fn kv_of<'a>(ops: &'a [TxnOpResponse], key: &str) -> Option<&'a etcd_client::Key
         TxnOpResponse::Get(get) => get.kvs().first().filter(|kv| kv.key() == key.as_bytes()),
         _ => None,
     })
+}
+
+/// The value of a session fence an operator ended: this prefix, then why.
+const ENDED: &str = "!ended ";
+
+/// Why the session of `fence` was ended, if an operator ended it.
+fn ended(fence: &etcd_client::KeyValue) -> Option<String> {
+    let value = std::str::from_utf8(fence.value()).ok()?;
+    value.strip_prefix(ENDED).map(str::to_owned)
 }
 
 fn first_kv(ops: &[TxnOpResponse]) -> Option<&etcd_client::KeyValue> {

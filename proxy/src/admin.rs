@@ -2,9 +2,11 @@
 //! (etcd answers and every lease is held), and `POST /drain` (what SIGTERM does: ask
 //! every client to move to another proxy, wait up to the drain timeout, then stop).
 //!
-//! `POST /sessions/end?session=ID&reason=TEXT` ends one client session for an operator
-//! (`lockcell-cell force-release`): the session is renewed no more, its client is told
-//! it expired and why, and its keys go once the validity granted to it has run out.
+//! `POST /sessions/end?session=ID&lock=NAME&token=EPOCH:REV&reason=TEXT` ends one
+//! client session for an operator (`lockcell-cell force-release`), if it still holds
+//! that hold: the session is renewed no more, its fence in etcd refuses every resume,
+//! its client is told it expired and why, and its keys go once the validity granted to
+//! it has run out.
 //!
 //! `POST /drain` stops the proxy, so it answers only a caller it can trust: one with
 //! the admin token, when `--admin-token-file` is set, or else one on this host's
@@ -176,12 +178,17 @@ async fn drain(
 #[derive(serde::Deserialize)]
 struct EndSession {
     session: String,
+    /// The hold the caller looked at: the session is ended only while it still holds
+    /// `lock` with `token` (`EPOCH:REVISION`).
+    lock: String,
+    token: String,
     #[serde(default)]
     reason: String,
 }
 
-/// Ends a client session for an operator, in whichever cell it is: 200 with what it
-/// held and when its keys go (JSON), 404 when the session is not on this proxy.
+/// Ends a client session for an operator, in whichever cell it is, if it still holds
+/// the hold named: 200 with what it held and when its keys go (JSON), 409 when it does
+/// not hold that, 404 when the session is not on this proxy.
 async fn end_session(
     State(admin): State<Admin>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -199,16 +206,58 @@ async fn end_session(
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FORBIDDEN);
         return (status, why);
     }
-    let reason: Arc<str> = if ask.reason.is_empty() {
-        "ended by an operator".into()
+    let Ok(token) = ask.token.parse::<lockcell_proto::FencingToken>() else {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("token {:?} is not EPOCH:REVISION\n", ask.token),
+        );
+    };
+    let reason = if ask.reason.is_empty() {
+        "ended by an operator".to_owned()
     } else {
-        format!("ended by an operator: {}", ask.reason).into()
+        format!("ended by an operator: {}", ask.reason)
     };
     for state in admin.states.iter() {
-        let Some(session) = state.sessions.end(&ask.session, reason.clone()) else {
+        let Some(session) = state.sessions.peek(&ask.session) else {
+            continue;
+        };
+        let holds = state.routes.token_epoch(&ask.lock) == token.epoch
+            && session
+                .held
+                .iter()
+                .any(|g| !g.waiter && g.lock.as_str() == ask.lock && g.revision == token.revision);
+        if !holds {
+            return (
+                StatusCode::CONFLICT,
+                format!(
+                    "session {} does not hold {:?} with token {token} here; nothing ended\n",
+                    ask.session, ask.lock
+                ),
+            );
+        }
+        let Some(session) = state.sessions.end(&ask.session, reason.as_str().into()) else {
             continue;
         };
         let at = session.expires_at();
+        // Fenced in etcd too: a resume on any proxy, this one included, is refused.
+        let fenced = match lockcell_cell::LockName::parse(&ask.session) {
+            Ok(name) => match state.locklog.end_fence(&name, session.lease, &reason).await {
+                Ok(created) => {
+                    if let Some(revision) = created {
+                        let fence = lockcell_cell::locklog::Grant::fence(&name, revision);
+                        state
+                            .sessions
+                            .record_grant(&session.id, session.incarnation, fence, None);
+                    }
+                    true
+                }
+                Err(e) => {
+                    tracing::error!(session.id = %ask.session, error = %e, "could not fence the ended session in etcd; a resume elsewhere could keep it");
+                    false
+                }
+            },
+            Err(_) => false,
+        };
         let held: Vec<&str> = session
             .held
             .iter()
@@ -220,6 +269,7 @@ async fn end_session(
             session.id = %ask.session,
             identity = %session.identity,
             ?held,
+            fenced,
             reason = session.ended.as_deref().unwrap_or_default(),
             "session ended by an operator"
         );
@@ -228,6 +278,7 @@ async fn end_session(
             "session": ask.session,
             "identity": session.identity,
             "held": held,
+            "fenced": fenced,
             "keys_go_in_ms": at.saturating_duration_since(Instant::now()).as_millis() as u64,
         });
         return (StatusCode::OK, format!("{body}\n"));

@@ -296,6 +296,10 @@ async fn resume_named(
                 earlier,
             );
         }
+        Ok(Resume::Ended { reason }) => ProxyError::ExpiredSession {
+            id: req.session_id.clone(),
+            reason,
+        },
         Ok(Resume::FenceMoved { revision, lease }) => ProxyError::FencedOut {
             session: req.session_id.clone(),
             revision,

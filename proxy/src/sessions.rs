@@ -242,6 +242,11 @@ impl SessionTable {
         }
     }
 
+    /// A copy of session `id` as it is, ended or not.
+    pub fn peek(&self, id: &str) -> Option<Session> {
+        self.live.get(id).map(|s| s.clone())
+    }
+
     /// Ends session `id` for an operator: from now on it is renewed no more, gets
     /// nothing new, and its client is told `reason` as the session's expiry; its keys
     /// are deleted once the validity granted to it has run out, as for any expiry, so no

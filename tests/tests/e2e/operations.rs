@@ -734,3 +734,64 @@ pub async fn audit_events_name_the_sessions_proxy_the_grants_epoch_and_the_write
     );
     Ok(())
 }
+
+/// A session an operator ended cannot be kept by resuming it elsewhere: `lockctl lock`
+/// paused while its proxy ends its session, that proxy frozen before the client hears
+/// of it; the client resumes on the other proxy, which refuses the ended session, so
+/// the command stops and the lock passes on.
+pub async fn an_ended_session_is_refused_by_every_proxy() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    // Leases long enough for a move to finish well within the validity they back: a
+    // resume that b took would keep the hold.
+    let long = |zone: &str| {
+        let mut options = ProxyOptions::new(zone, etcd.endpoints());
+        options.lease_ttl = Duration::from_secs(10);
+        options
+    };
+    let a = ProxyProcess::start(&long("a"), &etcd.dir).await?;
+    let b = ProxyProcess::start(&long("b"), &etcd.dir).await?;
+    let both = format!("{},{}", a.addr, b.addr);
+    let mut holder = lockctl_command(
+        &both,
+        ("10s", "1s"),
+        "jobs/dodge",
+        "echo holding; exec sleep 600",
+        dir.path(),
+    )?
+    .spawn()?;
+    first_line(&mut holder, "holding").await?;
+    let client = Client::connect(&b.url()).await?;
+    let state = client.describe("jobs/dodge").await?;
+    let hold = state.holders.first().context("lockctl holds nothing")?;
+    let pid = nix::unistd::Pid::from_raw(holder.id().context("lockctl's pid")? as i32);
+
+    nix::sys::signal::kill(pid, Signal::SIGSTOP)?;
+    let path = format!(
+        "/sessions/end?session={}&lock=jobs/dodge&token={}&reason=stuck",
+        hold.session_id, hold.token
+    );
+    let (status, body, _) = lockcell_tests::proxy::http_call(&a.admin_addr, "POST", &path).await?;
+    ensure!(
+        status == 200,
+        "POST /sessions/end answered {status}: {body}"
+    );
+    a.signal(Signal::SIGSTOP)?;
+    nix::sys::signal::kill(pid, Signal::SIGCONT)?;
+
+    let (code, stderr) = exited(holder).await?;
+    ensure!(
+        code != Some(0) && stderr.contains("ended by an operator"),
+        "lockctl exited {code:?} without being told its session was ended: {stderr}"
+    );
+    let session = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    let next = session
+        .acquire("jobs/dodge", Wait::Timeout(Duration::from_secs(30)))
+        .await?
+        .context("the lock of the ended session never passed on")?;
+    ensure!(next.token() > hold.token, "tokens did not rise");
+    a.signal(Signal::SIGCONT)?;
+    Ok(())
+}

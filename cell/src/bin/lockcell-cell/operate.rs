@@ -397,7 +397,12 @@ async fn end_session(
         );
         let url = reqwest::Url::parse_with_params(
             &format!("{base}/sessions/end"),
-            [("session", session), ("reason", reason.as_str())],
+            [
+                ("session", session),
+                ("lock", record.lock.as_str()),
+                ("token", record.token.as_str()),
+                ("reason", reason.as_str()),
+            ],
         )?;
         let mut call = http.post(url).timeout(timeout);
         if let Some(token) = token {
@@ -411,6 +416,9 @@ async fn end_session(
                     p.proxy_id,
                     body.trim()
                 );
+                if body.contains("\"fenced\":false") {
+                    eprintln!("lockcell-cell: warning: proxy {} could not fence the session in etcd (its log says why): a resume on another proxy could keep it; this command follows it there while it waits", p.proxy_id);
+                }
                 return Ok(p.proxy_id.clone());
             }
             Ok(resp) if resp.status() == reqwest::StatusCode::NOT_FOUND => {
