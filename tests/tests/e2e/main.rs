@@ -141,6 +141,7 @@ fn main() {
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
         operations_doc::the_operations_guides_commands_run_against_a_real_cell,
         operations::an_ended_session_is_refused_by_every_proxy,
+        operations::status_reports_a_frozen_member_and_keeps_going,
         operations::audit_events_name_the_sessions_proxy_the_grants_epoch_and_the_writer,
         shardmap::a_moved_keys_history_spans_both_cells_trails_with_the_move_marked,
         guide::the_client_guides_examples_run_against_a_real_cell,

@@ -795,3 +795,37 @@ pub async fn an_ended_session_is_refused_by_every_proxy() -> anyhow::Result<()> 
     a.signal(Signal::SIGCONT)?;
     Ok(())
 }
+
+/// `lockcell-cell status` with one etcd member frozen (the first endpoint it is given):
+/// it reads the cell through another, reports everything, names the member that does
+/// not answer and exits 1; with the member back, it exits 0.
+pub async fn status_reports_a_frozen_member_and_keeps_going() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(3).await?;
+    let _proxy = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), &etcd.dir).await?;
+    let endpoints = etcd.endpoints().join(",");
+    let status = [
+        "status",
+        "--etcd",
+        endpoints.as_str(),
+        "--etcd-timeout",
+        "2s",
+    ];
+    let (code, stdout, stderr) = lockcell_cell(&status).await?;
+    ensure!(
+        code == Some(0) && stdout.contains("everything answers"),
+        "status of a healthy cell exited {code:?}: {stdout}{stderr}"
+    );
+    etcd.members[0].process.signal(Signal::SIGSTOP)?;
+    let (code, stdout, stderr) = lockcell_cell(&status).await?;
+    etcd.members[0].process.signal(Signal::SIGCONT)?;
+    let frozen = &etcd.members[0].name;
+    ensure!(
+        code == Some(1)
+            && stdout.contains("cell: cluster ")
+            && stdout.contains("etcd members: 3")
+            && stdout.contains("proxies: 1")
+            && stderr.contains(&format!("etcd member {frozen} does not answer")),
+        "status with member {frozen} frozen exited {code:?}:\n{stdout}{stderr}"
+    );
+    Ok(())
+}

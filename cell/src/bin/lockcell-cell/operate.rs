@@ -79,10 +79,9 @@ pub enum ModeArg {
 pub async fn status(args: StatusArgs) -> anyhow::Result<()> {
     let etcd = &args.etcd;
     let timeout = etcd.address.etcd_timeout;
-    let client = etcd.connect().await?;
     let mut problems: Vec<String> = Vec::new();
-
-    match epoch::read(&mut client.kv_client(), timeout).await? {
+    let (client, stored) = first_answering(etcd, &mut problems).await?;
+    match stored {
         Some(stored) => println!(
             "cell: cluster {} epoch {} (written at revision {})",
             stored.record.cluster_id, stored.record.epoch, stored.mod_revision
@@ -177,6 +176,46 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<()> {
     } else {
         bail!("{}", problems.join("; "))
     }
+}
+
+/// A client of the first of the cell's endpoints that answers, and the epoch record it
+/// read; an endpoint that does not answer is a problem, not the end of the report.
+async fn first_answering(
+    etcd: &EtcdArgs,
+    problems: &mut Vec<String>,
+) -> anyhow::Result<(etcd_client::Client, Option<epoch::Stored>)> {
+    let timeout = etcd.address.etcd_timeout;
+    let mut failures = Vec::new();
+    for endpoint in &etcd.address.etcd_endpoints {
+        let read = async {
+            let client = etcd.connect_to(std::slice::from_ref(endpoint)).await?;
+            let stored = epoch::read(&mut client.kv_client(), timeout).await?;
+            anyhow::Ok((client, stored))
+        };
+        match tokio::time::timeout(timeout, read).await {
+            Ok(Ok(found)) => {
+                if !failures.is_empty() {
+                    problems.push(format!(
+                        "etcd endpoint(s) {} do not answer",
+                        failures.join(", ")
+                    ));
+                }
+                return Ok(found);
+            }
+            Ok(Err(e)) => {
+                eprintln!("lockcell-cell: etcd at {endpoint} does not answer: {e:#}");
+                failures.push(endpoint.clone());
+            }
+            Err(_) => {
+                eprintln!("lockcell-cell: etcd at {endpoint}: no answer in {timeout:?}");
+                failures.push(endpoint.clone());
+            }
+        }
+    }
+    bail!(
+        "no etcd endpoint of the cell answers ({})",
+        failures.join(", ")
+    )
 }
 
 /// One line per etcd member: its version, database size and whether it leads.

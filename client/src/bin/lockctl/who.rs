@@ -24,7 +24,8 @@ For a lock that is not released: the holder's identity says which process to loo
 session as an operator (docs/operations.md, \"Inspecting and force-releasing a lock\").
 
 Exit statuses: 0 held, 1 free, 64 NAME is not a lock name, 69 the proxy is
-unreachable.
+unreachable, 77 the proxy's grants give you neither the lock nor the read right on
+NAME.
 
 Example:
   lockctl who billing/nightly";
