@@ -413,7 +413,7 @@ mod tests {
                 .collect()
         };
         let rpcs = words("rpc ");
-        assert_eq!(rpcs.len(), 17, "{rpcs:?}");
+        assert_eq!(rpcs.len(), 18, "{rpcs:?}");
         for rpc in rpcs {
             assert!(
                 doc.contains(&format!("\n#### {rpc}\n")),
