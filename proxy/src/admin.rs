@@ -140,21 +140,35 @@ async fn render_metrics(State(admin): State<Admin>) -> String {
     admin.metrics.render()
 }
 
+/// Whether the admin call `what` from `peer` may go ahead (the admin token, or
+/// loopback); else the answer that refuses it.
+fn trusted(
+    admin: &Admin,
+    what: &str,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+) -> Result<(), (StatusCode, String)> {
+    let authorization = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    lockcell_cell::access::check_admin(what, admin.token_file.as_deref(), peer, authorization)
+        .map_err(|(status, why)| {
+            tracing::warn!(%peer, "{what} refused: {}", why.trim_end());
+            (
+                StatusCode::from_u16(status).unwrap_or(StatusCode::FORBIDDEN),
+                why,
+            )
+        })
+}
+
 /// Starts the drain that ends with the proxy stopping, for a caller it trusts.
 async fn drain(
     State(admin): State<Admin>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
 ) -> (StatusCode, String) {
-    let authorization = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    if let Err((status, why)) =
-        lockcell_cell::access::check_drain(admin.token_file.as_deref(), peer, authorization)
-    {
-        tracing::warn!(%peer, "POST /drain refused: {}", why.trim_end());
-        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FORBIDDEN);
-        return (status, why);
+    if let Err(refused) = trusted(&admin, "POST /drain", peer, &headers) {
+        return refused;
     }
     let state = admin.first();
     admin.drained.store(true, Ordering::SeqCst);
@@ -195,16 +209,8 @@ async fn end_session(
     headers: HeaderMap,
     Query(ask): Query<EndSession>,
 ) -> (StatusCode, String) {
-    let authorization = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    let what = "POST /sessions/end";
-    if let Err((status, why)) =
-        lockcell_cell::access::check_admin(what, admin.token_file.as_deref(), peer, authorization)
-    {
-        tracing::warn!(%peer, "{what} refused: {}", why.trim_end());
-        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::FORBIDDEN);
-        return (status, why);
+    if let Err(refused) = trusted(&admin, "POST /sessions/end", peer, &headers) {
+        return refused;
     }
     let Ok(token) = ask.token.parse::<lockcell_proto::FencingToken>() else {
         return (

@@ -771,10 +771,23 @@ pub async fn an_ended_session_is_refused_by_every_proxy() -> anyhow::Result<()> 
         "/sessions/end?session={}&lock=jobs/dodge&token={}&reason=stuck",
         hold.session_id, hold.token
     );
-    let (status, body, _) = lockcell_tests::proxy::http_call(&a.admin_addr, "POST", &path).await?;
+    // Another hold's token ends nothing.
+    let other = path.replace(&hold.token.to_string(), &format!("{}:1", hold.token.epoch));
+    let (status, _, body) = lockcell_tests::proxy::http_call(&a.admin_addr, "POST", &other).await?;
+    ensure!(
+        status == 409,
+        "POST /sessions/end with another token answered {status}: {body}"
+    );
+    let (status, _, body) = lockcell_tests::proxy::http_call(&a.admin_addr, "POST", &path).await?;
     ensure!(
         status == 200,
         "POST /sessions/end answered {status}: {body}"
+    );
+    // Asked again, as after a lost reply: the same answer, nothing more.
+    let (status, _, again) = lockcell_tests::proxy::http_call(&a.admin_addr, "POST", &path).await?;
+    ensure!(
+        status == 200 && again.contains("\"fenced\":true"),
+        "POST /sessions/end asked again answered {status}: {again}"
     );
     a.signal(Signal::SIGSTOP)?;
     nix::sys::signal::kill(pid, Signal::SIGCONT)?;

@@ -373,29 +373,46 @@ pub async fn force_release(args: ForceReleaseArgs) -> anyhow::Result<()> {
             .first()
             .filter(|k| k.create_revision() == revision);
         let Some(current) = current else {
-            println!(
-                "released {} hold {} of {}: the session of {:?} was ended{}; it has been told so, and its keys are gone",
-                mode_name(mode),
-                args.token,
-                lock.as_str(),
-                holder.identity,
-                ended_on.map(|p| format!(" on proxy {p}")).unwrap_or_default()
-            );
+            match &ended_on {
+                Some(proxy) => println!(
+                    "released {} hold {} of {}: the session of {:?} was ended on proxy {proxy}; it has been told so, and its keys are gone",
+                    mode_name(mode),
+                    args.token,
+                    lock.as_str(),
+                    holder.identity,
+                ),
+                None => println!(
+                    "the {} hold {} of {} ended by itself (released or expired) before its session was ended; nothing ended",
+                    mode_name(mode),
+                    args.token,
+                    lock.as_str(),
+                ),
+            }
             return Ok(());
         };
         if asked_at_lease != Some(current.lease()) {
             asked_at_lease = Some(current.lease());
-            ended_on = Some(
-                end_session(
-                    &http,
-                    &mut kv,
-                    &holder.session,
-                    &record,
-                    token.as_deref(),
-                    timeout,
-                )
-                .await?,
-            );
+            let ended = end_session(
+                &http,
+                &mut kv,
+                &holder.session,
+                &record,
+                token.as_deref(),
+                timeout,
+            )
+            .await;
+            match ended {
+                Ok(proxy) => ended_on = Some(proxy),
+                // The holder let go meanwhile (the proxies found no such hold): the
+                // next look says so.
+                Err(_)
+                    if ended_on.is_none()
+                        && !still_held(&mut kv, &key, revision, timeout).await? =>
+                {
+                    continue
+                }
+                Err(e) => return Err(e),
+            }
         }
         if tokio::time::Instant::now() >= deadline {
             bail!(
@@ -408,6 +425,20 @@ pub async fn force_release(args: ForceReleaseArgs) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Whether the hold's key `key` is still the grant made at `revision`.
+async fn still_held(
+    kv: &mut etcd_client::KvClient,
+    key: &str,
+    revision: i64,
+    timeout: Duration,
+) -> anyhow::Result<bool> {
+    let now = with_timeout("read the hold", timeout, kv.get(key.as_bytes(), None)).await?;
+    Ok(now
+        .kvs()
+        .first()
+        .is_some_and(|k| k.create_revision() == revision))
 }
 
 /// Asks every running proxy to end `session`; returns the id of the one that had it.
@@ -518,7 +549,8 @@ fn mode_name(mode: Mode) -> &'static str {
     }
 }
 
-fn default_operator() -> String {
+/// Who runs this command, for the audit trail: USER@HOST.
+pub fn default_operator() -> String {
     let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())

@@ -368,9 +368,11 @@ fn rerun_done(prefix: &str, target: &str, left: usize) -> String {
 /// How a move's writes show in the audit trail: as `lockcell-cell shardmap move`,
 /// with `detail` saying which part of the move they are.
 fn moving(detail: String) -> lockcell_cell::kv::Writer {
-    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
     lockcell_cell::kv::Writer {
-        identity: format!("lockcell-cell shardmap move (run by {user})"),
+        identity: format!(
+            "lockcell-cell shardmap move (run by {})",
+            crate::operate::default_operator()
+        ),
         detail,
         ..Default::default()
     }
