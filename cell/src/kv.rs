@@ -31,14 +31,31 @@ pub struct Writer {
     /// copy or clean-up).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub detail: String,
+    /// When the writer made the write (its clock, ms since the Unix epoch): the trail's
+    /// time for the write, as a grant's own time is for a grant, so the trails of two
+    /// cells merge in the order the writes were made.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub at_ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Writer {
-    /// The put that records this writer at `key`, for a transaction's writes.
+    /// The put that records this writer at `key`, for a transaction's writes, stamped
+    /// with the time now.
     pub fn op(&self, key: &str) -> TxnOp {
+        let stamped = Writer {
+            at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or_default(),
+            ..self.clone()
+        };
         TxnOp::put(
             key,
-            serde_json::to_vec(self).expect("a writer serializes"),
+            serde_json::to_vec(&stamped).expect("a writer serializes"),
             None,
         )
     }

@@ -104,7 +104,8 @@ pub struct AuditEvent {
     pub revision: i64,
     pub seq: u32,
     /// Milliseconds since the Unix epoch: the grant's own time for grants and leader
-    /// changes, otherwise when the tailer saw the change (etcd keeps no times).
+    /// changes, the writer's for small-key writes, otherwise when the tailer saw the
+    /// change (etcd keeps no times).
     pub time_ms: i64,
     pub kind: EventKind,
     /// The lock or election name, the small key's name, or the `/sys` key.

@@ -685,6 +685,9 @@ impl Reading {
     fn sign(&self, event: &mut AuditEvent, writer: Option<&Writer>) {
         match writer {
             Some(w) => {
+                if w.at_ms > 0 {
+                    event.time_ms = w.at_ms as i64;
+                }
                 event.identity = w.identity.clone();
                 event.session = w.session.clone();
                 event.proxy = w.proxy.clone();

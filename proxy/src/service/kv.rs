@@ -145,7 +145,7 @@ impl KvApi for KvService {
                 .unwrap_or_default(),
             session: req.session_id.clone(),
             proxy: state.proxy_id.clone(),
-            detail: String::new(),
+            ..Writer::default()
         };
         let put = state.kv.put(
             &name,
