@@ -4,15 +4,30 @@
 //! For lockcell a session is a proxy session renewed on a `KeepAlive` stream; for bare
 //! etcd (direct or through grpc-proxy) it is an etcd lease renewed on a
 //! `LeaseKeepAlive` stream. Each connection carries one stream with the renewals of its
-//! sessions, paced so the fleet's renewals are spread evenly over the renewal period.
+//! sessions. Each session is renewed as its own client would renew it: every renewal
+//! period from the moment its open was sent, starting while the rest of the fleet is
+//! still opening. Sessions open at the gate's steady rate, so their renewals spread
+//! evenly over the period.
+//!
+//! A session the target declares gone is judged by what its client knows: a false
+//! expiry when the renewal that met "gone" left within a TTL of the last renewal
+//! answered alive (or of the open), so the target owed the session its life; otherwise
+//! the load generator renewed it late, which is counted apart and never against the
+//! target. Each expiry keeps its timeline (open, last alive, recent renewals, the
+//! target's answer) as evidence.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use lockcell_loadtest::pacing::{share, Schedule};
+use lockcell_loadtest::expiry::{Expiry, Track, Verdict};
+use lockcell_loadtest::pacing::share;
+use lockcell_loadtest::report::Report;
 use lockcell_loadtest::stats::Samples;
 use lockcell_proto::v1::session_client::SessionClient;
 use lockcell_proto::v1::{KeepAliveRequest, OpenRequest, SessionState};
@@ -73,13 +88,54 @@ pub struct WorkerStats {
     pub sent: u64,
     pub answered: u64,
     pub latency: Samples,
+    /// How late each renewal left the load generator against its due time (its own
+    /// lateness, which it must not count against the target).
+    pub send_lag: Samples,
     /// (offset of the send since the phase start, round trip).
     pub timeline: Vec<(Duration, Duration)>,
-    /// Sessions the target declared expired although they were renewed.
-    pub expired: HashSet<usize>,
+    /// Sessions the target declared gone although the client renewed them in time.
+    pub false_expiries: Vec<Expiry>,
+    /// Sessions that expired because the load generator itself renewed them late: not
+    /// the target's doing, reported apart.
+    pub renewed_late: Vec<Expiry>,
     /// Stream failures (reconnects are not attempted: a broken stream is a finding).
     pub stream_errors: u64,
 }
+
+/// Puts the expiries of the sessions `counted` selects into `report`: the target's
+/// false expiries, the sessions the load generator renewed late, and one line of
+/// evidence for each of the first few of both.
+pub fn report_expiries(
+    report: &mut Report,
+    workers: &[WorkerStats],
+    counted: impl Fn(usize) -> bool,
+) {
+    let pick = |of: fn(&WorkerStats) -> &Vec<Expiry>| {
+        let mut all: Vec<&Expiry> = workers
+            .iter()
+            .flat_map(|w| of(w).iter())
+            .filter(|e| counted(e.session))
+            .collect();
+        all.sort_by_key(|e| e.answered);
+        all
+    };
+    let (false_expiries, late) = (pick(|w| &w.false_expiries), pick(|w| &w.renewed_late));
+    report.metric("false_expiries", false_expiries.len() as f64);
+    report.metric("expiries_renewed_late", late.len() as f64);
+    for (kind, list) in [("false expiry", &false_expiries), ("renewed late", &late)] {
+        for e in list.iter().take(EVIDENCE_LINES) {
+            report.evidence.push(format!("{kind}: {}", e.line()));
+        }
+        if list.len() > EVIDENCE_LINES {
+            report
+                .evidence
+                .push(format!("{kind}: {} more", list.len() - EVIDENCE_LINES));
+        }
+    }
+}
+
+/// Expiries of each kind a report describes one by one.
+const EVIDENCE_LINES: usize = 20;
 
 /// A running fleet.
 pub struct Fleet {
@@ -97,8 +153,8 @@ const OPEN_CONCURRENCY: usize = 256;
 
 impl Fleet {
     /// Connects and opens every session (members `share(n, c, i)` on connection `i`,
-    /// connection `i` in zone `i % zones`). Each connection starts renewing its
-    /// sessions as soon as they are open, so none expires while the rest open.
+    /// connection `i` in zone `i % zones`). Each session is renewed from the moment it
+    /// opens, so none waits for the rest of the fleet.
     pub async fn open(cell: &Cell, spec: FleetSpec, live: Arc<Live>) -> anyhow::Result<Fleet> {
         let zones = cell.zones.len();
         let mut connections = Vec::with_capacity(spec.connections);
@@ -241,7 +297,8 @@ async fn open_one(target: Target, channel: &Channel, ttl: Duration) -> anyhow::R
     }
 }
 
-/// Opens one connection's sessions, then renews them over one stream.
+/// Opens one connection's sessions and renews each over the connection's one stream,
+/// every period from the moment it was opened, while the rest are still opening.
 struct Worker {
     target: Target,
     channel: Channel,
@@ -249,7 +306,7 @@ struct Worker {
     /// The fleet indices of this connection's sessions.
     range: std::ops::Range<usize>,
     spec: FleetSpec,
-    /// The fleet's common time origin: renewal slots are spread evenly from it.
+    /// When the fleet started opening: the evidence's times count from it.
     epoch: Instant,
     gate: Arc<Semaphore>,
     stop: watch::Receiver<bool>,
@@ -257,65 +314,83 @@ struct Worker {
     live: Arc<Live>,
 }
 
-/// A reply from either protocol: which session, and whether it is still alive.
+/// A reply from either protocol: which session, and, when the target declared it
+/// gone, its answer (state and reason).
 struct Reply {
-    local: usize,
-    alive: bool,
+    key: ReplyKey,
+    gone: Option<String>,
+}
+
+/// The session a reply is about, as the protocol names it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum ReplyKey {
+    Lockcell(Arc<str>),
+    Etcd(i64),
+}
+
+impl SessionKey {
+    fn reply_key(&self) -> ReplyKey {
+        match self {
+            SessionKey::Lockcell { id, .. } => ReplyKey::Lockcell(id.clone()),
+            SessionKey::Etcd(id) => ReplyKey::Etcd(*id),
+        }
+    }
 }
 
 impl Worker {
     async fn run(mut self, ready: oneshot::Sender<anyhow::Result<Vec<Member>>>) -> WorkerStats {
         let mut stats = WorkerStats::default();
-        let mut members = Vec::with_capacity(self.range.len());
-        for _ in self.range.clone() {
-            let _permit = self.gate.acquire().await.expect("gate open");
-            match open_one(self.target, &self.channel, self.spec.ttl).await {
-                Ok(key) => members.push(Member {
-                    zone: self.zone,
-                    key,
-                }),
-                Err(e) => {
-                    let _ = ready.send(Err(e));
-                    return stats;
-                }
-            }
-            self.live.opened.fetch_add(1, Ordering::Relaxed);
-        }
-        let _ = ready.send(Ok(members.clone()));
-
-        let period = self.spec.period();
-        let first = self.range.start;
-        let mut schedule = Schedule::new(period, self.spec.sessions, first, self.range.len());
-        // Start at the next period boundary after opening, so these sessions take their
-        // even slots instead of bursting to catch up on slots that passed while opening.
-        let periods = (self.epoch.elapsed().as_secs_f64() / period.as_secs_f64()).ceil() as u32;
-        let start = self.epoch + period * periods;
-
-        let (tx, rx) = mpsc::channel::<Request>(4096);
-        let (reply_tx, mut replies) = mpsc::channel::<Option<Reply>>(4096);
-        let index: Arc<Index> = Arc::new(Index::new(&members));
+        let (opened_tx, mut opened) = mpsc::unbounded_channel();
         let mut io = JoinSet::new();
-        io.spawn(drive_stream(
-            self.target,
-            self.channel.clone(),
-            rx,
-            reply_tx,
-            index,
-        ));
-        let mut in_flight: Vec<VecDeque<Instant>> = vec![VecDeque::new(); members.len()];
+        let opening = Opening {
+            target: self.target,
+            channel: self.channel.clone(),
+            zone: self.zone,
+            count: self.range.len(),
+            ttl: self.spec.ttl,
+            gate: self.gate.clone(),
+            live: self.live.clone(),
+        };
+        io.spawn(opening.run(opened_tx, ready));
+        let (reply_tx, mut replies) = mpsc::channel::<Option<Reply>>(4096);
+        let outbox = Outbox::open(self.target, self.channel.clone(), reply_tx, &mut io);
+
+        let (period, ttl, first) = (self.spec.period(), self.spec.ttl, self.range.start);
+        let mut keys: Vec<SessionKey> = Vec::with_capacity(self.range.len());
+        let mut tracks: Vec<Track> = Vec::with_capacity(self.range.len());
+        let mut index: HashMap<ReplyKey, usize> = HashMap::with_capacity(self.range.len());
+        // Each session's next renewal, due a period after the one before, the first a
+        // period after its open was sent: its client counts its TTL from there.
+        let mut due: BinaryHeap<Reverse<(Instant, usize)>> = BinaryHeap::new();
+        let mut opening = true;
         let mut seq = 0u64;
-        let (mut job, mut due) = schedule.next();
         loop {
+            let next = due.peek().map(|Reverse((at, _))| *at);
             tokio::select! {
                 biased;
                 _ = stopped(&mut self.stop) => break,
+                session = opened.recv(), if opening => match session {
+                    Some((sent, key)) => {
+                        let local = keys.len();
+                        index.insert(SessionKey::reply_key(&key), local);
+                        keys.push(key);
+                        tracks.push(Track::new(sent));
+                        due.push(Reverse((sent + period, local)));
+                    }
+                    None => opening = false,
+                },
                 reply = replies.recv() => match reply {
                     Some(Some(reply)) => {
-                        let Some(sent) = in_flight[reply.local].pop_front() else { continue };
+                        let Some(&local) = index.get(&reply.key) else { continue };
                         let now = Instant::now();
+                        let (sent, expiry) =
+                            tracks[local].answered(now, reply.gone, ttl, self.epoch, first + local);
+                        let Some(sent) = sent else { continue };
                         self.live.answered.fetch_add(1, Ordering::Relaxed);
-                        if !reply.alive {
-                            stats.expired.insert(first + reply.local);
+                        match expiry {
+                            Some(e) if e.verdict == Verdict::False => stats.false_expiries.push(e),
+                            Some(e) => stats.renewed_late.push(e),
+                            None => {}
                         }
                         if let Some(from) = *self.measure.borrow() {
                             if sent >= from {
@@ -330,28 +405,24 @@ impl Worker {
                         break;
                     }
                 },
-                _ = tokio::time::sleep_until(start + due) => {
-                    let local = job - first;
+                _ = tokio::time::sleep_until(next.unwrap_or_else(Instant::now)), if next.is_some() => {
+                    let Reverse((at, local)) = due.pop().expect("peeked");
+                    if tracks[local].is_gone() {
+                        continue;
+                    }
+                    due.push(Reverse((at + period, local)));
                     seq += 1;
-                    let request = match &members[local].key {
-                        SessionKey::Lockcell { id, secret } => Request::Lockcell(KeepAliveRequest {
-                            session_id: id.to_string(),
-                            seq,
-                            session_secret: secret.to_string(),
-                        }),
-                        SessionKey::Etcd(id) => Request::Etcd(LeaseKeepAliveRequest { id: *id }),
-                    };
                     let sent = Instant::now();
-                    in_flight[local].push_back(sent);
-                    if tx.send(request).await.is_err() {
+                    tracks[local].sent(sent);
+                    if !outbox.renew(&keys[local], seq).await {
                         stats.stream_errors += 1;
                         break;
                     }
                     if self.measure.borrow().is_some_and(|from| sent >= from) {
                         stats.sent += 1;
+                        stats.send_lag.record(sent - at);
                     }
                     self.live.sent.fetch_add(1, Ordering::Relaxed);
-                    (job, due) = schedule.next();
                 }
             }
         }
@@ -360,108 +431,153 @@ impl Worker {
     }
 }
 
+/// One connection's sessions to open, one after another, each when the fleet's gate
+/// lets it.
+struct Opening {
+    target: Target,
+    channel: Channel,
+    zone: usize,
+    count: usize,
+    ttl: Duration,
+    gate: Arc<Semaphore>,
+    live: Arc<Live>,
+}
+
+impl Opening {
+    /// Hands each session to the worker as it opens, with the time its open was sent;
+    /// then reports them all to `ready` (or the first failure).
+    async fn run(
+        self,
+        opened: mpsc::UnboundedSender<(Instant, SessionKey)>,
+        ready: oneshot::Sender<anyhow::Result<Vec<Member>>>,
+    ) {
+        let mut members = Vec::with_capacity(self.count);
+        for _ in 0..self.count {
+            let _permit = self.gate.acquire().await.expect("gate open");
+            let sent = Instant::now();
+            match open_one(self.target, &self.channel, self.ttl).await {
+                Ok(key) => {
+                    let _ = opened.send((sent, key.clone()));
+                    members.push(Member {
+                        zone: self.zone,
+                        key,
+                    });
+                }
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            }
+            self.live.opened.fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = ready.send(Ok(members));
+    }
+}
+
 /// Resolves once `stop` turns true (or its sender is gone).
 pub async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-enum Request {
-    Lockcell(KeepAliveRequest),
-    Etcd(LeaseKeepAliveRequest),
+/// Where a worker puts its renewals: the request side of its connection's stream.
+enum Outbox {
+    Lockcell(mpsc::Sender<KeepAliveRequest>),
+    Etcd(mpsc::Sender<LeaseKeepAliveRequest>),
 }
 
-/// Maps a reply's session id or lease id to the worker's local index.
-struct Index {
-    lockcell: HashMap<Arc<str>, usize>,
-    etcd: HashMap<i64, usize>,
-}
-
-impl Index {
-    fn new(members: &[Member]) -> Self {
-        let mut index = Index {
-            lockcell: HashMap::new(),
-            etcd: HashMap::new(),
-        };
-        for (i, m) in members.iter().enumerate() {
-            match &m.key {
-                SessionKey::Lockcell { id, .. } => index.lockcell.insert(id.clone(), i),
-                SessionKey::Etcd(id) => index.etcd.insert(*id, i),
+impl Outbox {
+    /// Opens the connection's renewal stream; its replies go to `replies` (`None` marks
+    /// the stream's end) from a task spawned on `io`.
+    fn open(
+        target: Target,
+        channel: Channel,
+        replies: mpsc::Sender<Option<Reply>>,
+        io: &mut JoinSet<()>,
+    ) -> Outbox {
+        let read = replies.clone();
+        let (outbox, stream): (Outbox, Pin<Box<dyn Future<Output = ()> + Send>>) =
+            if target.is_lockcell() {
+                let (tx, rx) = mpsc::channel(4096);
+                (
+                    Outbox::Lockcell(tx),
+                    Box::pin(lockcell_replies(channel, rx, read)),
+                )
+            } else {
+                let (tx, rx) = mpsc::channel(4096);
+                (Outbox::Etcd(tx), Box::pin(etcd_replies(channel, rx, read)))
             };
+        io.spawn(async move {
+            stream.await;
+            let _ = replies.send(None).await;
+        });
+        outbox
+    }
+
+    /// Sends one renewal of `key`; false when the stream is gone.
+    async fn renew(&self, key: &SessionKey, seq: u64) -> bool {
+        match (self, key) {
+            (Outbox::Lockcell(tx), SessionKey::Lockcell { id, secret }) => tx
+                .send(KeepAliveRequest {
+                    session_id: id.to_string(),
+                    seq,
+                    session_secret: secret.to_string(),
+                })
+                .await
+                .is_ok(),
+            (Outbox::Etcd(tx), SessionKey::Etcd(id)) => {
+                tx.send(LeaseKeepAliveRequest { id: *id }).await.is_ok()
+            }
+            _ => unreachable!("a fleet's sessions are all of its target's kind"),
         }
-        index
     }
 }
 
-/// Opens the stream and pumps requests out and replies back; `None` marks its end.
-async fn drive_stream(
-    target: Target,
+/// Reads a lockcell keepalive stream's replies until it ends.
+async fn lockcell_replies(
     channel: Channel,
-    mut requests: mpsc::Receiver<Request>,
+    requests: mpsc::Receiver<KeepAliveRequest>,
     replies: mpsc::Sender<Option<Reply>>,
-    index: Arc<Index>,
 ) {
-    if target.is_lockcell() {
-        let (out_tx, out_rx) = mpsc::channel(4096);
-        let forward = async move {
-            while let Some(Request::Lockcell(r)) = requests.recv().await {
-                if out_tx.send(r).await.is_err() {
-                    break;
-                }
-            }
-        };
-        let receive = async {
-            let Ok(resp) = SessionClient::new(channel)
-                .keep_alive(ReceiverStream::new(out_rx))
-                .await
-            else {
-                return;
-            };
-            let mut stream = resp.into_inner();
-            while let Ok(Some(reply)) = stream.message().await {
-                let Some(&local) = index.lockcell.get(reply.session_id.as_str()) else {
-                    continue;
-                };
-                let alive = reply.state == SessionState::Alive as i32;
-                if replies.send(Some(Reply { local, alive })).await.is_err() {
-                    return;
-                }
-            }
-        };
-        tokio::select! { _ = forward => {}, _ = receive => {} }
-    } else {
-        let (out_tx, out_rx) = mpsc::channel(4096);
-        let forward = async move {
-            while let Some(Request::Etcd(r)) = requests.recv().await {
-                if out_tx.send(r).await.is_err() {
-                    break;
-                }
-            }
-        };
-        let receive = async {
-            let Ok(resp) = LeaseClient::new(channel)
-                .lease_keep_alive(ReceiverStream::new(out_rx))
-                .await
-            else {
-                return;
-            };
-            let mut stream = resp.into_inner();
-            while let Ok(Some(reply)) = stream.message().await {
-                let Some(&local) = index.etcd.get(&reply.id) else {
-                    continue;
-                };
-                if replies
-                    .send(Some(Reply {
-                        local,
-                        alive: reply.ttl > 0,
-                    }))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-            }
-        };
-        tokio::select! { _ = forward => {}, _ = receive => {} }
+    let Ok(resp) = SessionClient::new(channel)
+        .keep_alive(ReceiverStream::new(requests))
+        .await
+    else {
+        return;
+    };
+    let mut stream = resp.into_inner();
+    while let Ok(Some(reply)) = stream.message().await {
+        let gone = (reply.state != SessionState::Alive as i32).then(|| {
+            let state = SessionState::try_from(reply.state)
+                .map_or_else(|_| reply.state.to_string(), |s| s.as_str_name().to_owned());
+            format!("{state}: {}", reply.reason)
+        });
+        let key = ReplyKey::Lockcell(reply.session_id.into());
+        if replies.send(Some(Reply { key, gone })).await.is_err() {
+            return;
+        }
     }
-    let _ = replies.send(None).await;
+}
+
+/// Reads an etcd lease keepalive stream's replies until it ends.
+async fn etcd_replies(
+    channel: Channel,
+    requests: mpsc::Receiver<LeaseKeepAliveRequest>,
+    replies: mpsc::Sender<Option<Reply>>,
+) {
+    let Ok(resp) = LeaseClient::new(channel)
+        .lease_keep_alive(ReceiverStream::new(requests))
+        .await
+    else {
+        return;
+    };
+    let mut stream = resp.into_inner();
+    while let Ok(Some(reply)) = stream.message().await {
+        let reply = Reply {
+            key: ReplyKey::Etcd(reply.id),
+            gone: (reply.ttl <= 0).then(|| format!("lease TTL {}", reply.ttl)),
+        };
+        if replies.send(Some(reply)).await.is_err() {
+            return;
+        }
+    }
 }

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 // Pure arithmetic and reporting.
+pub mod expiry;
 pub mod membership;
 pub mod pacing;
 pub mod plot;

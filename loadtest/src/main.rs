@@ -158,6 +158,15 @@ async fn run(
             report.scenario = name(scenario);
             let path = report.write(out)?;
             eprintln!("lockcell-loadtest: wrote {}", path.display());
+            for line in report.evidence.iter().take(5) {
+                eprintln!("lockcell-loadtest:   {line}");
+            }
+            if report.evidence.len() > 5 {
+                eprintln!(
+                    "lockcell-loadtest:   (and {} more lines of evidence in that file)",
+                    report.evidence.len() - 5
+                );
+            }
             reports.push(report);
         }
         // A target the scenario does not apply to says why, under the table rather than
@@ -186,7 +195,8 @@ async fn run(
 /// the seed's carry the size, so a bench plan's runs never overwrite each other.
 fn name(scenario: &Scenario) -> String {
     match scenario {
-        Scenario::Keepalive(_) => "keepalive".into(),
+        Scenario::Keepalive(a) if a.ttl == Duration::from_secs(12) => "keepalive".into(),
+        Scenario::Keepalive(a) => format!("keepalive-ttl{}", humantime::format_duration(a.ttl)),
         Scenario::ZoneFailure(a) if a.scale == 1.0 => "zone-failure".into(),
         Scenario::ZoneFailure(a) => format!("zone-failure-scale{}", a.scale),
         Scenario::Acquire(a) if a.clients == 16 => "acquire".into(),
@@ -210,6 +220,14 @@ fn bench_plan(full: bool) -> Vec<Scenario> {
                 renewals_per_ttl: 3,
                 duration: Duration::from_secs(60),
                 connections: 3_000,
+            }),
+            // Short sessions, renewed every second: each renewed from its own open.
+            Scenario::Keepalive(keepalive::Args {
+                sessions: 40_000,
+                ttl: Duration::from_secs(4),
+                renewals_per_ttl: 4,
+                duration: Duration::from_secs(30),
+                connections: 1_000,
             }),
             Scenario::ZoneFailure(zone_failure::Args {
                 scale: 1.0,
@@ -251,6 +269,14 @@ fn bench_plan(full: bool) -> Vec<Scenario> {
             duration: Duration::from_secs(15),
             connections: 300,
         }),
+        // Short sessions, renewed every second: each renewed from its own open.
+        Scenario::Keepalive(keepalive::Args {
+            sessions: 6_000,
+            ttl: Duration::from_secs(4),
+            renewals_per_ttl: 4,
+            duration: Duration::from_secs(15),
+            connections: 300,
+        }),
         Scenario::ZoneFailure(zone_failure::Args {
             scale: 0.02,
             ttl: Duration::from_secs(6),
@@ -277,9 +303,9 @@ fn bench_plan(full: bool) -> Vec<Scenario> {
 /// One SVG per plotted series, one line per target.
 fn plots(out: &Path, scenario: &str, reports: &[Report]) -> anyhow::Result<()> {
     // (file, title, x axis, y axis, series)
-    let wanted: Vec<(String, &str, &str, &str, &str)> = if scenario == "keepalive" {
+    let wanted: Vec<(String, &str, &str, &str, &str)> = if scenario.starts_with("keepalive") {
         vec![(
-            "keepalive-latency.svg".to_owned(),
+            format!("{scenario}-latency.svg"),
             "keepalive round trip, p99 per second",
             "seconds",
             "ms",

@@ -19,6 +19,9 @@ pub struct Report {
     pub metrics: BTreeMap<String, f64>,
     /// plot series by name, each Vec<(x,y)>
     pub series: BTreeMap<String, Vec<(f64, f64)>>,
+    /// Lines a person reads to judge a figure (each false expiry's timeline, say).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub evidence: Vec<String>,
 }
 
 impl Report {
@@ -29,6 +32,7 @@ impl Report {
             params: serde_json::Map::new(),
             metrics: BTreeMap::new(),
             series: BTreeMap::new(),
+            evidence: Vec::new(),
         }
     }
 

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::{open_fleet, Resources};
 use crate::cluster::{Cell, CellOptions, Target};
-use crate::fleet::FleetSpec;
+use crate::fleet::{report_expiries, FleetSpec};
 use crate::progress;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -87,17 +87,18 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
     bar.finish_and_clear();
 
     let mut latency = Samples::new();
+    let mut send_lag = Samples::new();
     let mut series = TimeSeries::new();
-    let (mut sent, mut answered, mut stream_errors, mut expired) = (0, 0, 0, 0);
+    let (mut sent, mut answered, mut stream_errors) = (0, 0, 0);
     for w in &workers {
         latency.merge(&w.latency);
+        send_lag.merge(&w.send_lag);
         for (at, rtt) in &w.timeline {
             series.record(*at, *rtt);
         }
         sent += w.sent;
         answered += w.answered;
         stream_errors += w.stream_errors;
-        expired += w.expired.len();
     }
     let delta = after.delta(&before);
     report.metric("keepalives_sent", sent as f64);
@@ -116,7 +117,14 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
     if let Some(p) = latency.max() {
         report.metric("keepalive_max_ms", ms(p));
     }
-    report.metric("false_expiries", expired as f64);
+    report_expiries(&mut report, &workers, |_| true);
+    // The load generator's own pacing: how late renewals left it.
+    if let Some(p) = send_lag.percentile(99.0) {
+        report.metric("renewal_send_lag_p99_ms", ms(p));
+    }
+    if let Some(p) = send_lag.max() {
+        report.metric("renewal_send_lag_max_ms", ms(p));
+    }
     report.metric("stream_errors", stream_errors as f64);
     report.metric("etcd_requests", prom::etcd_requests(&delta));
     report.metric(
