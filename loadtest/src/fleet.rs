@@ -6,8 +6,9 @@
 //! `LeaseKeepAlive` stream. Each connection carries one stream with the renewals of its
 //! sessions. Each session is renewed as its own client would renew it: every renewal
 //! period from the moment its open was sent, starting while the rest of the fleet is
-//! still opening. Sessions open at the gate's steady rate, so their renewals spread
-//! evenly over the period.
+//! still opening. The opens are spread evenly over one renewal period (over longer when
+//! the target opens more slowly), each connection's in turn with the others', so the
+//! renewals spread evenly over the period too.
 //!
 //! A session the target declares gone is judged by what its client knows: a false
 //! expiry when the renewal that met "gone" left within a TTL of the last renewal
@@ -26,7 +27,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use lockcell_loadtest::expiry::{Expiry, Track, Verdict};
-use lockcell_loadtest::pacing::share;
+use lockcell_loadtest::pacing::{due_offset, interleaved, share};
 use lockcell_loadtest::report::Report;
 use lockcell_loadtest::stats::Samples;
 use lockcell_proto::v1::session_client::SessionClient;
@@ -185,6 +186,7 @@ impl Fleet {
                 target: cell.target,
                 channel: channel.clone(),
                 zone: *zone,
+                connection: c,
                 range,
                 spec,
                 epoch,
@@ -303,6 +305,8 @@ struct Worker {
     target: Target,
     channel: Channel,
     zone: usize,
+    /// This connection's place among the fleet's.
+    connection: usize,
     /// The fleet indices of this connection's sessions.
     range: std::ops::Range<usize>,
     spec: FleetSpec,
@@ -341,6 +345,10 @@ impl Worker {
     async fn run(mut self, ready: oneshot::Sender<anyhow::Result<Vec<Member>>>) -> WorkerStats {
         let mut stats = WorkerStats::default();
         let (opened_tx, mut opened) = mpsc::unbounded_channel();
+        // Opens spread over one renewal period (longer if the target opens slower), so
+        // renewals counted from each open spread evenly too.
+        let (epoch, period, sessions) = (self.epoch, self.spec.period(), self.spec.sessions);
+        let (connections, connection) = (self.spec.connections, self.connection);
         let mut io = JoinSet::new();
         let opening = Opening {
             target: self.target,
@@ -350,6 +358,10 @@ impl Worker {
             ttl: self.spec.ttl,
             gate: self.gate.clone(),
             live: self.live.clone(),
+            slot: Box::new(move |j| {
+                let slot = interleaved(connections, connection, j);
+                epoch + due_offset(period, sessions, slot, 0)
+            }),
         };
         io.spawn(opening.run(opened_tx, ready));
         let (reply_tx, mut replies) = mpsc::channel::<Option<Reply>>(4096);
@@ -431,8 +443,8 @@ impl Worker {
     }
 }
 
-/// One connection's sessions to open, one after another, each when the fleet's gate
-/// lets it.
+/// One connection's sessions to open, one after another, each at its slot and when
+/// the fleet's gate lets it.
 struct Opening {
     target: Target,
     channel: Channel,
@@ -441,6 +453,8 @@ struct Opening {
     ttl: Duration,
     gate: Arc<Semaphore>,
     live: Arc<Live>,
+    /// When session `j` may open at the earliest.
+    slot: Box<dyn Fn(usize) -> Instant + Send>,
 }
 
 impl Opening {
@@ -452,7 +466,8 @@ impl Opening {
         ready: oneshot::Sender<anyhow::Result<Vec<Member>>>,
     ) {
         let mut members = Vec::with_capacity(self.count);
-        for _ in 0..self.count {
+        for j in 0..self.count {
+            tokio::time::sleep_until((self.slot)(j)).await;
             let _permit = self.gate.acquire().await.expect("gate open");
             let sent = Instant::now();
             match open_one(self.target, &self.channel, self.ttl).await {

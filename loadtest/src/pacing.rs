@@ -34,6 +34,14 @@ pub fn share(n: usize, workers: usize, w: usize) -> Range<usize> {
     start..start + len
 }
 
+/// The slot in `0..n` of the `j`-th job of worker `w` of `workers` (its jobs being
+/// `share(n, workers, w)`): the workers take turns, so each worker's jobs spread over
+/// the whole period instead of sitting side by side. Every job of every share gets its
+/// own slot.
+pub fn interleaved(workers: usize, w: usize, j: usize) -> usize {
+    j * workers + w
+}
+
 /// A pacer for one worker owning jobs `first..first+count` of `n`: yields (job index, due offset) in due order, endlessly.
 ///
 /// Offsets are since the scenario's start. A worker that sleeps until `start + offset`
@@ -189,6 +197,23 @@ mod tests {
             all_offsets.sort();
             all_offsets.dedup();
             assert_eq!(all_offsets.len(), n);
+        }
+    }
+
+    #[test]
+    fn interleaved_slots_are_every_slot_once() {
+        for (n, workers) in [(10, 3), (9, 3), (2, 5), (120_000, 3_000), (7, 7)] {
+            let mut slots: Vec<usize> = (0..workers)
+                .flat_map(|w| {
+                    (0..share(n, workers, w).len()).map(move |j| interleaved(workers, w, j))
+                })
+                .collect();
+            slots.sort_unstable();
+            assert_eq!(
+                slots,
+                (0..n).collect::<Vec<_>>(),
+                "n {n}, workers {workers}"
+            );
         }
     }
 
