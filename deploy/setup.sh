@@ -7,7 +7,8 @@
 # (Debian package) and the S3-compatible moto server (PyPI, into a virtualenv at
 # .lockcell-tools/venv), kubernetes-validate (PyPI, same virtualenv), which checks
 # the manifests of deploy/kubernetes/ against the Kubernetes schemas it bundles, offline,
-# and promtool (the Debian package prometheus), which runs the alert rules' unit tests.
+# promtool (the Debian package prometheus), which runs the alert rules' unit tests,
+# and the etcd client aetcd with its own test suite (PyPI, same virtualenv).
 # These are optional: if they cannot be installed, setup says so and succeeds, and
 # those tests report themselves skipped.
 set -eu
@@ -89,6 +90,29 @@ if [ ! -x "$venv/bin/kubernetes-validate" ]; then
     else
         echo "lockcell setup: missing: kubernetes-validate (PyPI, in $venv); the deploy test's schema check will be skipped" >&2
     fi
+fi
+
+# Optional: the etcd client library aetcd and its own test suite (its PyPI source
+# distribution ships tests/), which the e2e tests run unmodified against bare etcd.
+aetcd_version=1.0.0
+aetcd="$root/.lockcell-tools/aetcd-$aetcd_version"
+if [ ! -d "$aetcd/tests/integration" ] \
+    || ! "$venv/bin/python" -c 'import aetcd, pytest_asyncio, pytest_mock' >/dev/null 2>&1; then
+    echo "lockcell setup: installing aetcd $aetcd_version and its test suite into $venv"
+    sdist=$(mktemp -d)
+    if { [ -x "$venv/bin/pip" ] || python3 -m venv "$venv" >/dev/null; } \
+        && "$venv/bin/pip" download -q --disable-pip-version-check --no-deps \
+            --no-binary :all: -d "$sdist" "aetcd==$aetcd_version" \
+        && "$venv/bin/pip" install -q --disable-pip-version-check \
+            "$sdist/aetcd-$aetcd_version.tar.gz" 'pytest==9.0.3' 'pytest-asyncio==1.3.0' \
+            'pytest-mock==3.15.1' \
+        && tar -xzf "$sdist/aetcd-$aetcd_version.tar.gz" -C "$root/.lockcell-tools" \
+        && [ -d "$aetcd/tests/integration" ]; then
+        :
+    else
+        echo "lockcell setup: missing: aetcd $aetcd_version's test suite (PyPI, in $venv); the etcd client suite tests will be skipped" >&2
+    fi
+    rm -rf "$sdist"
 fi
 
 # Optional: promtool for the deploy test (the alert rules' unit tests). Only promtool is

@@ -10,6 +10,7 @@ pub mod certs;
 pub mod chaos;
 pub mod checker;
 pub mod clickhouse;
+pub mod client_suites;
 pub mod etcd;
 pub mod fenced;
 pub mod fenced_server;

@@ -12,6 +12,7 @@ mod bad_input;
 mod cell;
 mod chaos;
 mod check_config;
+mod client_suites;
 mod contention;
 mod dev;
 mod elections;
@@ -138,6 +139,7 @@ fn main() {
         operations::a_tailer_on_the_trail_of_a_restored_cell_refuses_to_merge_it,
         check_config::check_config_finds_a_bad_file_before_a_restart_does,
         operations::losing_the_etcd_leader_costs_no_lease_and_no_lock,
+        client_suites::aetcds_own_suite_passes_against_bare_etcd,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
         operations_doc::the_operations_guides_commands_run_against_a_real_cell,
         operations::an_ended_session_is_refused_by_every_proxy,
@@ -180,6 +182,12 @@ fn main() {
         missing.push((
             "chaos::a_clock_within",
             "no libfaketime; install the faketime package (`make setup`)",
+        ));
+    }
+    if !lockcell_tests::client_suites::available() {
+        missing.push((
+            "client_suites::",
+            "no aetcd suite in .lockcell-tools (or no etcdctl); `make setup` installs them",
         ));
     }
     for (prefix, why) in &missing {
