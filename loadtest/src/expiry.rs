@@ -18,6 +18,9 @@ pub enum Verdict {
     False,
     /// It was sent a TTL or more after the session was last known alive: the client's.
     Late,
+    /// The run ended with renewals sent in time still unanswered, a TTL or more after
+    /// the session was last known alive: its client could no longer count on it.
+    Unanswered,
 }
 
 /// A session the target declared gone, with what its client knows: times are offsets
@@ -31,7 +34,8 @@ pub struct Expiry {
     pub opened: Duration,
     /// When the latest renewal answered alive was sent (the open, if none was).
     pub alive_since: Duration,
-    /// When the renewal answered "gone" was sent, and when that answer came.
+    /// When the renewal answered "gone" was sent, and when that answer came (for
+    /// [`Verdict::Unanswered`]: the oldest renewal unanswered, and the run's end).
     pub sent: Duration,
     pub answered: Duration,
     /// The latest renewals' send times, oldest first (the one that met "gone" last).
@@ -44,7 +48,7 @@ impl Expiry {
     /// One line for a person: when the session opened, was last known alive and was
     /// renewed, and what the target said.
     pub fn line(&self) -> String {
-        let s = |d: Duration| format!("{:.3}", d.as_secs_f64());
+        let s = |d: Duration| format!("{:.6}", d.as_secs_f64());
         let renewals: Vec<String> = self.renewals.iter().map(|d| s(*d)).collect();
         format!(
             "session {}: opened at {} s, alive since {} s, renewal sent at {} s ({} s later), \
@@ -70,8 +74,9 @@ pub struct Track {
     opened: Instant,
     /// When the latest renewal answered alive (or the open) was sent.
     alive_since: Instant,
-    /// Renewals sent and not answered yet, oldest first: one stream answers in order.
-    in_flight: VecDeque<Instant>,
+    /// Renewals sent and not answered yet, oldest first, each with its sequence number
+    /// when the target echoes one.
+    in_flight: VecDeque<(Option<u64>, Instant)>,
     /// The latest renewals' send times, for an expiry's evidence.
     recent: VecDeque<Instant>,
     /// The target declared the session gone: it is renewed no more.
@@ -95,28 +100,56 @@ impl Track {
         self.gone
     }
 
-    /// A renewal left at `at`.
-    pub fn sent(&mut self, at: Instant) {
-        self.in_flight.push_back(at);
+    /// A renewal left at `at`, numbered `seq` when the target echoes it.
+    pub fn sent(&mut self, seq: Option<u64>, at: Instant) {
+        self.in_flight.push_back((seq, at));
         if self.recent.len() == RECENT {
             self.recent.pop_front();
         }
         self.recent.push_back(at);
     }
 
-    /// The answer to the oldest renewal in flight came at `now`: alive (`gone` is
-    /// `None`) or gone, with the target's words. Returns that renewal's send time (None
-    /// for an answer to nothing sent), and the expiry, judged, the first time the
-    /// session is declared gone.
+    /// Renewals sent and not answered.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// The answer to renewal `seq` (None: the oldest in flight, for a target that answers
+    /// each renewal in order without echoing a number) came at `now`: alive (`gone` is
+    /// `None`) or gone, with the target's words. Older renewals that the answer passed
+    /// over were never answered and are dropped. Returns the answered renewal's send
+    /// time (None for an answer to nothing sent), and the expiry, judged, the first time
+    /// the session is declared gone.
     pub fn answered(
         &mut self,
+        seq: Option<u64>,
         now: Instant,
         gone: Option<String>,
         ttl: Duration,
         origin: Instant,
         session: usize,
     ) -> (Option<Instant>, Option<Expiry>) {
-        let Some(sent) = self.in_flight.pop_front() else {
+        let sent = match seq {
+            None => self.in_flight.pop_front().map(|(_, at)| at),
+            Some(seq) => {
+                while self
+                    .in_flight
+                    .front()
+                    .is_some_and(|(s, _)| s.is_some_and(|s| s < seq))
+                {
+                    self.in_flight.pop_front();
+                }
+                match self.in_flight.front() {
+                    Some((Some(s), at)) if *s == seq => {
+                        let at = *at;
+                        self.in_flight.pop_front();
+                        Some(at)
+                    }
+                    _ => None,
+                }
+            }
+        };
+        let Some(sent) = sent else {
             return (None, None);
         };
         let answer = match gone {
@@ -145,6 +178,41 @@ impl Track {
         };
         (Some(sent), Some(expiry))
     }
+
+    /// Judges the session when the run ends at `end`: [`Verdict::Unanswered`] when it
+    /// is not declared gone, was last known alive a TTL or more before `end`, and has a
+    /// renewal in flight that was sent in time. (A session whose renewals the generator
+    /// could not send at all, its stream being stalled, has none in flight and is not
+    /// judged here; `renewals_not_sent` counts them.)
+    pub fn at_end(
+        &self,
+        end: Instant,
+        ttl: Duration,
+        origin: Instant,
+        session: usize,
+    ) -> Option<Expiry> {
+        if self.gone || self.alive_since + ttl > end {
+            return None;
+        }
+        let (_, oldest) = *self
+            .in_flight
+            .iter()
+            .find(|(_, at)| *at < self.alive_since + ttl)?;
+        let at = |t: Instant| t.saturating_duration_since(origin);
+        Some(Expiry {
+            session,
+            verdict: Verdict::Unanswered,
+            opened: at(self.opened),
+            alive_since: at(self.alive_since),
+            sent: at(oldest),
+            answered: at(end),
+            renewals: self.recent.iter().map(|t| at(*t)).collect(),
+            answer: format!(
+                "no answer by the end of the run to {} renewal(s)",
+                self.in_flight.len()
+            ),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -162,17 +230,17 @@ mod tests {
     fn a_renewal_sent_within_a_ttl_of_the_last_alive_one_makes_a_false_expiry() {
         let t0 = Instant::now();
         let mut track = Track::new(t0);
-        track.sent(t0 + S);
-        track.sent(t0 + 4 * S);
+        track.sent(None, t0 + S);
+        track.sent(None, t0 + 4 * S);
         assert_eq!(
             track
-                .answered(t0 + S, None, TTL, t0, 7)
+                .answered(None, t0 + S, None, TTL, t0, 7)
                 .1
                 .map(|e| e.verdict),
             None
         );
         // 3 s after the last renewal answered alive: the target owed it its life.
-        let (sent, expiry) = track.answered(t0 + 4 * S, gone(), TTL, t0, 7);
+        let (sent, expiry) = track.answered(None, t0 + 4 * S, gone(), TTL, t0, 7);
         assert_eq!(sent, Some(t0 + 4 * S));
         let expiry = expiry.expect("judged");
         assert_eq!(expiry.verdict, Verdict::False);
@@ -192,8 +260,11 @@ mod tests {
         // What the old pacing did: the session waited for the whole fleet to open.
         let t0 = Instant::now();
         let mut track = Track::new(t0);
-        track.sent(t0 + TTL + Duration::from_millis(47));
-        let expiry = track.answered(t0 + 5 * S, gone(), TTL, t0, 0).1.unwrap();
+        track.sent(None, t0 + TTL + Duration::from_millis(47));
+        let expiry = track
+            .answered(None, t0 + 5 * S, gone(), TTL, t0, 0)
+            .1
+            .unwrap();
         assert_eq!(expiry.verdict, Verdict::Late);
         assert_eq!(expiry.opened, Duration::ZERO);
     }
@@ -202,11 +273,14 @@ mod tests {
     fn the_ttl_runs_from_the_send_of_the_renewal_answered_alive_not_its_answer() {
         let t0 = Instant::now();
         let mut track = Track::new(t0);
-        track.sent(t0 + S);
+        track.sent(None, t0 + S);
         // Answered late, at 2 s: the client still counts from 1 s.
-        track.answered(t0 + 2 * S, None, TTL, t0, 0);
-        track.sent(t0 + 5 * S + Duration::from_millis(500));
-        let expiry = track.answered(t0 + 6 * S, gone(), TTL, t0, 0).1.unwrap();
+        track.answered(None, t0 + 2 * S, None, TTL, t0, 0);
+        track.sent(None, t0 + 5 * S + Duration::from_millis(500));
+        let expiry = track
+            .answered(None, t0 + 6 * S, gone(), TTL, t0, 0)
+            .1
+            .unwrap();
         assert_eq!(expiry.verdict, Verdict::Late);
     }
 
@@ -214,12 +288,51 @@ mod tests {
     fn only_the_first_gone_answer_is_judged() {
         let t0 = Instant::now();
         let mut track = Track::new(t0);
-        track.sent(t0 + S);
-        track.sent(t0 + 2 * S);
-        assert!(track.answered(t0 + S, gone(), TTL, t0, 0).1.is_some());
-        let (sent, again) = track.answered(t0 + 2 * S, gone(), TTL, t0, 0);
+        track.sent(None, t0 + S);
+        track.sent(None, t0 + 2 * S);
+        assert!(track.answered(None, t0 + S, gone(), TTL, t0, 0).1.is_some());
+        let (sent, again) = track.answered(None, t0 + 2 * S, gone(), TTL, t0, 0);
         assert_eq!(sent, Some(t0 + 2 * S));
         assert!(again.is_none());
-        assert_eq!(track.answered(t0 + 3 * S, None, TTL, t0, 0), (None, None));
+        assert_eq!(
+            track.answered(None, t0 + 3 * S, None, TTL, t0, 0),
+            (None, None)
+        );
+    }
+
+    #[test]
+    fn an_echoed_number_pairs_the_answer_with_its_renewal_past_unanswered_ones() {
+        let t0 = Instant::now();
+        let mut track = Track::new(t0);
+        track.sent(Some(1), t0 + S);
+        track.sent(Some(2), t0 + 2 * S);
+        track.sent(Some(3), t0 + 3 * S);
+        // Renewal 1 was never answered; 2's answer must not be taken for 1's.
+        let (sent, _) = track.answered(Some(2), t0 + 2 * S, None, TTL, t0, 0);
+        assert_eq!(sent, Some(t0 + 2 * S));
+        assert_eq!(track.in_flight(), 1);
+        // An answer to a number not in flight is an answer to nothing.
+        assert_eq!(
+            track.answered(Some(9), t0 + 3 * S, None, TTL, t0, 0),
+            (None, None)
+        );
+        assert_eq!(track.in_flight(), 0);
+    }
+
+    #[test]
+    fn renewals_in_time_left_unanswered_for_a_ttl_are_judged_at_the_end() {
+        let t0 = Instant::now();
+        let mut track = Track::new(t0);
+        track.sent(Some(1), t0 + S);
+        track.answered(Some(1), t0 + S, None, TTL, t0, 3);
+        track.sent(Some(2), t0 + 2 * S);
+        // Within a TTL of the last answer: nothing to say yet.
+        assert!(track.at_end(t0 + 4 * S, TTL, t0, 3).is_none());
+        let expiry = track.at_end(t0 + 6 * S, TTL, t0, 3).expect("judged");
+        assert_eq!(expiry.verdict, Verdict::Unanswered);
+        assert_eq!(expiry.sent, 2 * S);
+        // Declared gone already: judged then, not again.
+        track.answered(Some(2), t0 + 6 * S, gone(), TTL, t0, 3);
+        assert!(track.at_end(t0 + 7 * S, TTL, t0, 3).is_none());
     }
 }

@@ -73,6 +73,26 @@ impl FleetSpec {
     pub fn period(&self) -> Duration {
         self.ttl / self.renewals_per_ttl.max(1)
     }
+
+    /// Refuses a shape no careful client has, or that the targets would not run alike:
+    /// a TTL that is not a whole number of seconds (etcd's lease TTLs are whole
+    /// seconds), and fewer than two renewals per TTL (renewing once per TTL expires
+    /// every session by design).
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.ttl.is_zero() || self.ttl.subsec_nanos() != 0 {
+            anyhow::bail!(
+                "--ttl {} is not a whole number of seconds (at least 1 s): etcd's lease TTLs are whole seconds, and every target must run the same TTL",
+                humantime::format_duration(self.ttl)
+            );
+        }
+        if self.renewals_per_ttl < 2 {
+            anyhow::bail!(
+                "--renewals-per-ttl {} is below 2: a session renewed once per TTL (or never) expires by design",
+                self.renewals_per_ttl
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Counters the progress bars read while the fleet runs.
@@ -99,8 +119,16 @@ pub struct WorkerStats {
     /// Sessions that expired because the load generator itself renewed them late: not
     /// the target's doing, reported apart.
     pub renewed_late: Vec<Expiry>,
+    /// Sessions whose renewals in time went unanswered for a TTL when the run ended.
+    pub unanswered: Vec<Expiry>,
     /// Stream failures (reconnects are not attempted: a broken stream is a finding).
     pub stream_errors: u64,
+    /// Sessions not declared gone that a broken stream cut off: renewed no more, and
+    /// not judged.
+    pub sessions_cut_off: u64,
+    /// Renewals due while the stream was stalled (its buffers full: the target read
+    /// nothing), so they were never sent.
+    pub renewals_not_sent: u64,
 }
 
 /// Puts the expiries of the sessions `counted` selects into `report`: the target's
@@ -121,9 +149,15 @@ pub fn report_expiries(
         all
     };
     let (false_expiries, late) = (pick(|w| &w.false_expiries), pick(|w| &w.renewed_late));
+    let unanswered = pick(|w| &w.unanswered);
     report.metric("false_expiries", false_expiries.len() as f64);
     report.metric("expiries_renewed_late", late.len() as f64);
-    for (kind, list) in [("false expiry", &false_expiries), ("renewed late", &late)] {
+    report.metric("sessions_unanswered", unanswered.len() as f64);
+    for (kind, list) in [
+        ("false expiry", &false_expiries),
+        ("unanswered", &unanswered),
+        ("renewed late", &late),
+    ] {
         for e in list.iter().take(EVIDENCE_LINES) {
             report.evidence.push(format!("{kind}: {}", e.line()));
         }
@@ -145,8 +179,21 @@ pub struct Fleet {
     connections: Vec<(usize, Channel)>,
     workers: JoinSet<WorkerStats>,
     zone_stop: Vec<watch::Sender<bool>>,
-    /// When the measured window starts; workers count round trips from then on.
-    measure: watch::Sender<Option<Instant>>,
+    /// The measured window: workers count the round trips of renewals sent in it.
+    measure: watch::Sender<Option<Window>>,
+}
+
+/// The measured window of a run.
+#[derive(Debug, Clone, Copy)]
+pub struct Window {
+    pub from: Instant,
+    pub until: Instant,
+}
+
+impl Window {
+    fn holds(&self, at: Instant) -> bool {
+        at >= self.from && at < self.until
+    }
 }
 
 /// Sessions opened at once, fleet-wide, so opening does not swamp the target.
@@ -202,7 +249,9 @@ impl Fleet {
             match ready.await {
                 Ok(Ok(members)) => parts.push((start, members)),
                 Ok(Err(e)) => return Err(e),
-                Err(_) => anyhow::bail!("a connection's worker ended before opening its sessions"),
+                Err(_) => anyhow::bail!(
+                    "a connection's worker ended before opening its sessions (it panicked)"
+                ),
             }
         }
         parts.sort_by_key(|(start, _)| *start);
@@ -217,10 +266,10 @@ impl Fleet {
         })
     }
 
-    /// Counts round trips and rates from `from` on (earlier replies only count as
-    /// expiries).
-    pub fn measure_from(&self, from: Instant) {
-        let _ = self.measure.send(Some(from));
+    /// Counts the round trips of renewals sent from `from` until `until` (replies to
+    /// other renewals only count as expiries).
+    pub fn measure(&self, from: Instant, until: Instant) {
+        let _ = self.measure.send(Some(Window { from, until }));
     }
 
     /// Stops the renewals of every session in `zone` (its clients died).
@@ -287,14 +336,18 @@ async fn open_one(target: Target, channel: &Channel, ttl: Duration) -> anyhow::R
             secret: reply.session_secret.into(),
         })
     } else {
+        let asked = ttl.as_secs() as i64;
         let reply = LeaseClient::new(channel.clone())
-            .lease_grant(LeaseGrantRequest {
-                ttl: ttl.as_secs() as i64,
-                id: 0,
-            })
+            .lease_grant(LeaseGrantRequest { ttl: asked, id: 0 })
             .await
             .context("granting an etcd lease")?
             .into_inner();
+        if reply.ttl != asked {
+            anyhow::bail!(
+                "etcd granted a lease of {} s for the {asked} s asked (below its minimum lease TTL?): the targets would not run the same TTL",
+                reply.ttl
+            );
+        }
         Ok(SessionKey::Etcd(reply.id))
     }
 }
@@ -314,15 +367,25 @@ struct Worker {
     epoch: Instant,
     gate: Arc<Semaphore>,
     stop: watch::Receiver<bool>,
-    measure: watch::Receiver<Option<Instant>>,
+    measure: watch::Receiver<Option<Window>>,
     live: Arc<Live>,
 }
 
-/// A reply from either protocol: which session, and, when the target declared it
-/// gone, its answer (state and reason).
+/// A reply from either protocol: which session, the renewal's number when the target
+/// echoes it, and, when the target declared the session gone, its answer (state and
+/// reason).
 struct Reply {
     key: ReplyKey,
+    seq: Option<u64>,
     gone: Option<String>,
+}
+
+/// Whether a renewal went into the stream.
+enum Queued {
+    Yes,
+    /// The stream's buffer is full: the target is not reading.
+    Stalled,
+    Closed,
 }
 
 /// The session a reply is about, as the protocol names it.
@@ -344,6 +407,7 @@ impl SessionKey {
 impl Worker {
     async fn run(mut self, ready: oneshot::Sender<anyhow::Result<Vec<Member>>>) -> WorkerStats {
         let mut stats = WorkerStats::default();
+        let mut ready = Some(ready);
         let (opened_tx, mut opened) = mpsc::unbounded_channel();
         // Opens spread over one renewal period (longer if the target opens slower), so
         // renewals counted from each open spread evenly too.
@@ -353,7 +417,6 @@ impl Worker {
         let opening = Opening {
             target: self.target,
             channel: self.channel.clone(),
-            zone: self.zone,
             count: self.range.len(),
             ttl: self.spec.ttl,
             gate: self.gate.clone(),
@@ -363,59 +426,47 @@ impl Worker {
                 epoch + due_offset(period, sessions, slot, 0)
             }),
         };
-        io.spawn(opening.run(opened_tx, ready));
-        let (reply_tx, mut replies) = mpsc::channel::<Option<Reply>>(4096);
+        io.spawn(opening.run(opened_tx));
+        let (reply_tx, mut replies) = mpsc::channel::<Result<Reply, String>>(4096);
         let outbox = Outbox::open(self.target, self.channel.clone(), reply_tx, &mut io);
 
-        let (period, ttl, first) = (self.spec.period(), self.spec.ttl, self.range.start);
-        let mut keys: Vec<SessionKey> = Vec::with_capacity(self.range.len());
+        let (ttl, first) = (self.spec.ttl, self.range.start);
+        let mut members: Vec<Member> = Vec::with_capacity(self.range.len());
         let mut tracks: Vec<Track> = Vec::with_capacity(self.range.len());
         let mut index: HashMap<ReplyKey, usize> = HashMap::with_capacity(self.range.len());
         // Each session's next renewal, due a period after the one before, the first a
         // period after its open was sent: its client counts its TTL from there.
         let mut due: BinaryHeap<Reverse<(Instant, usize)>> = BinaryHeap::new();
-        let mut opening = true;
         let mut seq = 0u64;
-        loop {
+        let broken = loop {
             let next = due.peek().map(|Reverse((at, _))| *at);
             tokio::select! {
                 biased;
-                _ = stopped(&mut self.stop) => break,
-                session = opened.recv(), if opening => match session {
-                    Some((sent, key)) => {
-                        let local = keys.len();
+                _ = stopped(&mut self.stop) => break None,
+                event = opened.recv(), if ready.is_some() => match event {
+                    Some(Opened::Session(sent, key)) => {
+                        let local = members.len();
                         index.insert(SessionKey::reply_key(&key), local);
-                        keys.push(key);
+                        members.push(Member { zone: self.zone, key });
                         tracks.push(Track::new(sent));
                         due.push(Reverse((sent + period, local)));
                     }
-                    None => opening = false,
+                    Some(Opened::Failed(e)) => {
+                        if let Some(ready) = ready.take() {
+                            let _ = ready.send(Err(e));
+                        }
+                        break None;
+                    }
+                    Some(Opened::All) | None => {
+                        if let Some(ready) = ready.take() {
+                            let _ = ready.send(Ok(members.clone()));
+                        }
+                    }
                 },
                 reply = replies.recv() => match reply {
-                    Some(Some(reply)) => {
-                        let Some(&local) = index.get(&reply.key) else { continue };
-                        let now = Instant::now();
-                        let (sent, expiry) =
-                            tracks[local].answered(now, reply.gone, ttl, self.epoch, first + local);
-                        let Some(sent) = sent else { continue };
-                        self.live.answered.fetch_add(1, Ordering::Relaxed);
-                        match expiry {
-                            Some(e) if e.verdict == Verdict::False => stats.false_expiries.push(e),
-                            Some(e) => stats.renewed_late.push(e),
-                            None => {}
-                        }
-                        if let Some(from) = *self.measure.borrow() {
-                            if sent >= from {
-                                stats.answered += 1;
-                                stats.latency.record(now - sent);
-                                stats.timeline.push((sent - from, now - sent));
-                            }
-                        }
-                    }
-                    Some(None) | None => {
-                        stats.stream_errors += 1;
-                        break;
-                    }
+                    Some(Ok(reply)) => self.judge(reply, &index, &mut tracks, &mut stats),
+                    Some(Err(why)) => break Some(why),
+                    None => break Some("the stream ended".into()),
                 },
                 _ = tokio::time::sleep_until(next.unwrap_or_else(Instant::now)), if next.is_some() => {
                     let Reverse((at, local)) = due.pop().expect("peeked");
@@ -425,22 +476,99 @@ impl Worker {
                     due.push(Reverse((at + period, local)));
                     seq += 1;
                     let sent = Instant::now();
-                    tracks[local].sent(sent);
-                    if !outbox.renew(&keys[local], seq).await {
-                        stats.stream_errors += 1;
-                        break;
+                    match outbox.renew(&members[local].key, seq) {
+                        Queued::Yes => {
+                            tracks[local].sent(self.target.is_lockcell().then_some(seq), sent);
+                            if self.measure.borrow().is_some_and(|w| w.holds(sent)) {
+                                stats.sent += 1;
+                                stats.send_lag.record(sent - at);
+                            }
+                            self.live.sent.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // The target reads nothing: the renewal cannot leave, and the
+                        // session's own clock runs on.
+                        Queued::Stalled => stats.renewals_not_sent += 1,
+                        Queued::Closed => break Some("the stream was closed".into()),
                     }
-                    if self.measure.borrow().is_some_and(|from| sent >= from) {
-                        stats.sent += 1;
-                        stats.send_lag.record(sent - at);
-                    }
-                    self.live.sent.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        };
+        if let Some(why) = broken {
+            stats.stream_errors += 1;
+            stats.sessions_cut_off = tracks.iter().filter(|t| !t.is_gone()).count() as u64;
+            if let Some(ready) = ready.take() {
+                let _ = ready.send(Err(anyhow::anyhow!(
+                    "the keepalive stream of connection {} broke while its sessions opened: {why}",
+                    self.connection
+                )));
+            }
+        } else {
+            // Answers to renewals already sent still count: wait for them a little.
+            let drain = Instant::now() + period.min(Duration::from_secs(2));
+            while tracks.iter().any(|t| t.in_flight() > 0) {
+                tokio::select! {
+                    reply = replies.recv() => match reply {
+                        Some(Ok(reply)) => self.judge(reply, &index, &mut tracks, &mut stats),
+                        Some(Err(_)) | None => break,
+                    },
+                    _ = tokio::time::sleep_until(drain) => break,
+                }
+            }
+            let end = Instant::now();
+            for (local, track) in tracks.iter().enumerate() {
+                if let Some(e) = track.at_end(end, ttl, self.epoch, first + local) {
+                    stats.unanswered.push(e);
                 }
             }
         }
         io.abort_all();
         stats
     }
+
+    /// Takes one reply: pairs it with its renewal, times it, and judges an expiry.
+    fn judge(
+        &self,
+        reply: Reply,
+        index: &HashMap<ReplyKey, usize>,
+        tracks: &mut [Track],
+        stats: &mut WorkerStats,
+    ) {
+        let Some(&local) = index.get(&reply.key) else {
+            return;
+        };
+        let now = Instant::now();
+        let (sent, expiry) = tracks[local].answered(
+            reply.seq,
+            now,
+            reply.gone,
+            self.spec.ttl,
+            self.epoch,
+            self.range.start + local,
+        );
+        let Some(sent) = sent else { return };
+        self.live.answered.fetch_add(1, Ordering::Relaxed);
+        match expiry {
+            Some(e) if e.verdict == Verdict::False => stats.false_expiries.push(e),
+            Some(e) => stats.renewed_late.push(e),
+            None => {}
+        }
+        if self.measure.borrow().is_some_and(|w| w.holds(sent)) {
+            let from = self.measure.borrow().expect("measured").from;
+            stats.answered += 1;
+            stats.latency.record(now - sent);
+            stats.timeline.push((sent - from, now - sent));
+        }
+    }
+}
+
+/// What the opening of one connection's sessions tells its worker.
+enum Opened {
+    /// A session opened, with the time its open was sent.
+    Session(Instant, SessionKey),
+    /// An open failed; the rest were not tried.
+    Failed(anyhow::Error),
+    /// Every session is open.
+    All,
 }
 
 /// One connection's sessions to open, one after another, each at its slot and when
@@ -448,7 +576,6 @@ impl Worker {
 struct Opening {
     target: Target,
     channel: Channel,
-    zone: usize,
     count: usize,
     ttl: Duration,
     gate: Arc<Semaphore>,
@@ -458,34 +585,25 @@ struct Opening {
 }
 
 impl Opening {
-    /// Hands each session to the worker as it opens, with the time its open was sent;
-    /// then reports them all to `ready` (or the first failure).
-    async fn run(
-        self,
-        opened: mpsc::UnboundedSender<(Instant, SessionKey)>,
-        ready: oneshot::Sender<anyhow::Result<Vec<Member>>>,
-    ) {
-        let mut members = Vec::with_capacity(self.count);
+    /// Hands each session to the worker as it opens, then says they are all open (or
+    /// the first failure).
+    async fn run(self, opened: mpsc::UnboundedSender<Opened>) {
         for j in 0..self.count {
             tokio::time::sleep_until((self.slot)(j)).await;
             let _permit = self.gate.acquire().await.expect("gate open");
             let sent = Instant::now();
             match open_one(self.target, &self.channel, self.ttl).await {
                 Ok(key) => {
-                    let _ = opened.send((sent, key.clone()));
-                    members.push(Member {
-                        zone: self.zone,
-                        key,
-                    });
+                    let _ = opened.send(Opened::Session(sent, key));
                 }
                 Err(e) => {
-                    let _ = ready.send(Err(e));
+                    let _ = opened.send(Opened::Failed(e));
                     return;
                 }
             }
             self.live.opened.fetch_add(1, Ordering::Relaxed);
         }
-        let _ = ready.send(Ok(members));
+        let _ = opened.send(Opened::All);
     }
 }
 
@@ -501,16 +619,16 @@ enum Outbox {
 }
 
 impl Outbox {
-    /// Opens the connection's renewal stream; its replies go to `replies` (`None` marks
-    /// the stream's end) from a task spawned on `io`.
+    /// Opens the connection's renewal stream; its replies go to `replies`, and why it
+    /// ended as the last, from a task spawned on `io`.
     fn open(
         target: Target,
         channel: Channel,
-        replies: mpsc::Sender<Option<Reply>>,
+        replies: mpsc::Sender<Result<Reply, String>>,
         io: &mut JoinSet<()>,
     ) -> Outbox {
         let read = replies.clone();
-        let (outbox, stream): (Outbox, Pin<Box<dyn Future<Output = ()> + Send>>) =
+        let (outbox, stream): (Outbox, Pin<Box<dyn Future<Output = String> + Send>>) =
             if target.is_lockcell() {
                 let (tx, rx) = mpsc::channel(4096);
                 (
@@ -522,77 +640,99 @@ impl Outbox {
                 (Outbox::Etcd(tx), Box::pin(etcd_replies(channel, rx, read)))
             };
         io.spawn(async move {
-            stream.await;
-            let _ = replies.send(None).await;
+            let why = stream.await;
+            let _ = replies.send(Err(why)).await;
         });
         outbox
     }
 
-    /// Sends one renewal of `key`; false when the stream is gone.
-    async fn renew(&self, key: &SessionKey, seq: u64) -> bool {
-        match (self, key) {
+    /// Puts one renewal of `key` into the stream, never waiting: a full buffer means
+    /// the target has stopped reading, and the worker must go on answering and judging.
+    fn renew(&self, key: &SessionKey, seq: u64) -> Queued {
+        use mpsc::error::TrySendError;
+        let queued = match (self, key) {
             (Outbox::Lockcell(tx), SessionKey::Lockcell { id, secret }) => tx
-                .send(KeepAliveRequest {
+                .try_send(KeepAliveRequest {
                     session_id: id.to_string(),
                     seq,
                     session_secret: secret.to_string(),
                 })
-                .await
-                .is_ok(),
-            (Outbox::Etcd(tx), SessionKey::Etcd(id)) => {
-                tx.send(LeaseKeepAliveRequest { id: *id }).await.is_ok()
-            }
+                .map_err(|e| matches!(e, TrySendError::Full(_))),
+            (Outbox::Etcd(tx), SessionKey::Etcd(id)) => tx
+                .try_send(LeaseKeepAliveRequest { id: *id })
+                .map_err(|e| matches!(e, TrySendError::Full(_))),
             _ => unreachable!("a fleet's sessions are all of its target's kind"),
+        };
+        match queued {
+            Ok(()) => Queued::Yes,
+            Err(true) => Queued::Stalled,
+            Err(false) => Queued::Closed,
         }
     }
 }
 
-/// Reads a lockcell keepalive stream's replies until it ends.
+/// Reads a lockcell keepalive stream's replies until it ends; returns why it ended.
 async fn lockcell_replies(
     channel: Channel,
     requests: mpsc::Receiver<KeepAliveRequest>,
-    replies: mpsc::Sender<Option<Reply>>,
-) {
-    let Ok(resp) = SessionClient::new(channel)
+    replies: mpsc::Sender<Result<Reply, String>>,
+) -> String {
+    let mut stream = match SessionClient::new(channel)
         .keep_alive(ReceiverStream::new(requests))
         .await
-    else {
-        return;
+    {
+        Ok(resp) => resp.into_inner(),
+        Err(e) => return format!("the keepalive stream could not open: {e}"),
     };
-    let mut stream = resp.into_inner();
-    while let Ok(Some(reply)) = stream.message().await {
+    loop {
+        let reply = match stream.message().await {
+            Ok(Some(reply)) => reply,
+            Ok(None) => return "the target ended the stream".into(),
+            Err(e) => return format!("the stream failed: {e}"),
+        };
         let gone = (reply.state != SessionState::Alive as i32).then(|| {
             let state = SessionState::try_from(reply.state)
                 .map_or_else(|_| reply.state.to_string(), |s| s.as_str_name().to_owned());
             format!("{state}: {}", reply.reason)
         });
-        let key = ReplyKey::Lockcell(reply.session_id.into());
-        if replies.send(Some(Reply { key, gone })).await.is_err() {
-            return;
+        let reply = Reply {
+            key: ReplyKey::Lockcell(reply.session_id.into()),
+            seq: Some(reply.seq),
+            gone,
+        };
+        if replies.send(Ok(reply)).await.is_err() {
+            return "the worker stopped".into();
         }
     }
 }
 
-/// Reads an etcd lease keepalive stream's replies until it ends.
+/// Reads an etcd lease keepalive stream's replies until it ends; returns why it ended.
+/// etcd answers each renewal in order and echoes no number.
 async fn etcd_replies(
     channel: Channel,
     requests: mpsc::Receiver<LeaseKeepAliveRequest>,
-    replies: mpsc::Sender<Option<Reply>>,
-) {
-    let Ok(resp) = LeaseClient::new(channel)
+    replies: mpsc::Sender<Result<Reply, String>>,
+) -> String {
+    let mut stream = match LeaseClient::new(channel)
         .lease_keep_alive(ReceiverStream::new(requests))
         .await
-    else {
-        return;
+    {
+        Ok(resp) => resp.into_inner(),
+        Err(e) => return format!("the lease keepalive stream could not open: {e}"),
     };
-    let mut stream = resp.into_inner();
-    while let Ok(Some(reply)) = stream.message().await {
+    loop {
+        let reply = match stream.message().await {
+            Ok(Some(reply)) => reply,
+            Ok(None) => return "the target ended the stream".into(),
+            Err(e) => return format!("the stream failed: {e}"),
+        };
         let reply = Reply {
             key: ReplyKey::Etcd(reply.id),
+            seq: None,
             gone: (reply.ttl <= 0).then(|| format!("lease TTL {}", reply.ttl)),
         };
-        if replies.send(Some(reply)).await.is_err() {
-            return;
+        if replies.send(Ok(reply)).await.is_err() {
+            return "the worker stopped".into();
         }
     }
 }

@@ -37,13 +37,14 @@ pub struct Args {
 }
 
 pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Result<Report> {
-    let cell = Cell::start(target, cell).await?;
     let spec = FleetSpec {
         sessions: args.sessions,
         ttl: args.ttl,
         renewals_per_ttl: args.renewals_per_ttl,
         connections: args.connections.clamp(1, args.sessions.max(1)),
     };
+    spec.check()?;
+    let cell = Cell::start(target, cell).await?;
     let mut report = Report::new("keepalive", target.name());
     report.param("sessions", spec.sessions);
     report.param("ttl_s", args.ttl.as_secs_f64());
@@ -62,7 +63,7 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
 
     // One renewal period of warm-up: every connection has started renewing by then.
     let start = Instant::now() + spec.period();
-    fleet.measure_from(start);
+    fleet.measure(start, start + args.duration);
     tokio::time::sleep_until(start).await;
     let before = cell.etcd_counters().await?;
     let mut resources = Resources::start(&cell);
@@ -90,6 +91,7 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
     let mut send_lag = Samples::new();
     let mut series = TimeSeries::new();
     let (mut sent, mut answered, mut stream_errors) = (0, 0, 0);
+    let (mut cut_off, mut not_sent) = (0, 0);
     for w in &workers {
         latency.merge(&w.latency);
         send_lag.merge(&w.send_lag);
@@ -99,6 +101,8 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
         sent += w.sent;
         answered += w.answered;
         stream_errors += w.stream_errors;
+        cut_off += w.sessions_cut_off;
+        not_sent += w.renewals_not_sent;
     }
     let delta = after.delta(&before);
     report.metric("keepalives_sent", sent as f64);
@@ -126,6 +130,8 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
         report.metric("renewal_send_lag_max_ms", ms(p));
     }
     report.metric("stream_errors", stream_errors as f64);
+    report.metric("sessions_cut_off", cut_off as f64);
+    report.metric("renewals_not_sent", not_sent as f64);
     report.metric("etcd_requests", prom::etcd_requests(&delta));
     report.metric(
         "etcd_requests_per_keepalive",

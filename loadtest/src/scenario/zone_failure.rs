@@ -69,6 +69,7 @@ pub async fn run(
         renewals_per_ttl: 3,
         connections: args.connections.clamp(3, sessions),
     };
+    spec.check()?;
     let mut report = Report::new("zone-failure", target.name());
     report.param("scale", args.scale);
     report.param("sessions", sessions);
