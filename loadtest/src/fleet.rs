@@ -417,14 +417,14 @@ impl Worker {
         let opening = Opening {
             target: self.target,
             channel: self.channel.clone(),
-            count: self.range.len(),
             ttl: self.spec.ttl,
             gate: self.gate.clone(),
             live: self.live.clone(),
-            slot: Box::new(move |j| {
-                let slot = interleaved(connections, connection, j);
-                epoch + due_offset(period, sessions, slot, 0)
-            }),
+            slots: (0..self.range.len())
+                .map(|j| {
+                    epoch + due_offset(period, sessions, interleaved(connections, connection, j), 0)
+                })
+                .collect(),
         };
         io.spawn(opening.run(opened_tx));
         let (reply_tx, mut replies) = mpsc::channel::<Result<Reply, String>>(4096);
@@ -576,20 +576,19 @@ enum Opened {
 struct Opening {
     target: Target,
     channel: Channel,
-    count: usize,
     ttl: Duration,
     gate: Arc<Semaphore>,
     live: Arc<Live>,
-    /// When session `j` may open at the earliest.
-    slot: Box<dyn Fn(usize) -> Instant + Send>,
+    /// When each session may open at the earliest.
+    slots: Vec<Instant>,
 }
 
 impl Opening {
     /// Hands each session to the worker as it opens, then says they are all open (or
     /// the first failure).
     async fn run(self, opened: mpsc::UnboundedSender<Opened>) {
-        for j in 0..self.count {
-            tokio::time::sleep_until((self.slot)(j)).await;
+        for slot in &self.slots {
+            tokio::time::sleep_until(*slot).await;
             let _permit = self.gate.acquire().await.expect("gate open");
             let sent = Instant::now();
             match open_one(self.target, &self.channel, self.ttl).await {
@@ -677,33 +676,22 @@ async fn lockcell_replies(
     requests: mpsc::Receiver<KeepAliveRequest>,
     replies: mpsc::Sender<Result<Reply, String>>,
 ) -> String {
-    let mut stream = match SessionClient::new(channel)
+    let opened = SessionClient::new(channel)
         .keep_alive(ReceiverStream::new(requests))
-        .await
-    {
-        Ok(resp) => resp.into_inner(),
-        Err(e) => return format!("the keepalive stream could not open: {e}"),
-    };
-    loop {
-        let reply = match stream.message().await {
-            Ok(Some(reply)) => reply,
-            Ok(None) => return "the target ended the stream".into(),
-            Err(e) => return format!("the stream failed: {e}"),
-        };
+        .await;
+    relay(opened, replies, |reply| {
         let gone = (reply.state != SessionState::Alive as i32).then(|| {
             let state = SessionState::try_from(reply.state)
                 .map_or_else(|_| reply.state.to_string(), |s| s.as_str_name().to_owned());
             format!("{state}: {}", reply.reason)
         });
-        let reply = Reply {
+        Reply {
             key: ReplyKey::Lockcell(reply.session_id.into()),
             seq: Some(reply.seq),
             gone,
-        };
-        if replies.send(Ok(reply)).await.is_err() {
-            return "the worker stopped".into();
         }
-    }
+    })
+    .await
 }
 
 /// Reads an etcd lease keepalive stream's replies until it ends; returns why it ended.
@@ -713,26 +701,65 @@ async fn etcd_replies(
     requests: mpsc::Receiver<LeaseKeepAliveRequest>,
     replies: mpsc::Sender<Result<Reply, String>>,
 ) -> String {
-    let mut stream = match LeaseClient::new(channel)
+    let opened = LeaseClient::new(channel)
         .lease_keep_alive(ReceiverStream::new(requests))
-        .await
-    {
+        .await;
+    relay(opened, replies, |reply| Reply {
+        key: ReplyKey::Etcd(reply.id),
+        seq: None,
+        gone: (reply.ttl <= 0).then(|| format!("lease TTL {}", reply.ttl)),
+    })
+    .await
+}
+
+/// Hands each message of an opened stream to the worker as a [`Reply`]; returns why
+/// the stream ended.
+async fn relay<T>(
+    opened: Result<tonic::Response<tonic::Streaming<T>>, tonic::Status>,
+    replies: mpsc::Sender<Result<Reply, String>>,
+    reply: impl Fn(T) -> Reply,
+) -> String {
+    let mut stream = match opened {
         Ok(resp) => resp.into_inner(),
-        Err(e) => return format!("the lease keepalive stream could not open: {e}"),
+        Err(e) => return format!("the keepalive stream could not open: {e}"),
     };
     loop {
-        let reply = match stream.message().await {
-            Ok(Some(reply)) => reply,
+        match stream.message().await {
+            Ok(Some(message)) => {
+                if replies.send(Ok(reply(message))).await.is_err() {
+                    return "the worker stopped".into();
+                }
+            }
             Ok(None) => return "the target ended the stream".into(),
             Err(e) => return format!("the stream failed: {e}"),
-        };
-        let reply = Reply {
-            key: ReplyKey::Etcd(reply.id),
-            seq: None,
-            gone: (reply.ttl <= 0).then(|| format!("lease TTL {}", reply.ttl)),
-        };
-        if replies.send(Ok(reply)).await.is_err() {
-            return "the worker stopped".into();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(ttl: Duration, renewals_per_ttl: u32) -> FleetSpec {
+        FleetSpec {
+            sessions: 10,
+            ttl,
+            renewals_per_ttl,
+            connections: 1,
+        }
+    }
+
+    #[test]
+    fn shapes_no_careful_client_has_are_refused_by_name() {
+        spec(Duration::from_secs(4), 4).check().unwrap();
+        for (ttl, renewals, named) in [
+            (Duration::from_millis(1500), 4, "--ttl 1s 500ms"),
+            (Duration::ZERO, 4, "--ttl 0s"),
+            (Duration::from_secs(4), 1, "--renewals-per-ttl 1"),
+            (Duration::from_secs(4), 0, "--renewals-per-ttl 0"),
+        ] {
+            let e = spec(ttl, renewals).check().unwrap_err().to_string();
+            assert!(e.contains(named), "{e}");
         }
     }
 }
