@@ -12,6 +12,7 @@ use std::time::Duration;
 use etcd_client::{LeaseKeepAliveStream, LeaseKeeper};
 use tokio::time::{Instant, MissedTickBehavior};
 
+use crate::members::Failure;
 use crate::metrics as m;
 use crate::state::ProxyState;
 
@@ -147,23 +148,26 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
             None => {
                 let (at, client) = state.members.lease_client().await;
                 member = at;
-                let Some(mut client) = client else {
-                    state.members.failed(member).await;
-                    retry_soon(&mut tick, &mut pause, most);
-                    continue;
+                let mut client = match client {
+                    Ok(client) => client,
+                    Err(how) => {
+                        state.members.failed(member, how).await;
+                        retry_soon(&mut tick, &mut pause, most);
+                        continue;
+                    }
                 };
                 let call = client.keep_alive(lease);
                 match tokio::time::timeout(attempt, call).await {
                     Ok(Ok(pair)) => stream.insert(pair),
                     Ok(Err(e)) => {
                         tracing::warn!(bucket, lease, error = %e, "lease keepalive stream failed to open");
-                        state.members.failed(member).await;
+                        state.members.failed(member, Failure::Answered).await;
                         retry_soon(&mut tick, &mut pause, most);
                         continue;
                     }
                     Err(_) => {
                         tracing::warn!(bucket, lease, "lease keepalive stream timed out opening");
-                        state.members.failed(member).await;
+                        state.members.failed(member, Failure::Silent).await;
                         retry_soon(&mut tick, &mut pause, most);
                         continue;
                     }
@@ -182,6 +186,7 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
             Ok(Ok(Some(reply))) if reply.id() == lease && reply.ttl() > 0 => {
                 let ttl = Duration::from_secs(reply.ttl() as u64);
                 state.leases.renewed(bucket, lease, sent, ttl);
+                state.members.answered(member);
                 pause = RETRY_PAUSE;
                 if let Some(header) = reply.header() {
                     state.cell.saw(header.revision());
@@ -191,14 +196,14 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
                 return "etcd reports the proxy lease expired or revoked";
             }
             other => {
-                let what = match other {
-                    Ok(Err(e)) => e.to_string(),
-                    Ok(Ok(_)) => "stream ended".to_owned(),
-                    Err(_) => "no reply in time".to_owned(),
+                let (what, how) = match other {
+                    Ok(Err(e)) => (e.to_string(), Failure::Answered),
+                    Ok(Ok(_)) => ("stream ended".to_owned(), Failure::Answered),
+                    Err(_) => ("no reply in time".to_owned(), Failure::Silent),
                 };
                 tracing::warn!(bucket, lease, error = %what, "lease renewal failed; reopening the stream");
                 stream = None;
-                state.members.failed(member).await;
+                state.members.failed(member, how).await;
                 retry_soon(&mut tick, &mut pause, most);
             }
         }
@@ -217,9 +222,12 @@ fn retry_soon(tick: &mut tokio::time::Interval, pause: &mut Duration, most: Dura
 pub async fn renew_now(state: &ProxyState, bucket: usize, lease: i64) -> bool {
     // Through the member the keeper renews through: not a member that stopped answering.
     let (member, client) = state.members.lease_client().await;
-    let Some(mut client) = client else {
-        state.members.failed(member).await;
-        return false;
+    let mut client = match client {
+        Ok(client) => client,
+        Err(how) => {
+            state.members.failed(member, how).await;
+            return false;
+        }
     };
     let exchange = async {
         let (mut keeper, mut replies) = client.keep_alive(lease).await?;
@@ -232,11 +240,16 @@ pub async fn renew_now(state: &ProxyState, bucket: usize, lease: i64) -> bool {
             metrics::counter!(m::LEASE_RENEWALS).increment(1);
             let ttl = Duration::from_secs(reply.ttl() as u64);
             state.leases.renewed(bucket, lease, sent, ttl);
+            state.members.answered(member);
             true
         }
         Ok(Ok((_, Some(_)))) => false,
-        _ => {
-            state.members.failed(member).await;
+        Ok(_) => {
+            state.members.failed(member, Failure::Answered).await;
+            false
+        }
+        Err(_) => {
+            state.members.failed(member, Failure::Silent).await;
             false
         }
     }
