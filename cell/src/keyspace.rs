@@ -34,6 +34,7 @@ const SESSIONS_ROOT: &str = "/s/";
 const PRESENCE_ROOT: &str = "/s/!proxy/";
 /// Where proxies record who made their latest small-key write.
 const WRITER_ROOT: &str = "/s/!writer/";
+const LEASE_BLOCKS_KEY: &str = "/s/!etcd-lease-blocks";
 const MARK: &str = "/!";
 
 /// Why a lock name was refused. The message names the rule the name broke.
@@ -289,6 +290,13 @@ pub fn proxy_presence_key(proxy_id: &str) -> String {
 /// [`crate::kv::Writer`]), in the write's own transaction.
 pub fn writer_key(proxy_id: &str) -> String {
     format!("{WRITER_ROOT}{proxy_id}")
+}
+
+/// The count of lease ID blocks the cell's proxies have taken for the etcd API's
+/// leases: each proxy takes the next block by raising it, so no two leases of the cell
+/// ever share an ID. Under `/s/`, which proxies write; session ids never contain `!`.
+pub fn lease_blocks_key() -> &'static str {
+    LEASE_BLOCKS_KEY
 }
 
 /// The prefix of every proxy's writer key.

@@ -26,6 +26,14 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_ADMIN_LISTEN", default_value = "127.0.0.1:7421")]
     pub admin_listen: SocketAddr,
 
+    /// Address etcd's own v3 gRPC API listens on, off when unset: etcd clients in any
+    /// language (etcdctl, Go's clientv3, jetcd, Python's etcd3, the npm etcd3) use the
+    /// cell through this proxy, their leases held here as sessions and their keys as
+    /// lockcell's small keys (docs/etcd-api.md says what is served). With --tls-cert,
+    /// it serves TLS as the lockcell API does.
+    #[arg(long, env = "LOCKCELL_ETCD_LISTEN")]
+    pub etcd_listen: Option<SocketAddr>,
+
     /// File holding the token POST /drain requires (`Authorization: Bearer TOKEN`) from
     /// every caller, loopback included: set it where a loopback address proves nothing
     /// (a service-mesh sidecar forwards from 127.0.0.6). At least 32 characters; read

@@ -19,6 +19,7 @@ pub mod config;
 pub mod credential;
 pub mod declared;
 pub mod errors;
+pub mod etcd_api;
 pub mod events;
 pub mod fanout;
 pub mod feed;
@@ -138,6 +139,18 @@ pub async fn run(
     let admin = TcpListener::bind(config.admin_listen)
         .await
         .with_context(|| format!("binding the admin address {}", config.admin_listen))?;
+    let etcd_api = match config.etcd_listen {
+        Some(_) if cells.len() > 1 => anyhow::bail!(
+            "--etcd-listen: the etcd API serves a proxy of one cell, and this proxy serves {} (the shard map has several cells)",
+            cells.len()
+        ),
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the etcd API address {addr}"))?,
+        ),
+        None => None,
+    };
 
     let mut engines = Vec::new();
     let mut home = Some(home);
@@ -207,6 +220,7 @@ pub async fn run(
         proxy.id = %proxy_id,
         zone = %first.config.zone,
         grpc = %first.config.listen,
+        etcd_api = ?first.config.etcd_listen,
         admin = %first.config.admin_listen,
         cells = %engines.iter().map(Engine::label).collect::<Vec<_>>().join(", "),
         leases = first.leases.len(),
@@ -216,6 +230,15 @@ pub async fn run(
     let router = Arc::new(router::Router::new(
         engines.iter().map(|e| e.state.clone()).collect(),
     ));
+    if let Some(listener) = etcd_api {
+        let api = etcd_api::EtcdApi::new(first.clone());
+        let (tls, stop) = (tls.clone(), stop_rx.clone());
+        tasks.spawn(async move {
+            if let Err(error) = api.serve(listener, tls, stop).await {
+                tracing::error!(%error, "the etcd API stopped");
+            }
+        });
+    }
     let mut stop = stop_rx.clone();
     let sizes = MessageSizes::for_config(&first.config);
     let router = tonic::transport::Server::builder()
@@ -553,7 +576,7 @@ pub(crate) fn tls_files(config: &ProxyConfig) -> Option<tls::TlsFiles> {
 
 /// Client connections with Nagle's algorithm off: replies are small and go out at once
 /// (with it on, a reply can wait for the client's delayed ACK, some 40 ms).
-fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
+pub(crate) fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
     tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(30)))

@@ -242,6 +242,15 @@ impl SessionTable {
         }
     }
 
+    /// The ids of the live sessions that `keep` keeps.
+    pub fn ids_where(&self, keep: impl Fn(&Session) -> bool) -> Vec<SessionId> {
+        self.live
+            .iter()
+            .filter(|s| keep(s.value()))
+            .map(|s| s.key().clone())
+            .collect()
+    }
+
     /// A copy of session `id` as it is, ended or not.
     pub fn peek(&self, id: &str) -> Option<Session> {
         self.live.get(id).map(|s| s.clone())

@@ -44,14 +44,17 @@ fn python() -> PathBuf {
 
 /// True when the suite, its interpreter and `etcdctl` are here; its tests skip without.
 pub fn available() -> bool {
-    aetcd_dir().join("tests/integration").is_dir()
-        && python().is_file()
-        && std::process::Command::new("etcdctl")
-            .arg("version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
+    aetcd_dir().join("tests/integration").is_dir() && python().is_file() && etcdctl_available()
+}
+
+/// True when `etcdctl` (Debian's etcd-client package) runs here.
+pub fn etcdctl_available() -> bool {
+    std::process::Command::new("etcdctl")
+        .arg("version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// What one run of a suite counted, from pytest's summary line.

@@ -16,6 +16,7 @@ mod client_suites;
 mod contention;
 mod dev;
 mod elections;
+mod etcd_api;
 mod faults;
 mod grants;
 mod guide;
@@ -140,6 +141,8 @@ fn main() {
         check_config::check_config_finds_a_bad_file_before_a_restart_does,
         operations::losing_the_etcd_leader_costs_no_lease_and_no_lock,
         client_suites::aetcds_own_suite_passes_against_bare_etcd,
+        etcd_api::etcdctl_reads_and_writes_small_keys_through_a_proxy,
+        etcd_api::etcdctl_leases_are_sessions_of_the_proxy,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
         operations_doc::the_operations_guides_commands_run_against_a_real_cell,
         operations::an_ended_session_is_refused_by_every_proxy,
@@ -188,6 +191,12 @@ fn main() {
         missing.push((
             "client_suites::",
             "no aetcd suite in .lockcell-tools (or no etcdctl); `make setup` installs them",
+        ));
+    }
+    if !lockcell_tests::client_suites::etcdctl_available() {
+        missing.push((
+            "etcd_api::",
+            "no etcdctl; install the etcd-client package (`make setup`)",
         ));
     }
     for (prefix, why) in &missing {

@@ -1,0 +1,660 @@
+//! etcd's KV service over lockcell's small keys. Reads go to etcd (a linearizable read
+//! there, or serializable when asked); each write is one etcd transaction guarded by
+//! the cell's shard map copy, with the proxy's writer record for the audit trail, as
+//! the lockcell API's writes are. A put with a lease writes the key on the lease's
+//! session's proxy lease and records it in the session, which deletes it when it ends.
+
+use etcd_client::proto::{
+    PbCompare, PbDeleteRequest, PbDeleteResponse, PbKeyValue, PbKvService, PbPutRequest,
+    PbPutResponse, PbRangeRequest, PbRangeResponse, PbResponseOp, PbTxnOpRequest, PbTxnOpResponse,
+    PbTxnRequest, PbTxnRequestOp, PbTxnResponse,
+};
+use etcd_client::{
+    Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+};
+use lockcell_cell::error::with_timeout;
+use lockcell_cell::keyspace::{self, prefix_end};
+use lockcell_cell::kv::Writer;
+use lockcell_cell::locklog::{check_map, map_guard, Grant};
+use lockcell_cell::LockName;
+use tokio::time::Instant;
+use tonic::{Request, Response, Status};
+
+use super::keys::{self, inner, inner_range};
+use super::lease::{session_of, LEASE_NOT_FOUND};
+use super::EtcdApi;
+use crate::errors::ProxyError;
+use crate::grants::Right;
+use crate::sessions::Session;
+
+/// Most operations in one Txn, counting each branch's and nested ones': etcd's default
+/// `--max-txn-ops`, less the proxy's own guard and writer record.
+pub const MAX_TXN_OPS: usize = 120;
+
+#[tonic::async_trait]
+impl PbKvService for EtcdApi {
+    async fn range(
+        &self,
+        request: Request<PbRangeRequest>,
+    ) -> Result<Response<PbRangeResponse>, Status> {
+        let req = request.get_ref();
+        self.authorize_range(&request, Right::Read, &req.key, &req.range_end)?;
+        let req = request.into_inner();
+        let (key, options) = get_options(&req)?;
+        let state = &self.state;
+        let got = with_timeout(
+            "etcd api range",
+            state.config.etcd_timeout,
+            state.etcd.kv_client().get(key, Some(options)),
+        )
+        .await
+        .map_err(ProxyError::from)?;
+        let mut reply = got.0;
+        self.outward_range(&mut reply);
+        Ok(Response::new(reply))
+    }
+
+    async fn put(&self, request: Request<PbPutRequest>) -> Result<Response<PbPutResponse>, Status> {
+        let grants = self.state.grants.current();
+        let caller = grants.caller(&request)?;
+        self.authorize_range(&request, Right::Write, &request.get_ref().key, &[])?;
+        let req = request.into_inner();
+        if req.ignore_value || req.ignore_lease {
+            return Err(Status::invalid_argument(format!(
+                "put of key {:?}: ignore_value and ignore_lease are not supported through lockcell",
+                String::from_utf8_lossy(&req.key)
+            )));
+        }
+        let state = &self.state;
+        let shown = String::from_utf8_lossy(&req.key).into_owned();
+        if req.key.is_empty() {
+            return Err(Status::invalid_argument("etcdserver: key is not provided"));
+        }
+        if req.value.len() > state.config.max_value_bytes {
+            return Err(ProxyError::BadArgument(format!(
+                "the value for key {shown:?} is {} bytes, over the limit of {} bytes",
+                req.value.len(),
+                state.config.max_value_bytes
+            ))
+            .into());
+        }
+        let session = if req.lease == 0 {
+            None
+        } else {
+            let s = state
+                .sessions
+                .get(&session_of(req.lease), Instant::now())
+                .ok()
+                .filter(|s| s.owned_by(caller.as_deref()))
+                .ok_or_else(|| Status::not_found(LEASE_NOT_FOUND))?;
+            Some(s)
+        };
+        // A leased key is recorded in its session under its name, so it follows the
+        // small-key name rules.
+        let name = match &session {
+            Some(_) => Some(leased_name(&shown)?),
+            None => None,
+        };
+        let admitted = state
+            .kv_budget
+            .admit(
+                &state.reads.feed,
+                state.config.max_kv_total_bytes,
+                &[(shown.as_str(), Some(req.value.len()))],
+            )
+            .await?;
+        let map_revision = state.routes.serve_all([shown.as_str()])?;
+        let writer = self.writer(caller, session.as_ref());
+        let options = PutOptions::new().with_prev_key();
+        let options = match &session {
+            Some(s) => options.with_lease(s.lease),
+            None => options,
+        };
+        let op = TxnOp::put(inner(&req.key), req.value.clone(), Some(options));
+        let write = self.guarded(vec![op], map_revision, &writer);
+        let outcome = match (&session, &name) {
+            (Some(s), Some(name)) => {
+                let pending = Grant::unsettled_ephemeral(name, &s.id, &req.value);
+                crate::unsettled::owned_write(
+                    state,
+                    s,
+                    pending,
+                    write,
+                    crate::unsettled::unknown_outcome,
+                )
+                .await
+                .ok_or_else(|| Status::not_found(LEASE_NOT_FOUND))?
+            }
+            _ => write.await,
+        }
+        .map_err(ProxyError::from)?;
+        let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
+        admitted.landed(Some(revision));
+        let mut prev_kv = outcome
+            .responses
+            .into_iter()
+            .find_map(|op| match op.response {
+                Some(PbTxnOpResponse::ResponsePut(put)) => put.prev_kv,
+                _ => None,
+            });
+        if let (Some(session), Some(name)) = (&session, &name) {
+            let created = prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
+            self.record_leased(session, name, req.lease, created, revision)?;
+        }
+        if let Some(kv) = prev_kv.as_mut() {
+            self.outward_kv(kv);
+        }
+        Ok(Response::new(PbPutResponse {
+            header: Some(self.header(revision)),
+            prev_kv: if req.prev_kv { prev_kv } else { None },
+        }))
+    }
+
+    async fn delete_range(
+        &self,
+        request: Request<PbDeleteRequest>,
+    ) -> Result<Response<PbDeleteResponse>, Status> {
+        let caller = self.state.grants.current().caller(&request)?;
+        let req = request.get_ref();
+        self.authorize_range(&request, Right::Write, &req.key, &req.range_end)?;
+        let req = request.into_inner();
+        if req.key.is_empty() {
+            return Err(Status::invalid_argument("etcdserver: key is not provided"));
+        }
+        let map_revision = self.map_revision(&req.key, &req.range_end)?;
+        let range = inner_range(&req.key, &req.range_end);
+        let mut options = DeleteOptions::new();
+        if !range.end.is_empty() {
+            options = options.with_range(range.end);
+        }
+        if req.prev_kv {
+            options = options.with_prev_key();
+        }
+        let op = TxnOp::delete(range.key, Some(options));
+        let outcome = self
+            .guarded(vec![op], map_revision, &self.writer(caller, None))
+            .await
+            .map_err(ProxyError::from)?;
+        let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
+        let mut deleted = outcome
+            .responses
+            .into_iter()
+            .find_map(|op| match op.response {
+                Some(PbTxnOpResponse::ResponseDeleteRange(d)) => Some(d),
+                _ => None,
+            })
+            .unwrap_or_default();
+        for kv in &mut deleted.prev_kvs {
+            self.outward_kv(kv);
+        }
+        deleted.header = Some(self.header(revision));
+        Ok(Response::new(deleted))
+    }
+
+    async fn txn(&self, request: Request<PbTxnRequest>) -> Result<Response<PbTxnResponse>, Status> {
+        let caller = self.state.grants.current().caller(&request)?;
+        let mut ops = 0;
+        check_txn(
+            request.get_ref(),
+            self.state.config.max_value_bytes,
+            &mut ops,
+        )?;
+        if ops > MAX_TXN_OPS {
+            return Err(Status::invalid_argument(format!(
+                "etcdserver: too many operations in txn request ({ops} compares and operations, over lockcell's limit of {MAX_TXN_OPS})"
+            )));
+        }
+        self.authorize_txn(&request, request.get_ref())?;
+        let req = request.into_inner();
+        let map_revision = self.map_revision(b"\0", b"\0")?;
+        let client_txn = inward_txn(&req)?;
+        // Every put of either branch counts against the cell's small-key bound: which
+        // branch runs is etcd's to decide.
+        let mut puts = Vec::new();
+        txn_puts(&req, &mut puts);
+        let sizes: Vec<(&str, Option<usize>)> =
+            puts.iter().map(|(k, n)| (k.as_str(), Some(*n))).collect();
+        let state = &self.state;
+        let admitted = state
+            .kv_budget
+            .admit(&state.reads.feed, state.config.max_kv_total_bytes, &sizes)
+            .await?;
+        let outcome = self
+            .guarded(
+                vec![TxnOp::txn(client_txn)],
+                map_revision,
+                &self.writer(caller, None),
+            )
+            .await
+            .map_err(ProxyError::from)?;
+        let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
+        admitted.landed(Some(revision));
+        let mut reply = outcome
+            .responses
+            .into_iter()
+            .find_map(|op| match op.response {
+                Some(PbTxnOpResponse::ResponseTxn(t)) => Some(t),
+                _ => None,
+            })
+            .unwrap_or_default();
+        self.outward_txn(&mut reply);
+        reply.header = Some(self.header(revision));
+        Ok(Response::new(reply))
+    }
+
+    type RangeStreamStream = std::pin::Pin<
+        Box<
+            dyn tokio_stream::Stream<
+                    Item = Result<etcd_client::proto::PbRangeStreamResponse, Status>,
+                > + Send,
+        >,
+    >;
+
+    async fn range_stream(
+        &self,
+        _request: Request<PbRangeRequest>,
+    ) -> Result<Response<Self::RangeStreamStream>, Status> {
+        Err(Status::unimplemented(
+            "RangeStream is not served through a lockcell proxy; use Range",
+        ))
+    }
+
+    async fn compact(
+        &self,
+        _request: Request<etcd_client::proto::PbCompactionRequest>,
+    ) -> Result<Response<etcd_client::proto::PbCompactionResponse>, Status> {
+        Err(Status::unimplemented(
+            "Compact is not served through a lockcell proxy: the cell's operators compact etcd",
+        ))
+    }
+}
+
+impl EtcdApi {
+    /// Checks `right` on a client range: one key, a prefix (the key's successor as
+    /// `range_end`), or any other range, which takes the right on every small key.
+    fn authorize_range<T>(
+        &self,
+        request: &Request<T>,
+        right: Right,
+        key: &[u8],
+        range_end: &[u8],
+    ) -> Result<(), Status> {
+        let grants = self.state.grants.current();
+        if grants.caller(request)?.is_none() {
+            return Ok(());
+        }
+        let text = |k: &[u8]| {
+            String::from_utf8(k.to_vec()).map_err(|_| {
+                Status::permission_denied("a key that is not UTF-8 is outside every prefix grant")
+            })
+        };
+        match range_end {
+            [] => grants.authorize_key(request, right, &text(key)?, false),
+            end if key != [0] && end == prefix_end(key).as_slice() => {
+                grants.authorize_key(request, right, &text(key)?, true)
+            }
+            _ => grants.authorize_key(request, right, "", true),
+        }
+    }
+
+    /// Checks every compare (read) and operation of a Txn, nested ones too.
+    fn authorize_txn<T>(&self, request: &Request<T>, txn: &PbTxnRequest) -> Result<(), Status> {
+        for c in &txn.compare {
+            self.authorize_range(request, Right::Read, &c.key, &c.range_end)?;
+        }
+        for op in txn.success.iter().chain(&txn.failure) {
+            match &op.request {
+                Some(PbTxnOpRequest::RequestRange(r)) => {
+                    self.authorize_range(request, Right::Read, &r.key, &r.range_end)?
+                }
+                Some(PbTxnOpRequest::RequestPut(p)) => {
+                    self.authorize_range(request, Right::Write, &p.key, &[])?
+                }
+                Some(PbTxnOpRequest::RequestDeleteRange(d)) => {
+                    self.authorize_range(request, Right::Write, &d.key, &d.range_end)?
+                }
+                Some(PbTxnOpRequest::RequestTxn(t)) => self.authorize_txn(request, t)?,
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The shard map revision a write over a client range is made under: a single key's
+    /// route, or, for a range, a cell without a shard map (a range cannot be checked
+    /// against routes).
+    fn map_revision(&self, key: &[u8], range_end: &[u8]) -> Result<i64, Status> {
+        let routes = &self.state.routes;
+        if range_end.is_empty() {
+            return Ok(routes.serve_all([String::from_utf8_lossy(key).as_ref()])?);
+        }
+        match routes.copy() {
+            None => Ok(routes.serve_all(std::iter::empty())?),
+            Some(_) => Err(Status::failed_precondition(
+                "a range write or a Txn through the etcd API needs a cell without a shard map; this cell has one",
+            )),
+        }
+    }
+
+    /// Who writes, for the audit trail.
+    fn writer(&self, caller: Option<String>, session: Option<&Session>) -> Writer {
+        Writer {
+            identity: session
+                .map(|s| s.identity.clone())
+                .or(caller)
+                .unwrap_or_default(),
+            session: session.map(|s| s.id.to_string()).unwrap_or_default(),
+            proxy: self.state.proxy_id.clone(),
+            ..Writer::default()
+        }
+    }
+
+    /// Runs `ops` in one transaction guarded by the shard map copy at `map_revision`,
+    /// with the proxy's writer record. A guard that fails is the map's change, never the
+    /// client's: it is an error, not a reply.
+    async fn guarded(
+        &self,
+        ops: Vec<TxnOp>,
+        map_revision: i64,
+        writer: &Writer,
+    ) -> Result<etcd_client::proto::PbTxnResponse, lockcell_cell::CellError> {
+        let mut then = ops;
+        then.push(writer.op(&keyspace::writer_key(&self.state.proxy_id)));
+        let txn = Txn::new()
+            .when([map_guard(map_revision)])
+            .and_then(then)
+            .or_else([TxnOp::get(keyspace::shardmap_key(), None)]);
+        let state = &self.state;
+        let resp = with_timeout(
+            "etcd api write",
+            state.config.etcd_timeout,
+            state.etcd.kv_client().txn(txn),
+        )
+        .await?;
+        if !resp.succeeded() {
+            check_map(resp.op_responses().as_slice(), map_revision)?;
+        }
+        Ok(resp.0)
+    }
+
+    /// Records a leased put in its session, for the session's clean-up, and remembers
+    /// the client's lease for the key.
+    fn record_leased(
+        &self,
+        session: &Session,
+        name: &LockName,
+        lease: i64,
+        created: i64,
+        revision: i64,
+    ) -> Result<(), Status> {
+        let grant = Grant::ephemeral(name, created, revision);
+        let state = &self.state;
+        if !state
+            .sessions
+            .record_grant(&session.id, session.incarnation, grant.clone(), None)
+        {
+            state.cleanup.push(session.lease, vec![grant]);
+            return Err(Status::not_found(LEASE_NOT_FOUND));
+        }
+        self.leased.insert(
+            inner(name.as_str().as_bytes()),
+            super::Leased {
+                lease,
+                proxy_lease: session.lease,
+                revision,
+            },
+        );
+        Ok(())
+    }
+
+    /// A key as the client sees it: its client key, and its client lease (0 when the
+    /// key's lease is not one this proxy knows the client lease of).
+    pub(super) fn outward_kv(&self, kv: &mut PbKeyValue) {
+        if kv.lease != 0 {
+            kv.lease = self
+                .leased
+                .get(&kv.key)
+                .filter(|l| l.proxy_lease == kv.lease && l.revision == kv.mod_revision)
+                .map_or(0, |l| l.lease);
+        }
+        if let Some(outer) = keys::outer(&kv.key) {
+            kv.key = outer.to_vec();
+        }
+    }
+
+    fn outward_range(&self, reply: &mut PbRangeResponse) {
+        let revision = reply.header.as_ref().map_or(0, |h| h.revision);
+        reply.header = Some(self.header(revision));
+        for kv in &mut reply.kvs {
+            self.outward_kv(kv);
+        }
+    }
+
+    fn outward_txn(&self, reply: &mut PbTxnResponse) {
+        let revision = reply.header.as_ref().map_or(0, |h| h.revision);
+        reply.header = Some(self.header(revision));
+        for op in &mut reply.responses {
+            self.outward_op(op);
+        }
+    }
+
+    fn outward_op(&self, op: &mut PbResponseOp) {
+        match op.response.as_mut() {
+            Some(PbTxnOpResponse::ResponseRange(r)) => self.outward_range(r),
+            Some(PbTxnOpResponse::ResponsePut(p)) => {
+                let revision = p.header.as_ref().map_or(0, |h| h.revision);
+                p.header = Some(self.header(revision));
+                if let Some(kv) = p.prev_kv.as_mut() {
+                    self.outward_kv(kv);
+                }
+            }
+            Some(PbTxnOpResponse::ResponseDeleteRange(d)) => {
+                let revision = d.header.as_ref().map_or(0, |h| h.revision);
+                d.header = Some(self.header(revision));
+                for kv in &mut d.prev_kvs {
+                    self.outward_kv(kv);
+                }
+            }
+            Some(PbTxnOpResponse::ResponseTxn(t)) => self.outward_txn(t),
+            None => {}
+        }
+    }
+}
+
+/// A leased key's name: the small-key name rules, with an error that names the key.
+fn leased_name(key: &str) -> Result<LockName, Status> {
+    LockName::parse(key).map_err(|e| {
+        Status::invalid_argument(format!(
+            "{} (a key put with a lease follows lockcell's small-key name rules)",
+            e.to_string().replacen("lock name", "key", 1)
+        ))
+    })
+}
+
+/// The etcd key and options of a client's range read.
+fn get_options(req: &PbRangeRequest) -> Result<(Vec<u8>, GetOptions), Status> {
+    if req.key.is_empty() {
+        return Err(Status::invalid_argument("etcdserver: key is not provided"));
+    }
+    let range = inner_range(&req.key, &req.range_end);
+    let mut options = GetOptions::new()
+        .with_limit(req.limit)
+        .with_revision(req.revision)
+        .with_min_mod_revision(req.min_mod_revision)
+        .with_max_mod_revision(req.max_mod_revision)
+        .with_min_create_revision(req.min_create_revision)
+        .with_max_create_revision(req.max_create_revision);
+    if !range.end.is_empty() {
+        options = options.with_range(range.end);
+    }
+    let target = SortTarget::try_from(req.sort_target).map_err(|_| {
+        Status::invalid_argument(format!(
+            "sort target {} is not one of etcd's",
+            req.sort_target
+        ))
+    })?;
+    let order = SortOrder::try_from(req.sort_order).map_err(|_| {
+        Status::invalid_argument(format!(
+            "sort order {} is not one of etcd's",
+            req.sort_order
+        ))
+    })?;
+    options = options.with_sort(target, order);
+    if req.serializable {
+        options = options.with_serializable();
+    }
+    if req.keys_only {
+        options = options.with_keys_only();
+    }
+    if req.count_only {
+        options = options.with_count_only();
+    }
+    Ok((range.key, options))
+}
+
+/// Refuses what the etcd API does not take in a Txn (a put with a lease, a compare on a
+/// lease, a value over the limit), counting operations as it goes.
+fn check_txn(txn: &PbTxnRequest, max_value: usize, ops: &mut usize) -> Result<(), Status> {
+    *ops += txn.compare.len();
+    for c in &txn.compare {
+        if c.target == etcd_client::proto::PbCompareTarget::Lease as i32 {
+            return Err(Status::invalid_argument(format!(
+                "the compare on the lease of key {:?} is not supported through lockcell yet",
+                String::from_utf8_lossy(&c.key)
+            )));
+        }
+    }
+    for op in txn.success.iter().chain(&txn.failure) {
+        *ops += 1;
+        match &op.request {
+            Some(PbTxnOpRequest::RequestPut(p)) if p.lease != 0 => {
+                return Err(Status::invalid_argument(format!(
+                    "the put of key {:?} with a lease inside a Txn is not supported through lockcell yet; put it on its own",
+                    String::from_utf8_lossy(&p.key)
+                )))
+            }
+            Some(PbTxnOpRequest::RequestPut(p)) if p.ignore_value || p.ignore_lease => {
+                return Err(Status::invalid_argument(format!(
+                    "the put of key {:?}: ignore_value and ignore_lease are not supported through lockcell",
+                    String::from_utf8_lossy(&p.key)
+                )))
+            }
+            Some(PbTxnOpRequest::RequestPut(p)) if p.value.len() > max_value => {
+                return Err(Status::invalid_argument(format!(
+                    "the value for key {:?} is {} bytes, over the limit of {max_value} bytes",
+                    String::from_utf8_lossy(&p.key),
+                    p.value.len()
+                )))
+            }
+            Some(PbTxnOpRequest::RequestTxn(t)) => check_txn(t, max_value, ops)?,
+            None => {
+                return Err(Status::invalid_argument(
+                    "etcdserver: a Txn operation has no request",
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The key and value length of every put in `txn`, nested ones too.
+fn txn_puts(txn: &PbTxnRequest, puts: &mut Vec<(String, usize)>) {
+    for op in txn.success.iter().chain(&txn.failure) {
+        match &op.request {
+            Some(PbTxnOpRequest::RequestPut(p)) => {
+                puts.push((String::from_utf8_lossy(&p.key).into_owned(), p.value.len()))
+            }
+            Some(PbTxnOpRequest::RequestTxn(t)) => txn_puts(t, puts),
+            _ => {}
+        }
+    }
+}
+
+/// The client's Txn with every key in the small-key space.
+fn inward_txn(req: &PbTxnRequest) -> Result<Txn, Status> {
+    let compares = req
+        .compare
+        .iter()
+        .map(inward_compare)
+        .collect::<Result<Vec<_>, _>>()?;
+    let success = req
+        .success
+        .iter()
+        .map(inward_op)
+        .collect::<Result<Vec<_>, _>>()?;
+    let failure = req
+        .failure
+        .iter()
+        .map(inward_op)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Txn::new().when(compares).and_then(success).or_else(failure))
+}
+
+fn inward_compare(c: &PbCompare) -> Result<Compare, Status> {
+    use etcd_client::proto::{PbCompareTarget as Target, PbTargetUnion as Union};
+    let op = CompareOp::try_from(c.result).map_err(|_| {
+        Status::invalid_argument(format!("compare result {} is not one of etcd's", c.result))
+    })?;
+    let range = inner_range(&c.key, &c.range_end);
+    let key = range.key;
+    let compare = match (Target::try_from(c.target), &c.target_union) {
+        (Ok(Target::Version), Some(Union::Version(v))) => Compare::version(key, op, *v),
+        (Ok(Target::Create), Some(Union::CreateRevision(r))) => {
+            Compare::create_revision(key, op, *r)
+        }
+        (Ok(Target::Mod), Some(Union::ModRevision(r))) => Compare::mod_revision(key, op, *r),
+        (Ok(Target::Value), Some(Union::Value(v))) => Compare::value(key, op, v.clone()),
+        // An absent union is the field's zero value, as etcd reads it.
+        (Ok(Target::Version), None) => Compare::version(key, op, 0),
+        (Ok(Target::Create), None) => Compare::create_revision(key, op, 0),
+        (Ok(Target::Mod), None) => Compare::mod_revision(key, op, 0),
+        (Ok(Target::Value), None) => Compare::value(key, op, Vec::new()),
+        _ => {
+            return Err(Status::invalid_argument(format!(
+                "the compare on key {:?} has a target ({}) that does not match its value",
+                String::from_utf8_lossy(&c.key),
+                c.target
+            )))
+        }
+    };
+    Ok(if range.end.is_empty() {
+        compare
+    } else {
+        compare.with_range(range.end)
+    })
+}
+
+fn inward_op(op: &PbTxnRequestOp) -> Result<TxnOp, Status> {
+    Ok(match &op.request {
+        Some(PbTxnOpRequest::RequestRange(r)) => {
+            let (key, options) = get_options(r)?;
+            TxnOp::get(key, Some(options))
+        }
+        Some(PbTxnOpRequest::RequestPut(p)) => {
+            let options = if p.prev_kv {
+                Some(PutOptions::new().with_prev_key())
+            } else {
+                None
+            };
+            TxnOp::put(inner(&p.key), p.value.clone(), options)
+        }
+        Some(PbTxnOpRequest::RequestDeleteRange(d)) => {
+            let range = inner_range(&d.key, &d.range_end);
+            let mut options = DeleteOptions::new();
+            if !range.end.is_empty() {
+                options = options.with_range(range.end);
+            }
+            if d.prev_kv {
+                options = options.with_prev_key();
+            }
+            TxnOp::delete(range.key, Some(options))
+        }
+        Some(PbTxnOpRequest::RequestTxn(t)) => TxnOp::txn(inward_txn(t)?),
+        None => {
+            return Err(Status::invalid_argument(
+                "etcdserver: a Txn operation has no request",
+            ))
+        }
+    })
+}

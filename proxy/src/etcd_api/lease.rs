@@ -1,0 +1,257 @@
+//! etcd's Lease service: a lease is a lockcell session on this proxy. A grant opens one
+//! (nothing written to etcd but, once per 65,536 grants, a block of IDs), keepalives
+//! renew it from memory, a revoke closes it and answers once its keys are gone, and its
+//! expiry deletes its keys as any session's does.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use etcd_client::proto::{
+    PbLeaseGrantRequest, PbLeaseGrantResponse, PbLeaseKeepAliveRequest, PbLeaseKeepAliveResponse,
+    PbLeaseLeasesRequest, PbLeaseLeasesResponse, PbLeaseRevokeRequest, PbLeaseRevokeResponse,
+    PbLeaseService, PbLeaseStatus, PbLeaseTimeToLiveRequest, PbLeaseTimeToLiveResponse,
+};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::{keys, EtcdApi};
+use crate::metrics as m;
+use crate::sessions::{Gone, Renewed, Session};
+use crate::state::ProxyState;
+
+/// Replies buffered per keepalive stream before the proxy stops reading that stream.
+const KEEPALIVE_BUFFER: usize = 64;
+
+/// etcd's text for a lease it does not know (clients match it).
+pub const LEASE_NOT_FOUND: &str = "etcdserver: requested lease not found";
+
+/// The session of lease `id`: its ID in hex (16 digits, where the lockcell API's are
+/// 32, so the two never meet).
+pub fn session_of(id: i64) -> String {
+    format!("{id:016x}")
+}
+
+/// The lease of session `session`, if it is an etcd API lease's.
+pub fn lease_of(session: &str) -> Option<i64> {
+    if session.len() != 16 {
+        return None;
+    }
+    i64::from_str_radix(session, 16)
+        .ok()
+        .filter(|id| super::ids::is_ours(*id))
+}
+
+/// Whole seconds of `d`, rounded down: what etcd's TTL fields carry. Never more than the
+/// proxy can back.
+fn seconds(d: Duration) -> i64 {
+    d.as_secs() as i64
+}
+
+#[tonic::async_trait]
+impl PbLeaseService for EtcdApi {
+    async fn lease_grant(
+        &self,
+        request: Request<PbLeaseGrantRequest>,
+    ) -> Result<Response<PbLeaseGrantResponse>, Status> {
+        let principal = self.state.grants.current().caller(&request)?;
+        let req = request.into_inner();
+        if req.id != 0 {
+            return Err(Status::invalid_argument(format!(
+                "lease ID {:x} was chosen by the client; lockcell chooses lease IDs itself so they stay unique across the cell: leave ID unset",
+                req.id
+            )));
+        }
+        if req.ttl <= 0 {
+            return Err(Status::invalid_argument(format!(
+                "lease TTL {} is not a number of seconds above zero",
+                req.ttl
+            )));
+        }
+        let state = &self.state;
+        if state.is_draining() {
+            return Err(Status::unavailable(
+                "etcdserver: this proxy is shutting down; use another endpoint",
+            ));
+        }
+        let id = self
+            .ids
+            .take(&state.etcd.kv_client(), state.config.etcd_timeout)
+            .await?;
+        let ttl = state
+            .config
+            .session_ttl_for(Duration::from_secs(req.ttl as u64));
+        let (bucket, lease) = state.leases.assign().ok_or_else(|| {
+            Status::unavailable("etcdserver: no leader (this proxy holds no etcd lease right now)")
+        })?;
+        let now = Instant::now();
+        let valid_for = state.leases.valid_for(bucket, lease, ttl, now);
+        let identity = principal.clone().unwrap_or_default();
+        let mut session = Session::arriving(
+            session_of(id).into(),
+            identity,
+            ttl,
+            (bucket, lease),
+            Vec::new(),
+            now,
+            now + valid_for,
+        );
+        session.principal = principal.map(Into::into);
+        state.sessions.insert(session);
+        state.publish_sessions_open();
+        metrics::counter!(m::SESSIONS_OPENED).increment(1);
+        Ok(Response::new(PbLeaseGrantResponse {
+            header: Some(self.header(state.cell.seen())),
+            id,
+            ttl: seconds(ttl),
+            error: String::new(),
+        }))
+    }
+
+    async fn lease_revoke(
+        &self,
+        request: Request<PbLeaseRevokeRequest>,
+    ) -> Result<Response<PbLeaseRevokeResponse>, Status> {
+        let caller = self.state.grants.current().caller(&request)?;
+        let id = request.into_inner().id;
+        let session = session_of(id);
+        match self.state.sessions.peek(&session) {
+            Some(s) if s.owned_by(caller.as_deref()) => {}
+            _ => return Err(Status::not_found(LEASE_NOT_FOUND)),
+        }
+        crate::service::session::close_stay(&self.state, &session, None)
+            .await
+            .map_err(|e| match e {
+                crate::errors::ProxyError::UnknownSession { .. }
+                | crate::errors::ProxyError::ExpiredSession { .. } => {
+                    Status::not_found(LEASE_NOT_FOUND)
+                }
+                other => other.into(),
+            })?;
+        Ok(Response::new(PbLeaseRevokeResponse {
+            header: Some(self.header(self.state.cell.seen())),
+        }))
+    }
+
+    type LeaseKeepAliveStream =
+        Pin<Box<dyn Stream<Item = Result<PbLeaseKeepAliveResponse, Status>> + Send>>;
+
+    async fn lease_keep_alive(
+        &self,
+        request: Request<Streaming<PbLeaseKeepAliveRequest>>,
+    ) -> Result<Response<Self::LeaseKeepAliveStream>, Status> {
+        let caller = self.state.grants.current().caller(&request)?;
+        let mut input = request.into_inner();
+        let (tx, rx) = mpsc::channel(KEEPALIVE_BUFFER);
+        let api = self.clone();
+        // Owned by the stream: it ends when the client hangs up, the reply stream is
+        // dropped, or the proxy shuts down.
+        tokio::spawn(async move {
+            let mut shutdown = api.state.shutdown.clone();
+            loop {
+                let req = tokio::select! {
+                    msg = input.message() => match msg {
+                        Ok(Some(req)) => req,
+                        Ok(None) | Err(_) => return,
+                    },
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                };
+                metrics::counter!(m::KEEPALIVES).increment(1);
+                // A renewal the proxy cannot back for a whole second is not answered:
+                // the client keeps counting down its own TTL, as it would with etcd
+                // unreachable.
+                let Some(ttl) = renew(&api.state, req.id, caller.as_deref()) else {
+                    continue;
+                };
+                let reply = PbLeaseKeepAliveResponse {
+                    header: Some(api.header(api.state.cell.seen())),
+                    id: req.id,
+                    ttl,
+                };
+                if tx.send(Ok(reply)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn lease_time_to_live(
+        &self,
+        request: Request<PbLeaseTimeToLiveRequest>,
+    ) -> Result<Response<PbLeaseTimeToLiveResponse>, Status> {
+        let caller = self.state.grants.current().caller(&request)?;
+        let req = request.into_inner();
+        let now = Instant::now();
+        let header = Some(self.header(self.state.cell.seen()));
+        let found = self
+            .state
+            .sessions
+            .get(&session_of(req.id), now)
+            .ok()
+            .filter(|s| s.owned_by(caller.as_deref()));
+        let Some(session) = found else {
+            // etcd: -1 for a lease it does not have.
+            return Ok(Response::new(PbLeaseTimeToLiveResponse {
+                header,
+                id: req.id,
+                ttl: -1,
+                granted_ttl: 0,
+                keys: Vec::new(),
+            }));
+        };
+        let keys = if req.keys {
+            session
+                .held
+                .iter()
+                .filter(|g| !g.is_unsettled())
+                .filter_map(|g| keys::outer(g.key.as_bytes()).map(<[u8]>::to_vec))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Response::new(PbLeaseTimeToLiveResponse {
+            header,
+            id: req.id,
+            ttl: seconds(session.expires_at().saturating_duration_since(now)),
+            granted_ttl: seconds(session.ttl),
+            keys,
+        }))
+    }
+
+    async fn lease_leases(
+        &self,
+        request: Request<PbLeaseLeasesRequest>,
+    ) -> Result<Response<PbLeaseLeasesResponse>, Status> {
+        let caller = self.state.grants.current().caller(&request)?;
+        let leases = self
+            .state
+            .sessions
+            .ids_where(|s| s.owned_by(caller.as_deref()))
+            .iter()
+            .filter_map(|id| lease_of(id))
+            .map(|id| PbLeaseStatus { id })
+            .collect();
+        Ok(Response::new(PbLeaseLeasesResponse {
+            header: Some(self.header(self.state.cell.seen())),
+            leases,
+        }))
+    }
+}
+
+/// Renews lease `id` from memory: the TTL to answer (0: the lease is unknown or gone, as
+/// etcd answers), or `None` when the proxy cannot back even a second of it now.
+fn renew(state: &ProxyState, id: i64, caller: Option<&str>) -> Option<i64> {
+    let now = Instant::now();
+    let validity = |r: Renewed| {
+        let left = state.leases.left(r.bucket, r.lease, now);
+        left.min(state.leases.within(r.ttl))
+    };
+    match state.sessions.renew(&session_of(id), caller, now, validity) {
+        Ok(valid_for) if valid_for >= Duration::from_secs(1) => Some(seconds(valid_for)),
+        Ok(_) => None,
+        Err(Gone::Unknown | Gone::Expired(_)) => Some(0),
+    }
+}

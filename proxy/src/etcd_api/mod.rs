@@ -1,0 +1,299 @@
+//! etcd's own v3 gRPC API on the proxy (`--etcd-listen`), so that etcd clients in any
+//! language use the cell through the proxy unchanged (docs/etcd-api.md).
+//!
+//! # Layout
+//! - [`keys`]: the namespace: client key `K` is lockcell's small key `/k/K`.
+//! - [`ids`]: lease IDs unique across the cell.
+//! - [`lease`]: a lease is a session of this proxy's.
+//! - [`kv`]: ranges, puts, deletes and transactions over the small keys.
+//! - this file: Maintenance, Cluster and Watch, what they refuse, and the server.
+
+pub mod ids;
+pub mod keys;
+pub mod kv;
+pub mod lease;
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use dashmap::DashMap;
+use etcd_client::proto::*;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::state::ProxyState;
+
+/// The client lease of a key this proxy wrote with one, and what the key must still
+/// show (its proxy lease, its mod revision) for the record to be about this write.
+#[derive(Debug, Clone, Copy)]
+pub struct Leased {
+    pub lease: i64,
+    pub proxy_lease: i64,
+    pub revision: i64,
+}
+
+/// The etcd API of one proxy, on the one cell it serves.
+#[derive(Clone)]
+pub struct EtcdApi {
+    state: Arc<ProxyState>,
+    ids: Arc<ids::LeaseIds>,
+    /// The cell's id, as etcd headers carry it.
+    cluster_id: u64,
+    /// This proxy's member id: stable for its proxy id.
+    member_id: u64,
+    /// By etcd key: the client lease of each key written here with one.
+    leased: Arc<DashMap<Vec<u8>, Leased>>,
+}
+
+impl EtcdApi {
+    pub fn new(state: Arc<ProxyState>) -> Self {
+        let cluster_id = u64::from_str_radix(&state.cell.record.cluster_id, 16).unwrap_or_default();
+        let member_id = member_id(&state.proxy_id);
+        EtcdApi {
+            state,
+            ids: Arc::default(),
+            cluster_id,
+            member_id,
+            leased: Arc::default(),
+        }
+    }
+
+    /// A reply header at the cell's `revision`.
+    fn header(&self, revision: i64) -> PbResponseHeader {
+        PbResponseHeader {
+            cluster_id: self.cluster_id,
+            member_id: self.member_id,
+            revision,
+            raft_term: 0,
+        }
+    }
+
+    /// Forgets the client leases of keys whose session is gone. A record left until then
+    /// is harmless: it names the proxy lease and mod revision of its write, which no
+    /// later write of the key shows again.
+    pub fn prune(&self) {
+        let sessions = &self.state.sessions;
+        self.leased
+            .retain(|_, l| sessions.peek(&lease::session_of(l.lease)).is_some());
+    }
+
+    /// Serves the etcd API on `listener` until `stop` (with the lockcell API's TLS, when
+    /// it has one).
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        tls: Option<Arc<crate::tls::ReloadingTls>>,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) -> anyhow::Result<()> {
+        let pruning = tokio::spawn({
+            let api = self.clone();
+            let mut stop = stop.clone();
+            async move {
+                let mut tick = tokio::time::interval(std::time::Duration::from_secs(30));
+                loop {
+                    tokio::select! {
+                        _ = tick.tick() => api.prune(),
+                        _ = stop.wait_for(|s| *s) => return,
+                    }
+                }
+            }
+        });
+        let size = self.state.config.max_value_bytes + 64 * 1024;
+        let router = tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(self.state.config.max_streams_per_connection))
+            .add_service(
+                PbKvServer::new(self.clone()).max_decoding_message_size(size.max(2 * 1024 * 1024)),
+            )
+            .add_service(PbLeaseServer::new(self.clone()))
+            .add_service(PbWatchServer::new(self.clone()))
+            .add_service(PbMaintenanceServer::new(self.clone()))
+            .add_service(PbClusterServer::new(self));
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        let served = match tls {
+            Some(tls) => {
+                router
+                    .serve_with_incoming_shutdown(crate::tls::incoming(listener, tls), stopped)
+                    .await
+            }
+            None => {
+                router
+                    .serve_with_incoming_shutdown(crate::incoming(listener), stopped)
+                    .await
+            }
+        };
+        pruning.abort();
+        served.map_err(|e| anyhow::anyhow!("the etcd API's server failed: {e}"))
+    }
+}
+
+/// A stable member id for a proxy: its id's hash (never 0).
+fn member_id(proxy_id: &str) -> u64 {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(proxy_id.as_bytes());
+    let mut bytes = [0; 8];
+    bytes.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(bytes).max(1)
+}
+
+/// What the etcd API refuses on purpose: UNIMPLEMENTED, naming the RPC and why.
+fn refused(rpc: &str, why: &str) -> Status {
+    Status::unimplemented(format!(
+        "{rpc} is not served through a lockcell proxy: {why}"
+    ))
+}
+
+const OPERATORS: &str = "it acts on etcd's members, which the cell's operators run";
+
+#[tonic::async_trait]
+impl PbMaintenanceService for EtcdApi {
+    async fn alarm(&self, _: Request<PbAlarmRequest>) -> Result<Response<PbAlarmResponse>, Status> {
+        Err(refused("Alarm", OPERATORS))
+    }
+
+    async fn status(
+        &self,
+        _: Request<PbStatusRequest>,
+    ) -> Result<Response<PbStatusResponse>, Status> {
+        let revision = self.state.cell.seen();
+        Ok(Response::new(PbStatusResponse {
+            header: Some(self.header(revision)),
+            version: format!("lockcell-proxy {}", env!("CARGO_PKG_VERSION")),
+            leader: self.member_id,
+            raft_index: revision.max(0) as u64,
+            raft_applied_index: revision.max(0) as u64,
+            ..PbStatusResponse::default()
+        }))
+    }
+
+    async fn defragment(
+        &self,
+        _: Request<PbDefragmentRequest>,
+    ) -> Result<Response<PbDefragmentResponse>, Status> {
+        Err(refused("Defragment", OPERATORS))
+    }
+
+    async fn hash(&self, _: Request<PbHashRequest>) -> Result<Response<PbHashResponse>, Status> {
+        Err(refused("Hash", OPERATORS))
+    }
+
+    async fn hash_kv(
+        &self,
+        _: Request<PbHashKvRequest>,
+    ) -> Result<Response<PbHashKvResponse>, Status> {
+        Err(refused("HashKV", OPERATORS))
+    }
+
+    type SnapshotStream = Pin<Box<dyn Stream<Item = Result<PbSnapshotResponse, Status>> + Send>>;
+
+    async fn snapshot(
+        &self,
+        _: Request<PbSnapshotRequest>,
+    ) -> Result<Response<Self::SnapshotStream>, Status> {
+        Err(refused(
+            "Snapshot",
+            "back the cell up from etcd itself (docs/operations.md, backups)",
+        ))
+    }
+
+    async fn move_leader(
+        &self,
+        _: Request<PbMoveLeaderRequest>,
+    ) -> Result<Response<PbMoveLeaderResponse>, Status> {
+        Err(refused("MoveLeader", OPERATORS))
+    }
+
+    async fn downgrade(
+        &self,
+        _: Request<PbDowngradeRequest>,
+    ) -> Result<Response<PbDowngradeResponse>, Status> {
+        Err(refused("Downgrade", OPERATORS))
+    }
+}
+
+#[tonic::async_trait]
+impl PbClusterService for EtcdApi {
+    async fn member_add(
+        &self,
+        _: Request<PbMemberAddRequest>,
+    ) -> Result<Response<PbMemberAddResponse>, Status> {
+        Err(refused("MemberAdd", OPERATORS))
+    }
+
+    async fn member_remove(
+        &self,
+        _: Request<PbMemberRemoveRequest>,
+    ) -> Result<Response<PbMemberRemoveResponse>, Status> {
+        Err(refused("MemberRemove", OPERATORS))
+    }
+
+    async fn member_update(
+        &self,
+        _: Request<PbMemberUpdateRequest>,
+    ) -> Result<Response<PbMemberUpdateResponse>, Status> {
+        Err(refused("MemberUpdate", OPERATORS))
+    }
+
+    /// This proxy, as the one member: a client that syncs its endpoints keeps to the
+    /// proxy and never goes around it to etcd.
+    async fn member_list(
+        &self,
+        _: Request<PbMemberListRequest>,
+    ) -> Result<Response<PbMemberListResponse>, Status> {
+        let config = &self.state.config;
+        let scheme = if crate::tls_files(config).is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let url = config
+            .etcd_listen
+            .map(|addr| format!("{scheme}://{addr}"))
+            .into_iter()
+            .collect();
+        Ok(Response::new(PbMemberListResponse {
+            header: Some(self.header(self.state.cell.seen())),
+            members: vec![PbMember {
+                id: self.member_id,
+                name: self.state.proxy_id.clone(),
+                peer_ur_ls: Vec::new(),
+                client_ur_ls: url,
+                is_learner: false,
+            }],
+        }))
+    }
+
+    async fn member_promote(
+        &self,
+        _: Request<PbMemberPromoteRequest>,
+    ) -> Result<Response<PbMemberPromoteResponse>, Status> {
+        Err(refused("MemberPromote", OPERATORS))
+    }
+}
+
+#[tonic::async_trait]
+impl PbWatchService for EtcdApi {
+    type WatchStream = Pin<Box<dyn Stream<Item = Result<PbWatchResponse, Status>> + Send>>;
+
+    async fn watch(
+        &self,
+        _: Request<Streaming<PbWatchRequest>>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        Err(Status::unimplemented(
+            "Watch is not served through the lockcell proxy's etcd API yet (docs/etcd-api.md); the lockcell API's Watch serves the same keys",
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_proxys_member_id_is_stable_and_its_own() {
+        assert_eq!(member_id("a-1"), member_id("a-1"));
+        assert_ne!(member_id("a-1"), member_id("a-2"));
+        assert_ne!(member_id(""), 0);
+    }
+}

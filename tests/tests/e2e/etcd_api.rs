@@ -1,0 +1,230 @@
+//! etcd's own v3 API on a proxy (`--etcd-listen`), driven by `etcdctl`, a client no one
+//! here wrote.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use lockcell_tests::ports::free_port;
+use lockcell_tests::{EtcdCluster, ProxyOptions, ProxyProcess};
+
+/// `etcdctl ARGS` against `endpoint`, with `stdin` fed in: (exit code, stdout, stderr).
+async fn etcdctl(
+    endpoint: &str,
+    args: &[&str],
+    stdin: &str,
+) -> anyhow::Result<(Option<i32>, String, String)> {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new("etcdctl")
+        .arg("--endpoints")
+        .arg(endpoint)
+        .arg("--command-timeout=10s")
+        .args(args)
+        .env("ETCDCTL_API", "3")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting etcdctl (the etcd-client package)")?;
+    let mut input = child.stdin.take().context("etcdctl's stdin")?;
+    input.write_all(stdin.as_bytes()).await?;
+    drop(input);
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .with_context(|| format!("etcdctl {args:?} did not finish in 30 s"))??;
+    Ok((
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// Runs `etcdctl ARGS` and wants it to succeed; returns its output.
+async fn ok(endpoint: &str, args: &[&str]) -> anyhow::Result<String> {
+    let (code, out, err) = etcdctl(endpoint, args, "").await?;
+    ensure!(
+        code == Some(0),
+        "etcdctl {args:?} exited {code:?}:\n{out}{err}"
+    );
+    Ok(out)
+}
+
+async fn proxy_with_etcd_api(etcd: &EtcdCluster) -> anyhow::Result<(ProxyProcess, String)> {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec!["--etcd-listen".into(), listen.clone()];
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    Ok((proxy, listen))
+}
+
+/// Keys through the etcd API are lockcell's small keys under `/k/`; lockcell's own keys
+/// are out of every range; puts, gets, prefixes, deletes and a transaction behave as
+/// etcd's; the RPCs that act on etcd's members are refused by name.
+pub async fn etcdctl_reads_and_writes_small_keys_through_a_proxy() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let (_proxy, api) = proxy_with_etcd_api(&etcd).await?;
+
+    ensure!(ok(&api, &["put", "config/a", "one"]).await?.trim() == "OK");
+    ok(&api, &["put", "config/b", "two"]).await?;
+    let got = ok(&api, &["get", "config/a"]).await?;
+    ensure!(got == "config/a\none\n", "get config/a printed {got:?}");
+    let listed = ok(&api, &["get", "config/", "--prefix", "--keys-only"]).await?;
+    let keys: Vec<&str> = listed.lines().filter(|l| !l.is_empty()).collect();
+    ensure!(keys == ["config/a", "config/b"], "prefix listing {keys:?}");
+    // The whole space is the small keys only: no /sys/epoch, no proxy records.
+    let everything = ok(&api, &["get", "", "--prefix", "--keys-only"]).await?;
+    let keys: Vec<&str> = everything.lines().filter(|l| !l.is_empty()).collect();
+    ensure!(
+        keys == ["config/a", "config/b"],
+        "the whole key space showed {keys:?}"
+    );
+    let from = ok(&api, &["get", "config/b", "--from-key", "--keys-only"]).await?;
+    ensure!(
+        from.trim() == "config/b",
+        "--from-key config/b showed {from:?}"
+    );
+
+    // In etcd the key is lockcell's small key.
+    let mut bare = etcd.member_client(0).await?;
+    let stored = bare.get("/k/config/a", None).await?;
+    ensure!(
+        stored.kvs().first().map(|kv| kv.value()) == Some(&b"one"[..]),
+        "etcd holds no /k/config/a = one"
+    );
+
+    // A transaction: the compare holds, so the success branch runs.
+    let script = "value(\"config/a\") = \"one\"\n\nput config/a uno\n\nput config/a nope\n\n";
+    let (code, out, err) = etcdctl(&api, &["txn"], script).await?;
+    ensure!(
+        code == Some(0) && out.starts_with("SUCCESS"),
+        "txn exited {code:?}:\n{out}{err}"
+    );
+    let got = ok(&api, &["get", "config/a", "--print-value-only"]).await?;
+    ensure!(got.trim() == "uno", "after the txn config/a is {got:?}");
+    // And a compare that fails takes the failure branch.
+    let (code, out, _) = etcdctl(&api, &["txn"], script).await?;
+    ensure!(
+        code == Some(0) && out.starts_with("FAILURE"),
+        "second txn: {out}"
+    );
+    let got = ok(&api, &["get", "config/a", "--print-value-only"]).await?;
+    ensure!(
+        got.trim() == "nope",
+        "after the failed compare config/a is {got:?}"
+    );
+
+    let deleted = ok(&api, &["del", "config/", "--prefix"]).await?;
+    ensure!(deleted.trim() == "2", "del --prefix printed {deleted:?}");
+    ensure!(ok(&api, &["get", "config/a"]).await?.is_empty());
+    // lockcell's own records are still there: the delete could not reach them.
+    let epoch = bare.get(lockcell_cell::keyspace::epoch_key(), None).await?;
+    ensure!(epoch.count() == 1, "the cell's epoch record is gone");
+
+    let status = ok(&api, &["endpoint", "status"]).await?;
+    ensure!(
+        status.contains("lockcell-proxy"),
+        "endpoint status: {status}"
+    );
+    let members = ok(&api, &["member", "list"]).await?;
+    ensure!(
+        members.contains(&api),
+        "member list does not name {api}: {members}"
+    );
+    let (code, _, err) = etcdctl(&api, &["defrag"], "").await?;
+    ensure!(
+        code != Some(0) && err.contains("Defragment is not served"),
+        "defrag exited {code:?}: {err}"
+    );
+    Ok(())
+}
+
+/// A lease is a session of the proxy: granted, kept alive and revoked without a lease in
+/// etcd; a key put with it is on the proxy's own lease and goes when it is revoked, or
+/// when it is not kept alive.
+pub async fn etcdctl_leases_are_sessions_of_the_proxy() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let (_proxy, api) = proxy_with_etcd_api(&etcd).await?;
+    let mut bare = etcd.member_client(0).await?;
+    let etcd_leases = bare.leases().await?.leases().len();
+
+    let granted = ok(&api, &["lease", "grant", "30"]).await?;
+    // "lease 6c63000000000000 granted with TTL(30s)"
+    let id = granted
+        .split_whitespace()
+        .nth(1)
+        .context("no lease ID in the grant")?
+        .to_owned();
+    ensure!(
+        granted.contains("TTL(30s)") && id.starts_with("6c63"),
+        "lease grant printed {granted:?}"
+    );
+    ok(&api, &["put", "--lease", &id, "members/m1", "up"]).await?;
+    let ttl = ok(&api, &["lease", "timetolive", &id, "--keys"]).await?;
+    ensure!(
+        ttl.contains("granted with TTL(30s)") && ttl.contains("attached keys([members/m1])"),
+        "timetolive printed {ttl:?}"
+    );
+    let list = ok(&api, &["lease", "list"]).await?;
+    ensure!(list.contains(&id), "lease list does not show {id}: {list}");
+    let kept = ok(&api, &["lease", "keep-alive", "--once", &id]).await?;
+    ensure!(
+        kept.contains("keepalived with TTL("),
+        "keep-alive printed {kept:?}"
+    );
+    // etcd saw no lease of the client's: only the proxy's own.
+    ensure!(
+        bare.leases().await?.leases().len() == etcd_leases,
+        "etcd holds a lease for the client's"
+    );
+    let stored = bare.get("/k/members/m1", None).await?;
+    let on = stored
+        .kvs()
+        .first()
+        .map(|kv| kv.lease())
+        .unwrap_or_default();
+    ensure!(on != 0, "the leased key is not on a lease in etcd");
+    ensure!(
+        format!("{on:x}") != id,
+        "the key is on the client's lease in etcd"
+    );
+
+    ok(&api, &["lease", "revoke", &id]).await?;
+    ensure!(
+        ok(&api, &["get", "members/m1"]).await?.is_empty(),
+        "the key outlived its revoked lease"
+    );
+    let ttl = ok(&api, &["lease", "timetolive", &id]).await?;
+    ensure!(
+        ttl.contains("already expired"),
+        "timetolive of a revoked lease: {ttl:?}"
+    );
+    let (code, _, err) = etcdctl(&api, &["put", "--lease", &id, "members/m2", "up"], "").await?;
+    ensure!(
+        code != Some(0) && err.contains("requested lease not found"),
+        "a put on a revoked lease exited {code:?}: {err}"
+    );
+
+    // Not kept alive, a lease expires and takes its key.
+    let granted = ok(&api, &["lease", "grant", "2"]).await?;
+    let short = granted
+        .split_whitespace()
+        .nth(1)
+        .context("no lease ID")?
+        .to_owned();
+    ok(&api, &["put", "--lease", &short, "members/m3", "up"]).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut sample = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        sample.tick().await;
+        if bare.get("/k/members/m3", None).await?.count() == 0 {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "a 2 s lease's key was still there 20 s later"
+        );
+    }
+    let kept = ok(&api, &["lease", "keep-alive", "--once", &short]).await;
+    ensure!(kept.is_err(), "an expired lease was kept alive: {kept:?}");
+    Ok(())
+}
