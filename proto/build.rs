@@ -12,5 +12,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // the set keeps every comment by its location; `lib.rs` embeds it.
         .file_descriptor_set_path(out_dir.join("lockcell_descriptor_set.bin"))
         .compile_protos(&["proto/lockcell/v1/lockcell.proto"], &["proto"])?;
+    // The part of etcd's own API the proxies' etcd listener serves beyond what the
+    // etcd-client crate generates servers for (see the file's header).
+    tonic_prost_build::configure()
+        .build_client(false)
+        .build_server(true)
+        .compile_protos(&["proto/etcd/auth.proto"], &["proto"])?;
     Ok(())
 }

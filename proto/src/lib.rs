@@ -18,6 +18,13 @@ pub mod v1 {
     tonic::include_proto!("lockcell.v1");
 }
 
+/// The part of etcd's `etcdserverpb` package the proxies serve themselves
+/// (`proto/etcd/auth.proto`): Authenticate, and the rest of Auth refused by name.
+pub mod etcd_auth {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("etcdserverpb");
+}
+
 /// The protoc descriptor set of `lockcell.v1` with its source info, so the comments of the
 /// `.proto` reach `api_doc` (and anything else that wants the schema at run time).
 pub const FILE_DESCRIPTOR_SET: &[u8] =

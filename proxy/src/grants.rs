@@ -92,6 +92,14 @@ impl Grants {
         }
     }
 
+    /// The identity whose bearer token is `token`.
+    pub fn identity_of_token(&self, token: &str) -> Result<String, Status> {
+        self.rules
+            .identity_of_token(token)
+            .map(str::to_owned)
+            .map_err(Status::unauthenticated)
+    }
+
     /// Refuses `identity` `right` on `name` (a lock, election or key name) unless one
     /// of its grants, or a `*` grant, covers it.
     pub fn check(&self, identity: &str, right: Right, name: &str) -> Result<(), Status> {

@@ -55,8 +55,7 @@ impl PbKvService for EtcdApi {
     }
 
     async fn put(&self, request: Request<PbPutRequest>) -> Result<Response<PbPutResponse>, Status> {
-        let grants = self.state.grants.current();
-        let caller = grants.caller(&request)?;
+        let caller = self.caller(&request)?;
         self.authorize_range(&request, Right::Write, &request.get_ref().key, &[])?;
         let req = request.into_inner();
         if req.ignore_value || req.ignore_lease {
@@ -154,7 +153,7 @@ impl PbKvService for EtcdApi {
         &self,
         request: Request<PbDeleteRequest>,
     ) -> Result<Response<PbDeleteResponse>, Status> {
-        let caller = self.state.grants.current().caller(&request)?;
+        let caller = self.caller(&request)?;
         let req = request.get_ref();
         self.authorize_range(&request, Right::Write, &req.key, &req.range_end)?;
         let req = request.into_inner();
@@ -192,7 +191,7 @@ impl PbKvService for EtcdApi {
     }
 
     async fn txn(&self, request: Request<PbTxnRequest>) -> Result<Response<PbTxnResponse>, Status> {
-        let caller = self.state.grants.current().caller(&request)?;
+        let caller = self.caller(&request)?;
         let mut ops = 0;
         check_txn(
             request.get_ref(),
@@ -279,21 +278,21 @@ impl EtcdApi {
         key: &[u8],
         range_end: &[u8],
     ) -> Result<(), Status> {
-        let grants = self.state.grants.current();
-        if grants.caller(request)?.is_none() {
+        let Some(identity) = self.caller(request)? else {
             return Ok(());
-        }
+        };
+        let grants = self.state.grants.current();
         let text = |k: &[u8]| {
             String::from_utf8(k.to_vec()).map_err(|_| {
                 Status::permission_denied("a key that is not UTF-8 is outside every prefix grant")
             })
         };
         match range_end {
-            [] => grants.authorize_key(request, right, &text(key)?, false),
+            [] => grants.check(&identity, right, &text(key)?),
             end if key != [0] && end == prefix_end(key).as_slice() => {
-                grants.authorize_key(request, right, &text(key)?, true)
+                grants.check_prefix(&identity, right, &text(key)?)
             }
-            _ => grants.authorize_key(request, right, "", true),
+            _ => grants.check_prefix(&identity, right, ""),
         }
     }
 

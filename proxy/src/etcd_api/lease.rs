@@ -56,7 +56,7 @@ impl PbLeaseService for EtcdApi {
         &self,
         request: Request<PbLeaseGrantRequest>,
     ) -> Result<Response<PbLeaseGrantResponse>, Status> {
-        let principal = self.state.grants.current().caller(&request)?;
+        let principal = self.caller(&request)?;
         let req = request.into_inner();
         if req.id != 0 {
             return Err(Status::invalid_argument(format!(
@@ -114,7 +114,7 @@ impl PbLeaseService for EtcdApi {
         &self,
         request: Request<PbLeaseRevokeRequest>,
     ) -> Result<Response<PbLeaseRevokeResponse>, Status> {
-        let caller = self.state.grants.current().caller(&request)?;
+        let caller = self.caller(&request)?;
         let id = request.into_inner().id;
         let session = session_of(id);
         match self.state.sessions.peek(&session) {
@@ -142,7 +142,7 @@ impl PbLeaseService for EtcdApi {
         &self,
         request: Request<Streaming<PbLeaseKeepAliveRequest>>,
     ) -> Result<Response<Self::LeaseKeepAliveStream>, Status> {
-        let caller = self.state.grants.current().caller(&request)?;
+        let caller = self.caller(&request)?;
         let mut input = request.into_inner();
         let (tx, rx) = mpsc::channel(KEEPALIVE_BUFFER);
         let api = self.clone();
@@ -182,7 +182,7 @@ impl PbLeaseService for EtcdApi {
         &self,
         request: Request<PbLeaseTimeToLiveRequest>,
     ) -> Result<Response<PbLeaseTimeToLiveResponse>, Status> {
-        let caller = self.state.grants.current().caller(&request)?;
+        let caller = self.caller(&request)?;
         let req = request.into_inner();
         let now = Instant::now();
         let header = Some(self.header(self.state.cell.seen()));
@@ -225,7 +225,7 @@ impl PbLeaseService for EtcdApi {
         &self,
         request: Request<PbLeaseLeasesRequest>,
     ) -> Result<Response<PbLeaseLeasesResponse>, Status> {
-        let caller = self.state.grants.current().caller(&request)?;
+        let caller = self.caller(&request)?;
         let leases = self
             .state
             .sessions

@@ -3,11 +3,13 @@
 //!
 //! # Layout
 //! - [`keys`]: the namespace: client key `K` is lockcell's small key `/k/K`.
+//! - [`auth`]: who calls: a client certificate, or a login with a grants file token.
 //! - [`ids`]: lease IDs unique across the cell.
 //! - [`lease`]: a lease is a session of this proxy's.
 //! - [`kv`]: ranges, puts, deletes and transactions over the small keys.
 //! - this file: Maintenance, Cluster and Watch, what they refuse, and the server.
 
+pub mod auth;
 pub mod ids;
 pub mod keys;
 pub mod kv;
@@ -107,7 +109,10 @@ impl EtcdApi {
             .add_service(PbLeaseServer::new(self.clone()))
             .add_service(PbWatchServer::new(self.clone()))
             .add_service(PbMaintenanceServer::new(self.clone()))
-            .add_service(PbClusterServer::new(self));
+            .add_service(PbClusterServer::new(self.clone()))
+            .add_service(lockcell_proto::etcd_auth::auth_server::AuthServer::new(
+                self,
+            ));
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };

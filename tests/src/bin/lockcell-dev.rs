@@ -90,9 +90,11 @@ async fn main() -> anyhow::Result<()> {
     let grants = dir.join("grants.toml");
     std::fs::write(&grants, dev_grants(&token))?;
     let mut proxies = Vec::new();
+    let mut etcd_apis = Vec::new();
     for member in &etcd.members {
         let mut options = ProxyOptions::new(&member.name, etcd.endpoints());
         options.etcd_auth = etcd.proxy_auth();
+        let etcd_api = format!("127.0.0.1:{}", lockcell_tests::ports::free_port());
         options.extra_args = vec![
             "--tls-cert".into(),
             server.cert.display().to_string(),
@@ -100,7 +102,10 @@ async fn main() -> anyhow::Result<()> {
             server.key.display().to_string(),
             "--grants".into(),
             grants.display().to_string(),
+            "--etcd-listen".into(),
+            etcd_api.clone(),
         ];
+        etcd_apis.push(etcd_api);
         options.lease_ttl = args.lease_ttl;
         options.session_ttl_min = Duration::from_secs(1);
         proxies.push(ProxyProcess::start(&options, &dir).await?);
@@ -126,10 +131,11 @@ async fn main() -> anyhow::Result<()> {
     let audit_url = format!("https://{}", tailer.addr);
 
     let mut listing = String::new();
-    for (member, proxy) in etcd.members.iter().zip(&proxies) {
+    for ((member, proxy), etcd_api) in etcd.members.iter().zip(&proxies).zip(&etcd_apis) {
         writeln!(listing, "etcd {} {}", member.name, member.client_addr)?;
         writeln!(listing, "proxy {} {}", proxy.zone, proxy.addr)?;
         writeln!(listing, "admin {} {}", proxy.zone, proxy.admin_addr)?;
+        writeln!(listing, "etcd-api {} {}", proxy.zone, etcd_api)?;
     }
     std::fs::write(&endpoints_file, &listing)?;
 
@@ -182,6 +188,14 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "In another terminal, `. {}` sets LOCKCELL_PROXY (the three proxies), LOCKCELL_TLS_CA, LOCKCELL_AUTH_TOKEN and LOCKCELL_AUDIT and puts lockctl on PATH: every lockctl line of docs/client-guide.md then runs as written.",
         env_file.display()
+    );
+    println!(
+        "The proxies also speak etcd's v3 API (docs/etcd-api.md); with etcdctl (the etcd-client package), log in as dev with the token:"
+    );
+    println!(
+        "etcdctl --endpoints https://{} --cacert {} --user dev --password {token} put hello-etcd world",
+        etcd_apis[0],
+        ca.ca.display(),
     );
     println!("Or try, in another terminal:");
     println!(

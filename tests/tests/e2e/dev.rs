@@ -26,19 +26,24 @@ pub async fn make_dev_cell_runs_the_lockctl_example_and_stops_cleanly() -> anyho
         .spawn()?;
     let _group = KillGroup(dev.id().context("pid")? as i32);
     let mut lines = tokio::io::BufReader::new(dev.stdout.take().context("stdout")?).lines();
-    let example = tokio::time::timeout(Duration::from_secs(90), async {
+    let (example, etcdctl_example) = tokio::time::timeout(Duration::from_secs(90), async {
+        let mut etcdctl = None;
         while let Some(line) = lines.next_line().await? {
-            if line.contains("lockctl --proxy") {
-                return anyhow::Ok(line);
+            if line.starts_with("etcdctl --endpoints") {
+                etcdctl = Some(line);
+            } else if line.contains("lockctl --proxy") {
+                return anyhow::Ok((line, etcdctl));
             }
         }
         anyhow::bail!("lockcell-dev ended without printing a lockctl example")
     })
     .await
     .context("lockcell-dev did not come up within 90 s")??;
+    let etcdctl_example =
+        etcdctl_example.context("lockcell-dev printed no etcdctl example before lockctl's")?;
 
     let endpoints = std::fs::read_to_string(dir.path().join("endpoints"))?;
-    for kind in ["etcd", "proxy", "admin"] {
+    for kind in ["etcd", "proxy", "admin", "etcd-api"] {
         for zone in ["a", "b", "c"] {
             ensure!(
                 endpoints
@@ -75,6 +80,38 @@ pub async fn make_dev_cell_runs_the_lockctl_example_and_stops_cleanly() -> anyho
         token.parse::<lockcell_client::FencingToken>().is_ok(),
         "the example printed the token {token:?}, not EPOCH:REVISION"
     );
+
+    // The printed etcdctl example, where etcdctl is installed: it writes the key
+    // lockctl reads.
+    if lockcell_tests::client_suites::etcdctl_available() {
+        let output = tokio::time::timeout(
+            Duration::from_secs(30),
+            tokio::process::Command::new("sh")
+                .arg("-c")
+                .arg(&etcdctl_example)
+                .output(),
+        )
+        .await
+        .context("the printed etcdctl example did not finish")??;
+        ensure!(
+            output.status.success() && String::from_utf8_lossy(&output.stdout).trim() == "OK",
+            "the etcdctl example failed: {etcdctl_example}\n{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let env = dir.path().join("env");
+        let read = tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(". '{}' && lockctl get hello-etcd", env.display()))
+            .output()
+            .await?;
+        ensure!(
+            String::from_utf8_lossy(&read.stdout).contains("world"),
+            "lockctl does not read what the etcdctl example wrote: {}{}",
+            String::from_utf8_lossy(&read.stdout),
+            String::from_utf8_lossy(&read.stderr)
+        );
+    }
 
     // What a new reader does next: `. .lockcell-dev/env`, then the guide's lines.
     let env_file = dir.path().join("env");

@@ -39,6 +39,11 @@ async fn etcdctl(
     ))
 }
 
+/// `who`'s login flags, then `args`.
+fn with<'a>(who: &[&'a str], args: &[&'a str]) -> Vec<&'a str> {
+    who.iter().chain(args).copied().collect()
+}
+
 /// Runs `etcdctl ARGS` and wants it to succeed; returns its output.
 async fn ok(endpoint: &str, args: &[&str]) -> anyhow::Result<String> {
     let (code, out, err) = etcdctl(endpoint, args, "").await?;
@@ -226,5 +231,115 @@ pub async fn etcdctl_leases_are_sessions_of_the_proxy() -> anyhow::Result<()> {
     }
     let kept = ok(&api, &["lease", "keep-alive", "--once", &short]).await;
     ensure!(kept.is_err(), "an expired lease was kept alive: {kept:?}");
+    Ok(())
+}
+
+/// With prefix grants, an etcd client logs in with an identity of the grants file and
+/// its bearer token as the password; its calls are checked against its grants, its
+/// leases are its own, and the auth management RPCs are refused by name.
+pub async fn etcdctl_logs_in_with_a_grants_token_and_is_held_to_its_grants() -> anyhow::Result<()> {
+    use lockcell_tests::certs::token_sha256;
+    let etcd = EtcdCluster::start(1).await?;
+    let (svc, other) = (
+        "svc-token-0123456789abcdef0123456789",
+        "other-token-0123456789abcdef0123456789",
+    );
+    let grants = etcd.dir.join("etcd-api-grants.toml");
+    std::fs::write(
+        &grants,
+        format!(
+            "[[grant]]\nidentity = \"svc\"\nread = [\"config/\"]\nwrite = [\"config/\"]\n\n\
+             [[grant]]\nidentity = \"other\"\nread = [\"config/\"]\nwrite = [\"config/\"]\n\n\
+             [[token]]\nidentity = \"svc\"\nsha256 = \"{}\"\n\n\
+             [[token]]\nidentity = \"other\"\nsha256 = \"{}\"\n",
+            token_sha256(svc),
+            token_sha256(other)
+        ),
+    )?;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--etcd-listen".into(),
+        listen.clone(),
+        "--grants".into(),
+        grants.display().to_string(),
+        "--grants-without-tls".into(),
+    ];
+    let _proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    let api = listen.as_str();
+    let as_svc = ["--user", "svc", "--password", svc];
+    let as_other = ["--user", "other", "--password", other];
+    let (code, _, err) = etcdctl(api, &["put", "config/a", "1"], "").await?;
+    ensure!(
+        code != Some(0) && err.contains("user name is empty"),
+        "a put without a login exited {code:?}: {err}"
+    );
+    ok(api, &with(&as_svc, &["put", "config/a", "1"])).await?;
+    let got = ok(
+        api,
+        &with(&as_svc, &["get", "config/a", "--print-value-only"]),
+    )
+    .await?;
+    ensure!(got.trim() == "1", "svc read {got:?}");
+    let (code, _, err) = etcdctl(api, &with(&as_svc, &["put", "secret/b", "1"]), "").await?;
+    ensure!(
+        code != Some(0) && err.to_lowercase().contains("permission"),
+        "a put outside svc's grants exited {code:?}: {err}"
+    );
+    let (code, _, err) = etcdctl(
+        api,
+        &["--user", "svc", "--password", "guess", "get", "config/a"],
+        "",
+    )
+    .await?;
+    ensure!(
+        code != Some(0) && err.contains("authentication failed"),
+        "a wrong password exited {code:?}: {err}"
+    );
+    // The other identity's token does not log in as svc.
+    let (code, _, err) = etcdctl(
+        api,
+        &["--user", "svc", "--password", other, "get", "config/a"],
+        "",
+    )
+    .await?;
+    ensure!(
+        code != Some(0) && err.contains("authentication failed"),
+        "another identity's token logged in as svc: {code:?} {err}"
+    );
+
+    // A lease is its granter's: another identity's keepalive finds it unknown.
+    let granted = ok(api, &with(&as_svc, &["lease", "grant", "30"])).await?;
+    let id = granted
+        .split_whitespace()
+        .nth(1)
+        .context("no lease ID in the grant")?;
+    let kept = etcdctl(
+        api,
+        &with(&as_other, &["lease", "keep-alive", "--once", id]),
+        "",
+    )
+    .await?;
+    ensure!(
+        kept.0 != Some(0),
+        "another identity kept svc's lease alive: {kept:?}"
+    );
+    let (code, _, err) = etcdctl(
+        api,
+        &with(&as_other, &["put", "--lease", id, "config/stolen", "x"]),
+        "",
+    )
+    .await?;
+    ensure!(
+        code != Some(0) && err.contains("requested lease not found"),
+        "another identity put a key on svc's lease: {code:?} {err}"
+    );
+    ok(api, &with(&as_svc, &["lease", "keep-alive", "--once", id])).await?;
+
+    let (code, _, err) = etcdctl(api, &with(&as_svc, &["user", "add", "bob:pw"]), "").await?;
+    ensure!(
+        code != Some(0) && err.contains("UserAdd is not served"),
+        "user add exited {code:?}: {err}"
+    );
     Ok(())
 }
