@@ -7,13 +7,15 @@
 //! - [`ids`]: lease IDs unique across the cell.
 //! - [`lease`]: a lease is a session of this proxy's.
 //! - [`kv`]: ranges, puts, deletes and transactions over the small keys.
-//! - this file: Maintenance, Cluster and Watch, what they refuse, and the server.
+//! - [`watch`]: client watch streams relayed to etcd's.
+//! - this file: Maintenance and Cluster, what they refuse, and the server.
 
 pub mod auth;
 pub mod ids;
 pub mod keys;
 pub mod kv;
 pub mod lease;
+pub mod watch;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -21,7 +23,7 @@ use std::sync::Arc;
 use dashmap::DashMap;
 use etcd_client::proto::*;
 use tokio_stream::Stream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status};
 
 use crate::state::ProxyState;
 
@@ -274,20 +276,6 @@ impl PbClusterService for EtcdApi {
         _: Request<PbMemberPromoteRequest>,
     ) -> Result<Response<PbMemberPromoteResponse>, Status> {
         Err(refused("MemberPromote", OPERATORS))
-    }
-}
-
-#[tonic::async_trait]
-impl PbWatchService for EtcdApi {
-    type WatchStream = Pin<Box<dyn Stream<Item = Result<PbWatchResponse, Status>> + Send>>;
-
-    async fn watch(
-        &self,
-        _: Request<Streaming<PbWatchRequest>>,
-    ) -> Result<Response<Self::WatchStream>, Status> {
-        Err(Status::unimplemented(
-            "Watch is not served through the lockcell proxy's etcd API yet (docs/etcd-api.md); the lockcell API's Watch serves the same keys",
-        ))
     }
 }
 

@@ -343,3 +343,62 @@ pub async fn etcdctl_logs_in_with_a_grants_token_and_is_held_to_its_grants() -> 
     );
     Ok(())
 }
+
+/// `etcdctl watch` through the proxy: from a past revision (`--rev`), on a prefix, with
+/// the previous values (`--prev-kv`); it sees client keys only, never lockcell's own.
+pub async fn etcdctl_watches_from_a_revision_with_previous_values() -> anyhow::Result<()> {
+    use tokio::io::AsyncReadExt;
+    let etcd = EtcdCluster::start(1).await?;
+    let (_proxy, api) = proxy_with_etcd_api(&etcd).await?;
+    ok(&api, &["put", "config/w", "1"]).await?;
+    let read = ok(&api, &["get", "config/w", "-w", "json"]).await?;
+    let read: serde_json::Value = serde_json::from_str(&read)?;
+    let first = read["kvs"][0]["mod_revision"]
+        .as_i64()
+        .context("no mod_revision in etcdctl's JSON")?;
+    ok(&api, &["put", "config/w", "2"]).await?;
+
+    let mut watch = tokio::process::Command::new("etcdctl")
+        .args([
+            "--endpoints",
+            &api,
+            "watch",
+            "config/",
+            "--prefix",
+            "--prev-kv",
+        ])
+        .arg(format!("--rev={first}"))
+        .env("ETCDCTL_API", "3")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdout = watch.stdout.take().context("watch's stdout")?;
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    // The history first; then a delete made while it watches.
+    let mut deleted = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !seen.contains("DELETE") {
+        if !deleted && seen.matches("PUT").count() >= 2 {
+            ok(&api, &["del", "config/w"]).await?;
+            deleted = true;
+        }
+        let n = tokio::time::timeout_at(deadline, stdout.read(&mut buf))
+            .await
+            .with_context(|| format!("the watch printed only {seen:?} in 20 s"))??;
+        ensure!(n > 0, "the watch ended after {seen:?}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let lines: Vec<&str> = seen.lines().collect();
+    // PUT config/w 1; PUT (previous config/w 1) config/w 2; DELETE (previous config/w 2).
+    ensure!(
+        lines.starts_with(&["PUT", "config/w", "1", "PUT", "config/w", "1", "config/w", "2"]),
+        "the watch printed {lines:?}"
+    );
+    ensure!(
+        lines.contains(&"DELETE") && !seen.contains("/k/") && !seen.contains("/s/"),
+        "the watch printed {lines:?}"
+    );
+    Ok(())
+}

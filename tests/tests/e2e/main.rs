@@ -144,6 +144,7 @@ fn main() {
         etcd_api::etcdctl_reads_and_writes_small_keys_through_a_proxy,
         etcd_api::etcdctl_leases_are_sessions_of_the_proxy,
         etcd_api::etcdctl_logs_in_with_a_grants_token_and_is_held_to_its_grants,
+        etcd_api::etcdctl_watches_from_a_revision_with_previous_values,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
         operations_doc::the_operations_guides_commands_run_against_a_real_cell,
         operations::an_ended_session_is_refused_by_every_proxy,
