@@ -299,6 +299,13 @@ pub fn lease_blocks_key() -> &'static str {
     LEASE_BLOCKS_KEY
 }
 
+/// Where a lease ID an etcd client chose is claimed while its lease lives:
+/// `/s/!etcd-lease/<id in hex>`, on the proxy lease of the lease's session, so no two
+/// proxies hand out one ID at once.
+pub fn etcd_lease_claim_key(id: i64) -> String {
+    format!("{SESSIONS_ROOT}!etcd-lease/{id:016x}")
+}
+
 /// The prefix of every proxy's writer key.
 pub fn writer_root() -> &'static str {
     WRITER_ROOT

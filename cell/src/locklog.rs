@@ -770,6 +770,10 @@ pub struct Grant {
     pub made_by: Option<MadeBy>,
 }
 
+/// The name the keys etcd's own API writes with a lease are reported under in their
+/// session's records ([`Grant::etcd_api_key`]): their own keys are any bytes.
+pub const ETCD_API_KEYS: &str = "etcd-api";
+
 /// The call behind an unsettled key, and what the key, found, must show to be its own.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MadeBy {
@@ -916,6 +920,30 @@ impl Grant {
         Grant {
             made_by: Some(MadeBy::new(session, Proof::Waiter(waiter.to_owned()))),
             ..Grant::waiting(lock, mode, waiter, 0)
+        }
+    }
+
+    /// A key written with a lease through etcd's own API: its etcd key `key` (under
+    /// `/k/`, or a record of the session's), which need not follow the lock-name rules.
+    /// Only the key and its revisions guard and delete it; its `lock` is
+    /// [`ETCD_API_KEYS`], the name such keys are reported under.
+    pub fn etcd_api_key(key: String, revision: i64, written: i64) -> Grant {
+        Grant {
+            lock: LockName::parse(ETCD_API_KEYS).expect("a valid name"),
+            key,
+            revision,
+            waiter: true,
+            written,
+            made_by: None,
+        }
+    }
+
+    /// The key `key` that `session` writes `value` to through etcd's own API, before
+    /// etcd has answered the write (see [`Grant::etcd_api_key`]).
+    pub fn unsettled_etcd_api_key(key: String, session: &str, value: &[u8]) -> Grant {
+        Grant {
+            made_by: Some(MadeBy::new(session, Proof::Value(value_digest(value)))),
+            ..Grant::etcd_api_key(key, 0, 0)
         }
     }
 

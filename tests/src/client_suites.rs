@@ -29,6 +29,48 @@ pub const NOT_AT_THIS_ENDPOINT: &[Deselected] = &[Deselected {
     why: "its client connects to localhost:2379 whatever TEST_ETCD_HTTP_URL says",
 }];
 
+/// Tests that cannot pass through a lockcell proxy because they call an RPC it refuses
+/// on purpose (docs/etcd-api.md): each acts on etcd's members or history, which the
+/// cell's operators run, not its clients.
+pub const REFUSED_BY_A_PROXY: &[Deselected] = &[
+    Deselected {
+        test: "tests/integration/test_kv.py::test_compact",
+        why: "Compact is refused: the cell's operators compact etcd",
+    },
+    Deselected {
+        test: "tests/integration/test_watch.py::test_watch_key_with_revision_compacted",
+        why: "it compacts first, and Compact is refused",
+    },
+    Deselected {
+        test: "tests/integration/test_maintenance.py::test_create_alarm_all_members",
+        why: "Alarm is refused: alarms are raised on etcd's members",
+    },
+    Deselected {
+        test: "tests/integration/test_maintenance.py::test_create_alarm_specific_member",
+        why: "Alarm is refused: alarms are raised on etcd's members",
+    },
+    Deselected {
+        test: "tests/integration/test_maintenance.py::test_list_alarms",
+        why: "Alarm is refused: alarms are raised on etcd's members",
+    },
+    Deselected {
+        test: "tests/integration/test_maintenance.py::test_disarm_alarm",
+        why: "Alarm is refused: alarms are raised on etcd's members",
+    },
+    Deselected {
+        test: "tests/integration/test_maintenance.py::test_status_member",
+        why: "its fixture disarms alarms after it, and Alarm is refused",
+    },
+    Deselected {
+        test: "tests/integration/test_maintenance.py::test_hash",
+        why: "Hash is refused: it hashes one etcd member's store",
+    },
+    Deselected {
+        test: "tests/integration/test_maintenance.py::test_snapshot",
+        why: "Snapshot is refused: the cell is backed up from etcd itself",
+    },
+];
+
 fn tools() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.lockcell-tools")
 }

@@ -16,7 +16,6 @@ use lockcell_cell::error::with_timeout;
 use lockcell_cell::keyspace::{self, prefix_end};
 use lockcell_cell::kv::Writer;
 use lockcell_cell::locklog::{check_map, map_guard, Grant};
-use lockcell_cell::LockName;
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
@@ -88,10 +87,9 @@ impl PbKvService for EtcdApi {
                 .ok_or_else(|| Status::not_found(LEASE_NOT_FOUND))?;
             Some(s)
         };
-        // A leased key is recorded in its session under its name, so it follows the
-        // small-key name rules.
-        let name = match &session {
-            Some(_) => Some(leased_name(&shown)?),
+        // A leased key is recorded in its session, which keeps keys as text.
+        let key = match &session {
+            Some(_) => Some(leased_key(&req.key)?),
             None => None,
         };
         let admitted = state
@@ -111,9 +109,9 @@ impl PbKvService for EtcdApi {
         };
         let op = TxnOp::put(inner(&req.key), req.value.clone(), Some(options));
         let write = self.guarded(vec![op], map_revision, &writer);
-        let outcome = match (&session, &name) {
-            (Some(s), Some(name)) => {
-                let pending = Grant::unsettled_ephemeral(name, &s.id, &req.value);
+        let outcome = match (&session, &key) {
+            (Some(s), Some(key)) => {
+                let pending = Grant::unsettled_etcd_api_key(key.clone(), &s.id, &req.value);
                 crate::unsettled::owned_write(
                     state,
                     s,
@@ -136,9 +134,9 @@ impl PbKvService for EtcdApi {
                 Some(PbTxnOpResponse::ResponsePut(put)) => put.prev_kv,
                 _ => None,
             });
-        if let (Some(session), Some(name)) = (&session, &name) {
+        if let (Some(session), Some(key)) = (&session, key) {
             let created = prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
-            self.record_leased(session, name, req.lease, created, revision)?;
+            self.record_leased(session, key, req.lease, created, revision)?;
         }
         if let Some(kv) = prev_kv.as_mut() {
             self.outward_kv(kv);
@@ -206,7 +204,8 @@ impl PbKvService for EtcdApi {
         self.authorize_txn(&request, request.get_ref())?;
         let req = request.into_inner();
         let map_revision = self.map_revision(b"\0", b"\0")?;
-        let client_txn = inward_txn(&req)?;
+        let leased = self.txn_sessions(&req, caller.as_deref())?;
+        let client_txn = inward_txn(&req, &leased)?;
         // Every put of either branch counts against the cell's small-key bound: which
         // branch runs is etcd's to decide.
         let mut puts = Vec::new();
@@ -218,14 +217,33 @@ impl PbKvService for EtcdApi {
             .kv_budget
             .admit(&state.reads.feed, state.config.max_kv_total_bytes, &sizes)
             .await?;
-        let outcome = self
+        // A leased put is its session's even if no answer comes: recorded as unsettled
+        // first, as a put on its own is.
+        let pending = leased_puts(&req, &leased);
+        for (session, grant) in &pending {
+            if !state
+                .sessions
+                .record_grant(&session.id, session.incarnation, grant.clone(), None)
+            {
+                return Err(Status::not_found(LEASE_NOT_FOUND));
+            }
+        }
+        let sent = self
             .guarded(
                 vec![TxnOp::txn(client_txn)],
                 map_revision,
                 &self.writer(caller, None),
             )
-            .await
-            .map_err(ProxyError::from)?;
+            .await;
+        for (session, grant) in pending {
+            match &sent {
+                Err(e) if crate::unsettled::unknown_outcome(e) => {
+                    crate::unsettled::settle_unknown(state, &session, grant).await
+                }
+                _ => state.sessions.forget(&session.id, &grant),
+            }
+        }
+        let outcome = sent.map_err(ProxyError::from)?;
         let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
         admitted.landed(Some(revision));
         let mut reply = outcome
@@ -236,6 +254,7 @@ impl PbKvService for EtcdApi {
                 _ => None,
             })
             .unwrap_or_default();
+        self.settle_txn(&req, &mut reply, &leased, revision)?;
         self.outward_txn(&mut reply);
         reply.header = Some(self.header(revision));
         Ok(Response::new(reply))
@@ -376,17 +395,76 @@ impl EtcdApi {
         Ok(resp.0)
     }
 
+    /// The session of every lease a Txn's puts name, each the caller's own.
+    fn txn_sessions(&self, txn: &PbTxnRequest, caller: Option<&str>) -> Result<Sessions, Status> {
+        let mut leases = Vec::new();
+        txn_leases(txn, &mut leases);
+        let now = Instant::now();
+        let mut sessions = Sessions::new();
+        for lease in leases {
+            let session = self
+                .state
+                .sessions
+                .get(&session_of(lease), now)
+                .ok()
+                .filter(|s| s.owned_by(caller))
+                .ok_or_else(|| Status::not_found(LEASE_NOT_FOUND))?;
+            sessions.insert(lease, session);
+        }
+        Ok(sessions)
+    }
+
+    /// After a Txn: records each leased put of the branch that ran in its session, and
+    /// takes out the previous values the client did not ask for.
+    fn settle_txn(
+        &self,
+        req: &PbTxnRequest,
+        reply: &mut PbTxnResponse,
+        leased: &Sessions,
+        revision: i64,
+    ) -> Result<(), Status> {
+        let ran = if reply.succeeded {
+            &req.success
+        } else {
+            &req.failure
+        };
+        for (op, response) in ran.iter().zip(reply.responses.iter_mut()) {
+            match (&op.request, response.response.as_mut()) {
+                (Some(PbTxnOpRequest::RequestPut(p)), Some(PbTxnOpResponse::ResponsePut(r))) => {
+                    if let Some(session) = leased.get(&p.lease) {
+                        let created = r.prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
+                        self.record_leased(
+                            session,
+                            leased_key(&p.key)?,
+                            p.lease,
+                            created,
+                            revision,
+                        )?;
+                    }
+                    if !p.prev_kv {
+                        r.prev_kv = None;
+                    }
+                }
+                (Some(PbTxnOpRequest::RequestTxn(t)), Some(PbTxnOpResponse::ResponseTxn(r))) => {
+                    self.settle_txn(t, r, leased, revision)?
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Records a leased put in its session, for the session's clean-up, and remembers
     /// the client's lease for the key.
     fn record_leased(
         &self,
         session: &Session,
-        name: &LockName,
+        key: String,
         lease: i64,
         created: i64,
         revision: i64,
     ) -> Result<(), Status> {
-        let grant = Grant::ephemeral(name, created, revision);
+        let grant = Grant::etcd_api_key(key.clone(), created, revision);
         let state = &self.state;
         if !state
             .sessions
@@ -396,7 +474,7 @@ impl EtcdApi {
             return Err(Status::not_found(LEASE_NOT_FOUND));
         }
         self.leased.insert(
-            inner(name.as_str().as_bytes()),
+            key.into_bytes(),
             super::Leased {
                 lease,
                 proxy_lease: session.lease,
@@ -460,12 +538,13 @@ impl EtcdApi {
     }
 }
 
-/// A leased key's name: the small-key name rules, with an error that names the key.
-fn leased_name(key: &str) -> Result<LockName, Status> {
-    LockName::parse(key).map_err(|e| {
+/// The etcd key of a key put with a lease, as text: a session keeps its keys' names as
+/// text, so such a key must be UTF-8.
+fn leased_key(key: &[u8]) -> Result<String, Status> {
+    String::from_utf8(inner(key)).map_err(|_| {
         Status::invalid_argument(format!(
-            "{} (a key put with a lease follows lockcell's small-key name rules)",
-            e.to_string().replacen("lock name", "key", 1)
+            "key {:?} is not UTF-8; a key put with a lease through lockcell must be",
+            String::from_utf8_lossy(key)
         ))
     })
 }
@@ -511,8 +590,8 @@ fn get_options(req: &PbRangeRequest) -> Result<(Vec<u8>, GetOptions), Status> {
     Ok((range.key, options))
 }
 
-/// Refuses what the etcd API does not take in a Txn (a put with a lease, a compare on a
-/// lease, a value over the limit), counting operations as it goes.
+/// Refuses what the etcd API does not take in a Txn (a compare on a lease, a leased key
+/// that is not UTF-8, a value over the limit), counting operations as it goes.
 fn check_txn(txn: &PbTxnRequest, max_value: usize, ops: &mut usize) -> Result<(), Status> {
     *ops += txn.compare.len();
     for c in &txn.compare {
@@ -527,10 +606,7 @@ fn check_txn(txn: &PbTxnRequest, max_value: usize, ops: &mut usize) -> Result<()
         *ops += 1;
         match &op.request {
             Some(PbTxnOpRequest::RequestPut(p)) if p.lease != 0 => {
-                return Err(Status::invalid_argument(format!(
-                    "the put of key {:?} with a lease inside a Txn is not supported through lockcell yet; put it on its own",
-                    String::from_utf8_lossy(&p.key)
-                )))
+                leased_key(&p.key)?;
             }
             Some(PbTxnOpRequest::RequestPut(p)) if p.ignore_value || p.ignore_lease => {
                 return Err(Status::invalid_argument(format!(
@@ -557,6 +633,41 @@ fn check_txn(txn: &PbTxnRequest, max_value: usize, ops: &mut usize) -> Result<()
     Ok(())
 }
 
+/// The sessions of the leases a Txn's puts name, by lease.
+type Sessions = std::collections::HashMap<i64, Session>;
+
+/// Every leased put of `txn` (nested ones too) as the unsettled record its session keeps
+/// while the Txn is on its way.
+fn leased_puts(txn: &PbTxnRequest, leased: &Sessions) -> Vec<(Session, Grant)> {
+    let mut puts = Vec::new();
+    for op in txn.success.iter().chain(&txn.failure) {
+        match &op.request {
+            Some(PbTxnOpRequest::RequestPut(p)) => {
+                if let (Some(session), Ok(key)) = (leased.get(&p.lease), leased_key(&p.key)) {
+                    let grant = Grant::unsettled_etcd_api_key(key, &session.id, &p.value);
+                    puts.push((session.clone(), grant));
+                }
+            }
+            Some(PbTxnOpRequest::RequestTxn(t)) => puts.extend(leased_puts(t, leased)),
+            _ => {}
+        }
+    }
+    puts
+}
+
+/// The leases `txn`'s puts name, nested ones too.
+fn txn_leases(txn: &PbTxnRequest, leases: &mut Vec<i64>) {
+    for op in txn.success.iter().chain(&txn.failure) {
+        match &op.request {
+            Some(PbTxnOpRequest::RequestPut(p)) if p.lease != 0 && !leases.contains(&p.lease) => {
+                leases.push(p.lease)
+            }
+            Some(PbTxnOpRequest::RequestTxn(t)) => txn_leases(t, leases),
+            _ => {}
+        }
+    }
+}
+
 /// The key and value length of every put in `txn`, nested ones too.
 fn txn_puts(txn: &PbTxnRequest, puts: &mut Vec<(String, usize)>) {
     for op in txn.success.iter().chain(&txn.failure) {
@@ -571,23 +682,21 @@ fn txn_puts(txn: &PbTxnRequest, puts: &mut Vec<(String, usize)>) {
 }
 
 /// The client's Txn with every key in the small-key space.
-fn inward_txn(req: &PbTxnRequest) -> Result<Txn, Status> {
+fn inward_txn(req: &PbTxnRequest, leased: &Sessions) -> Result<Txn, Status> {
     let compares = req
         .compare
         .iter()
         .map(inward_compare)
         .collect::<Result<Vec<_>, _>>()?;
-    let success = req
-        .success
-        .iter()
-        .map(inward_op)
-        .collect::<Result<Vec<_>, _>>()?;
-    let failure = req
-        .failure
-        .iter()
-        .map(inward_op)
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Txn::new().when(compares).and_then(success).or_else(failure))
+    let ops = |ops: &[PbTxnRequestOp]| {
+        ops.iter()
+            .map(|op| inward_op(op, leased))
+            .collect::<Result<Vec<_>, _>>()
+    };
+    Ok(Txn::new()
+        .when(compares)
+        .and_then(ops(&req.success)?)
+        .or_else(ops(&req.failure)?))
 }
 
 fn inward_compare(c: &PbCompare) -> Result<Compare, Status> {
@@ -624,17 +733,19 @@ fn inward_compare(c: &PbCompare) -> Result<Compare, Status> {
     })
 }
 
-fn inward_op(op: &PbTxnRequestOp) -> Result<TxnOp, Status> {
+fn inward_op(op: &PbTxnRequestOp, leased: &Sessions) -> Result<TxnOp, Status> {
     Ok(match &op.request {
         Some(PbTxnOpRequest::RequestRange(r)) => {
             let (key, options) = get_options(r)?;
             TxnOp::get(key, Some(options))
         }
         Some(PbTxnOpRequest::RequestPut(p)) => {
-            let options = if p.prev_kv {
-                Some(PutOptions::new().with_prev_key())
-            } else {
-                None
+            // A leased put goes on its session's proxy lease, and always reads the key
+            // as it was, whose create revision its session's record needs.
+            let options = match leased.get(&p.lease) {
+                Some(session) => Some(PutOptions::new().with_prev_key().with_lease(session.lease)),
+                None if p.prev_kv => Some(PutOptions::new().with_prev_key()),
+                None => None,
             };
             TxnOp::put(inner(&p.key), p.value.clone(), options)
         }
@@ -649,7 +760,7 @@ fn inward_op(op: &PbTxnRequestOp) -> Result<TxnOp, Status> {
             }
             TxnOp::delete(range.key, Some(options))
         }
-        Some(PbTxnOpRequest::RequestTxn(t)) => TxnOp::txn(inward_txn(t)?),
+        Some(PbTxnOpRequest::RequestTxn(t)) => TxnOp::txn(inward_txn(t, leased)?),
         None => {
             return Err(Status::invalid_argument(
                 "etcdserver: a Txn operation has no request",

@@ -17,7 +17,12 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::{keys, EtcdApi};
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use lockcell_cell::error::with_timeout;
+use lockcell_cell::keyspace;
+use lockcell_cell::locklog::Grant;
+
+use super::{ids, keys, EtcdApi};
 use crate::metrics as m;
 use crate::sessions::{Gone, Renewed, Session};
 use crate::state::ProxyState;
@@ -27,6 +32,9 @@ const KEEPALIVE_BUFFER: usize = 64;
 
 /// etcd's text for a lease it does not know (clients match it).
 pub const LEASE_NOT_FOUND: &str = "etcdserver: requested lease not found";
+
+/// etcd's text for a lease ID that is taken (clients match it).
+pub const LEASE_EXISTS: &str = "etcdserver: lease already exists";
 
 /// The session of lease `id`: its ID in hex (16 digits, where the lockcell API's are
 /// 32, so the two never meet).
@@ -39,9 +47,7 @@ pub fn lease_of(session: &str) -> Option<i64> {
     if session.len() != 16 {
         return None;
     }
-    i64::from_str_radix(session, 16)
-        .ok()
-        .filter(|id| super::ids::is_ours(*id))
+    i64::from_str_radix(session, 16).ok().filter(|id| *id > 0)
 }
 
 /// Whole seconds of `d`, rounded down: what etcd's TTL fields carry. Never more than the
@@ -58,10 +64,18 @@ impl PbLeaseService for EtcdApi {
     ) -> Result<Response<PbLeaseGrantResponse>, Status> {
         let principal = self.caller(&request)?;
         let req = request.into_inner();
-        if req.id != 0 {
+        let chosen = req.id != 0;
+        if req.id < 0 {
             return Err(Status::invalid_argument(format!(
-                "lease ID {:x} was chosen by the client; lockcell chooses lease IDs itself so they stay unique across the cell: leave ID unset",
+                "lease ID {} is negative; etcd's lease IDs are positive",
                 req.id
+            )));
+        }
+        if chosen && ids::is_ours(req.id) {
+            return Err(Status::invalid_argument(format!(
+                "lease ID {:016x} is in the range lockcell hands out itself ({:04x} in its top bits); choose another, or leave the ID unset",
+                req.id,
+                ids::MARK
             )));
         }
         if req.ttl <= 0 {
@@ -76,16 +90,33 @@ impl PbLeaseService for EtcdApi {
                 "etcdserver: this proxy is shutting down; use another endpoint",
             ));
         }
-        let id = self
-            .ids
-            .take(&state.etcd.kv_client(), state.config.etcd_timeout)
-            .await?;
+        let id = if chosen {
+            if state.sessions.peek(&session_of(req.id)).is_some() {
+                return Err(Status::failed_precondition(LEASE_EXISTS));
+            }
+            req.id
+        } else {
+            self.ids
+                .take(&state.etcd.kv_client(), state.config.etcd_timeout)
+                .await?
+        };
         let ttl = state
             .config
             .session_ttl_for(Duration::from_secs(req.ttl as u64));
         let (bucket, lease) = state.leases.assign().ok_or_else(|| {
             Status::unavailable("etcdserver: no leader (this proxy holds no etcd lease right now)")
         })?;
+        let held = if chosen {
+            match self.claim(id, lease).await {
+                Ok(claim) => vec![claim],
+                Err(refused) => {
+                    state.leases.unassign(bucket);
+                    return Err(refused);
+                }
+            }
+        } else {
+            Vec::new()
+        };
         let now = Instant::now();
         let valid_for = state.leases.valid_for(bucket, lease, ttl, now);
         let identity = principal.clone().unwrap_or_default();
@@ -94,7 +125,7 @@ impl PbLeaseService for EtcdApi {
             identity,
             ttl,
             (bucket, lease),
-            Vec::new(),
+            held,
             now,
             now + valid_for,
         );
@@ -238,6 +269,46 @@ impl PbLeaseService for EtcdApi {
             header: Some(self.header(self.state.cell.seen())),
             leases,
         }))
+    }
+}
+
+impl EtcdApi {
+    /// Claims lease ID `id`, which a client chose, for a session on proxy lease `lease`:
+    /// its claim key is created there, or the ID is taken (etcd's "lease already exists").
+    /// Returns the claim as the session's key, deleted when the session ends.
+    async fn claim(&self, id: i64, lease: i64) -> Result<Grant, Status> {
+        let state = &self.state;
+        let key = keyspace::etcd_lease_claim_key(id);
+        let value = state.proxy_id.clone();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.as_str(),
+                value.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        let sent = with_timeout(
+            "claim a lease ID",
+            state.config.etcd_timeout,
+            state.etcd.kv_client().txn(txn),
+        )
+        .await;
+        match sent {
+            Ok(done) if done.succeeded() => {
+                let revision = done.header().map_or(0, |h| h.revision());
+                Ok(Grant::etcd_api_key(key, revision, revision))
+            }
+            Ok(_) => Err(Status::failed_precondition(LEASE_EXISTS)),
+            Err(e) => {
+                if crate::unsettled::unknown_outcome(&e) {
+                    // It may have landed: the clean-up reads it back and deletes it if so.
+                    let pending =
+                        Grant::unsettled_etcd_api_key(key, &session_of(id), value.as_bytes());
+                    state.cleanup.push(lease, vec![pending]);
+                }
+                Err(crate::errors::ProxyError::from(e).into())
+            }
+        }
     }
 }
 

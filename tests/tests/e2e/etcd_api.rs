@@ -402,3 +402,50 @@ pub async fn etcdctl_watches_from_a_revision_with_previous_values() -> anyhow::R
     );
     Ok(())
 }
+
+/// Lease IDs are unique across the cell: two proxies hand out different IDs, and an ID a
+/// client chooses is taken at one proxy at a time, free again once its lease is revoked.
+pub async fn lease_ids_are_unique_across_the_proxies_of_a_cell() -> anyhow::Result<()> {
+    use etcd_client::LeaseGrantOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let (_a, api_a) = proxy_with_etcd_api(&etcd).await?;
+    let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
+    let mut a = etcd_client::Client::connect([api_a.as_str()], None).await?;
+    let mut b = etcd_client::Client::connect([api_b.as_str()], None).await?;
+
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..20 {
+        for client in [&mut a, &mut b] {
+            let id = client.lease_grant(10, None).await?.id();
+            ensure!(id >> 48 == 0x6c63, "lease ID {id:x} lacks lockcell's mark");
+            ensure!(seen.insert(id), "lease ID {id:x} was handed out twice");
+        }
+    }
+
+    let chosen = 0x1234_5678;
+    let with_id = || Some(LeaseGrantOptions::new().with_id(chosen));
+    ensure!(a.lease_grant(10, with_id()).await?.id() == chosen);
+    let again = b.lease_grant(10, with_id()).await;
+    ensure!(
+        matches!(&again, Err(e) if e.to_string().contains("lease already exists")),
+        "a second proxy granted a taken lease ID: {again:?}"
+    );
+    let mine = a.lease_grant(10, with_id()).await;
+    ensure!(
+        matches!(&mine, Err(e) if e.to_string().contains("lease already exists")),
+        "the same proxy granted a taken lease ID again: {mine:?}"
+    );
+    a.lease_revoke(chosen).await?;
+    ensure!(
+        b.lease_grant(10, with_id()).await?.id() == chosen,
+        "a revoked lease's ID was not free again"
+    );
+    let ours = a
+        .lease_grant(10, Some(LeaseGrantOptions::new().with_id(0x6c63 << 48 | 7)))
+        .await;
+    ensure!(
+        ours.is_err(),
+        "a client chose an ID in lockcell's range: {ours:?}"
+    );
+    Ok(())
+}
