@@ -17,6 +17,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(false)
         .build_server(true)
-        .compile_protos(&["proto/etcd/auth.proto"], &["proto"])?;
+        .compile_protos(
+            &["proto/etcd/auth.proto", "proto/etcd/lock.proto"],
+            &["proto"],
+        )?;
     Ok(())
 }

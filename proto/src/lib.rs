@@ -25,6 +25,12 @@ pub mod etcd_auth {
     tonic::include_proto!("etcdserverpb");
 }
 
+/// etcd's `v3lockpb` Lock service as the proxies serve it (`proto/etcd/lock.proto`).
+pub mod etcd_lock {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("v3lockpb");
+}
+
 /// The protoc descriptor set of `lockcell.v1` with its source info, so the comments of the
 /// `.proto` reach `api_doc` (and anything else that wants the schema at run time).
 pub const FILE_DESCRIPTOR_SET: &[u8] =

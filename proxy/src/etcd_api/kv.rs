@@ -202,7 +202,45 @@ impl PbKvService for EtcdApi {
             )));
         }
         self.authorize_txn(&request, request.get_ref())?;
-        let req = request.into_inner();
+        self.txn_as(caller, request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    type RangeStreamStream = std::pin::Pin<
+        Box<
+            dyn tokio_stream::Stream<
+                    Item = Result<etcd_client::proto::PbRangeStreamResponse, Status>,
+                > + Send,
+        >,
+    >;
+
+    async fn range_stream(
+        &self,
+        _request: Request<PbRangeRequest>,
+    ) -> Result<Response<Self::RangeStreamStream>, Status> {
+        Err(Status::unimplemented(
+            "RangeStream is not served through a lockcell proxy; use Range",
+        ))
+    }
+
+    async fn compact(
+        &self,
+        _request: Request<etcd_client::proto::PbCompactionRequest>,
+    ) -> Result<Response<etcd_client::proto::PbCompactionResponse>, Status> {
+        Err(Status::unimplemented(
+            "Compact is not served through a lockcell proxy: the cell's operators compact etcd",
+        ))
+    }
+}
+
+impl EtcdApi {
+    /// Runs a checked and authorized Txn for `caller`.
+    pub(super) async fn txn_as(
+        &self,
+        caller: Option<String>,
+        req: PbTxnRequest,
+    ) -> Result<PbTxnResponse, Status> {
         let map_revision = self.map_revision(b"\0", b"\0")?;
         let leased = self.txn_sessions(&req, caller.as_deref())?;
         let client_txn = inward_txn(&req, &leased)?;
@@ -257,37 +295,9 @@ impl PbKvService for EtcdApi {
         self.settle_txn(&req, &mut reply, &leased, revision)?;
         self.outward_txn(&mut reply);
         reply.header = Some(self.header(revision));
-        Ok(Response::new(reply))
+        Ok(reply)
     }
 
-    type RangeStreamStream = std::pin::Pin<
-        Box<
-            dyn tokio_stream::Stream<
-                    Item = Result<etcd_client::proto::PbRangeStreamResponse, Status>,
-                > + Send,
-        >,
-    >;
-
-    async fn range_stream(
-        &self,
-        _request: Request<PbRangeRequest>,
-    ) -> Result<Response<Self::RangeStreamStream>, Status> {
-        Err(Status::unimplemented(
-            "RangeStream is not served through a lockcell proxy; use Range",
-        ))
-    }
-
-    async fn compact(
-        &self,
-        _request: Request<etcd_client::proto::PbCompactionRequest>,
-    ) -> Result<Response<etcd_client::proto::PbCompactionResponse>, Status> {
-        Err(Status::unimplemented(
-            "Compact is not served through a lockcell proxy: the cell's operators compact etcd",
-        ))
-    }
-}
-
-impl EtcdApi {
     /// Checks `right` on a client range: one key, a prefix (the key's successor as
     /// `range_end`), or any other range, which takes the right on every small key.
     fn authorize_range<T>(
@@ -341,7 +351,7 @@ impl EtcdApi {
     /// The shard map revision a write over a client range is made under: a single key's
     /// route, or, for a range, a cell without a shard map (a range cannot be checked
     /// against routes).
-    fn map_revision(&self, key: &[u8], range_end: &[u8]) -> Result<i64, Status> {
+    pub(super) fn map_revision(&self, key: &[u8], range_end: &[u8]) -> Result<i64, Status> {
         let routes = &self.state.routes;
         if range_end.is_empty() {
             return Ok(routes.serve_all([String::from_utf8_lossy(key).as_ref()])?);
@@ -355,7 +365,7 @@ impl EtcdApi {
     }
 
     /// Who writes, for the audit trail.
-    fn writer(&self, caller: Option<String>, session: Option<&Session>) -> Writer {
+    pub(super) fn writer(&self, caller: Option<String>, session: Option<&Session>) -> Writer {
         Writer {
             identity: session
                 .map(|s| s.identity.clone())
@@ -370,7 +380,7 @@ impl EtcdApi {
     /// Runs `ops` in one transaction guarded by the shard map copy at `map_revision`,
     /// with the proxy's writer record. A guard that fails is the map's change, never the
     /// client's: it is an error, not a reply.
-    async fn guarded(
+    pub(super) async fn guarded(
         &self,
         ops: Vec<TxnOp>,
         map_revision: i64,

@@ -8,6 +8,7 @@
 //! - [`lease`]: a lease is a session of this proxy's.
 //! - [`kv`]: ranges, puts, deletes and transactions over the small keys.
 //! - [`watch`]: client watch streams relayed to etcd's.
+//! - [`lock`]: etcd's Lock service, as etcd's own recipe on the caller's lease.
 //! - this file: Maintenance and Cluster, what they refuse, and the server.
 
 pub mod auth;
@@ -15,6 +16,7 @@ pub mod ids;
 pub mod keys;
 pub mod kv;
 pub mod lease;
+pub mod lock;
 pub mod watch;
 
 use std::pin::Pin;

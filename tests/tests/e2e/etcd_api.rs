@@ -449,3 +449,83 @@ pub async fn lease_ids_are_unique_across_the_proxies_of_a_cell() -> anyhow::Resu
     );
     Ok(())
 }
+
+/// `etcdctl lock` through the proxy: two holders at once never overlap, and each gets a
+/// key of the lock's name on its own lease.
+pub async fn two_etcdctl_locks_at_once_never_overlap() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let (_proxy, api) = proxy_with_etcd_api(&etcd).await?;
+    let log = etcd.dir.join("lock-holds.log");
+    let hold = format!(
+        "echo \"start $(date +%s.%N) $ETCD_LOCK_KEY\" >> '{log}'; sleep 1; echo \"end $(date +%s.%N)\" >> '{log}'",
+        log = log.display()
+    );
+    let run = || {
+        tokio::process::Command::new("etcdctl")
+            .args([
+                "--endpoints",
+                &api,
+                "lock",
+                "jobs/nightly",
+                "--",
+                "sh",
+                "-c",
+                &hold,
+            ])
+            .env("ETCDCTL_API", "3")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .output()
+    };
+    let (a, b) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(run(), run())
+    })
+    .await
+    .context("two etcdctl locks did not finish within 60 s")?;
+    for out in [a?, b?] {
+        ensure!(
+            out.status.success(),
+            "etcdctl lock failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let text = std::fs::read_to_string(&log)?;
+    let mut holds = Vec::new();
+    let mut open: Option<f64> = None;
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let (what, at) = (
+            words.next(),
+            words.next().and_then(|t| t.parse::<f64>().ok()),
+        );
+        match (what, at, open) {
+            (Some("start"), Some(at), None) => open = Some(at),
+            (Some("end"), Some(at), Some(from)) => {
+                holds.push((from, at));
+                open = None;
+            }
+            _ => anyhow::bail!("the holds overlapped or the log is garbled:\n{text}"),
+        }
+    }
+    ensure!(
+        holds.len() == 2,
+        "expected two holds, the log says:\n{text}"
+    );
+    ensure!(
+        holds[1].0 >= holds[0].1,
+        "the second hold began before the first ended:\n{text}"
+    );
+    // Each hold's key is the lock's name and the holder's lease, in hex.
+    ensure!(
+        text.lines()
+            .filter(|l| l.starts_with("start "))
+            .all(|l| l.contains("jobs/nightly/6c63")),
+        "a hold's key is not jobs/nightly/<lease>:\n{text}"
+    );
+    // The lock is free once both are done: nothing is left under its name.
+    let left = ok(&api, &["get", "jobs/nightly/", "--prefix", "--keys-only"]).await?;
+    ensure!(left.trim().is_empty(), "keys left under the lock: {left}");
+    Ok(())
+}

@@ -147,6 +147,7 @@ fn main() {
         etcd_api::etcdctl_logs_in_with_a_grants_token_and_is_held_to_its_grants,
         etcd_api::etcdctl_watches_from_a_revision_with_previous_values,
         etcd_api::lease_ids_are_unique_across_the_proxies_of_a_cell,
+        etcd_api::two_etcdctl_locks_at_once_never_overlap,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
         operations_doc::the_operations_guides_commands_run_against_a_real_cell,
         operations::an_ended_session_is_refused_by_every_proxy,

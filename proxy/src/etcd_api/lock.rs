@@ -1,0 +1,325 @@
+//! etcd's Lock service (`etcdctl lock`), as etcd itself serves it: the recipe of Go's
+//! `concurrency.Mutex`, run in the proxy on the caller's lease. The caller's key
+//! `NAME/<lease in hex>` is created on the lease; the caller holds the lock once no key
+//! under `NAME/` has an earlier create revision; the answer is that key, whose create
+//! revision orders the holders (a fencing token, as etcd documents). Unlock deletes it,
+//! and so does the lease's end: a holder whose lease ends loses the lock with it.
+//!
+//! Why the recipe and not lockcell's own locks: etcd's clients name the key in Unlock
+//! and read the hold's order from its create revision, so the hold must be that key,
+//! in the client's key space. Its safety is the lease's: the key lives on its session's
+//! proxy lease, and goes only when the session ends, once no validity the proxy granted
+//! to the lease is left (docs/architecture.md, the validity rule).
+
+use std::time::Duration;
+
+use etcd_client::proto::{PbCompare, PbRangeRequest, PbTxnOpRequest, PbTxnRequest, PbTxnRequestOp};
+use etcd_client::proto::{PbCompareTarget, PbPutRequest, PbTargetUnion};
+use etcd_client::{
+    Compare, CompareOp, EventType, GetOptions, SortOrder, SortTarget, Txn, TxnOp, WatchOptions,
+};
+use lockcell_cell::error::with_timeout;
+use lockcell_cell::keyspace::prefix_end;
+use lockcell_cell::locklog::map_guard;
+use lockcell_proto::etcd_lock::lock_server::Lock;
+use lockcell_proto::etcd_lock::{
+    LockRequest, LockResponse, ResponseHeader, UnlockRequest, UnlockResponse,
+};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tonic::{Request, Response, Status};
+
+use super::keys::inner;
+use super::lease::{session_of, LEASE_NOT_FOUND};
+use super::EtcdApi;
+use crate::errors::ProxyError;
+use crate::grants::Right;
+
+/// How often a waiting Lock looks whether its lease still lives.
+const LEASE_CHECK: Duration = Duration::from_millis(500);
+
+#[tonic::async_trait]
+impl Lock for EtcdApi {
+    async fn lock(&self, request: Request<LockRequest>) -> Result<Response<LockResponse>, Status> {
+        let caller = self.caller(&request)?;
+        let req = request.into_inner();
+        let name = lock_name(&req.name)?;
+        if let Some(identity) = caller.as_deref() {
+            self.state
+                .grants
+                .current()
+                .check(identity, Right::Lock, &name)?;
+        }
+        if req.lease == 0 {
+            return Err(Status::invalid_argument(format!(
+                "a lock on {name:?} needs a lease: grant one and name it"
+            )));
+        }
+        let mut key = req.name.clone();
+        key.push(b'/');
+        key.extend_from_slice(format!("{:x}", req.lease).as_bytes());
+        // The wait runs on its own, so that a caller who hangs up does not leave its
+        // key in line: the wait takes it out (etcd's server does the same), but only a
+        // key this call made: one the lease had already is an earlier call's hold.
+        let (done, answer) = oneshot::channel();
+        let api = self.clone();
+        tokio::spawn(async move {
+            let mut done = done;
+            let placed = match api.place(caller, &key, req.lease).await {
+                Ok(placed) => placed,
+                Err(refused) => {
+                    let _ = done.send(Err(refused));
+                    return;
+                }
+            };
+            let outcome = tokio::select! {
+                outcome = api.wait_first(&key, placed.revision, req.lease) => outcome,
+                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
+            };
+            let answered = match outcome {
+                Ok(revision) => done.send(Ok((key.clone(), revision))).is_ok(),
+                Err(refused) => {
+                    let _ = done.send(Err(refused));
+                    false
+                }
+            };
+            if !answered && placed.created {
+                api.withdraw(&key, placed.revision).await;
+            }
+        });
+        let (key, revision) = answer
+            .await
+            .map_err(|_| Status::unavailable("the lock's wait ended with the proxy"))??;
+        Ok(Response::new(LockResponse {
+            header: Some(self.lock_header(revision)),
+            key,
+        }))
+    }
+
+    async fn unlock(
+        &self,
+        request: Request<UnlockRequest>,
+    ) -> Result<Response<UnlockResponse>, Status> {
+        let caller = self.caller(&request)?;
+        let key = request.into_inner().key;
+        let name = key
+            .iter()
+            .rposition(|b| *b == b'/')
+            .map(|slash| &key[..slash])
+            .ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "{:?} is not a lock's key (NAME/LEASE)",
+                    String::from_utf8_lossy(&key)
+                ))
+            })?;
+        let name = lock_name(name)?;
+        if let Some(identity) = caller.as_deref() {
+            self.state
+                .grants
+                .current()
+                .check(identity, Right::Lock, &name)?;
+        }
+        let map_revision = self.map_revision(&key, &[])?;
+        let outcome = self
+            .guarded(
+                vec![TxnOp::delete(inner(&key), None)],
+                map_revision,
+                &self.writer(caller, None),
+            )
+            .await
+            .map_err(ProxyError::from)?;
+        let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
+        Ok(Response::new(UnlockResponse {
+            header: Some(self.lock_header(revision)),
+        }))
+    }
+}
+
+impl EtcdApi {
+    fn lock_header(&self, revision: i64) -> ResponseHeader {
+        let h = self.header(revision);
+        ResponseHeader {
+            cluster_id: h.cluster_id,
+            member_id: h.member_id,
+            revision: h.revision,
+            raft_term: h.raft_term,
+        }
+    }
+
+    /// Puts the caller's key in line: created on the lease unless the lease has it.
+    async fn place(
+        &self,
+        caller: Option<String>,
+        key: &[u8],
+        lease: i64,
+    ) -> Result<Placed, Status> {
+        let txn = PbTxnRequest {
+            compare: vec![PbCompare {
+                result: CompareOp::Equal as i32,
+                target: PbCompareTarget::Create as i32,
+                key: key.to_vec(),
+                target_union: Some(PbTargetUnion::CreateRevision(0)),
+                range_end: Vec::new(),
+            }],
+            success: vec![PbTxnRequestOp {
+                request: Some(PbTxnOpRequest::RequestPut(PbPutRequest {
+                    key: key.to_vec(),
+                    lease,
+                    ..PbPutRequest::default()
+                })),
+            }],
+            failure: vec![PbTxnRequestOp {
+                request: Some(PbTxnOpRequest::RequestRange(PbRangeRequest {
+                    key: key.to_vec(),
+                    ..PbRangeRequest::default()
+                })),
+            }],
+        };
+        let reply = self.txn_as(caller, txn).await?;
+        if reply.succeeded {
+            let revision = reply.header.as_ref().map_or(0, |h| h.revision);
+            return Ok(Placed {
+                revision,
+                created: true,
+            });
+        }
+        let existing = reply.responses.iter().find_map(|r| match &r.response {
+            Some(etcd_client::proto::PbTxnOpResponse::ResponseRange(range)) => {
+                range.kvs.first().cloned()
+            }
+            _ => None,
+        });
+        match existing {
+            Some(kv) if kv.lease == lease => Ok(Placed {
+                revision: kv.create_revision,
+                created: false,
+            }),
+            Some(_) => Err(Status::failed_precondition(format!(
+                "the lock's key {:?} is there on another lease (a plain put wrote it?)",
+                String::from_utf8_lossy(key)
+            ))),
+            None => Err(Status::unavailable(
+                "the lock's key vanished as it was read; try again",
+            )),
+        }
+    }
+
+    /// Waits until no key under the lock's name has an earlier create revision than
+    /// `mine`, each in turn, the nearest first. Returns the revision it was found first at.
+    async fn wait_first(&self, key: &[u8], mine: i64, lease: i64) -> Result<i64, Status> {
+        let slash = key.iter().rposition(|b| *b == b'/').unwrap_or(0);
+        let prefix = &key[..=slash];
+        loop {
+            let (ahead, revision) = self.ahead_of(prefix, mine).await?;
+            let Some(ahead) = ahead else {
+                return Ok(revision);
+            };
+            self.wait_gone(&ahead, revision, lease).await?;
+        }
+    }
+
+    /// The key just ahead of create revision `mine` under `prefix` (client keys), if
+    /// any, and the revision of the read.
+    async fn ahead_of(&self, prefix: &[u8], mine: i64) -> Result<(Option<Vec<u8>>, i64), Status> {
+        let state = &self.state;
+        let options = GetOptions::new()
+            .with_range(inner(&prefix_end(prefix)))
+            .with_max_create_revision(mine - 1)
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_limit(1)
+            .with_keys_only();
+        let read = with_timeout(
+            "etcd api lock wait",
+            state.config.etcd_timeout,
+            state.etcd.kv_client().get(inner(prefix), Some(options)),
+        )
+        .await
+        .map_err(ProxyError::from)?;
+        let revision = read.header().map_or(0, |h| h.revision());
+        Ok((read.kvs().first().map(|kv| kv.key().to_vec()), revision))
+    }
+
+    /// Waits until etcd key `ahead` is deleted after `revision`, while lease `lease`
+    /// lives.
+    async fn wait_gone(&self, ahead: &[u8], revision: i64, lease: i64) -> Result<(), Status> {
+        let state = &self.state;
+        let options = WatchOptions::new().with_start_revision(revision + 1);
+        let (_watcher, mut events) = state
+            .etcd
+            .watch_client()
+            .watch(ahead.to_vec(), Some(options))
+            .await
+            .map_err(|e| Status::unavailable(format!("etcd's watch failed: {e}")))?
+            .split();
+        let mut check = tokio::time::interval(LEASE_CHECK);
+        loop {
+            tokio::select! {
+                told = events.message() => {
+                    let told = told
+                        .map_err(|e| Status::unavailable(format!("etcd's watch failed: {e}")))?
+                        .ok_or_else(|| Status::unavailable("etcd ended the lock's watch"))?;
+                    if told.events().iter().any(|e| e.event_type() == EventType::Delete) {
+                        return Ok(());
+                    }
+                    if told.canceled() {
+                        return Err(Status::unavailable(format!(
+                            "etcd cancelled the lock's watch: {}",
+                            told.cancel_reason()
+                        )));
+                    }
+                }
+                _ = check.tick() => {
+                    if state.sessions.get(&session_of(lease), Instant::now()).is_err() {
+                        return Err(Status::not_found(LEASE_NOT_FOUND));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes a wait's key out of line (a caller who hung up, a wait that failed): the
+    /// key this call created at `created`, unless someone wrote it since.
+    async fn withdraw(&self, key: &[u8], created: i64) {
+        let state = &self.state;
+        let etcd_key = inner(key);
+        let Ok(map_revision) = self.map_revision(key, &[]) else {
+            return;
+        };
+        let txn = Txn::new()
+            .when([
+                map_guard(map_revision),
+                Compare::create_revision(etcd_key.clone(), CompareOp::Equal, created),
+            ])
+            .and_then([TxnOp::delete(etcd_key, None)]);
+        if let Err(error) = with_timeout(
+            "withdraw a lock wait",
+            state.config.etcd_timeout,
+            state.etcd.kv_client().txn(txn),
+        )
+        .await
+        {
+            tracing::warn!(%error, key = %String::from_utf8_lossy(key), "could not take a cancelled lock wait's key out of line; it goes with its lease");
+        }
+    }
+}
+
+/// Where a Lock call's key stands in line.
+struct Placed {
+    /// The key's create revision: its place.
+    revision: i64,
+    /// Whether this call created it (else the lease had it from an earlier call).
+    created: bool,
+}
+
+/// A lock's name as text, for the grants.
+fn lock_name(name: &[u8]) -> Result<String, Status> {
+    if name.is_empty() {
+        return Err(Status::invalid_argument("a lock needs a name"));
+    }
+    String::from_utf8(name.to_vec()).map_err(|_| {
+        Status::invalid_argument(format!(
+            "lock name {:?} is not UTF-8",
+            String::from_utf8_lossy(name)
+        ))
+    })
+}
