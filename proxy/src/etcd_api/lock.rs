@@ -1,5 +1,6 @@
-//! etcd's Lock service (`etcdctl lock`), as etcd itself serves it: the recipe of Go's
-//! `concurrency.Mutex`, run in the proxy on the caller's lease. The caller's key
+//! etcd's Lock service (jetcd's and the Go and Rust clients' lock calls), as etcd itself
+//! serves it: the recipe of Go's `concurrency.Mutex`, run in the proxy on the caller's
+//! lease. The caller's key
 //! `NAME/<lease in hex>` is created on the lease; the caller holds the lock once no key
 //! under `NAME/` has an earlier create revision; the answer is that key, whose create
 //! revision orders the holders (a fencing token, as etcd documents). Unlock deletes it,
@@ -16,7 +17,8 @@ use std::time::Duration;
 use etcd_client::proto::{PbCompare, PbRangeRequest, PbTxnOpRequest, PbTxnRequest, PbTxnRequestOp};
 use etcd_client::proto::{PbCompareTarget, PbPutRequest, PbTargetUnion};
 use etcd_client::{
-    Compare, CompareOp, EventType, GetOptions, SortOrder, SortTarget, Txn, TxnOp, WatchOptions,
+    Compare, CompareOp, EventType, GetOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
+    WatchOptions,
 };
 use lockcell_cell::error::with_timeout;
 use lockcell_cell::keyspace::prefix_end;
@@ -205,38 +207,58 @@ impl EtcdApi {
     }
 
     /// Waits until no key under the lock's name has an earlier create revision than
-    /// `mine`, each in turn, the nearest first. Returns the revision it was found first at.
+    /// `mine`, each in turn, the nearest first, while the caller's own key is still
+    /// there (as etcd's recipe checks: a key deleted by hand, or with its lease, holds
+    /// nothing). Returns the revision it was found first at.
     async fn wait_first(&self, key: &[u8], mine: i64, lease: i64) -> Result<i64, Status> {
         let slash = key.iter().rposition(|b| *b == b'/').unwrap_or(0);
         let prefix = &key[..=slash];
         loop {
-            let (ahead, revision) = self.ahead_of(prefix, mine).await?;
-            let Some(ahead) = ahead else {
-                return Ok(revision);
+            let line = self.line(key, prefix, mine).await?;
+            if line.mine != Some(mine) {
+                return Err(Status::not_found(format!(
+                    "{LEASE_NOT_FOUND}: the lock's key {:?} is gone (deleted, or its lease ended)",
+                    String::from_utf8_lossy(key)
+                )));
+            }
+            let Some(ahead) = line.ahead else {
+                return Ok(line.revision);
             };
-            self.wait_gone(&ahead, revision, lease).await?;
+            self.wait_gone(&ahead, line.revision, lease).await?;
         }
     }
 
-    /// The key just ahead of create revision `mine` under `prefix` (client keys), if
-    /// any, and the revision of the read.
-    async fn ahead_of(&self, prefix: &[u8], mine: i64) -> Result<(Option<Vec<u8>>, i64), Status> {
+    /// The line as one read sees it: the caller's key's create revision, and the key
+    /// just ahead of `mine` under `prefix` (client keys), if any.
+    async fn line(&self, key: &[u8], prefix: &[u8], mine: i64) -> Result<Line, Status> {
         let state = &self.state;
-        let options = GetOptions::new()
+        let ahead = GetOptions::new()
             .with_range(inner(&prefix_end(prefix)))
             .with_max_create_revision(mine - 1)
             .with_sort(SortTarget::Create, SortOrder::Descend)
             .with_limit(1)
             .with_keys_only();
+        let txn = Txn::new().and_then([
+            TxnOp::get(inner(key), Some(GetOptions::new().with_keys_only())),
+            TxnOp::get(inner(prefix), Some(ahead)),
+        ]);
         let read = with_timeout(
             "etcd api lock wait",
             state.config.etcd_timeout,
-            state.etcd.kv_client().get(inner(prefix), Some(options)),
+            state.etcd.kv_client().txn(txn),
         )
         .await
         .map_err(ProxyError::from)?;
         let revision = read.header().map_or(0, |h| h.revision());
-        Ok((read.kvs().first().map(|kv| kv.key().to_vec()), revision))
+        let first = |i: usize| match read.op_responses().get(i) {
+            Some(TxnOpResponse::Get(get)) => get.kvs().first().cloned(),
+            _ => None,
+        };
+        Ok(Line {
+            mine: first(0).map(|kv| kv.create_revision()),
+            ahead: first(1).map(|kv| kv.key().to_vec()),
+            revision,
+        })
     }
 
     /// Waits until etcd key `ahead` is deleted after `revision`, while lease `lease`
@@ -301,6 +323,13 @@ impl EtcdApi {
             tracing::warn!(%error, key = %String::from_utf8_lossy(key), "could not take a cancelled lock wait's key out of line; it goes with its lease");
         }
     }
+}
+
+/// What one read of a lock's line found.
+struct Line {
+    mine: Option<i64>,
+    ahead: Option<Vec<u8>>,
+    revision: i64,
 }
 
 /// Where a Lock call's key stands in line.

@@ -115,6 +115,9 @@ impl EtcdApi {
             .add_service(PbMaintenanceServer::new(self.clone()))
             .add_service(PbClusterServer::new(self.clone()))
             .add_service(lockcell_proto::etcd_auth::auth_server::AuthServer::new(
+                self.clone(),
+            ))
+            .add_service(lockcell_proto::etcd_lock::lock_server::LockServer::new(
                 self,
             ));
         let stopped = async move {

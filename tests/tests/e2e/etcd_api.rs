@@ -529,3 +529,100 @@ pub async fn two_etcdctl_locks_at_once_never_overlap() -> anyhow::Result<()> {
     ensure!(left.trim().is_empty(), "keys left under the lock: {left}");
     Ok(())
 }
+
+/// A Lock call whose caller gives up while waiting takes its own key out of line; a
+/// second call on a key the lease already has, given up, leaves the first call's key.
+pub async fn a_lock_wait_given_up_leaves_only_what_it_made() -> anyhow::Result<()> {
+    use etcd_client::LockOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let (_proxy, api) = proxy_with_etcd_api(&etcd).await?;
+    let mut client = etcd_client::Client::connect([api.as_str()], None).await?;
+    let holder = client.lease_grant(30, None).await?.id();
+    let waiter = client.lease_grant(30, None).await?.id();
+    let on = |lease| Some(LockOptions::new().with_lease(lease));
+    let held = client
+        .lock("m", on(holder))
+        .await
+        .context("the first lock")?
+        .key()
+        .to_vec();
+
+    let keys = |mut client: etcd_client::Client| async move {
+        let got = client
+            .get(
+                "m/",
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_keys_only(),
+                ),
+            )
+            .await?;
+        anyhow::Ok(
+            got.kvs()
+                .iter()
+                .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+                .collect::<Vec<_>>(),
+        )
+    };
+    // A wait given up: its key goes.
+    let gave_up =
+        tokio::time::timeout(Duration::from_millis(800), client.lock("m", on(waiter))).await;
+    ensure!(
+        gave_up.is_err(),
+        "the second lease got a held lock: {gave_up:?}"
+    );
+    let only_held = vec![String::from_utf8_lossy(&held).into_owned()];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = keys(client.clone()).await?;
+        if now == only_held {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "a given-up wait's key is still in line: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The waiter waits for real; a second call of its lease, given up, leaves the first
+    // call's key in line, and the first call gets the lock when the holder lets go.
+    let mut first_client = client.clone();
+    let first = tokio::spawn(async move { first_client.lock("m", on(waiter)).await });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while keys(client.clone()).await?.len() < 2 {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the waiting call's key never showed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let second =
+        tokio::time::timeout(Duration::from_millis(800), client.lock("m", on(waiter))).await;
+    ensure!(
+        second.is_err(),
+        "the second call got a held lock: {second:?}"
+    );
+    let line = keys(client.clone()).await?;
+    ensure!(
+        line.len() == 2,
+        "the first call's key left the line: {line:?}"
+    );
+    client.unlock(held).await?;
+    let got = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .context("the waiting call did not get the lock once it was free")???;
+    // Its key is the one that waited in line, still there: had the given-up second
+    // call taken it out, the first would have been refused ("the lock's key is gone").
+    let got = String::from_utf8_lossy(got.key()).into_owned();
+    ensure!(
+        line.contains(&got),
+        "the waiting call got {got:?}, not one of {line:?}"
+    );
+    ensure!(
+        keys(client.clone()).await? == vec![got.clone()],
+        "the lock's key {got} is not the one key under its name"
+    );
+    Ok(())
+}
