@@ -626,3 +626,85 @@ pub async fn a_lock_wait_given_up_leaves_only_what_it_made() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// `etcdctl elect` and `elect --listen` through the proxy: an observer sees each leader
+/// in turn, the second only once the first has resigned.
+pub async fn etcdctl_elect_observers_see_every_leader_in_order() -> anyhow::Result<()> {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    use tokio::io::AsyncBufReadExt;
+    let etcd = EtcdCluster::start(1).await?;
+    let (_proxy, api) = proxy_with_etcd_api(&etcd).await?;
+    let etcdctl = |args: &[&str]| {
+        let mut command = tokio::process::Command::new("etcdctl");
+        command
+            .args(["--endpoints", &api])
+            .args(args)
+            .env("ETCDCTL_API", "3")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true);
+        command.spawn()
+    };
+    let mut listen = etcdctl(&["elect", "--listen", "ops/leader"])?;
+    let mut seen = tokio::io::BufReader::new(listen.stdout.take().context("stdout")?).lines();
+    // Lines come in pairs: the leader's key, then its value.
+    let mut next_leader = async || -> anyhow::Result<String> {
+        let next = async {
+            seen.next_line().await?.context("the listener ended")?;
+            seen.next_line().await?.context("the listener ended")
+        };
+        tokio::time::timeout(Duration::from_secs(20), next)
+            .await
+            .context("the listener saw no new leader within 20 s")?
+    };
+    let mut first = etcdctl(&["elect", "ops/leader", "leader-1"])?;
+    ensure!(
+        next_leader().await? == "leader-1",
+        "the first leader seen is not leader-1"
+    );
+    let mut second = etcdctl(&["elect", "ops/leader", "leader-2"])?;
+    // When leader-2 says it is elected (etcdctl prints its key then), timed as it comes.
+    let mut said = tokio::io::BufReader::new(second.stdout.take().context("stdout")?).lines();
+    let elected = tokio::spawn(async move {
+        let line = said.next_line().await;
+        (tokio::time::Instant::now(), line)
+    });
+    // leader-2 campaigns: its key is in line behind leader-1's.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while ok(&api, &["get", "ops/leader/", "--prefix", "--keys-only"])
+        .await?
+        .lines()
+        .filter(|l| !l.is_empty())
+        .count()
+        < 2
+    {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "leader-2 never campaigned"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // leader-1 resigns (etcdctl does, on SIGTERM): then, and only then, leader-2 leads.
+    let resigned = tokio::time::Instant::now();
+    let pid = first.id().context("leader-1's pid")? as i32;
+    kill(Pid::from_raw(pid), Signal::SIGTERM)?;
+    ensure!(
+        next_leader().await? == "leader-2",
+        "the second leader seen is not leader-2"
+    );
+    let _ = first.wait().await;
+    let (at, line) = tokio::time::timeout(Duration::from_secs(5), elected)
+        .await
+        .context("leader-2 did not say it was elected")??;
+    ensure!(
+        line?.is_some_and(|key| key.starts_with("ops/leader/6c63")),
+        "leader-2's campaign key is not ops/leader/<lease>"
+    );
+    ensure!(
+        at >= resigned,
+        "leader-2 was elected while leader-1 still led"
+    );
+    let _ = second.start_kill();
+    Ok(())
+}
