@@ -574,6 +574,10 @@ pub(crate) fn tls_files(config: &ProxyConfig) -> Option<tls::TlsFiles> {
     })
 }
 
+/// How often the proxy pings an idle etcd connection: over etcd's default
+/// `--grpc-keepalive-min-time` of 5 s, with room.
+const ETCD_PING_INTERVAL: Duration = Duration::from_secs(10);
+
 /// Client connections with Nagle's algorithm off: replies are small and go out at once
 /// (with it on, a reply can wait for the client's delayed ACK, some 40 ms).
 pub(crate) fn incoming(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
@@ -608,7 +612,10 @@ async fn connect(
     });
     let options = ConnectOptions::new()
         .with_connect_timeout(config.etcd_timeout)
-        .with_keep_alive(Duration::from_secs(2), config.etcd_timeout)
+        // HTTP/2 pings no more often than etcd allows: it answers pings sooner than its
+        // --grpc-keepalive-min-time (5 s by default) with GOAWAY, which broke the
+        // proxy's connections, and its cell watch, every 8 s.
+        .with_keep_alive(ETCD_PING_INTERVAL, config.etcd_timeout)
         // A member that lost its leader refuses at once instead of serving a watch
         // that has gone quiet or a read it cannot make linearizable.
         .with_require_leader(true);
