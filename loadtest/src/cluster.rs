@@ -27,6 +27,9 @@ pub enum Target {
     Etcd,
     /// The bare-etcd client through `etcd grpc-proxy`, one per zone.
     EtcdGrpcProxy,
+    /// The bare-etcd client, unchanged, through the lockcell proxies' etcd API
+    /// (`--etcd-listen`): its leases become sessions of the proxies.
+    LockcellEtcdApi,
 }
 
 impl Target {
@@ -35,6 +38,7 @@ impl Target {
             Target::Lockcell => "lockcell",
             Target::Etcd => "etcd",
             Target::EtcdGrpcProxy => "etcd-grpc-proxy",
+            Target::LockcellEtcdApi => "lockcell-etcd-api",
         }
     }
 
@@ -112,11 +116,17 @@ impl Cell {
                     proxy_options: None,
                     grpc_proxy: None,
                 },
-                Target::Lockcell => {
+                Target::Lockcell | Target::LockcellEtcdApi => {
                     let mut opts = ProxyOptions::new(&name, endpoints.clone());
                     opts.etcd_auth = None;
                     opts.lease_ttl = options.lease_ttl;
                     opts.extra_args = vec!["--session-ttl-max".into(), "600s".into()];
+                    // The etcd API's address, the same across restarts.
+                    let etcd_api = format!("127.0.0.1:{}", free_port());
+                    if target == Target::LockcellEtcdApi {
+                        opts.extra_args
+                            .extend(["--etcd-listen".into(), etcd_api.clone()]);
+                    }
                     if let Some(timeout) = options.drain_timeout {
                         opts.drain_timeout = timeout;
                     }
@@ -124,7 +134,11 @@ impl Cell {
                     // A restart takes the same address, so clients find it again.
                     opts.listen = Some(proxy.addr.clone());
                     Zone {
-                        endpoint: proxy.addr.clone(),
+                        endpoint: if target == Target::Lockcell {
+                            proxy.addr.clone()
+                        } else {
+                            etcd_api
+                        },
                         proxy: Some(proxy),
                         proxy_options: Some(opts),
                         grpc_proxy: None,

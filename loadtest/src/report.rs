@@ -122,7 +122,7 @@ pub const PREFERRED_ORDER: &[&str] = &[
 ];
 
 /// Targets in column order; any other target follows alphabetically.
-const TARGET_ORDER: &[&str] = &["lockcell", "etcd", "etcd-grpc-proxy"];
+const TARGET_ORDER: &[&str] = &["lockcell", "lockcell-etcd-api", "etcd", "etcd-grpc-proxy"];
 
 /// The target the ratio columns compare everything against.
 const BASELINE: &str = "lockcell";

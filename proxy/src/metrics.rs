@@ -7,6 +7,7 @@ pub const SESSIONS_OPEN: &str = "lockcell_sessions_open";
 pub const SESSIONS_OPENED: &str = "lockcell_sessions_opened_total";
 pub const SESSIONS_EXPIRED: &str = "lockcell_sessions_expired_total";
 pub const KEEPALIVES: &str = "lockcell_keepalives_received_total";
+pub const ETCD_API_KEEPALIVES_UNBACKED: &str = "lockcell_etcd_api_keepalives_unbacked_total";
 pub const LEASE_RENEWALS: &str = "lockcell_etcd_lease_renewals_total";
 pub const LEASES_LOST: &str = "lockcell_etcd_leases_lost_total";
 pub const ACQUIRE_SECONDS: &str = "lockcell_acquire_duration_seconds";
@@ -134,6 +135,10 @@ pub fn describe() {
     counter(
         KEEPALIVES,
         "Session keepalives received from clients (answered from memory).",
+    );
+    counter(
+        ETCD_API_KEEPALIVES_UNBACKED,
+        "Lease keepalives on the etcd API left unanswered because the proxy could not back even a second of the lease then (its own etcd lease too near its lower bound).",
     );
     counter(
         LEASE_RENEWALS,

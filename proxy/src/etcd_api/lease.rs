@@ -190,18 +190,21 @@ impl PbLeaseService for EtcdApi {
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 };
                 metrics::counter!(m::KEEPALIVES).increment(1);
-                // A renewal the proxy cannot back for a whole second is not answered:
-                // the client keeps counting down its own TTL, as it would with etcd
-                // unreachable.
+                // etcd's TTLs are whole seconds. A renewal the proxy cannot back for a
+                // whole second now (its own etcd lease is near its lower bound, as it
+                // is just before each of its renewals with a short lease TTL) is
+                // answered once it can, after the proxy renews its lease; until then
+                // the client counts down its own TTL, as it would with etcd slow.
                 let Some(ttl) = renew(&api.state, req.id, caller.as_deref()) else {
+                    tokio::spawn(answer_when_backed(
+                        api.clone(),
+                        req.id,
+                        caller.clone(),
+                        tx.clone(),
+                    ));
                     continue;
                 };
-                let reply = PbLeaseKeepAliveResponse {
-                    header: Some(api.header(api.state.cell.seen())),
-                    id: req.id,
-                    ttl,
-                };
-                if tx.send(Ok(reply)).await.is_err() {
+                if tx.send(Ok(api.kept_alive(req.id, ttl))).await.is_err() {
                     return;
                 }
             }
@@ -312,6 +315,38 @@ impl EtcdApi {
     }
 }
 
+/// Answers a renewal of lease `id` the proxy could not back when it came, once the
+/// proxy can (it renews its own etcd lease within a renew interval), or not at all.
+async fn answer_when_backed(
+    api: EtcdApi,
+    id: i64,
+    caller: Option<String>,
+    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
+) {
+    let give_up = Instant::now() + api.state.config.renew_interval();
+    let mut look = tokio::time::interval(UNBACKED_LOOK);
+    while Instant::now() < give_up {
+        look.tick().await;
+        if let Some(ttl) = renew(&api.state, id, caller.as_deref()) {
+            let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
+            return;
+        }
+    }
+}
+
+impl EtcdApi {
+    fn kept_alive(&self, id: i64, ttl: i64) -> PbLeaseKeepAliveResponse {
+        PbLeaseKeepAliveResponse {
+            header: Some(self.header(self.state.cell.seen())),
+            id,
+            ttl,
+        }
+    }
+}
+
+/// How often a renewal waiting for the proxy's lease looks again.
+const UNBACKED_LOOK: Duration = Duration::from_millis(50);
+
 /// Renews lease `id` from memory: the TTL to answer (0: the lease is unknown or gone, as
 /// etcd answers), or `None` when the proxy cannot back even a second of it now.
 fn renew(state: &ProxyState, id: i64, caller: Option<&str>) -> Option<i64> {
@@ -322,7 +357,10 @@ fn renew(state: &ProxyState, id: i64, caller: Option<&str>) -> Option<i64> {
     };
     match state.sessions.renew(&session_of(id), caller, now, validity) {
         Ok(valid_for) if valid_for >= Duration::from_secs(1) => Some(seconds(valid_for)),
-        Ok(_) => None,
+        Ok(_) => {
+            metrics::counter!(m::ETCD_API_KEEPALIVES_UNBACKED).increment(1);
+            None
+        }
         Err(Gone::Unknown | Gone::Expired(_)) => Some(0),
     }
 }
