@@ -12,6 +12,7 @@ use lockcell_proto::etcd_auth::{
 use tonic::{Request, Response, Status};
 
 use super::EtcdApi;
+use crate::grants::{Grants, Right};
 
 /// The metadata etcd's clients carry their auth token in.
 const TOKEN: &str = "token";
@@ -114,5 +115,87 @@ impl EtcdApi {
             }),
             token: req.password,
         }))
+    }
+}
+
+/// Checks `right` for `identity` on the client range from `key` to `range_end` (etcd's
+/// forms): one key; else a prefix the grants cover that holds the whole range, the
+/// longest first, so that a page of a prefix (a range that starts inside it) is judged as
+/// the prefix is.
+pub(super) fn check_range(
+    grants: &Grants,
+    identity: &str,
+    right: Right,
+    key: &[u8],
+    range_end: &[u8],
+) -> Result<(), Status> {
+    if range_end.is_empty() {
+        let key = std::str::from_utf8(key).map_err(|_| {
+            Status::permission_denied("etcdserver: permission denied: a key that is not UTF-8 is outside every prefix grant")
+        })?;
+        return grants.check(identity, right, key);
+    }
+    let mut refused = None;
+    for prefix in covering_prefixes(key, range_end) {
+        match grants.check_prefix(identity, right, prefix) {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                refused.get_or_insert(e);
+            }
+        }
+    }
+    Err(refused.unwrap_or_else(|| Status::permission_denied("etcdserver: permission denied")))
+}
+
+/// The prefixes that hold every key from `key` to `range_end`, longest first: the text
+/// of `key` up to each `/` in it (and `key` itself when the range is exactly its
+/// prefix), whose keys reach at least to `range_end`, then "" (every key).
+fn covering_prefixes<'k>(key: &'k [u8], range_end: &[u8]) -> Vec<&'k str> {
+    use lockcell_cell::keyspace::prefix_end;
+    let mut prefixes = Vec::new();
+    if key != [0] && range_end != [0] {
+        let ends = (0..key.len())
+            .filter(|&i| key[i] == b'/')
+            .map(|i| i + 1)
+            .chain((range_end == prefix_end(key).as_slice()).then_some(key.len()));
+        for end in ends {
+            let prefix = &key[..end];
+            if prefix_end(prefix).as_slice() >= range_end {
+                if let Ok(text) = std::str::from_utf8(prefix) {
+                    prefixes.push(text);
+                }
+            }
+        }
+        prefixes.reverse();
+    }
+    prefixes.push("");
+    prefixes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_of_a_prefix_is_held_by_the_prefix() {
+        // The usual paging continuation of `alice/`: from just after the last key.
+        assert_eq!(covering_prefixes(b"alice/a\0", b"alice0"), ["alice/", ""]);
+        assert_eq!(covering_prefixes(b"alice/", b"alice/\xff"), ["alice/", ""]);
+        assert_eq!(
+            covering_prefixes(b"a/b/c", b"a/b/d"),
+            ["a/b/c", "a/b/", "a/", ""]
+        );
+    }
+
+    #[test]
+    fn a_range_past_a_prefix_is_held_only_by_a_shorter_one() {
+        assert_eq!(covering_prefixes(b"alice/x", b"bob/"), [""]);
+        assert_eq!(covering_prefixes(b"a/b/x", b"a/c"), ["a/", ""]);
+    }
+
+    #[test]
+    fn from_key_and_the_whole_space_are_held_only_by_every_key() {
+        assert_eq!(covering_prefixes(b"alice/", b"\0"), [""]);
+        assert_eq!(covering_prefixes(b"\0", b"\0"), [""]);
     }
 }

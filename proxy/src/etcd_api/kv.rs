@@ -13,7 +13,7 @@ use etcd_client::{
     Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
 };
 use lockcell_cell::error::with_timeout;
-use lockcell_cell::keyspace::{self, prefix_end};
+use lockcell_cell::keyspace;
 use lockcell_cell::kv::Writer;
 use lockcell_cell::locklog::{check_map, map_guard, Grant};
 use tokio::time::Instant;
@@ -30,6 +30,13 @@ use crate::sessions::Session;
 /// `--max-txn-ops`, less the proxy's own guard and writer record.
 pub const MAX_TXN_OPS: usize = 120;
 
+/// Longest key a client may write: etcd bounds keys only by its request size, which
+/// would let a key hold far more than a value may.
+pub const MAX_KEY_BYTES: usize = 4096;
+
+/// Most bytes of keys and values one Txn may write, as lockcell's own Txn.
+pub const MAX_TXN_BYTES: usize = crate::service::kv::MAX_TXN_BYTES;
+
 #[tonic::async_trait]
 impl PbKvService for EtcdApi {
     async fn range(
@@ -42,12 +49,12 @@ impl PbKvService for EtcdApi {
         let (key, options) = get_options(&req)?;
         let state = &self.state;
         let got = with_timeout(
-            "etcd api range",
+            "api range",
             state.config.etcd_timeout,
             state.etcd.kv_client().get(key, Some(options)),
         )
         .await
-        .map_err(ProxyError::from)?;
+        .map_err(super::etcd_error)?;
         let mut reply = got.0;
         self.outward_range(&mut reply);
         Ok(Response::new(reply))
@@ -65,9 +72,7 @@ impl PbKvService for EtcdApi {
         }
         let state = &self.state;
         let shown = String::from_utf8_lossy(&req.key).into_owned();
-        if req.key.is_empty() {
-            return Err(Status::invalid_argument("etcdserver: key is not provided"));
-        }
+        key_within(&req.key)?;
         if req.value.len() > state.config.max_value_bytes {
             return Err(ProxyError::BadArgument(format!(
                 "the value for key {shown:?} is {} bytes, over the limit of {} bytes",
@@ -124,7 +129,7 @@ impl PbKvService for EtcdApi {
             }
             _ => write.await,
         }
-        .map_err(ProxyError::from)?;
+        .map_err(super::etcd_error)?;
         let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
         admitted.landed(Some(revision));
         let mut prev_kv = outcome
@@ -136,7 +141,7 @@ impl PbKvService for EtcdApi {
             });
         if let (Some(session), Some(key)) = (&session, key) {
             let created = prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
-            self.record_leased(session, key, req.lease, created, revision)?;
+            self.record_leased(session, key, req.lease, created, revision);
         }
         if let Some(kv) = prev_kv.as_mut() {
             self.outward_kv(kv);
@@ -171,7 +176,7 @@ impl PbKvService for EtcdApi {
         let outcome = self
             .guarded(vec![op], map_revision, &self.writer(caller, None))
             .await
-            .map_err(ProxyError::from)?;
+            .map_err(super::etcd_error)?;
         let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
         let mut deleted = outcome
             .responses
@@ -281,7 +286,7 @@ impl EtcdApi {
                 _ => state.sessions.forget(&session.id, &grant),
             }
         }
-        let outcome = sent.map_err(ProxyError::from)?;
+        let outcome = sent.map_err(super::etcd_error)?;
         let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
         admitted.landed(Some(revision));
         let mut reply = outcome
@@ -311,18 +316,7 @@ impl EtcdApi {
             return Ok(());
         };
         let grants = self.state.grants.current();
-        let text = |k: &[u8]| {
-            String::from_utf8(k.to_vec()).map_err(|_| {
-                Status::permission_denied("a key that is not UTF-8 is outside every prefix grant")
-            })
-        };
-        match range_end {
-            [] => grants.check(&identity, right, &text(key)?),
-            end if key != [0] && end == prefix_end(key).as_slice() => {
-                grants.check_prefix(&identity, right, &text(key)?)
-            }
-            _ => grants.check_prefix(&identity, right, ""),
-        }
+        super::auth::check_range(&grants, &identity, right, key, range_end)
     }
 
     /// Checks every compare (read) and operation of a Txn, nested ones too.
@@ -394,7 +388,7 @@ impl EtcdApi {
             .or_else([TxnOp::get(keyspace::shardmap_key(), None)]);
         let state = &self.state;
         let resp = with_timeout(
-            "etcd api write",
+            "api write",
             state.config.etcd_timeout,
             state.etcd.kv_client().txn(txn),
         )
@@ -449,7 +443,7 @@ impl EtcdApi {
                             p.lease,
                             created,
                             revision,
-                        )?;
+                        );
                     }
                     if !p.prev_kv {
                         r.prev_kv = None;
@@ -473,15 +467,18 @@ impl EtcdApi {
         lease: i64,
         created: i64,
         revision: i64,
-    ) -> Result<(), Status> {
+    ) {
         let grant = Grant::etcd_api_key(key.clone(), created, revision);
         let state = &self.state;
         if !state
             .sessions
             .record_grant(&session.id, session.incarnation, grant.clone(), None)
         {
+            // The lease ended while the write was on its way: the write happened, and
+            // the key goes with the lease, as in etcd when a revoke follows a put. The
+            // put is not refused: a refusal would say nothing was written.
             state.cleanup.push(session.lease, vec![grant]);
-            return Err(Status::not_found(LEASE_NOT_FOUND));
+            return;
         }
         self.leased.insert(
             key.into_bytes(),
@@ -491,7 +488,6 @@ impl EtcdApi {
                 revision,
             },
         );
-        Ok(())
     }
 
     /// A key as the client sees it: its client key, and its client lease (0 when the
@@ -553,7 +549,7 @@ impl EtcdApi {
 fn leased_key(key: &[u8]) -> Result<String, Status> {
     String::from_utf8(inner(key)).map_err(|_| {
         Status::invalid_argument(format!(
-            "key {:?} is not UTF-8; a key put with a lease through lockcell must be",
+            "key {:?} is not UTF-8 text, which a key put with a lease through lockcell must be",
             String::from_utf8_lossy(key)
         ))
     })
@@ -603,6 +599,37 @@ fn get_options(req: &PbRangeRequest) -> Result<(Vec<u8>, GetOptions), Status> {
 /// Refuses what the etcd API does not take in a Txn (a compare on a lease, a leased key
 /// that is not UTF-8, a value over the limit), counting operations as it goes.
 fn check_txn(txn: &PbTxnRequest, max_value: usize, ops: &mut usize) -> Result<(), Status> {
+    let mut bytes = 0;
+    check_txn_part(txn, max_value, ops, &mut bytes)?;
+    if bytes > MAX_TXN_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "the transaction writes {bytes} bytes of keys and values, over lockcell's limit of {MAX_TXN_BYTES} bytes per transaction"
+        )));
+    }
+    Ok(())
+}
+
+/// A key a client writes: not empty, and within [`MAX_KEY_BYTES`].
+fn key_within(key: &[u8]) -> Result<(), Status> {
+    if key.is_empty() {
+        return Err(Status::invalid_argument("etcdserver: key is not provided"));
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "key {:?}… is {} bytes, over lockcell's limit of {MAX_KEY_BYTES} bytes",
+            String::from_utf8_lossy(&key[..64]),
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
+fn check_txn_part(
+    txn: &PbTxnRequest,
+    max_value: usize,
+    ops: &mut usize,
+    bytes: &mut usize,
+) -> Result<(), Status> {
     *ops += txn.compare.len();
     for c in &txn.compare {
         if c.target == etcd_client::proto::PbCompareTarget::Lease as i32 {
@@ -615,23 +642,33 @@ fn check_txn(txn: &PbTxnRequest, max_value: usize, ops: &mut usize) -> Result<()
     for op in txn.success.iter().chain(&txn.failure) {
         *ops += 1;
         match &op.request {
-            Some(PbTxnOpRequest::RequestPut(p)) if p.lease != 0 => {
-                leased_key(&p.key)?;
+            Some(PbTxnOpRequest::RequestPut(p)) => {
+                key_within(&p.key)?;
+                if p.ignore_value || p.ignore_lease {
+                    return Err(Status::invalid_argument(format!(
+                        "the put of key {:?}: ignore_value and ignore_lease are not supported through lockcell",
+                        String::from_utf8_lossy(&p.key)
+                    )));
+                }
+                if p.value.len() > max_value {
+                    return Err(Status::invalid_argument(format!(
+                        "the value for key {:?} is {} bytes, over the limit of {max_value} bytes",
+                        String::from_utf8_lossy(&p.key),
+                        p.value.len()
+                    )));
+                }
+                if p.lease != 0 {
+                    leased_key(&p.key)?;
+                }
+                *bytes += p.key.len() + p.value.len();
             }
-            Some(PbTxnOpRequest::RequestPut(p)) if p.ignore_value || p.ignore_lease => {
-                return Err(Status::invalid_argument(format!(
-                    "the put of key {:?}: ignore_value and ignore_lease are not supported through lockcell",
-                    String::from_utf8_lossy(&p.key)
-                )))
+            Some(PbTxnOpRequest::RequestTxn(t)) => check_txn_part(t, max_value, ops, bytes)?,
+            Some(PbTxnOpRequest::RequestDeleteRange(d)) if d.key.is_empty() => {
+                return Err(Status::invalid_argument("etcdserver: key is not provided"))
             }
-            Some(PbTxnOpRequest::RequestPut(p)) if p.value.len() > max_value => {
-                return Err(Status::invalid_argument(format!(
-                    "the value for key {:?} is {} bytes, over the limit of {max_value} bytes",
-                    String::from_utf8_lossy(&p.key),
-                    p.value.len()
-                )))
+            Some(PbTxnOpRequest::RequestRange(r)) if r.key.is_empty() => {
+                return Err(Status::invalid_argument("etcdserver: key is not provided"))
             }
-            Some(PbTxnOpRequest::RequestTxn(t)) => check_txn(t, max_value, ops)?,
             None => {
                 return Err(Status::invalid_argument(
                     "etcdserver: a Txn operation has no request",

@@ -27,6 +27,9 @@ use crate::metrics as m;
 use crate::sessions::{Gone, Renewed, Session};
 use crate::state::ProxyState;
 
+/// The shortest lease TTL granted, as etcd's with its default election timeout.
+const MIN_TTL: Duration = Duration::from_secs(2);
+
 /// Replies buffered per keepalive stream before the proxy stops reading that stream.
 const KEEPALIVE_BUFFER: usize = 64;
 
@@ -100,9 +103,13 @@ impl PbLeaseService for EtcdApi {
                 .take(&state.etcd.kv_client(), state.config.etcd_timeout)
                 .await?
         };
+        // etcd raises a TTL under its minimum (2 s with its default election timeout);
+        // so does the proxy, also to the session classes' minimum: a lease of 1 s could
+        // never be answered a whole second of TTL.
         let ttl = state
             .config
-            .session_ttl_for(Duration::from_secs(req.ttl as u64));
+            .session_ttl_for(Duration::from_secs(req.ttl as u64))
+            .max(MIN_TTL);
         let (bucket, lease) = state.leases.assign().ok_or_else(|| {
             Status::unavailable("etcdserver: no leader (this proxy holds no etcd lease right now)")
         })?;

@@ -34,7 +34,6 @@ use tonic::{Request, Response, Status};
 use super::keys::inner;
 use super::lease::{session_of, LEASE_NOT_FOUND};
 use super::EtcdApi;
-use crate::errors::ProxyError;
 use crate::grants::Right;
 
 /// How often a waiting Lock looks whether its lease still lives.
@@ -129,7 +128,7 @@ impl Lock for EtcdApi {
                 &self.writer(caller, None),
             )
             .await
-            .map_err(ProxyError::from)?;
+            .map_err(super::etcd_error)?;
         let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
         Ok(Response::new(UnlockResponse {
             header: Some(self.lock_header(revision)),
@@ -243,12 +242,12 @@ impl EtcdApi {
             TxnOp::get(inner(prefix), Some(ahead)),
         ]);
         let read = with_timeout(
-            "etcd api lock wait",
+            "api lock wait",
             state.config.etcd_timeout,
             state.etcd.kv_client().txn(txn),
         )
         .await
-        .map_err(ProxyError::from)?;
+        .map_err(super::etcd_error)?;
         let revision = read.header().map_or(0, |h| h.revision());
         let first = |i: usize| match read.op_responses().get(i) {
             Some(TxnOpResponse::Get(get)) => get.kvs().first().cloned(),

@@ -140,6 +140,32 @@ impl EtcdApi {
     }
 }
 
+/// An etcd call's failure as the etcd API answers it: a refusal of etcd's own that a
+/// retry will not change (a duplicate key in a transaction, a request too large, a
+/// revision compacted or not yet written) with etcd's code and text, as a client of
+/// etcd expects them; anything else (no answer, no leader) as the lockcell API does.
+pub(crate) fn etcd_error(e: lockcell_cell::CellError) -> Status {
+    use tonic::Code;
+    if let lockcell_cell::CellError::Etcd {
+        source: etcd_client::Error::GRpcStatus(status),
+        ..
+    } = &e
+    {
+        if matches!(
+            status.code(),
+            Code::InvalidArgument
+                | Code::OutOfRange
+                | Code::FailedPrecondition
+                | Code::NotFound
+                | Code::PermissionDenied
+                | Code::ResourceExhausted
+        ) {
+            return Status::new(status.code(), status.message());
+        }
+    }
+    crate::errors::ProxyError::from(e).into()
+}
+
 /// A stable member id for a proxy: its id's hash (never 0).
 fn member_id(proxy_id: &str) -> u64 {
     use sha2::{Digest, Sha256};

@@ -180,18 +180,7 @@ impl EtcdApi {
             return Ok(());
         };
         let grants = self.state.grants.current();
-        let text = |k: &[u8]| {
-            String::from_utf8(k.to_vec()).map_err(|_| {
-                Status::permission_denied("etcdserver: permission denied (a key that is not UTF-8 is outside every prefix grant)")
-            })
-        };
-        match range_end {
-            [] => grants.check(identity, Right::Watch, &text(key)?),
-            end if key != [0] && end == lockcell_cell::keyspace::prefix_end(key).as_slice() => {
-                grants.check_prefix(identity, Right::Watch, &text(key)?)
-            }
-            _ => grants.check_prefix(identity, Right::Watch, ""),
-        }
+        super::auth::check_range(&grants, identity, Right::Watch, key, range_end)
     }
 
     fn outward_watch(&self, reply: &mut PbWatchResponse) {

@@ -150,6 +150,7 @@ fn main() {
         etcd_api::two_etcdctl_locks_at_once_never_overlap,
         etcd_api::a_lock_wait_given_up_leaves_only_what_it_made,
         etcd_api::etcdctl_elect_observers_see_every_leader_in_order,
+        etcd_api::a_leased_put_racing_its_revoke_is_all_or_nothing,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
         operations_doc::the_operations_guides_commands_run_against_a_real_cell,
         operations::an_ended_session_is_refused_by_every_proxy,
