@@ -251,10 +251,16 @@ impl EtcdApi {
         let client_txn = inward_txn(&req, &leased)?;
         // Every put of either branch counts against the cell's small-key bound: which
         // branch runs is etcd's to decide.
-        let mut puts = Vec::new();
-        txn_puts(&req, &mut puts);
-        let sizes: Vec<(&str, Option<usize>)> =
-            puts.iter().map(|(k, n)| (k.as_str(), Some(*n))).collect();
+        let puts = txn_puts(&req);
+        let keys: Vec<String> = puts
+            .iter()
+            .map(|p| String::from_utf8_lossy(&p.key).into_owned())
+            .collect();
+        let sizes: Vec<(&str, Option<usize>)> = keys
+            .iter()
+            .zip(&puts)
+            .map(|(k, p)| (k.as_str(), Some(p.value.len())))
+            .collect();
         let state = &self.state;
         let admitted = state
             .kv_budget
@@ -262,7 +268,15 @@ impl EtcdApi {
             .await?;
         // A leased put is its session's even if no answer comes: recorded as unsettled
         // first, as a put on its own is.
-        let pending = leased_puts(&req, &leased);
+        let pending: Vec<(Session, Grant)> = puts
+            .iter()
+            .filter_map(|p| {
+                let session = leased.get(&p.lease)?;
+                let key = leased_key(&p.key).ok()?;
+                let grant = Grant::unsettled_etcd_api_key(key, &session.id, &p.value);
+                Some((session.clone(), grant))
+            })
+            .collect();
         for (session, grant) in &pending {
             if !state
                 .sessions
@@ -401,11 +415,12 @@ impl EtcdApi {
 
     /// The session of every lease a Txn's puts name, each the caller's own.
     fn txn_sessions(&self, txn: &PbTxnRequest, caller: Option<&str>) -> Result<Sessions, Status> {
-        let mut leases = Vec::new();
-        txn_leases(txn, &mut leases);
         let now = Instant::now();
         let mut sessions = Sessions::new();
-        for lease in leases {
+        for lease in txn_puts(txn).iter().map(|p| p.lease).filter(|l| *l != 0) {
+            if sessions.contains_key(&lease) {
+                continue;
+            }
             let session = self
                 .state
                 .sessions
@@ -683,49 +698,17 @@ fn check_txn_part(
 /// The sessions of the leases a Txn's puts name, by lease.
 type Sessions = std::collections::HashMap<i64, Session>;
 
-/// Every leased put of `txn` (nested ones too) as the unsettled record its session keeps
-/// while the Txn is on its way.
-fn leased_puts(txn: &PbTxnRequest, leased: &Sessions) -> Vec<(Session, Grant)> {
+/// Every put of `txn`, nested ones too, in either branch.
+fn txn_puts(txn: &PbTxnRequest) -> Vec<&PbPutRequest> {
     let mut puts = Vec::new();
     for op in txn.success.iter().chain(&txn.failure) {
         match &op.request {
-            Some(PbTxnOpRequest::RequestPut(p)) => {
-                if let (Some(session), Ok(key)) = (leased.get(&p.lease), leased_key(&p.key)) {
-                    let grant = Grant::unsettled_etcd_api_key(key, &session.id, &p.value);
-                    puts.push((session.clone(), grant));
-                }
-            }
-            Some(PbTxnOpRequest::RequestTxn(t)) => puts.extend(leased_puts(t, leased)),
+            Some(PbTxnOpRequest::RequestPut(p)) => puts.push(p),
+            Some(PbTxnOpRequest::RequestTxn(t)) => puts.extend(txn_puts(t)),
             _ => {}
         }
     }
     puts
-}
-
-/// The leases `txn`'s puts name, nested ones too.
-fn txn_leases(txn: &PbTxnRequest, leases: &mut Vec<i64>) {
-    for op in txn.success.iter().chain(&txn.failure) {
-        match &op.request {
-            Some(PbTxnOpRequest::RequestPut(p)) if p.lease != 0 && !leases.contains(&p.lease) => {
-                leases.push(p.lease)
-            }
-            Some(PbTxnOpRequest::RequestTxn(t)) => txn_leases(t, leases),
-            _ => {}
-        }
-    }
-}
-
-/// The key and value length of every put in `txn`, nested ones too.
-fn txn_puts(txn: &PbTxnRequest, puts: &mut Vec<(String, usize)>) {
-    for op in txn.success.iter().chain(&txn.failure) {
-        match &op.request {
-            Some(PbTxnOpRequest::RequestPut(p)) => {
-                puts.push((String::from_utf8_lossy(&p.key).into_owned(), p.value.len()))
-            }
-            Some(PbTxnOpRequest::RequestTxn(t)) => txn_puts(t, puts),
-            _ => {}
-        }
-    }
 }
 
 /// The client's Txn with every key in the small-key space.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use lockcell_tests::ports::free_port;
-use lockcell_tests::{EtcdCluster, ProxyOptions, ProxyProcess};
+use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess};
 
 /// `etcdctl ARGS` against `endpoint`, with `stdin` fed in: (exit code, stdout, stderr).
 async fn etcdctl(
@@ -583,31 +583,29 @@ pub async fn a_lock_wait_given_up_leaves_only_what_it_made() -> anyhow::Result<(
         "the second lease got a held lock: {gave_up:?}"
     );
     let only_held = vec![String::from_utf8_lossy(&held).into_owned()];
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = keys(client.clone()).await?;
-        if now == only_held {
-            break;
-        }
-        ensure!(
-            tokio::time::Instant::now() < deadline,
-            "a given-up wait's key is still in line: {now:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "a given-up wait's key leaves the line",
+        Duration::from_secs(10),
+        || {
+            let (client, only_held) = (client.clone(), only_held.clone());
+            async move { Ok((keys(client).await? == only_held).then_some(())) }
+        },
+    )
+    .await?;
 
     // The waiter waits for real; a second call of its lease, given up, leaves the first
     // call's key in line, and the first call gets the lock when the holder lets go.
     let mut first_client = client.clone();
     let first = tokio::spawn(async move { first_client.lock("m", on(waiter)).await });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while keys(client.clone()).await?.len() < 2 {
-        ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the waiting call's key never showed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        "the waiting call's key shows in line",
+        Duration::from_secs(10),
+        || {
+            let client = client.clone();
+            async move { Ok((keys(client).await?.len() >= 2).then_some(())) }
+        },
+    )
+    .await?;
     let second =
         tokio::time::timeout(Duration::from_millis(800), client.lock("m", on(waiter))).await;
     ensure!(
@@ -681,20 +679,11 @@ pub async fn etcdctl_elect_observers_see_every_leader_in_order() -> anyhow::Resu
         (tokio::time::Instant::now(), line)
     });
     // leader-2 campaigns: its key is in line behind leader-1's.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while ok(&api, &["get", "ops/leader/", "--prefix", "--keys-only"])
-        .await?
-        .lines()
-        .filter(|l| !l.is_empty())
-        .count()
-        < 2
-    {
-        ensure!(
-            tokio::time::Instant::now() < deadline,
-            "leader-2 never campaigned"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("leader-2 campaigns", Duration::from_secs(10), || async {
+        let line = ok(&api, &["get", "ops/leader/", "--prefix", "--keys-only"]).await?;
+        Ok((line.lines().filter(|l| !l.is_empty()).count() >= 2).then_some(()))
+    })
+    .await?;
     // leader-1 resigns (etcdctl does, on SIGTERM): then, and only then, leader-2 leads.
     let resigned = tokio::time::Instant::now();
     let pid = first.id().context("leader-1's pid")? as i32;
@@ -786,5 +775,85 @@ pub async fn a_leased_put_racing_its_revoke_is_all_or_nothing() -> anyhow::Resul
         ),
         other => anyhow::bail!("a duplicate-key txn was not refused: {other:?}"),
     }
+    Ok(())
+}
+
+/// Two Lock calls of one lease at once, the one that made the key given up: its key
+/// leaves the line, and the other call, which stood on that same key, is refused when
+/// the lock frees, never granted a hold with no key behind it.
+pub async fn a_lock_call_standing_on_a_withdrawn_key_is_refused() -> anyhow::Result<()> {
+    use etcd_client::LockOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let (_proxy, api) = proxy_with_etcd_api(&etcd).await?;
+    let client = etcd_client::Client::connect([api.as_str()], None).await?;
+    let holder = client.lease_client().grant(30, None).await?.id();
+    let waiter = client.lease_client().grant(30, None).await?.id();
+    let on = |lease| Some(LockOptions::new().with_lease(lease));
+    let held = client
+        .lock_client()
+        .lock("n", on(holder))
+        .await?
+        .key()
+        .to_vec();
+    let in_line = |client: etcd_client::Client| async move {
+        let got = client
+            .kv_client()
+            .get(
+                "n/",
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_keys_only(),
+                ),
+            )
+            .await?;
+        anyhow::Ok(got.kvs().len())
+    };
+    // The first call makes the waiter's key; the second finds it there.
+    let mut a_client = client.lock_client();
+    // It gives up after 2 s, as a caller with a deadline does.
+    let first = tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(2), a_client.lock("n", on(waiter))).await
+    });
+    eventually(
+        "the first call's key shows",
+        Duration::from_secs(10),
+        || {
+            let client = client.clone();
+            async move { Ok((in_line(client).await? == 2).then_some(())) }
+        },
+    )
+    .await?;
+    let mut b_client = client.lock_client();
+    let second = tokio::spawn(async move { b_client.lock("n", on(waiter)).await });
+    // The second call has placed itself once the proxy has answered a read after it;
+    // then the first is given up, and its key leaves the line.
+    client.kv_client().get("n/", None).await?;
+    ensure!(
+        first.await?.is_err(),
+        "the first call got the lock while it was held"
+    );
+    eventually(
+        "the given-up call's key leaves",
+        Duration::from_secs(10),
+        || {
+            let client = client.clone();
+            async move { Ok((in_line(client).await? == 1).then_some(())) }
+        },
+    )
+    .await?;
+    client.lock_client().unlock(held).await?;
+    let outcome = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .context("the second call neither got the lock nor was refused within 10 s")??;
+    ensure!(
+        outcome.is_err(),
+        "the second call was granted with its key gone: {:?}",
+        outcome.map(|r| String::from_utf8_lossy(r.key()).into_owned())
+    );
+    ensure!(
+        in_line(client.clone()).await? == 0,
+        "keys left under the lock"
+    );
     Ok(())
 }

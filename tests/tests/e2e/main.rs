@@ -149,6 +149,7 @@ fn main() {
         etcd_api::lease_ids_are_unique_across_the_proxies_of_a_cell,
         etcd_api::two_etcdctl_locks_at_once_never_overlap,
         etcd_api::a_lock_wait_given_up_leaves_only_what_it_made,
+        etcd_api::a_lock_call_standing_on_a_withdrawn_key_is_refused,
         etcd_api::etcdctl_elect_observers_see_every_leader_in_order,
         etcd_api::a_leased_put_racing_its_revoke_is_all_or_nothing,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
