@@ -306,6 +306,18 @@ pub fn etcd_lease_claim_key(id: i64) -> String {
     format!("{SESSIONS_ROOT}!etcd-lease/{id:016x}")
 }
 
+/// Where a draining proxy hands an etcd API lease over to whichever proxy its client
+/// reaches next: `/s/!etcd-handoff/<id in hex>`, on the proxy lease of the lease's
+/// session, so it goes with that lease (see the proxy's `etcd_api::handoff`).
+pub fn etcd_lease_handoff_key(id: i64) -> String {
+    format!("{}{id:016x}", etcd_lease_handoff_root())
+}
+
+/// The prefix of every hand-off record ([`etcd_lease_handoff_key`]).
+pub fn etcd_lease_handoff_root() -> &'static str {
+    "/s/!etcd-handoff/"
+}
+
 /// The prefix of every proxy's writer key.
 pub fn writer_root() -> &'static str {
     WRITER_ROOT

@@ -607,6 +607,23 @@ impl LockLog {
         to: i64,
         proxy: &str,
     ) -> Result<Resume, CellError> {
+        self.resume_guarded(session, fence, keys, to, proxy, None)
+            .await
+    }
+
+    /// [`resume`](LockLog::resume), with one more guard on the first transaction: the
+    /// key `guard` names is still at that mod revision, and is deleted by the move (a
+    /// hand-off record, which only one move may take). A guard that fails reads as
+    /// [`Resume::FenceMoved`]: nothing moved.
+    pub async fn resume_guarded(
+        &self,
+        session: &LockName,
+        fence: i64,
+        keys: &[(Grant, i64)],
+        to: i64,
+        proxy: &str,
+        guard: Option<(&str, i64)>,
+    ) -> Result<Resume, CellError> {
         let fence_key = crate::keyspace::session_fence_key(session.as_str());
         let mut chunks = keys.chunks(MAX_DELETES_PER_TXN);
         let first = chunks.next().unwrap_or(&[]);
@@ -624,8 +641,13 @@ impl LockLog {
             TxnOp::get(fence_key.as_bytes(), None),
         ];
         then.extend(moves(first, to));
+        let mut when = vec![compare];
+        if let Some((key, revision)) = guard {
+            when.push(Compare::mod_revision(key, CompareOp::Equal, revision));
+            then.push(TxnOp::delete(key, None));
+        }
         let txn = Txn::new()
-            .when([compare])
+            .when(when)
             .and_then(then)
             .or_else([TxnOp::get(fence_key.as_bytes(), None)]);
         let resp = match with_timeout("resume txn", self.timeout, self.kv.clone().txn(txn)).await {

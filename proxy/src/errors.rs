@@ -86,7 +86,8 @@ pub enum ProxyError {
 impl ProxyError {
     pub fn session(id: &str, gone: Gone) -> Self {
         match gone {
-            Gone::Unknown => ProxyError::UnknownSession { id: id.to_owned() },
+            // Only etcd API leases are handed off, and they never reach here.
+            Gone::Unknown | Gone::HandedOff => ProxyError::UnknownSession { id: id.to_owned() },
             Gone::Expired(reason) => ProxyError::ExpiredSession {
                 id: id.to_owned(),
                 reason: reason.to_string(),

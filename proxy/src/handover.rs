@@ -489,7 +489,7 @@ fn forget(state: &ProxyState, id: &str, incarnation: u64, bucket: usize) {
 /// Makes sure the lease the keys move onto outlives what the client may still do on its
 /// previous proxy's word (`acting_for_ms` from its send, which was before now): renews
 /// the lease at once if its lower bound is too close, and refuses if that fails.
-async fn cover(
+pub(crate) async fn cover(
     state: &ProxyState,
     bucket: usize,
     lease: i64,
@@ -522,11 +522,20 @@ pub async fn drain(state: &ProxyState) -> usize {
     );
     let _ = state.drain_started.set(Instant::now());
     let give_up = Instant::now() + timeout;
+    if let Some(handed_off) = state.handed_off.get() {
+        let mut handed_off = handed_off.clone();
+        let written = tokio::time::timeout_at(give_up, handed_off.wait_for(|done| *done));
+        if written.await.is_err() {
+            tracing::warn!("the etcd API's leases were not handed over within the drain timeout");
+        }
+    }
     let mut tick = tokio::time::interval(Duration::from_millis(50));
-    while !state.sessions.is_empty() && Instant::now() < give_up {
+    // Sessions handed off (etcd API leases) wait in etcd for whichever proxy their
+    // clients reach next, on a lease this proxy leaves to run out rather than revoke.
+    while state.sessions.staying() > 0 && Instant::now() < give_up {
         tick.tick().await;
     }
-    let stayed = state.sessions.len();
+    let stayed = state.sessions.staying();
     if stayed > 0 {
         tracing::warn!(stayed, "drain timeout passed with sessions still here");
     } else {

@@ -469,6 +469,7 @@ impl Engine {
             shutdown: shared.stop.clone(),
             drain: shared.drain.clone(),
             drain_started: Default::default(),
+            handed_off: Default::default(),
             config,
         });
         let mut tasks = tokio::task::JoinSet::new();
@@ -707,9 +708,19 @@ async fn wait_for_leases(state: &ProxyState) {
     }
 }
 
-/// Revokes every lease the proxy holds, so its clients' keys go now.
+/// Revokes every lease the proxy holds, so its clients' keys go now; but not a lease
+/// that sessions handed off to the next proxy still wait on (it runs out unrenewed,
+/// within the lease TTL, unless their clients reach another proxy first).
 async fn revoke_all(state: &ProxyState) {
+    let waiting = state.sessions.handed_off_leases();
     for lease in state.leases.leases() {
+        if waiting.contains(&lease) {
+            tracing::info!(
+                lease,
+                "leaving proxy lease to run out: sessions handed off wait on it"
+            );
+            continue;
+        }
         let mut client = state.etcd.lease_client();
         let call = client.revoke(lease);
         match tokio::time::timeout(state.config.etcd_timeout, call).await {

@@ -37,6 +37,7 @@ pub const TLS_RELOADS: &str = "lockcell_tls_reloads_total";
 pub const TLS_RELOAD_FAILURES: &str = "lockcell_tls_reload_failures_total";
 pub const SESSIONS_RESUMED: &str = "lockcell_sessions_resumed_total";
 pub const KEYS_MOVED: &str = "lockcell_keys_moved_total";
+pub const ETCD_API_LEASES_HANDED_OFF: &str = "lockcell_etcd_api_leases_handed_off_total";
 pub const KEYS_LOST_ON_RESUME: &str = "lockcell_keys_lost_on_resume_total";
 pub const DRAINING: &str = "lockcell_draining";
 pub const LEASE_REMAINING: &str = "lockcell_etcd_lease_remaining_seconds";
@@ -105,7 +106,11 @@ pub fn describe() {
     counter(SESSIONS_OPENED, "Client sessions opened.");
     counter(
         SESSIONS_RESUMED,
-        "Client sessions taken over from another proxy (Resume).",
+        "Client sessions taken over from another proxy (Resume, or an etcd API lease handed off).",
+    );
+    counter(
+        ETCD_API_LEASES_HANDED_OFF,
+        "etcd API leases this proxy handed over, draining, to the next proxy their clients reach.",
     );
     counter(
         KEYS_MOVED,

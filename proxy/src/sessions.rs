@@ -54,6 +54,10 @@ pub struct Session {
     /// Set when an operator ended the session (`lockcell-cell force-release`): it is
     /// renewed no more and gets nothing new; its keys go once `valid_until` has passed.
     pub ended: Option<Arc<str>>,
+    /// Set when a draining proxy handed the session over (an etcd API lease, see
+    /// `etcd_api::handoff`): it is renewed here no more, gets nothing new, and leaves
+    /// the table when another proxy takes it, or expires here as any session does.
+    pub handed_off: bool,
 }
 
 impl Session {
@@ -81,6 +85,7 @@ impl Session {
             held,
             valid_until,
             ended: None,
+            handed_off: false,
         }
     }
 
@@ -128,6 +133,9 @@ pub enum Gone {
     Unknown,
     /// Expired, for the reason given.
     Expired(Arc<str>),
+    /// Handed over to the next proxy its client reaches (see [`Session::handed_off`]):
+    /// renewed here no more.
+    HandedOff,
 }
 
 /// What a renewal found.
@@ -225,6 +233,8 @@ impl SessionTable {
     ) -> Result<Duration, Gone> {
         match self.live.get_mut(id) {
             Some(s) if !s.owned_by(caller) => Err(Gone::Unknown),
+            // Its record names the validity granted so far: none is granted after.
+            Some(s) if s.handed_off => Err(Gone::HandedOff),
             Some(mut s) if s.over(now).is_none() => {
                 s.renewed_at = now;
                 let valid_for = validity(Renewed {
@@ -273,6 +283,38 @@ impl SessionTable {
             .expect("due heap")
             .push(Reverse((ended.expires_at(), id.into())));
         Some(ended)
+    }
+
+    /// Marks every live session `pick` picks as handed off (see
+    /// [`Session::handed_off`]); returns copies of them as marked.
+    pub fn hand_off(&self, pick: impl Fn(&Session) -> bool) -> Vec<Session> {
+        let mut marked = Vec::new();
+        for mut s in self.live.iter_mut() {
+            if !s.handed_off && s.ended.is_none() && pick(s.value()) {
+                s.handed_off = true;
+                marked.push(s.clone());
+            }
+        }
+        marked
+    }
+
+    /// How many live sessions were not handed off.
+    pub fn staying(&self) -> usize {
+        self.live.iter().filter(|s| !s.handed_off).count()
+    }
+
+    /// The leases of the sessions handed off and still here: their keys wait on them
+    /// for the proxy that takes them over.
+    pub fn handed_off_leases(&self) -> Vec<i64> {
+        let mut leases: Vec<i64> = self
+            .live
+            .iter()
+            .filter(|s| s.handed_off)
+            .map(|s| s.lease)
+            .collect();
+        leases.sort_unstable();
+        leases.dedup();
+        leases
     }
 
     /// The identity that owns session `id`, if the proxy checks grants and knows it.
@@ -486,6 +528,7 @@ mod tests {
             held: Vec::new(),
             valid_until: now,
             ended: None,
+            handed_off: false,
         }
     }
 

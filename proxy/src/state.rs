@@ -64,6 +64,9 @@ pub struct ProxyState {
     pub drain: Arc<watch::Sender<bool>>,
     /// When the drain began (its requests to move are spread from there).
     pub drain_started: std::sync::OnceLock<tokio::time::Instant>,
+    /// Set by the etcd API when it serves: turns true once a drain's hand-off of its
+    /// leases is written (see `etcd_api::handoff`), which the drain waits for.
+    pub handed_off: std::sync::OnceLock<watch::Receiver<bool>>,
 }
 
 impl ProxyState {

@@ -16,11 +16,10 @@ use lockcell_cell::error::with_timeout;
 use lockcell_cell::keyspace;
 use lockcell_cell::kv::Writer;
 use lockcell_cell::locklog::{check_map, map_guard, Grant};
-use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::keys::{self, inner, inner_range};
-use super::lease::{session_of, LEASE_NOT_FOUND};
+use super::lease::LEASE_NOT_FOUND;
 use super::EtcdApi;
 use crate::errors::ProxyError;
 use crate::grants::Right;
@@ -81,16 +80,14 @@ impl PbKvService for EtcdApi {
             ))
             .into());
         }
-        let session = if req.lease == 0 {
-            None
-        } else {
-            let s = state
-                .sessions
-                .get(&session_of(req.lease), Instant::now())
-                .ok()
-                .filter(|s| s.owned_by(caller.as_deref()))
-                .ok_or_else(|| Status::not_found(LEASE_NOT_FOUND))?;
-            Some(s)
+        // A leased write holds off a hand-off until its key is recorded.
+        let _writes = match req.lease {
+            0 => None,
+            _ => Some(self.writes.read().await),
+        };
+        let session = match req.lease {
+            0 => None,
+            lease => Some(self.lease_session(lease, caller.as_deref()).await?),
         };
         // A leased key is recorded in its session, which keeps keys as text.
         let key = match &session {
@@ -247,7 +244,12 @@ impl EtcdApi {
         req: PbTxnRequest,
     ) -> Result<PbTxnResponse, Status> {
         let map_revision = self.map_revision(b"\0", b"\0")?;
-        let leased = self.txn_sessions(&req, caller.as_deref())?;
+        // A leased write holds off a hand-off until its keys are recorded.
+        let _writes = match txn_puts(&req).iter().any(|p| p.lease != 0) {
+            true => Some(self.writes.read().await),
+            false => None,
+        };
+        let leased = self.txn_sessions(&req, caller.as_deref()).await?;
         let client_txn = inward_txn(&req, &leased)?;
         // Every put of either branch counts against the cell's small-key bound: which
         // branch runs is etcd's to decide.
@@ -414,21 +416,17 @@ impl EtcdApi {
     }
 
     /// The session of every lease a Txn's puts name, each the caller's own.
-    fn txn_sessions(&self, txn: &PbTxnRequest, caller: Option<&str>) -> Result<Sessions, Status> {
-        let now = Instant::now();
+    async fn txn_sessions(
+        &self,
+        txn: &PbTxnRequest,
+        caller: Option<&str>,
+    ) -> Result<Sessions, Status> {
         let mut sessions = Sessions::new();
         for lease in txn_puts(txn).iter().map(|p| p.lease).filter(|l| *l != 0) {
             if sessions.contains_key(&lease) {
                 continue;
             }
-            let session = self
-                .state
-                .sessions
-                .get(&session_of(lease), now)
-                .ok()
-                .filter(|s| s.owned_by(caller))
-                .ok_or_else(|| Status::not_found(LEASE_NOT_FOUND))?;
-            sessions.insert(lease, session);
+            sessions.insert(lease, self.lease_session(lease, caller).await?);
         }
         Ok(sessions)
     }

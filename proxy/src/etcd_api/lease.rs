@@ -155,10 +155,7 @@ impl PbLeaseService for EtcdApi {
         let caller = self.caller(&request)?;
         let id = request.into_inner().id;
         let session = session_of(id);
-        match self.state.sessions.peek(&session) {
-            Some(s) if s.owned_by(caller.as_deref()) => {}
-            _ => return Err(Status::not_found(LEASE_NOT_FOUND)),
-        }
+        self.lease_session(id, caller.as_deref()).await?;
         crate::service::session::close_stay(&self.state, &session, None)
             .await
             .map_err(|e| match e {
@@ -202,14 +199,32 @@ impl PbLeaseService for EtcdApi {
                 // is just before each of its renewals with a short lease TTL) is
                 // answered once it can, after the proxy renews its lease; until then
                 // the client counts down its own TTL, as it would with etcd slow.
-                let Some(ttl) = renew(&api.state, req.id, caller.as_deref()) else {
-                    tokio::spawn(answer_when_backed(
-                        api.clone(),
-                        req.id,
-                        caller.clone(),
-                        tx.clone(),
-                    ));
-                    continue;
+                let ttl = match renew(&api.state, req.id, caller.as_deref()) {
+                    Renewal::Ttl(ttl) => ttl,
+                    Renewal::Unbacked => {
+                        tokio::spawn(answer_when_backed(
+                            api.clone(),
+                            req.id,
+                            caller.clone(),
+                            tx.clone(),
+                        ));
+                        continue;
+                    }
+                    // Perhaps handed over by a draining proxy: taken over here first.
+                    Renewal::Unknown => {
+                        tokio::spawn(take_over_and_answer(
+                            api.clone(),
+                            req.id,
+                            caller.clone(),
+                            tx.clone(),
+                        ));
+                        continue;
+                    }
+                    // The client goes on with another proxy (its stream ends here).
+                    Renewal::HandedOff => {
+                        let _ = tx.send(Err(super::refused_handed_off())).await;
+                        return;
+                    }
                 };
                 if tx.send(Ok(api.kept_alive(req.id, ttl))).await.is_err() {
                     return;
@@ -227,12 +242,11 @@ impl PbLeaseService for EtcdApi {
         let req = request.into_inner();
         let now = Instant::now();
         let header = Some(self.header(self.state.cell.seen()));
-        let found = self
-            .state
-            .sessions
-            .get(&session_of(req.id), now)
-            .ok()
-            .filter(|s| s.owned_by(caller.as_deref()));
+        let found = match self.lease_session(req.id, caller.as_deref()).await {
+            Ok(session) => Some(session),
+            Err(refused) if refused.code() == tonic::Code::NotFound => None,
+            Err(refused) => return Err(refused),
+        };
         let Some(session) = found else {
             // etcd: -1 for a lease it does not have.
             return Ok(Response::new(PbLeaseTimeToLiveResponse {
@@ -334,11 +348,39 @@ async fn answer_when_backed(
     let mut look = tokio::time::interval(UNBACKED_LOOK);
     while Instant::now() < give_up {
         look.tick().await;
-        if let Some(ttl) = renew(&api.state, id, caller.as_deref()) {
-            let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
+        let ttl = match renew(&api.state, id, caller.as_deref()) {
+            Renewal::Ttl(ttl) => ttl,
+            Renewal::Unbacked => continue,
+            Renewal::Unknown => 0,
+            Renewal::HandedOff => return,
+        };
+        let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
+        return;
+    }
+}
+
+/// Answers a renewal of lease `id`, unknown here: taken over first if a draining proxy
+/// handed it over (see [`super::handoff`]), else TTL 0, as etcd answers.
+async fn take_over_and_answer(
+    api: EtcdApi,
+    id: i64,
+    caller: Option<String>,
+    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
+) {
+    use super::handoff::TakeOver;
+    let ttl = match api.take_over(id, caller.as_deref()).await {
+        Ok(TakeOver::Taken(_)) => match renew(&api.state, id, caller.as_deref()) {
+            Renewal::Ttl(ttl) => ttl,
+            Renewal::Unbacked => return answer_when_backed(api, id, caller, tx).await,
+            Renewal::Unknown | Renewal::HandedOff => 0,
+        },
+        Ok(TakeOver::NoRecord) => 0,
+        Err(refused) => {
+            let _ = tx.send(Err(refused)).await;
             return;
         }
-    }
+    };
+    let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
 }
 
 impl EtcdApi {
@@ -354,20 +396,33 @@ impl EtcdApi {
 /// How often a renewal waiting for the proxy's lease looks again.
 const UNBACKED_LOOK: Duration = Duration::from_millis(50);
 
-/// Renews lease `id` from memory: the TTL to answer (0: the lease is unknown or gone, as
-/// etcd answers), or `None` when the proxy cannot back even a second of it now.
-fn renew(state: &ProxyState, id: i64, caller: Option<&str>) -> Option<i64> {
+/// What a renewal from memory found.
+enum Renewal {
+    /// The TTL to answer (0: the lease expired, as etcd answers).
+    Ttl(i64),
+    /// The proxy cannot back even a second of it now.
+    Unbacked,
+    /// Not here: perhaps handed over by another proxy.
+    Unknown,
+    /// Handed over by this proxy, draining.
+    HandedOff,
+}
+
+/// Renews lease `id` from memory.
+fn renew(state: &ProxyState, id: i64, caller: Option<&str>) -> Renewal {
     let now = Instant::now();
     let validity = |r: Renewed| {
         let left = state.leases.left(r.bucket, r.lease, now);
         left.min(state.leases.within(r.ttl))
     };
     match state.sessions.renew(&session_of(id), caller, now, validity) {
-        Ok(valid_for) if valid_for >= Duration::from_secs(1) => Some(seconds(valid_for)),
+        Ok(valid_for) if valid_for >= Duration::from_secs(1) => Renewal::Ttl(seconds(valid_for)),
         Ok(_) => {
             metrics::counter!(m::ETCD_API_KEEPALIVES_UNBACKED).increment(1);
-            None
+            Renewal::Unbacked
         }
-        Err(Gone::Unknown | Gone::Expired(_)) => Some(0),
+        Err(Gone::HandedOff) => Renewal::HandedOff,
+        Err(Gone::Unknown) => Renewal::Unknown,
+        Err(Gone::Expired(_)) => Renewal::Ttl(0),
     }
 }

@@ -290,8 +290,10 @@ impl EtcdApi {
                     }
                 }
                 _ = check.tick() => {
-                    if state.sessions.get(&session_of(lease), Instant::now()).is_err() {
-                        return Err(Status::not_found(LEASE_NOT_FOUND));
+                    match state.sessions.get(&session_of(lease), Instant::now()) {
+                        Ok(s) if s.handed_off => return Err(super::refused_handed_off()),
+                        Ok(_) => {}
+                        Err(_) => return Err(Status::not_found(LEASE_NOT_FOUND)),
                     }
                 }
             }

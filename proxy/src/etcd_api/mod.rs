@@ -6,12 +6,15 @@
 //! - [`auth`]: who calls: a client certificate, or a login with a grants file token.
 //! - [`ids`]: lease IDs unique across the cell.
 //! - [`lease`]: a lease is a session of this proxy's.
+//! - [`handoff`]: a draining proxy hands its leases over to the next proxy their
+//!   clients reach.
 //! - [`kv`]: ranges, puts, deletes and transactions over the small keys.
 //! - [`watch`]: client watch streams relayed to etcd's.
 //! - [`lock`]: etcd's Lock service, as etcd's own recipe on the caller's lease.
 //! - this file: Maintenance and Cluster, what they refuse, and the server.
 
 pub mod auth;
+pub mod handoff;
 pub mod ids;
 pub mod keys;
 pub mod kv;
@@ -49,18 +52,33 @@ pub struct EtcdApi {
     member_id: u64,
     /// By etcd key: the client lease of each key written here with one.
     leased: Arc<DashMap<Vec<u8>, Leased>>,
+    /// Held shared by each leased write from its session's lookup until its key is
+    /// recorded; a hand-off takes it alone, so its records name every key.
+    writes: Arc<tokio::sync::RwLock<()>>,
+    /// By lease: the session fence's mod revision, for leases taken over here.
+    fences: Arc<DashMap<i64, i64>>,
+    /// By lease: the turn of each take-over under way.
+    taking: Arc<DashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
+    /// Turns true once a drain's hand-off is written ([`ProxyState::handed_off`]).
+    handed_off: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl EtcdApi {
     pub fn new(state: Arc<ProxyState>) -> Self {
         let cluster_id = u64::from_str_radix(&state.cell.record.cluster_id, 16).unwrap_or_default();
         let member_id = member_id(&state.proxy_id);
+        let handed_off = tokio::sync::watch::Sender::new(false);
+        let _ = state.handed_off.set(handed_off.subscribe());
         EtcdApi {
             state,
             ids: Arc::default(),
             cluster_id,
             member_id,
             leased: Arc::default(),
+            writes: Arc::default(),
+            fences: Arc::default(),
+            taking: Arc::default(),
+            handed_off: Arc::new(handed_off),
         }
     }
 
@@ -81,6 +99,40 @@ impl EtcdApi {
         let sessions = &self.state.sessions;
         self.leased
             .retain(|_, l| sessions.peek(&lease::session_of(l.lease)).is_some());
+        self.fences
+            .retain(|id, _| sessions.peek(&lease::session_of(*id)).is_some());
+    }
+
+    /// The live session of lease `id`, the caller's own: here, or taken over now from
+    /// a proxy that handed it off. NOT_FOUND (etcd's text) for any other lease;
+    /// UNAVAILABLE for one this proxy handed off (the client goes on elsewhere).
+    pub(super) async fn lease_session(
+        &self,
+        id: i64,
+        caller: Option<&str>,
+    ) -> Result<crate::sessions::Session, Status> {
+        use crate::sessions::Gone;
+        let not_found = || Status::not_found(lease::LEASE_NOT_FOUND);
+        let session = match self
+            .state
+            .sessions
+            .get(&lease::session_of(id), tokio::time::Instant::now())
+        {
+            Ok(s) => s,
+            Err(Gone::Unknown) => match self.take_over(id, caller).await? {
+                handoff::TakeOver::Taken(s) => s,
+                handoff::TakeOver::NoRecord => return Err(not_found()),
+            },
+            Err(Gone::Expired(_)) => return Err(not_found()),
+            Err(Gone::HandedOff) => return Err(refused_handed_off()),
+        };
+        if !session.owned_by(caller) {
+            return Err(not_found());
+        }
+        if session.handed_off {
+            return Err(refused_handed_off());
+        }
+        Ok(session)
     }
 
     /// Serves the etcd API on `listener` until `stop` (with the lockcell API's TLS, when
@@ -104,6 +156,7 @@ impl EtcdApi {
                 }
             }
         });
+        let handing_off = tokio::spawn(self.clone().hand_off_on_drain());
         let size = self.state.config.max_value_bytes + 64 * 1024;
         let router = tonic::transport::Server::builder()
             .max_concurrent_streams(Some(self.state.config.max_streams_per_connection))
@@ -136,6 +189,7 @@ impl EtcdApi {
             }
         };
         pruning.abort();
+        handing_off.abort();
         served.map_err(|e| anyhow::anyhow!("the etcd API's server failed: {e}"))
     }
 }
@@ -164,6 +218,13 @@ pub(crate) fn etcd_error(e: lockcell_cell::CellError) -> Status {
         }
     }
     crate::errors::ProxyError::from(e).into()
+}
+
+/// The refusal of a call on a lease this proxy handed off while draining.
+pub(crate) fn refused_handed_off() -> Status {
+    Status::unavailable(
+        "etcdserver: this proxy is shutting down and handed the lease over; use another endpoint (or this one once the proxy is back)",
+    )
 }
 
 /// A stable member id for a proxy: its id's hash (never 0).

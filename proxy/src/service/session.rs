@@ -298,7 +298,7 @@ fn renew(
         }
         Err(gone) => {
             reply.state = match gone {
-                Gone::Unknown => SessionState::NotFound,
+                Gone::Unknown | Gone::HandedOff => SessionState::NotFound,
                 Gone::Expired(_) => SessionState::Expired,
             } as i32;
             reply.reason = ProxyError::session(&req.session_id, gone).to_string();

@@ -857,3 +857,151 @@ pub async fn a_lock_call_standing_on_a_withdrawn_key_is_refused() -> anyhow::Res
     );
     Ok(())
 }
+
+/// Renews `lease` once through `client` and returns the TTL answered (0: gone).
+async fn renew_once(client: &etcd_client::Client, lease: i64) -> anyhow::Result<i64> {
+    let (mut keeper, mut replies) = client.lease_client().keep_alive(lease).await?;
+    keeper.keep_alive().await?;
+    let reply = tokio::time::timeout(Duration::from_secs(10), replies.message())
+        .await
+        .context("a keepalive was not answered within 10 s")??
+        .context("the keepalive stream ended")?;
+    Ok(reply.ttl())
+}
+
+/// The create revision and client lease of `key` as `client` reads it, if it is there.
+async fn key_state(client: &etcd_client::Client, key: &str) -> anyhow::Result<Option<(i64, i64)>> {
+    let got = client.kv_client().get(key, None).await?;
+    Ok(got
+        .kvs()
+        .first()
+        .map(|kv| (kv.create_revision(), kv.lease())))
+}
+
+/// A draining proxy hands its etcd clients' leases over: a client that goes on at
+/// another proxy keeps its lease ID, its leased key (same create revision, still shown
+/// on its lease) and its hold of a lock, past the first proxy's own etcd lease; and its
+/// keys still go with the lease when it is revoked there.
+pub async fn a_drained_proxys_leases_go_on_at_the_next_proxy() -> anyhow::Result<()> {
+    use etcd_client::{LeaseTimeToLiveOptions, LockOptions, PutOptions};
+    let etcd = EtcdCluster::start(1).await?;
+    let (mut a, api_a) = proxy_with_etcd_api(&etcd).await?;
+    let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
+    let on_a = etcd_client::Client::connect([api_a.as_str()], None).await?;
+    let on_b = etcd_client::Client::connect([api_b.as_str()], None).await?;
+
+    let lease = on_a.lease_client().grant(10, None).await?.id();
+    let leased = PutOptions::new().with_lease(lease);
+    on_a.kv_client().put("held/k", "v", Some(leased)).await?;
+    let (created, _) = key_state(&on_a, "held/k")
+        .await?
+        .context("the leased key")?;
+    let lock = on_a
+        .lock_client()
+        .lock("jobs/x", Some(LockOptions::new().with_lease(lease)))
+        .await?;
+    let lock_key = String::from_utf8(lock.key().to_vec())?;
+    let idle = on_a.lease_client().grant(10, None).await?.id();
+
+    a.process.signal(nix::sys::signal::Signal::SIGTERM)?;
+    a.wait_for_log("handed over to the next proxy", Duration::from_secs(10))
+        .await?;
+    ensure!(
+        renew_once(&on_b, lease).await? > 0,
+        "the lease was not taken over at the next proxy"
+    );
+    ensure!(
+        renew_once(&on_b, idle).await? > 0,
+        "a lease with no keys was not taken over"
+    );
+    let status = a.process.wait_exit(Duration::from_secs(20)).await?;
+    ensure!(status.success(), "the drained proxy exited {status}");
+    let listed = on_b
+        .lease_client()
+        .time_to_live(lease, Some(LeaseTimeToLiveOptions::new().with_keys()))
+        .await?;
+    let mut keys: Vec<String> = listed
+        .keys()
+        .iter()
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect();
+    keys.sort();
+    ensure!(
+        keys == ["held/k", lock_key.as_str()],
+        "the lease taken over lists {keys:?}"
+    );
+
+    // Past the first proxy's own etcd lease (3 s), renewed at the second.
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while tokio::time::Instant::now() < until {
+        ensure!(renew_once(&on_b, lease).await? > 0, "the lease lapsed at b");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    ensure!(
+        key_state(&on_b, "held/k").await? == Some((created, lease)),
+        "the leased key is not as it was: {:?}",
+        key_state(&on_b, "held/k").await?
+    );
+    // The lock is still this lease's: another lease waits for it.
+    let other = on_b.lease_client().grant(10, None).await?.id();
+    let waiting = tokio::time::timeout(
+        Duration::from_secs(2),
+        on_b.lock_client()
+            .lock("jobs/x", Some(LockOptions::new().with_lease(other))),
+    )
+    .await;
+    ensure!(
+        waiting.is_err(),
+        "another lease was granted the lock the handed-over lease holds: {waiting:?}"
+    );
+
+    on_b.lease_client().revoke(lease).await?;
+    ensure!(
+        key_state(&on_b, "held/k").await?.is_none(),
+        "the key outlived its lease's revoke"
+    );
+    Ok(())
+}
+
+/// A client that knows one proxy keeps its lease across that proxy's restart: the
+/// proxy hands the lease over as it drains, leaves its own etcd lease to run out
+/// rather than revoking it, and takes the lease back when the client comes again.
+pub async fn a_lease_outlives_a_restart_of_its_only_proxy() -> anyhow::Result<()> {
+    use etcd_client::PutOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec!["--etcd-listen".into(), listen.clone()];
+    // Room for the restart within the proxy lease the keys wait on.
+    options.lease_ttl = Duration::from_secs(8);
+    let mut proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    let client = etcd_client::Client::connect([listen.as_str()], None).await?;
+
+    let lease = client.lease_client().grant(20, None).await?.id();
+    let leased = PutOptions::new().with_lease(lease);
+    client.kv_client().put("held/k", "v", Some(leased)).await?;
+    let before = key_state(&client, "held/k").await?;
+
+    proxy.process.signal(nix::sys::signal::Signal::SIGTERM)?;
+    let status = proxy.process.wait_exit(Duration::from_secs(20)).await?;
+    ensure!(status.success(), "the proxy exited {status}");
+    proxy.process.respawn()?;
+    proxy.wait_ready(Duration::from_secs(20)).await?;
+
+    let ttl = eventually("the lease is taken back", Duration::from_secs(10), || {
+        let client = client.clone();
+        async move {
+            // Refused while the connection comes back.
+            Ok(renew_once(&client, lease).await.ok())
+        }
+    })
+    .await?;
+    ensure!(ttl > 0, "the restarted proxy answered TTL {ttl}");
+    ensure!(
+        key_state(&client, "held/k").await? == before,
+        "the leased key changed across the restart: {:?} then {:?}",
+        before,
+        key_state(&client, "held/k").await?
+    );
+    Ok(())
+}
