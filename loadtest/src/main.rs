@@ -46,7 +46,7 @@ struct Cli {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "lockcell,etcd,etcd-grpc-proxy"
+        default_value = "lockcell,lockcell-etcd-api,etcd,etcd-grpc-proxy"
     )]
     targets: Vec<Target>,
     /// Where reports, tables and plots go.

@@ -5,6 +5,7 @@ pub mod contention;
 pub mod keepalive;
 pub mod reads;
 pub mod rolling_restart;
+pub mod rolling_restart_etcd;
 pub mod zone_failure;
 
 use std::sync::atomic::Ordering;

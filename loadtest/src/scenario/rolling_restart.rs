@@ -8,7 +8,8 @@
 //! restarts.
 //!
 //! lockcell only: bare etcd (and its grpc-proxy, a stateless relay) has no proxies that
-//! hold sessions to restart.
+//! hold sessions to restart. Through the proxies' etcd API the run holds etcd leases
+//! instead ([`super::rolling_restart_etcd`]).
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -45,6 +46,10 @@ pub struct Args {
     /// How long to measure before the first restart.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub baseline: Duration,
+    /// lockcell-etcd-api only: the etcd leases' TTL (whole seconds), renewed every third
+    /// of it.
+    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration)]
+    pub etcd_lease_ttl: Duration,
 }
 
 /// The SDK's grace period: far longer than a move between serving proxies takes, so a
@@ -68,9 +73,9 @@ pub async fn run(
         Target::EtcdGrpcProxy => Some(
             "etcd's grpc-proxy holds no sessions (the leases live in etcd), so none move when it restarts",
         ),
-        Target::LockcellEtcdApi => Some(
-            "the etcd API's leases do not move between proxies yet (docs/etcd-api.md)",
-        ),
+        Target::LockcellEtcdApi => {
+            return super::rolling_restart_etcd::run(target, cell_options, args, report).await
+        }
     };
     if let Some(why) = skipped {
         report.param("skipped", why);
@@ -111,7 +116,7 @@ pub async fn run(
     let etcd_before = cell.etcd_counters().await?;
     let restarts_from = Instant::now();
     phase_tx.send_replace(Phase::Restarts);
-    let mut counted = restart_all(&mut cell, args, &followers, &mut report).await?;
+    let mut counted = restart_all(&mut cell, args, Some(&followers), &mut report).await?;
     let restarts_to = Instant::now();
     phase_tx.send_replace(Phase::Done);
     let etcd_after = cell.etcd_counters().await?;
@@ -187,10 +192,10 @@ pub async fn run(
 
 /// Restarts the proxies one at a time, recording each restart's durations. Returns the
 /// proxies' own counters read just before each SIGTERM (a restart resets them).
-async fn restart_all(
+pub(super) async fn restart_all(
     cell: &mut Cell,
     args: &Args,
-    followers: &Followers,
+    followers: Option<&Followers>,
     report: &mut Report,
 ) -> anyhow::Result<ProxyCounters> {
     let mut counted = ProxyCounters::default();
@@ -204,9 +209,9 @@ async fn restart_all(
             .context("a lockcell zone without a proxy")?;
         let at_sigterm = proxy.metric("lockcell_sessions_open").await?;
         counted.add(&ProxyCounters::read(proxy).await?);
+        let moves = followers.map_or(0, |f| f.moves.load(Ordering::Relaxed));
         bar.set_message(format!(
-            "proxy {name}: draining {at_sigterm} sessions; moves seen so far {}",
-            followers.moves.load(Ordering::Relaxed)
+            "proxy {name}: draining {at_sigterm} sessions; moves seen so far {moves}"
         ));
         let restart = cell.restart_proxy(zone, exit_within).await?;
         report.metric(&format!("proxy_{name}_sessions_at_sigterm"), at_sigterm);
@@ -298,15 +303,15 @@ async fn sample_headroom(sessions: Vec<Session>, phase: watch::Receiver<Phase>) 
 
 /// The proxies' own count of what moved, summed over the processes that ran.
 #[derive(Debug, Default)]
-struct ProxyCounters {
-    sessions_resumed: f64,
-    keys_moved: f64,
-    keys_lost: f64,
-    sessions_open: f64,
+pub(super) struct ProxyCounters {
+    pub sessions_resumed: f64,
+    pub keys_moved: f64,
+    pub keys_lost: f64,
+    pub sessions_open: f64,
 }
 
 impl ProxyCounters {
-    async fn read(proxy: &ProxyProcess) -> anyhow::Result<ProxyCounters> {
+    pub(super) async fn read(proxy: &ProxyProcess) -> anyhow::Result<ProxyCounters> {
         Ok(ProxyCounters {
             sessions_resumed: proxy.metric("lockcell_sessions_resumed_total").await?,
             keys_moved: proxy.metric("lockcell_keys_moved_total").await?,
@@ -315,7 +320,7 @@ impl ProxyCounters {
         })
     }
 
-    fn add(&mut self, other: &ProxyCounters) {
+    pub(super) fn add(&mut self, other: &ProxyCounters) {
         self.sessions_resumed += other.sessions_resumed;
         self.keys_moved += other.keys_moved;
         self.keys_lost += other.keys_lost;
