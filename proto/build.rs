@@ -18,7 +18,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(false)
         .build_server(true)
         .compile_protos(
-            &["proto/etcd/auth.proto", "proto/etcd/lock.proto"],
+            &[
+                "proto/etcd/auth.proto",
+                "proto/etcd/lock.proto",
+                "proto/etcd/election.proto",
+            ],
             &["proto"],
         )?;
     Ok(())

@@ -31,6 +31,13 @@ pub mod etcd_lock {
     tonic::include_proto!("v3lockpb");
 }
 
+/// etcd's `v3electionpb` Election service as the proxies serve it
+/// (`proto/etcd/election.proto`).
+pub mod etcd_election {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("v3electionpb");
+}
+
 /// The protoc descriptor set of `lockcell.v1` with its source info, so the comments of the
 /// `.proto` reach `api_doc` (and anything else that wants the schema at run time).
 pub const FILE_DESCRIPTOR_SET: &[u8] =

@@ -66,7 +66,7 @@ impl Lock for EtcdApi {
         let api = self.clone();
         tokio::spawn(async move {
             let mut done = done;
-            let placed = match api.place(caller, &key, req.lease).await {
+            let placed = match api.place(caller, &key, req.lease, b"").await {
                 Ok(placed) => placed,
                 Err(refused) => {
                     let _ = done.send(Err(refused));
@@ -147,12 +147,14 @@ impl EtcdApi {
         }
     }
 
-    /// Puts the caller's key in line: created on the lease unless the lease has it.
-    async fn place(
+    /// Puts the caller's key in line, with `value`: created on the lease unless the
+    /// lease has it.
+    pub(super) async fn place(
         &self,
         caller: Option<String>,
         key: &[u8],
         lease: i64,
+        value: &[u8],
     ) -> Result<Placed, Status> {
         let txn = PbTxnRequest {
             compare: vec![PbCompare {
@@ -166,6 +168,7 @@ impl EtcdApi {
                 request: Some(PbTxnOpRequest::RequestPut(PbPutRequest {
                     key: key.to_vec(),
                     lease,
+                    value: value.to_vec(),
                     ..PbPutRequest::default()
                 })),
             }],
@@ -182,6 +185,7 @@ impl EtcdApi {
             return Ok(Placed {
                 revision,
                 created: true,
+                value: value.to_vec(),
             });
         }
         let existing = reply.responses.iter().find_map(|r| match &r.response {
@@ -194,6 +198,7 @@ impl EtcdApi {
             Some(kv) if kv.lease == lease => Ok(Placed {
                 revision: kv.create_revision,
                 created: false,
+                value: kv.value,
             }),
             Some(_) => Err(Status::failed_precondition(format!(
                 "the lock's key {:?} is there on another lease (a plain put wrote it?)",
@@ -209,7 +214,12 @@ impl EtcdApi {
     /// `mine`, each in turn, the nearest first, while the caller's own key is still
     /// there (as etcd's recipe checks: a key deleted by hand, or with its lease, holds
     /// nothing). Returns the revision it was found first at.
-    async fn wait_first(&self, key: &[u8], mine: i64, lease: i64) -> Result<i64, Status> {
+    pub(super) async fn wait_first(
+        &self,
+        key: &[u8],
+        mine: i64,
+        lease: i64,
+    ) -> Result<i64, Status> {
         let slash = key.iter().rposition(|b| *b == b'/').unwrap_or(0);
         let prefix = &key[..=slash];
         loop {
@@ -302,7 +312,7 @@ impl EtcdApi {
 
     /// Takes a wait's key out of line (a caller who hung up, a wait that failed): the
     /// key this call created at `created`, unless someone wrote it since.
-    async fn withdraw(&self, key: &[u8], created: i64) {
+    pub(super) async fn withdraw(&self, key: &[u8], created: i64) {
         let state = &self.state;
         let etcd_key = inner(key);
         let Ok(map_revision) = self.map_revision(key, &[]) else {
@@ -334,15 +344,17 @@ struct Line {
 }
 
 /// Where a Lock call's key stands in line.
-struct Placed {
+pub(super) struct Placed {
     /// The key's create revision: its place.
-    revision: i64,
+    pub revision: i64,
     /// Whether this call created it (else the lease had it from an earlier call).
-    created: bool,
+    pub created: bool,
+    /// The key's value.
+    pub value: Vec<u8>,
 }
 
 /// A lock's name as text, for the grants.
-fn lock_name(name: &[u8]) -> Result<String, Status> {
+pub(super) fn lock_name(name: &[u8]) -> Result<String, Status> {
     if name.is_empty() {
         return Err(Status::invalid_argument("a lock needs a name"));
     }

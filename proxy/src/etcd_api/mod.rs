@@ -11,9 +11,11 @@
 //! - [`kv`]: ranges, puts, deletes and transactions over the small keys.
 //! - [`watch`]: client watch streams relayed to etcd's.
 //! - [`lock`]: etcd's Lock service, as etcd's own recipe on the caller's lease.
+//! - [`election`]: etcd's Election service, the same way.
 //! - this file: Maintenance and Cluster, what they refuse, and the server.
 
 pub mod auth;
+pub mod election;
 pub mod handoff;
 pub mod ids;
 pub mod keys;
@@ -171,8 +173,9 @@ impl EtcdApi {
                 self.clone(),
             ))
             .add_service(lockcell_proto::etcd_lock::lock_server::LockServer::new(
-                self,
-            ));
+                self.clone(),
+            ))
+            .add_service(lockcell_proto::etcd_election::election_server::ElectionServer::new(self));
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };

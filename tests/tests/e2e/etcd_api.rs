@@ -1005,3 +1005,97 @@ pub async fn a_lease_outlives_a_restart_of_its_only_proxy() -> anyhow::Result<()
     );
     Ok(())
 }
+
+/// etcd's Election service through a proxy, called by the Rust etcd-client crate: the
+/// first campaign leads and the second waits; Leader and Observe show the leader's
+/// key, value and lease; a proclamation changes the value, a stale leader key's is
+/// refused as etcd refuses it; a resignation passes the lead to the next candidate.
+pub async fn the_election_service_elects_one_leader_at_a_time() -> anyhow::Result<()> {
+    use etcd_client::{ProclaimOptions, ResignOptions};
+    let etcd = EtcdCluster::start(1).await?;
+    let (_proxy, api) = proxy_with_etcd_api(&etcd).await?;
+    let client = etcd_client::Client::connect([api.as_str()], None).await?;
+    let first = client.lease_client().grant(30, None).await?.id();
+    let second = client.lease_client().grant(30, None).await?.id();
+
+    let mut elections = client.election_client();
+    let leading = elections.campaign("jobs/leader", "one", first).await?;
+    let leader = leading
+        .leader()
+        .context("a campaign answers its key")?
+        .clone();
+    ensure!(
+        leader.key() == format!("jobs/leader/{first:x}").as_bytes() && leader.lease() == first,
+        "the leader key is {:?} on lease {:x}",
+        String::from_utf8_lossy(leader.key()),
+        leader.lease()
+    );
+    let mut observed = client.election_client().observe("jobs/leader").await?;
+    let seen = observed.message().await?.context("observe ends at once")?;
+    let kv = seen.kv().context("an observed leader has its key")?;
+    ensure!(
+        kv.value() == b"one" && kv.lease() == first && kv.create_revision() == leader.rev(),
+        "observe showed {kv:?}"
+    );
+
+    let mut waiting = client.election_client();
+    let mut contender =
+        tokio::spawn(async move { waiting.campaign("jobs/leader", "two", second).await });
+    let early = tokio::time::timeout(Duration::from_millis(500), &mut contender).await;
+    ensure!(
+        early.is_err(),
+        "a second campaign led beside the first: {early:?}"
+    );
+
+    elections
+        .proclaim(
+            "one again",
+            Some(ProclaimOptions::new().with_leader(leader.clone())),
+        )
+        .await?;
+    let now = elections.leader("jobs/leader").await?;
+    ensure!(
+        now.kv().map(|kv| kv.value()) == Some(&b"one again"[..]),
+        "Leader shows {:?} after the proclamation",
+        now.kv()
+    );
+    let seen = observed.message().await?.context("observe ended")?;
+    ensure!(
+        seen.kv().map(|kv| kv.value()) == Some(&b"one again"[..]),
+        "observe missed the proclamation: {:?}",
+        seen.kv()
+    );
+
+    elections
+        .resign(Some(ResignOptions::new().with_leader(leader.clone())))
+        .await?;
+    let next = tokio::time::timeout(Duration::from_secs(10), contender)
+        .await
+        .context("the second campaign did not lead within 10 s of the resignation")???;
+    let next = next.leader().context("a campaign answers its key")?.clone();
+    ensure!(
+        next.lease() == second,
+        "the lead went to lease {:x}",
+        next.lease()
+    );
+    let seen = observed.message().await?.context("observe ended")?;
+    ensure!(
+        seen.kv().map(|kv| (kv.value(), kv.lease())) == Some((&b"two"[..], second)),
+        "observe did not show the next leader: {:?}",
+        seen.kv()
+    );
+    let stale = elections
+        .proclaim("usurp", Some(ProclaimOptions::new().with_leader(leader)))
+        .await;
+    ensure!(
+        matches!(&stale, Err(e) if e.to_string().contains("election: not leader")),
+        "a resigned leader's proclamation was not refused: {stale:?}"
+    );
+    client.lease_client().revoke(second).await?;
+    let none = elections.leader("jobs/leader").await;
+    ensure!(
+        matches!(&none, Err(e) if e.to_string().contains("election: no leader")),
+        "Leader of an empty election answered {none:?}"
+    );
+    Ok(())
+}
