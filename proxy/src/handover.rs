@@ -58,7 +58,7 @@ pub fn move_hint(
 
 /// Whether a lease that can still back `left` of validity
 /// ([`LeaseBook::left`](crate::leases::LeaseBook::left)) is overdue for renewal.
-fn lease_trouble(state: &ProxyState, left: Duration) -> bool {
+pub(crate) fn lease_trouble(state: &ProxyState, left: Duration) -> bool {
     let config = &state.config;
     // A lease renewed on time has at least `lease_ttl - renew_interval` left; two
     // renewals missed (or half the TTL, if the interval is long) is trouble.

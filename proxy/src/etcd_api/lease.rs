@@ -178,6 +178,7 @@ impl PbLeaseService for EtcdApi {
         request: Request<Streaming<PbLeaseKeepAliveRequest>>,
     ) -> Result<Response<Self::LeaseKeepAliveStream>, Status> {
         let caller = self.caller(&request)?;
+        let leader_required = self.check_leader(&request)?;
         let mut input = request.into_inner();
         let (tx, rx) = mpsc::channel(KEEPALIVE_BUFFER);
         let api = self.clone();
@@ -194,6 +195,10 @@ impl PbLeaseService for EtcdApi {
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 };
                 metrics::counter!(m::KEEPALIVES).increment(1);
+                if leader_required && api.without_leader() {
+                    let _ = tx.send(Err(Status::unavailable(super::NO_LEADER))).await;
+                    return;
+                }
                 // etcd's TTLs are whole seconds. A renewal the proxy cannot back for a
                 // whole second now (its own etcd lease is near its lower bound, as it
                 // is just before each of its renewals with a short lease TTL) is

@@ -105,6 +105,28 @@ impl EtcdApi {
             .retain(|id, _| sessions.peek(&lease::session_of(*id)).is_some());
     }
 
+    /// Whether the proxy is cut off from etcd as far as a client that requires a leader
+    /// is concerned: one of its etcd leases is missing, or overdue for renewal (the
+    /// point at which it asks its own clients to move).
+    pub(crate) fn without_leader(&self) -> bool {
+        let (state, now) = (&self.state, tokio::time::Instant::now());
+        (0..state.leases.len()).any(|bucket| match state.leases.lease(bucket) {
+            Some(lease) => {
+                crate::handover::lease_trouble(state, state.leases.left(bucket, lease, now))
+            }
+            None => true,
+        })
+    }
+
+    /// Refuses a stream that requires a leader while the proxy is cut off from etcd.
+    pub(crate) fn check_leader<T>(&self, request: &Request<T>) -> Result<bool, Status> {
+        let required = requires_leader(request);
+        if required && self.without_leader() {
+            return Err(Status::unavailable(NO_LEADER));
+        }
+        Ok(required)
+    }
+
     /// The live session of lease `id`, the caller's own: here, or taken over now from
     /// a proxy that handed it off. NOT_FOUND (etcd's text) for any other lease;
     /// UNAVAILABLE for one this proxy handed off (the client goes on elsewhere).
@@ -222,6 +244,21 @@ pub(crate) fn etcd_error(e: lockcell_cell::CellError) -> Status {
     }
     crate::errors::ProxyError::from(e).into()
 }
+
+/// etcd's refusal of a stream that asks for a leader when there is none.
+pub(crate) const NO_LEADER: &str = "etcdserver: no leader";
+
+/// Whether a client asked that its stream end when etcd has no leader (Go's
+/// `clientv3.WithRequireLeader`: the `hasleader` metadata).
+pub(crate) fn requires_leader<T>(request: &Request<T>) -> bool {
+    request
+        .metadata()
+        .get("hasleader")
+        .is_some_and(|v| v.as_bytes() == b"true")
+}
+
+/// How often a relayed stream that requires a leader looks again.
+pub(crate) const LEADER_LOOK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The refusal of a call on a lease this proxy handed off while draining.
 pub(crate) fn refused_handed_off() -> Status {

@@ -34,11 +34,12 @@ impl PbWatchService for EtcdApi {
         request: Request<Streaming<PbWatchRequest>>,
     ) -> Result<Response<Self::WatchStream>, Status> {
         let identity = self.caller(&request)?;
+        let leader_required = self.check_leader(&request)?;
         let input = request.into_inner();
         let (tx, rx) = mpsc::channel(BUFFER);
         let api = self.clone();
         tokio::spawn(async move {
-            if let Err(status) = api.relay(input, identity, &tx).await {
+            if let Err(status) = api.relay(input, identity, leader_required, &tx).await {
                 let _ = tx.send(Err(status)).await;
             }
         });
@@ -52,9 +53,11 @@ impl EtcdApi {
         &self,
         mut input: Streaming<PbWatchRequest>,
         identity: Option<String>,
+        leader_required: bool,
         tx: &Replies,
     ) -> Result<(), Status> {
         let mut shutdown = self.state.shutdown.clone();
+        let mut look = tokio::time::interval(super::LEADER_LOOK);
         // The etcd stream, opened with the first watch the client creates.
         let mut etcd: Option<(WatchRequestSender, WatchResponseStream)> = None;
         loop {
@@ -67,14 +70,21 @@ impl EtcdApi {
             enum Next {
                 Asked(Result<Option<PbWatchRequest>, Status>),
                 Told(Result<Option<etcd_client::WatchResponse>, etcd_client::Error>),
+                Look,
                 Stop,
             }
             let next = tokio::select! {
                 asked = input.message() => Next::Asked(asked),
                 told = from_etcd => Next::Told(told),
+                _ = look.tick(), if leader_required => Next::Look,
                 _ = shutdown.wait_for(|stop| *stop) => Next::Stop,
             };
             match next {
+                Next::Look => {
+                    if self.without_leader() {
+                        return Err(Status::unavailable(super::NO_LEADER));
+                    }
+                }
                 Next::Asked(asked) => {
                     let Some(asked) = asked? else { return Ok(()) };
                     self.forward(asked, identity.as_deref(), &mut etcd, tx)

@@ -1099,3 +1099,48 @@ pub async fn the_election_service_elects_one_leader_at_a_time() -> anyhow::Resul
     );
     Ok(())
 }
+
+/// A stream that asks for a leader (`etcdctl watch` does, as Go's
+/// `clientv3.WithRequireLeader`) ends with etcd's "no leader" once the proxy is cut off
+/// from etcd, as a member without a leader ends it.
+pub async fn a_watch_that_requires_a_leader_ends_when_the_proxy_is_cut_off() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let link = lockcell_tests::relay::Relay::start(&etcd.endpoints()[0]).await?;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut options = ProxyOptions::new("a", vec![link.addr.clone()]);
+    options.extra_args = vec!["--etcd-listen".into(), listen.clone()];
+    let _proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    ok(&listen, &["put", "watched", "one"]).await?;
+
+    let mut watch = tokio::process::Command::new("etcdctl")
+        .args(["--endpoints", listen.as_str(), "watch", "watched"])
+        .env("ETCDCTL_API", "3")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting etcdctl watch")?;
+    // The watch serves while etcd is reachable.
+    ok(&listen, &["put", "watched", "two"]).await?;
+    let early = tokio::time::timeout(Duration::from_secs(2), watch.wait()).await;
+    ensure!(
+        early.is_err(),
+        "the watch ended while etcd was reachable: {early:?}"
+    );
+
+    link.cut(true);
+    let out = tokio::time::timeout(Duration::from_secs(20), watch.wait_with_output())
+        .await
+        .context("the watch went on 20 s after the proxy was cut off from etcd")??;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        said.contains("two") && said.contains("no leader"),
+        "the watch printed {said:?}"
+    );
+    link.cut(false);
+    Ok(())
+}
