@@ -298,6 +298,14 @@ impl SessionTable {
         marked
     }
 
+    /// Takes back the hand-off of session `id` (its record could not be written): it is
+    /// renewed here again.
+    pub fn keep(&self, id: &str) {
+        if let Some(mut s) = self.live.get_mut(id) {
+            s.handed_off = false;
+        }
+    }
+
     /// How many live sessions were not handed off.
     pub fn staying(&self) -> usize {
         self.live.iter().filter(|s| !s.handed_off).count()

@@ -167,6 +167,33 @@ impl EtcdApi {
         if sessions.is_empty() {
             return written;
         }
+        // A write whose answer never came may have landed (a lock key a retry then
+        // stood on): read, and named in the record if it did.
+        let mut settled = Vec::with_capacity(sessions.len());
+        for mut s in sessions {
+            let unsettled: Vec<Grant> = s
+                .held
+                .iter()
+                .filter(|g| g.is_unsettled())
+                .cloned()
+                .collect();
+            if unsettled.is_empty() {
+                settled.push(s);
+                continue;
+            }
+            match state.locklog.settle(&unsettled, s.lease).await {
+                Ok(found) => {
+                    s.held.retain(|g| !g.is_unsettled());
+                    s.held.extend(found);
+                    settled.push(s);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, session = %s.id, "could not read a lease's unanswered writes; it stays here");
+                    state.sessions.keep(&s.id);
+                }
+            }
+        }
+        let sessions = settled;
         let now = Instant::now();
         for chunk in sessions.chunks(RECORDS_PER_TXN) {
             let mut puts = Vec::with_capacity(chunk.len());
@@ -195,12 +222,17 @@ impl EtcdApi {
                         written.insert(id, (s.clone(), revision));
                     }
                 }
-                // Not handed over: those leases expire here, as before a drain.
-                Err(error) => tracing::warn!(
-                    %error,
-                    leases = chunk.len(),
-                    "could not hand etcd API leases over; they expire here"
-                ),
+                // Not handed over: those leases stay here, and end with the proxy.
+                Err(error) => {
+                    tracing::warn!(
+                        %error,
+                        leases = chunk.len(),
+                        "could not hand etcd API leases over; they stay here"
+                    );
+                    for s in chunk {
+                        state.sessions.keep(&s.id);
+                    }
+                }
             }
         }
         metrics::counter!(m::ETCD_API_LEASES_HANDED_OFF).increment(written.len() as u64);
@@ -359,13 +391,15 @@ impl EtcdApi {
                 return Ok(TakeOver::NoRecord);
             }
         };
-        let owned = match (&record.principal, caller) {
-            (Some(owner), Some(caller)) => owner == caller,
-            _ => true,
-        };
-        if !owned || unix_ms(SystemTime::now()) >= record.lapses_at_unix_ms {
+        // Only its owner takes a lease: the same identity, or none on both sides (a
+        // lease granted without grants is no identity's, and one with is not anyone's).
+        let owned = record.principal.as_deref() == caller;
+        let now_unix = unix_ms(SystemTime::now());
+        if !owned || now_unix >= record.lapses_at_unix_ms {
             return Ok(TakeOver::NoRecord);
         }
+        // The lease lapses here when it would have there: a take-over is no renewal.
+        let left = Duration::from_millis(record.lapses_at_unix_ms - now_unix);
         if state.is_draining() {
             return Err(Status::unavailable(
                 "etcdserver: this proxy is shutting down; use another endpoint",
@@ -393,6 +427,7 @@ impl EtcdApi {
             now + Duration::from_millis(record.acting_for_ms),
         );
         session.principal = record.principal.as_deref().map(Into::into);
+        session.renewed_at = now.checked_sub(ttl.saturating_sub(left)).unwrap_or(now);
         let incarnation = session.incarnation;
         state.sessions.insert(session);
         let name = LockName::parse(&session_id).expect("16 hex digits name a lock");
@@ -462,9 +497,6 @@ impl EtcdApi {
                     .forget_grant(&session_id, &grant.key, grant.revision),
             }
         }
-        let renewed =
-            |r: crate::sessions::Renewed| state.leases.valid_for(r.bucket, r.lease, r.ttl, now);
-        let _ = state.sessions.renew(&session_id, None, now, renewed);
         metrics::counter!(m::SESSIONS_RESUMED).increment(1);
         metrics::counter!(m::KEYS_MOVED).increment(kept as u64);
         state.publish_sessions_open();

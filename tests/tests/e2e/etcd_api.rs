@@ -1144,3 +1144,136 @@ pub async fn a_watch_that_requires_a_leader_ends_when_the_proxy_is_cut_off() -> 
     link.cut(false);
     Ok(())
 }
+
+/// A leased write whose answer the client gave up on, but which landed (a lock key a
+/// retry then stood on, as Go's `concurrency.Mutex` retries), is handed over with its
+/// lease: it is still there past the first proxy's own etcd lease, so the lock it
+/// stands for is not granted to anyone else while its lease lives.
+pub async fn a_write_whose_answer_was_lost_is_handed_over_with_its_lease() -> anyhow::Result<()> {
+    use etcd_client::proto::{PbCompare, PbCompareTarget, PbTargetUnion, PbTxnResponse};
+    use etcd_client::proto::{PbPutRequest, PbTxnOpRequest, PbTxnRequest, PbTxnRequestOp};
+    let etcd = EtcdCluster::start(1).await?;
+    let (mut a, api_a) = proxy_with_etcd_api(&etcd).await?;
+    let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
+    let on_a = etcd_client::Client::connect([api_a.as_str()], None).await?;
+    let on_b = etcd_client::Client::connect([api_b.as_str()], None).await?;
+    let lease = on_a.lease_client().grant(60, None).await?.id();
+
+    // The lock recipe's put, with a deadline the proxy is told of (`grpc-timeout`), so
+    // the proxy gives up on it too: some land in etcd, unanswered.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{api_a}"))?
+        .connect()
+        .await?;
+    let mut landed = None;
+    for attempt in 0..400 {
+        let key = format!("lost-answer/{attempt}/{lease:x}").into_bytes();
+        let txn = PbTxnRequest {
+            compare: vec![PbCompare {
+                key: key.clone(),
+                target: PbCompareTarget::Create as i32,
+                target_union: Some(PbTargetUnion::CreateRevision(0)),
+                ..PbCompare::default()
+            }],
+            success: vec![PbTxnRequestOp {
+                request: Some(PbTxnOpRequest::RequestPut(PbPutRequest {
+                    key: key.clone(),
+                    lease,
+                    ..PbPutRequest::default()
+                })),
+            }],
+            failure: Vec::new(),
+        };
+        let mut request = tonic::Request::new(txn);
+        request.set_timeout(Duration::from_micros(300 + 100 * (attempt % 40)));
+        let mut grpc = tonic::client::Grpc::new(channel.clone());
+        grpc.ready().await?;
+        let path = tonic::codegen::http::uri::PathAndQuery::from_static("/etcdserverpb.KV/Txn");
+        let codec = tonic_prost::ProstCodec::<PbTxnRequest, PbTxnResponse>::default();
+        if grpc.unary(request, path, codec).await.is_ok() {
+            continue;
+        }
+        let key = String::from_utf8(key)?;
+        if key_state(&on_a, &key).await?.is_some() {
+            landed = Some(key);
+            break;
+        }
+    }
+    let key = landed.context("no write landed unanswered in 400 tries")?;
+    let (created, _) = key_state(&on_a, &key).await?.context("the key")?;
+
+    a.process.signal(nix::sys::signal::Signal::SIGTERM)?;
+    a.wait_for_log("handed over to the next proxy", Duration::from_secs(10))
+        .await?;
+    ensure!(
+        renew_once(&on_b, lease).await? > 0,
+        "the lease was not taken over"
+    );
+    a.process.wait_exit(Duration::from_secs(20)).await?;
+    // Past the first proxy's own etcd lease (3 s).
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while tokio::time::Instant::now() < until {
+        ensure!(renew_once(&on_b, lease).await? > 0, "the lease lapsed at b");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let now = key_state(&on_b, &key).await?;
+    ensure!(
+        now.map(|(c, _)| c) == Some(created),
+        "the unanswered write {key:?} did not go on with its lease: {now:?}"
+    );
+    Ok(())
+}
+
+/// A handed-over lease is taken only by its owner: a lease granted to an identity is
+/// not taken by an anonymous client at a proxy without grants, and stays for its owner.
+pub async fn only_its_owner_takes_a_handed_over_lease() -> anyhow::Result<()> {
+    use lockcell_tests::certs::token_sha256;
+    let etcd = EtcdCluster::start(1).await?;
+    let token = "alice-token-0123456789abcdef0123456789";
+    let grants = etcd.dir.join("handoff-grants.toml");
+    std::fs::write(
+        &grants,
+        format!(
+            "[[grant]]\nidentity = \"alice\"\nread = [\"held/\"]\nwrite = [\"held/\"]\n\n\
+             [[token]]\nidentity = \"alice\"\nsha256 = \"{}\"\n",
+            token_sha256(token)
+        ),
+    )?;
+    let with_grants = || {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let mut options = ProxyOptions::new("a", etcd.endpoints());
+        options.extra_args = vec![
+            "--etcd-listen".into(),
+            listen.clone(),
+            "--grants".into(),
+            grants.display().to_string(),
+            "--grants-without-tls".into(),
+        ];
+        (options, listen)
+    };
+    let (options_g, api_g) = with_grants();
+    let mut g = ProxyProcess::start(&options_g, &etcd.dir).await?;
+    let (options_h, api_h) = with_grants();
+    let _h = ProxyProcess::start(&options_h, &etcd.dir).await?;
+    let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
+    let alice = || etcd_client::ConnectOptions::new().with_user("alice", token);
+    let on_g = etcd_client::Client::connect([api_g.as_str()], Some(alice())).await?;
+    let lease = on_g.lease_client().grant(30, None).await?.id();
+    let leased = etcd_client::PutOptions::new().with_lease(lease);
+    on_g.kv_client().put("held/k", "v", Some(leased)).await?;
+
+    g.process.signal(nix::sys::signal::Signal::SIGTERM)?;
+    g.wait_for_log("handed over to the next proxy", Duration::from_secs(10))
+        .await?;
+    let anonymous = etcd_client::Client::connect([api_b.as_str()], None).await?;
+    let taken = renew_once(&anonymous, lease).await;
+    ensure!(
+        taken.is_err() || taken.as_ref().is_ok_and(|ttl| *ttl <= 0),
+        "an anonymous client took alice's lease: {taken:?}"
+    );
+    let on_h = etcd_client::Client::connect([api_h.as_str()], Some(alice())).await?;
+    ensure!(
+        renew_once(&on_h, lease).await? > 0,
+        "alice could not take her own lease over"
+    );
+    Ok(())
+}

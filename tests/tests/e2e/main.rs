@@ -154,6 +154,8 @@ fn main() {
         etcd_api::a_leased_put_racing_its_revoke_is_all_or_nothing,
         etcd_api::a_drained_proxys_leases_go_on_at_the_next_proxy,
         etcd_api::a_lease_outlives_a_restart_of_its_only_proxy,
+        etcd_api::a_write_whose_answer_was_lost_is_handed_over_with_its_lease,
+        etcd_api::only_its_owner_takes_a_handed_over_lease,
         etcd_api::the_election_service_elects_one_leader_at_a_time,
         etcd_api::a_watch_that_requires_a_leader_ends_when_the_proxy_is_cut_off,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
