@@ -4,7 +4,8 @@
 //! `NAME/<lease in hex>`, created on its lease with its value; the leader is the key
 //! under `NAME/` with the earliest create revision; a proclamation rewrites the
 //! leader's value while its key still has the create revision it led with; resigning
-//! deletes the key, and so does the lease's end.
+//! deletes the key, and so does the lease's end. Campaign, Proclaim and Resign take the
+//! lock right on the name, Leader and Observe the read right.
 
 use std::pin::Pin;
 
@@ -26,7 +27,6 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::keys::inner;
-use super::lock::lock_name;
 use super::EtcdApi;
 use crate::grants::Right;
 
@@ -47,7 +47,7 @@ impl Election for EtcdApi {
     ) -> Result<Response<CampaignResponse>, Status> {
         let caller = self.caller(&request)?;
         let req = request.into_inner();
-        self.may_elect(caller.as_deref(), &req.name)?;
+        self.may(caller.as_deref(), Right::Lock, &req.name)?;
         if req.lease == 0 {
             return Err(Status::invalid_argument(format!(
                 "a campaign in {:?} needs a lease: grant one and name it",
@@ -120,7 +120,7 @@ impl Election for EtcdApi {
         let leader = req
             .leader
             .ok_or_else(|| Status::invalid_argument("a proclamation names its leader key"))?;
-        self.may_elect(caller.as_deref(), &leader.name)?;
+        self.may(caller.as_deref(), Right::Lock, &leader.name)?;
         let revision = self
             .proclaim_as(caller, &leader.key, leader.rev, leader.lease, &req.value)
             .await?;
@@ -135,7 +135,7 @@ impl Election for EtcdApi {
     ) -> Result<Response<LeaderResponse>, Status> {
         let caller = self.caller(&request)?;
         let name = request.into_inner().name;
-        self.may_observe(caller.as_deref(), &name)?;
+        self.may(caller.as_deref(), Right::Read, &name)?;
         let (revision, kv) = self.first_candidate(&name).await?;
         let kv = kv.ok_or_else(|| Status::unknown(NO_LEADER))?;
         Ok(Response::new(LeaderResponse {
@@ -152,7 +152,7 @@ impl Election for EtcdApi {
     ) -> Result<Response<Self::ObserveStream>, Status> {
         let caller = self.caller(&request)?;
         let name = request.into_inner().name;
-        self.may_observe(caller.as_deref(), &name)?;
+        self.may(caller.as_deref(), Right::Read, &name)?;
         let (tx, rx) = mpsc::channel(OBSERVE_BUFFER);
         let api = self.clone();
         tokio::spawn(async move {
@@ -178,7 +178,7 @@ impl Election for EtcdApi {
             .into_inner()
             .leader
             .ok_or_else(|| Status::invalid_argument("a resignation names its leader key"))?;
-        self.may_elect(caller.as_deref(), &leader.name)?;
+        self.may(caller.as_deref(), Right::Lock, &leader.name)?;
         let key = inner(&leader.key);
         let map_revision = self.map_revision(&leader.key, &[])?;
         // As etcd's: a key that no longer leads with that revision is left alone.
@@ -213,37 +213,6 @@ impl EtcdApi {
             member_id: h.member_id,
             revision: h.revision,
             raft_term: h.raft_term,
-        }
-    }
-
-    /// Campaigning, proclaiming and resigning take the lock right on the election's
-    /// name, as a Lock call does.
-    fn may_elect(&self, caller: Option<&str>, name: &[u8]) -> Result<(), Status> {
-        let name = lock_name(name)?;
-        match caller {
-            Some(identity) => {
-                Ok(self
-                    .state
-                    .grants
-                    .current()
-                    .check(identity, Right::Lock, &name)?)
-            }
-            None => Ok(()),
-        }
-    }
-
-    /// Reading who leads takes the read right on the election's keys.
-    fn may_observe(&self, caller: Option<&str>, name: &[u8]) -> Result<(), Status> {
-        let name = lock_name(name)?;
-        match caller {
-            Some(identity) => {
-                Ok(self
-                    .state
-                    .grants
-                    .current()
-                    .check(identity, Right::Read, &name)?)
-            }
-            None => Ok(()),
         }
     }
 

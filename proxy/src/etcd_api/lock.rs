@@ -44,13 +44,7 @@ impl Lock for EtcdApi {
     async fn lock(&self, request: Request<LockRequest>) -> Result<Response<LockResponse>, Status> {
         let caller = self.caller(&request)?;
         let req = request.into_inner();
-        let name = lock_name(&req.name)?;
-        if let Some(identity) = caller.as_deref() {
-            self.state
-                .grants
-                .current()
-                .check(identity, Right::Lock, &name)?;
-        }
+        let name = self.may(caller.as_deref(), Right::Lock, &req.name)?;
         if req.lease == 0 {
             return Err(Status::invalid_argument(format!(
                 "a lock on {name:?} needs a lease: grant one and name it"
@@ -113,13 +107,7 @@ impl Lock for EtcdApi {
                     String::from_utf8_lossy(&key)
                 ))
             })?;
-        let name = lock_name(name)?;
-        if let Some(identity) = caller.as_deref() {
-            self.state
-                .grants
-                .current()
-                .check(identity, Right::Lock, &name)?;
-        }
+        self.may(caller.as_deref(), Right::Lock, name)?;
         let map_revision = self.map_revision(&key, &[])?;
         let outcome = self
             .guarded(
@@ -137,6 +125,21 @@ impl Lock for EtcdApi {
 }
 
 impl EtcdApi {
+    /// Checks that `caller` (when the proxy checks grants) has `right` on the lock or
+    /// election `name`; returns the name as text.
+    pub(super) fn may(
+        &self,
+        caller: Option<&str>,
+        right: Right,
+        name: &[u8],
+    ) -> Result<String, Status> {
+        let name = lock_name(name)?;
+        if let Some(identity) = caller {
+            self.state.grants.current().check(identity, right, &name)?;
+        }
+        Ok(name)
+    }
+
     fn lock_header(&self, revision: i64) -> ResponseHeader {
         let h = self.header(revision);
         ResponseHeader {
@@ -354,7 +357,7 @@ pub(super) struct Placed {
 }
 
 /// A lock's name as text, for the grants.
-pub(super) fn lock_name(name: &[u8]) -> Result<String, Status> {
+fn lock_name(name: &[u8]) -> Result<String, Status> {
     if name.is_empty() {
         return Err(Status::invalid_argument("a lock needs a name"));
     }

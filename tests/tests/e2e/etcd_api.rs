@@ -1113,7 +1113,15 @@ pub async fn a_watch_that_requires_a_leader_ends_when_the_proxy_is_cut_off() -> 
     ok(&listen, &["put", "watched", "one"]).await?;
 
     let mut watch = tokio::process::Command::new("etcdctl")
-        .args(["--endpoints", listen.as_str(), "watch", "watched"])
+        // From the start of the key's history, so no put can slip in before the watch.
+        .args([
+            "--endpoints",
+            listen.as_str(),
+            "watch",
+            "watched",
+            "--rev",
+            "1",
+        ])
         .env("ETCDCTL_API", "3")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
