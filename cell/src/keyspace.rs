@@ -306,6 +306,13 @@ pub fn etcd_lease_claim_key(id: i64) -> String {
     format!("{SESSIONS_ROOT}!etcd-lease/{id:016x}")
 }
 
+/// The cell's key for the calls its proxies forward to each other on etcd API leases
+/// (an HMAC key, random, written once by the first proxy that needs it): only
+/// proxies read lockcell's own keys.
+pub fn etcd_forward_key() -> &'static str {
+    "/s/!etcd-forward-key"
+}
+
 /// Where a draining proxy hands an etcd API lease over to whichever proxy its client
 /// reaches next: `/s/!etcd-handoff/<id in hex>`, on the proxy lease of the lease's
 /// session, so it goes with that lease (see the proxy's `etcd_api::handoff`).

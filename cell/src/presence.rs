@@ -30,6 +30,13 @@ pub struct Presence {
     pub version: String,
     /// When it started, Unix milliseconds.
     pub started_ms: u64,
+    /// Where its etcd API is reached (HOST:PORT), when it serves one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<String>,
+    /// The blocks of etcd API lease IDs it hands out: the other proxies find a lease's
+    /// proxy by its ID's block.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub etcd_lease_blocks: Vec<u64>,
 }
 
 /// Writes `presence` on `lease`.
@@ -82,6 +89,8 @@ pub async fn recorded(
                 admin: "?".into(),
                 version: "?".into(),
                 started_ms: 0,
+                etcd: None,
+                etcd_lease_blocks: Vec::new(),
             });
             Recorded {
                 presence,

@@ -34,6 +34,22 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_ETCD_LISTEN")]
     pub etcd_listen: Option<SocketAddr>,
 
+    /// Address (HOST:PORT) the other proxies and etcd clients reach this proxy's etcd
+    /// API at: in `MemberList`, and where the other proxies forward calls on this
+    /// proxy's leases. Defaults to --etcd-listen; set it when that binds every
+    /// interface (0.0.0.0) or sits behind a NAT. With --tls-cert, its host must be a
+    /// name in the certificate.
+    #[arg(long, env = "LOCKCELL_ETCD_ADVERTISE", requires = "etcd_listen")]
+    pub etcd_advertise: Option<String>,
+
+    /// CA certificate (PEM) that signed the other proxies' --tls-cert: with TLS, this
+    /// proxy forwards calls on leases held at another proxy only to a proxy whose
+    /// certificate it signed. Unset, those calls are refused with UNAVAILABLE (and
+    /// clients with one endpoint per proxy are unaffected). With --tls-client-ca, the
+    /// proxy presents its own --tls-cert as client certificate when it forwards.
+    #[arg(long, env = "LOCKCELL_ETCD_PEER_CA", requires = "tls_cert")]
+    pub etcd_peer_ca: Option<std::path::PathBuf>,
+
     /// File holding the token POST /drain requires (`Authorization: Bearer TOKEN`) from
     /// every caller, loopback included: set it where a loopback address proves nothing
     /// (a service-mesh sidecar forwards from 127.0.0.6). At least 32 characters; read
@@ -252,6 +268,13 @@ pub enum ConfigError {
 }
 
 impl ProxyConfig {
+    /// Where the etcd API is reached: --etcd-advertise, else --etcd-listen.
+    pub fn etcd_advertised(&self) -> Option<String> {
+        self.etcd_advertise
+            .clone()
+            .or_else(|| self.etcd_listen.map(|a| a.to_string()))
+    }
+
     /// Checks the values against each other; every error names the flag to change.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.grants.is_some() && self.tls_cert.is_none() && !self.grants_without_tls {

@@ -69,19 +69,9 @@ async fn grant(state: &ProxyState, bucket: usize) -> i64 {
 /// `lockcell-cell` sees which proxies run on the cell; tries again until it is written,
 /// or the lease is replaced or the proxy stops.
 async fn announce(state: Arc<ProxyState>, lease: i64) {
-    let presence = lockcell_cell::presence::Presence {
-        proxy_id: state.proxy_id.clone(),
-        zone: state.config.zone.clone(),
-        listen: state.config.listen.to_string(),
-        admin: state.config.admin_listen.to_string(),
-        version: env!("CARGO_PKG_VERSION").to_owned(),
-        started_ms: started_ms(),
-    };
     let mut pause = Duration::from_millis(100);
     while state.leases.lease(0) == Some(lease) && !*state.shutdown.borrow() {
-        let mut kv = state.etcd.kv_client();
-        let timeout = state.config.etcd_timeout;
-        match lockcell_cell::presence::announce(&mut kv, &presence, lease, timeout).await {
+        match announce_on(&state, lease).await {
             Ok(()) => return,
             Err(error) => {
                 tracing::warn!(%error, lease, "writing the proxy's presence record failed; retrying")
@@ -90,6 +80,28 @@ async fn announce(state: Arc<ProxyState>, lease: i64) {
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(5));
     }
+}
+
+/// Writes the proxy's presence record once on `lease`: what it is, where it listens,
+/// and the blocks of etcd API lease IDs it has taken so far.
+pub(crate) async fn announce_on(
+    state: &ProxyState,
+    lease: i64,
+) -> Result<(), lockcell_cell::CellError> {
+    let blocks = state.etcd_lease_blocks.lock().await;
+    let presence = lockcell_cell::presence::Presence {
+        proxy_id: state.proxy_id.clone(),
+        zone: state.config.zone.clone(),
+        listen: state.config.listen.to_string(),
+        admin: state.config.admin_listen.to_string(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_ms: started_ms(),
+        etcd: state.config.etcd_advertised(),
+        etcd_lease_blocks: blocks.clone(),
+    };
+    let mut kv = state.etcd.kv_client();
+    let timeout = state.config.etcd_timeout;
+    lockcell_cell::presence::announce(&mut kv, &presence, lease, timeout).await
 }
 
 /// When the proxy first held a lease, Unix milliseconds: when it started, for its

@@ -470,6 +470,7 @@ impl Engine {
             drain: shared.drain.clone(),
             drain_started: Default::default(),
             handed_off: Default::default(),
+            etcd_lease_blocks: Default::default(),
             config,
         });
         let mut tasks = tokio::task::JoinSet::new();

@@ -67,6 +67,10 @@ pub struct ProxyState {
     /// Set by the etcd API when it serves: turns true once a drain's hand-off of its
     /// leases is written (see `etcd_api::handoff`), which the drain waits for.
     pub handed_off: std::sync::OnceLock<watch::Receiver<bool>>,
+    /// The blocks of etcd API lease IDs this proxy has taken, which its presence record
+    /// names (see `etcd_api::ids`). Held while the record is written, so the last
+    /// record written names every block taken before it.
+    pub etcd_lease_blocks: tokio::sync::Mutex<Vec<u64>>,
 }
 
 impl ProxyState {

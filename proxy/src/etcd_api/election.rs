@@ -46,8 +46,15 @@ impl Election for EtcdApi {
         request: Request<CampaignRequest>,
     ) -> Result<Response<CampaignResponse>, Status> {
         let caller = self.caller(&request)?;
+        self.may(caller.as_deref(), Right::Lock, &request.get_ref().name)?;
+        let (lease, campaign) = (request.get_ref().lease, "/v3electionpb.Election/Campaign");
+        if let Some(there) = self
+            .forward_unary(lease, campaign, &request, caller.as_deref(), |_| false)
+            .await?
+        {
+            return Ok(there);
+        }
         let req = request.into_inner();
-        self.may(caller.as_deref(), Right::Lock, &req.name)?;
         if req.lease == 0 {
             return Err(Status::invalid_argument(format!(
                 "a campaign in {:?} needs a lease: grant one and name it",
@@ -116,6 +123,14 @@ impl Election for EtcdApi {
         request: Request<ProclaimRequest>,
     ) -> Result<Response<ProclaimResponse>, Status> {
         let caller = self.caller(&request)?;
+        let lease = request.get_ref().leader.as_ref().map_or(0, |l| l.lease);
+        let proclaim = "/v3electionpb.Election/Proclaim";
+        if let Some(there) = self
+            .forward_unary(lease, proclaim, &request, caller.as_deref(), |_| false)
+            .await?
+        {
+            return Ok(there);
+        }
         let req = request.into_inner();
         let leader = req
             .leader

@@ -18,6 +18,7 @@ use lockcell_cell::keyspace::lease_blocks_key;
 use tokio::sync::Mutex;
 
 use crate::errors::ProxyError;
+use crate::state::ProxyState;
 
 /// Bits 48 to 62 of every etcd API lease ID: "lc".
 pub const MARK: i64 = 0x6c63;
@@ -31,25 +32,43 @@ const BLOCKS: u64 = 1 << 32;
 /// The IDs this proxy hands out.
 #[derive(Default)]
 pub struct LeaseIds {
-    /// The block taken and the next index in it.
-    next: Mutex<Option<(u64, u64)>>,
+    /// The block taken, the next index in it, and whether the proxy's presence record
+    /// names the block yet.
+    next: Mutex<Option<(u64, u64, bool)>>,
 }
 
 impl LeaseIds {
-    /// A new ID, taking the next block from the cell when this one is used up.
-    pub async fn take(
-        &self,
-        kv: &etcd_client::KvClient,
-        timeout: Duration,
-    ) -> Result<i64, ProxyError> {
+    /// A new ID, taking the next block from the cell when this one is used up. No ID of
+    /// a block is handed out before the proxy's presence record names the block, so
+    /// that every proxy of the cell finds the lease's proxy from its ID (see
+    /// [`super::forward`]).
+    pub async fn take(&self, state: &ProxyState) -> Result<i64, ProxyError> {
+        let timeout = state.config.etcd_timeout;
         let mut next = self.next.lock().await;
-        let (block, index) = match *next {
-            Some((block, index)) if index < BLOCK => (block, index),
-            _ => (take_block(kv, timeout).await?, 0),
+        let (block, index, announced) = match *next {
+            Some((block, index, announced)) if index < BLOCK => (block, index, announced),
+            _ => {
+                let block = take_block(&state.etcd.kv_client(), timeout).await?;
+                state.etcd_lease_blocks.lock().await.push(block);
+                (block, 0, false)
+            }
         };
-        *next = Some((block, index + 1));
+        *next = Some((block, index, announced));
+        if !announced {
+            let lease = state.leases.lease(0).ok_or_else(|| {
+                ProxyError::EtcdUnavailable("this proxy holds no etcd lease right now".into())
+            })?;
+            crate::lease_keeper::announce_on(state, lease).await?;
+            *next = Some((block, index, true));
+        }
+        *next = Some((block, index + 1, true));
         Ok(id(block, index))
     }
+}
+
+/// The block lease `id` is from.
+pub fn block_of(id: i64) -> u64 {
+    (id as u64 >> 16) % BLOCKS
 }
 
 /// The ID of `index` in `block`.
@@ -118,6 +137,8 @@ mod tests {
         let c = id(1, 0);
         assert!(is_ours(a) && is_ours(b) && is_ours(c));
         assert!(a < b && b < c, "{a:x} {b:x} {c:x}");
+        assert_eq!((block_of(a), block_of(b), block_of(c)), (0, 0, 1));
+        assert_eq!(block_of(id(BLOCKS - 1, 5)), BLOCKS - 1);
         assert!(a > 0, "a positive ID, as etcd's are");
         assert_eq!(id(BLOCKS - 1, BLOCK - 1) >> 48, MARK);
     }

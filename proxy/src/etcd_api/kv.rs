@@ -62,6 +62,14 @@ impl PbKvService for EtcdApi {
     async fn put(&self, request: Request<PbPutRequest>) -> Result<Response<PbPutResponse>, Status> {
         let caller = self.caller(&request)?;
         self.authorize_range(&request, Right::Write, &request.get_ref().key, &[])?;
+        let lease = request.get_ref().lease;
+        let put = "/etcdserverpb.KV/Put";
+        if let Some(there) = self
+            .forward_unary(lease, put, &request, caller.as_deref(), |_| false)
+            .await?
+        {
+            return Ok(there);
+        }
         let req = request.into_inner();
         if req.ignore_value || req.ignore_lease {
             return Err(Status::invalid_argument(format!(
@@ -204,6 +212,22 @@ impl PbKvService for EtcdApi {
             )));
         }
         self.authorize_txn(&request, request.get_ref())?;
+        // A Txn that puts with a lease living at another proxy runs there (one whose
+        // puts name leases of two proxies finds the second unknown there).
+        let mut leases: Vec<i64> = txn_puts(request.get_ref())
+            .iter()
+            .map(|p| p.lease)
+            .collect();
+        leases.dedup();
+        for lease in leases {
+            let txn = "/etcdserverpb.KV/Txn";
+            if let Some(there) = self
+                .forward_unary(lease, txn, &request, caller.as_deref(), |_| false)
+                .await?
+            {
+                return Ok(there);
+            }
+        }
         self.txn_as(caller, request.into_inner())
             .await
             .map(Response::new)

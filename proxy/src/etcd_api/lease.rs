@@ -3,7 +3,9 @@
 //! renew it from memory, a revoke closes it and answers once its keys are gone, and its
 //! expiry deletes its keys as any session's does.
 
+use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::proto::{
@@ -35,6 +37,11 @@ const KEEPALIVE_BUFFER: usize = 64;
 
 /// etcd's text for a lease it does not know (clients match it).
 pub const LEASE_NOT_FOUND: &str = "etcdserver: requested lease not found";
+
+/// The Lease calls forwarded to the proxy a lease lives at.
+const REVOKE: &str = "/etcdserverpb.Lease/LeaseRevoke";
+const TIME_TO_LIVE: &str = "/etcdserverpb.Lease/LeaseTimeToLive";
+const KEEP_ALIVE: &str = "/etcdserverpb.Lease/LeaseKeepAlive";
 
 /// etcd's text for a lease ID that is taken (clients match it).
 pub const LEASE_EXISTS: &str = "etcdserver: lease already exists";
@@ -99,9 +106,7 @@ impl PbLeaseService for EtcdApi {
             }
             req.id
         } else {
-            self.ids
-                .take(&state.etcd.kv_client(), state.config.etcd_timeout)
-                .await?
+            self.ids.take(state).await?
         };
         // etcd raises a TTL under its minimum (2 s with its default election timeout);
         // so does the proxy, also to the session classes' minimum: a lease of 1 s could
@@ -153,7 +158,13 @@ impl PbLeaseService for EtcdApi {
         request: Request<PbLeaseRevokeRequest>,
     ) -> Result<Response<PbLeaseRevokeResponse>, Status> {
         let caller = self.caller(&request)?;
-        let id = request.into_inner().id;
+        let id = request.get_ref().id;
+        if let Some(there) = self
+            .forward_unary(id, REVOKE, &request, caller.as_deref(), |_| false)
+            .await?
+        {
+            return Ok(there);
+        }
         let session = session_of(id);
         self.lease_session(id, caller.as_deref()).await?;
         crate::service::session::close_stay(&self.state, &session, None)
@@ -179,9 +190,18 @@ impl PbLeaseService for EtcdApi {
     ) -> Result<Response<Self::LeaseKeepAliveStream>, Status> {
         let caller = self.caller(&request)?;
         let leader_required = self.check_leader(&request)?;
+        let metadata = request.metadata().clone();
         let mut input = request.into_inner();
         let (tx, rx) = mpsc::channel(KEEPALIVE_BUFFER);
         let api = self.clone();
+        // Dropped with this stream's task: its streams to other proxies end with it.
+        let relays = Arc::new(Relays {
+            api: api.clone(),
+            caller: caller.clone(),
+            metadata,
+            tx: tx.clone(),
+            open: Default::default(),
+        });
         // Owned by the stream: it ends when the client hangs up, the reply stream is
         // dropped, or the proxy shuts down.
         tokio::spawn(async move {
@@ -215,14 +235,10 @@ impl PbLeaseService for EtcdApi {
                         ));
                         continue;
                     }
-                    // Perhaps handed over by a draining proxy: taken over here first.
+                    // At another proxy (forwarded there), or handed over by a draining
+                    // proxy (taken over here first).
                     Renewal::Unknown => {
-                        tokio::spawn(take_over_and_answer(
-                            api.clone(),
-                            req.id,
-                            caller.clone(),
-                            tx.clone(),
-                        ));
+                        tokio::spawn(relays.clone().unknown(req.id, None));
                         continue;
                     }
                     // The client goes on with another proxy (its stream ends here).
@@ -244,6 +260,14 @@ impl PbLeaseService for EtcdApi {
         request: Request<PbLeaseTimeToLiveRequest>,
     ) -> Result<Response<PbLeaseTimeToLiveResponse>, Status> {
         let caller = self.caller(&request)?;
+        let id = request.get_ref().id;
+        let moved = |reply: &PbLeaseTimeToLiveResponse| reply.ttl == -1;
+        if let Some(there) = self
+            .forward_unary(id, TIME_TO_LIVE, &request, caller.as_deref(), moved)
+            .await?
+        {
+            return Ok(there);
+        }
         let req = request.into_inner();
         let now = Instant::now();
         let header = Some(self.header(self.state.cell.seen()));
@@ -386,6 +410,128 @@ async fn take_over_and_answer(
         }
     };
     let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
+}
+
+/// A client keepalive stream's streams to the other proxies, for its leases that live
+/// there: one per proxy, opened at the first such lease.
+struct Relays {
+    api: EtcdApi,
+    caller: Option<String>,
+    /// The client's call's metadata.
+    metadata: tonic::metadata::MetadataMap,
+    /// The client's replies.
+    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
+    /// By proxy id: the requests of the stream to it.
+    open: std::sync::Mutex<HashMap<String, mpsc::Sender<PbLeaseKeepAliveRequest>>>,
+}
+
+impl Relays {
+    /// Answers a renewal of lease `id`, which this proxy does not have: forwarded to
+    /// the proxy it lives at, or taken over here (or TTL 0, as etcd answers, when it is
+    /// nowhere). `denied` is the proxy that has just answered it is not there: it is
+    /// looked for again, and if it is still found there, the client is told TTL 0.
+    async fn unknown(self: Arc<Self>, id: i64, denied: Option<String>) {
+        let api = &self.api;
+        let peer = match api.route(id, &self.metadata, denied.is_some()).await {
+            Ok(Some(peer)) => peer,
+            Ok(None) => {
+                let (api, caller, tx) = (api.clone(), self.caller.clone(), self.tx.clone());
+                return take_over_and_answer(api, id, caller, tx).await;
+            }
+            // The client renews again; it is looked for then.
+            Err(error) => {
+                tracing::debug!(%error, lease = format_args!("{id:x}"), "could not find where a lease lives");
+                return;
+            }
+        };
+        if denied.as_deref() == Some(peer.proxy.as_str()) {
+            let _ = self.tx.send(Ok(api.kept_alive(id, 0))).await;
+            return;
+        }
+        let request = PbLeaseKeepAliveRequest { id };
+        for _ in 0..2 {
+            let Some(sender) = self.stream_to(&peer) else {
+                return;
+            };
+            metrics::counter!(m::ETCD_API_FORWARDED).increment(1);
+            if sender.send(request).await.is_ok() {
+                return;
+            }
+            self.open.lock().expect("relays lock").remove(&peer.proxy);
+        }
+    }
+
+    /// The stream to `peer`, opened if it is not yet.
+    fn stream_to(
+        self: &Arc<Self>,
+        peer: &super::forward::Peer,
+    ) -> Option<mpsc::Sender<PbLeaseKeepAliveRequest>> {
+        let mut open = self.open.lock().expect("relays lock");
+        if let Some(sender) = open.get(&peer.proxy) {
+            return Some(sender.clone());
+        }
+        let (sender, requests) = mpsc::channel(KEEPALIVE_BUFFER);
+        let call = self
+            .api
+            .forwarded(
+                &self.metadata,
+                ReceiverStream::new(requests),
+                self.caller.as_deref(),
+            )
+            .ok()?;
+        open.insert(peer.proxy.clone(), sender.clone());
+        tokio::spawn(relay(
+            Arc::downgrade(self),
+            peer.clone(),
+            call,
+            self.tx.clone(),
+        ));
+        Some(sender)
+    }
+}
+
+/// Relays the replies of the keepalive stream to `peer` to the client: a lease the
+/// peer no longer has is looked for again before the client hears TTL 0. Holds the
+/// relays weakly, so the stream ends with the client's.
+async fn relay(
+    relays: std::sync::Weak<Relays>,
+    peer: super::forward::Peer,
+    call: Request<ReceiverStream<PbLeaseKeepAliveRequest>>,
+    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
+) {
+    let opened = peer
+        .streaming::<_, PbLeaseKeepAliveRequest, PbLeaseKeepAliveResponse>(KEEP_ALIVE, call)
+        .await;
+    let mut replies = opened.map(Response::into_inner);
+    loop {
+        let reply = match &mut replies {
+            Ok(replies) => replies.message().await,
+            Err(status) => Err(status.clone()),
+        };
+        match reply {
+            Ok(Some(reply)) if reply.ttl > 0 => {
+                if tx.send(Ok(reply)).await.is_err() {
+                    return;
+                }
+            }
+            Ok(Some(reply)) => {
+                let Some(relays) = relays.upgrade() else {
+                    return;
+                };
+                relays.api.peers.forget(reply.id);
+                tokio::spawn(relays.unknown(reply.id, Some(peer.proxy.clone())));
+            }
+            // The peer is gone or draining: its leases are looked for again at their
+            // next renewal (the client renews again when it hears nothing).
+            Ok(None) | Err(_) => {
+                if let Some(relays) = relays.upgrade() {
+                    relays.open.lock().expect("relays lock").remove(&peer.proxy);
+                    relays.api.peers.forget_proxy(&peer.proxy);
+                }
+                return;
+            }
+        }
+    }
 }
 
 impl EtcdApi {

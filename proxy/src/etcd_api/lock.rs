@@ -43,8 +43,15 @@ const LEASE_CHECK: Duration = Duration::from_millis(500);
 impl Lock for EtcdApi {
     async fn lock(&self, request: Request<LockRequest>) -> Result<Response<LockResponse>, Status> {
         let caller = self.caller(&request)?;
+        let name = self.may(caller.as_deref(), Right::Lock, &request.get_ref().name)?;
+        let (lease, lock) = (request.get_ref().lease, "/v3lockpb.Lock/Lock");
+        if let Some(there) = self
+            .forward_unary(lease, lock, &request, caller.as_deref(), |_| false)
+            .await?
+        {
+            return Ok(there);
+        }
         let req = request.into_inner();
-        let name = self.may(caller.as_deref(), Right::Lock, &req.name)?;
         if req.lease == 0 {
             return Err(Status::invalid_argument(format!(
                 "a lock on {name:?} needs a lease: grant one and name it"

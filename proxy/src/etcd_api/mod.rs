@@ -8,6 +8,7 @@
 //! - [`lease`]: a lease is a session of this proxy's.
 //! - [`handoff`]: a draining proxy hands its leases over to the next proxy their
 //!   clients reach.
+//! - [`forward`]: a call on a lease that lives at another proxy is forwarded there.
 //! - [`kv`]: ranges, puts, deletes and transactions over the small keys.
 //! - [`watch`]: client watch streams relayed to etcd's.
 //! - [`lock`]: etcd's Lock service, as etcd's own recipe on the caller's lease.
@@ -16,6 +17,7 @@
 
 pub mod auth;
 pub mod election;
+pub mod forward;
 pub mod handoff;
 pub mod ids;
 pub mod keys;
@@ -63,6 +65,8 @@ pub struct EtcdApi {
     taking: Arc<DashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
     /// Turns true once a drain's hand-off is written ([`ProxyState::handed_off`]).
     handed_off: Arc<tokio::sync::watch::Sender<bool>>,
+    /// The other proxies, for calls on leases that live there.
+    peers: Arc<forward::Peers>,
 }
 
 impl EtcdApi {
@@ -81,6 +85,7 @@ impl EtcdApi {
             fences: Arc::default(),
             taking: Arc::default(),
             handed_off: Arc::new(handed_off),
+            peers: Arc::default(),
         }
     }
 
@@ -181,6 +186,7 @@ impl EtcdApi {
             }
         });
         let handing_off = tokio::spawn(self.clone().hand_off_on_drain());
+        let keyed = tokio::spawn(self.clone().load_forward_key());
         let size = self.state.config.max_value_bytes + 64 * 1024;
         let router = tonic::transport::Server::builder()
             .max_concurrent_streams(Some(self.state.config.max_streams_per_connection))
@@ -215,6 +221,7 @@ impl EtcdApi {
         };
         pruning.abort();
         handing_off.abort();
+        keyed.abort();
         served.map_err(|e| anyhow::anyhow!("the etcd API's server failed: {e}"))
     }
 }
@@ -376,6 +383,9 @@ impl PbClusterService for EtcdApi {
 
     /// This proxy, as the one member: a client that syncs its endpoints keeps to the
     /// proxy and never goes around it to etcd.
+    /// The cell's proxies that serve the etcd API (this one first), each at its
+    /// advertised address: clients that sync their endpoints find the proxies, never
+    /// etcd.
     async fn member_list(
         &self,
         _: Request<PbMemberListRequest>,
@@ -386,20 +396,25 @@ impl PbClusterService for EtcdApi {
         } else {
             "http"
         };
-        let url = config
-            .etcd_listen
-            .map(|addr| format!("{scheme}://{addr}"))
-            .into_iter()
-            .collect();
+        let member = |proxy: &str, address: Option<String>| PbMember {
+            id: member_id(proxy),
+            name: proxy.to_owned(),
+            peer_ur_ls: Vec::new(),
+            client_ur_ls: address
+                .map(|a| format!("{scheme}://{a}"))
+                .into_iter()
+                .collect(),
+            is_learner: false,
+        };
+        let mut members = vec![member(&self.state.proxy_id, config.etcd_advertised())];
+        for other in self.presence(true).await.unwrap_or_default().iter() {
+            if other.proxy_id != self.state.proxy_id && other.etcd.is_some() {
+                members.push(member(&other.proxy_id, other.etcd.clone()));
+            }
+        }
         Ok(Response::new(PbMemberListResponse {
             header: Some(self.header(self.state.cell.seen())),
-            members: vec![PbMember {
-                id: self.member_id,
-                name: self.state.proxy_id.clone(),
-                peer_ur_ls: Vec::new(),
-                client_ur_ls: url,
-                is_learner: false,
-            }],
+            members,
         }))
     }
 

@@ -62,6 +62,44 @@ async fn proxy_with_etcd_api(etcd: &EtcdCluster) -> anyhow::Result<(ProxyProcess
     Ok((proxy, listen))
 }
 
+/// A grants file at `path` giving each `(identity, token)` read and write on `prefix`,
+/// with that bearer token.
+fn token_grants(path: &std::path::Path, prefix: &str, who: &[(&str, &str)]) -> anyhow::Result<()> {
+    use lockcell_tests::certs::token_sha256;
+    let mut text = String::new();
+    for (identity, _) in who {
+        text += &format!(
+            "[[grant]]\nidentity = \"{identity}\"\nread = [\"{prefix}\"]\nwrite = [\"{prefix}\"]\n\n"
+        );
+    }
+    for (identity, token) in who {
+        text += &format!(
+            "[[token]]\nidentity = \"{identity}\"\nsha256 = \"{}\"\n\n",
+            token_sha256(token)
+        );
+    }
+    std::fs::write(path, text)?;
+    Ok(())
+}
+
+/// A proxy with its etcd API and the grants file at `grants`, over plain HTTP/2.
+async fn proxy_with_grants(
+    etcd: &EtcdCluster,
+    grants: &std::path::Path,
+) -> anyhow::Result<(ProxyProcess, String)> {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--etcd-listen".into(),
+        listen.clone(),
+        "--grants".into(),
+        grants.display().to_string(),
+        "--grants-without-tls".into(),
+    ];
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    Ok((proxy, listen))
+}
+
 /// Keys through the etcd API are lockcell's small keys under `/k/`; lockcell's own keys
 /// are out of every range; puts, gets, prefixes, deletes and a transaction behave as
 /// etcd's; the RPCs that act on etcd's members are refused by name.
@@ -238,34 +276,14 @@ pub async fn etcdctl_leases_are_sessions_of_the_proxy() -> anyhow::Result<()> {
 /// its bearer token as the password; its calls are checked against its grants, its
 /// leases are its own, and the auth management RPCs are refused by name.
 pub async fn etcdctl_logs_in_with_a_grants_token_and_is_held_to_its_grants() -> anyhow::Result<()> {
-    use lockcell_tests::certs::token_sha256;
     let etcd = EtcdCluster::start(1).await?;
     let (svc, other) = (
         "svc-token-0123456789abcdef0123456789",
         "other-token-0123456789abcdef0123456789",
     );
     let grants = etcd.dir.join("etcd-api-grants.toml");
-    std::fs::write(
-        &grants,
-        format!(
-            "[[grant]]\nidentity = \"svc\"\nread = [\"config/\"]\nwrite = [\"config/\"]\n\n\
-             [[grant]]\nidentity = \"other\"\nread = [\"config/\"]\nwrite = [\"config/\"]\n\n\
-             [[token]]\nidentity = \"svc\"\nsha256 = \"{}\"\n\n\
-             [[token]]\nidentity = \"other\"\nsha256 = \"{}\"\n",
-            token_sha256(svc),
-            token_sha256(other)
-        ),
-    )?;
-    let listen = format!("127.0.0.1:{}", free_port());
-    let mut options = ProxyOptions::new("a", etcd.endpoints());
-    options.extra_args = vec![
-        "--etcd-listen".into(),
-        listen.clone(),
-        "--grants".into(),
-        grants.display().to_string(),
-        "--grants-without-tls".into(),
-    ];
-    let _proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    token_grants(&grants, "config/", &[("svc", svc), ("other", other)])?;
+    let (_proxy, listen) = proxy_with_grants(&etcd, &grants).await?;
     let api = listen.as_str();
     let as_svc = ["--user", "svc", "--password", svc];
     let as_other = ["--user", "other", "--password", other];
@@ -1234,34 +1252,12 @@ pub async fn a_write_whose_answer_was_lost_is_handed_over_with_its_lease() -> an
 /// A handed-over lease is taken only by its owner: a lease granted to an identity is
 /// not taken by an anonymous client at a proxy without grants, and stays for its owner.
 pub async fn only_its_owner_takes_a_handed_over_lease() -> anyhow::Result<()> {
-    use lockcell_tests::certs::token_sha256;
     let etcd = EtcdCluster::start(1).await?;
     let token = "alice-token-0123456789abcdef0123456789";
     let grants = etcd.dir.join("handoff-grants.toml");
-    std::fs::write(
-        &grants,
-        format!(
-            "[[grant]]\nidentity = \"alice\"\nread = [\"held/\"]\nwrite = [\"held/\"]\n\n\
-             [[token]]\nidentity = \"alice\"\nsha256 = \"{}\"\n",
-            token_sha256(token)
-        ),
-    )?;
-    let with_grants = || {
-        let listen = format!("127.0.0.1:{}", free_port());
-        let mut options = ProxyOptions::new("a", etcd.endpoints());
-        options.extra_args = vec![
-            "--etcd-listen".into(),
-            listen.clone(),
-            "--grants".into(),
-            grants.display().to_string(),
-            "--grants-without-tls".into(),
-        ];
-        (options, listen)
-    };
-    let (options_g, api_g) = with_grants();
-    let mut g = ProxyProcess::start(&options_g, &etcd.dir).await?;
-    let (options_h, api_h) = with_grants();
-    let _h = ProxyProcess::start(&options_h, &etcd.dir).await?;
+    token_grants(&grants, "held/", &[("alice", token)])?;
+    let (mut g, api_g) = proxy_with_grants(&etcd, &grants).await?;
+    let (_h, api_h) = proxy_with_grants(&etcd, &grants).await?;
     let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
     let alice = || etcd_client::ConnectOptions::new().with_user("alice", token);
     let on_g = etcd_client::Client::connect([api_g.as_str()], Some(alice())).await?;
@@ -1282,6 +1278,258 @@ pub async fn only_its_owner_takes_a_handed_over_lease() -> anyhow::Result<()> {
     ensure!(
         renew_once(&on_h, lease).await? > 0,
         "alice could not take her own lease over"
+    );
+    Ok(())
+}
+
+/// Go's clientv3 spreads its calls over all its endpoints: a lease granted at one proxy
+/// is renewed, written with, locked with, read and revoked at any other, where the call
+/// is forwarded to the proxy the lease lives at; its keys stay on that proxy's etcd
+/// lease, and go when it is revoked anywhere. A lease handed over by a draining proxy
+/// is found at the proxy that took it. `MemberList` names every proxy's etcd API.
+pub async fn a_lease_is_served_at_every_proxy() -> anyhow::Result<()> {
+    use etcd_client::{LeaseTimeToLiveOptions, LockOptions, PutOptions, Txn, TxnOp};
+    let etcd = EtcdCluster::start(1).await?;
+    let (mut a, api_a) = proxy_with_etcd_api(&etcd).await?;
+    let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
+    let (_c, api_c) = proxy_with_etcd_api(&etcd).await?;
+    let on_a = etcd_client::Client::connect([api_a.as_str()], None).await?;
+    let on_b = etcd_client::Client::connect([api_b.as_str()], None).await?;
+    let on_c = etcd_client::Client::connect([api_c.as_str()], None).await?;
+
+    let lease = on_a.lease_client().grant(4, None).await?.id();
+    let leased = || Some(PutOptions::new().with_lease(lease));
+    ensure!(
+        renew_once(&on_b, lease).await? > 0,
+        "a lease granted at a was not renewed at b"
+    );
+    on_c.kv_client().put("svc/c", "up", leased()).await?;
+    on_b.kv_client()
+        .txn(Txn::new().and_then([TxnOp::put("svc/b", "up", leased())]))
+        .await?;
+    let lock = on_c
+        .lock_client()
+        .lock("jobs/y", Some(LockOptions::new().with_lease(lease)))
+        .await?;
+    let lock_key = String::from_utf8(lock.key().to_vec())?;
+    let keys_of = |client: etcd_client::Client| async move {
+        let listed = client
+            .lease_client()
+            .time_to_live(lease, Some(LeaseTimeToLiveOptions::new().with_keys()))
+            .await?;
+        let mut keys: Vec<String> = listed
+            .keys()
+            .iter()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .collect();
+        keys.sort();
+        anyhow::Ok((listed.ttl(), keys))
+    };
+    let (ttl, keys) = keys_of(on_b.clone()).await?;
+    ensure!(
+        ttl > 0 && keys == [lock_key.as_str(), "svc/b", "svc/c"],
+        "the lease's time to live at b: {ttl}, keys {keys:?}"
+    );
+    // Only its own proxy has it.
+    let here = |client: etcd_client::Client| async move {
+        let leases = client.lease_client().leases().await?;
+        anyhow::Ok(leases.leases().iter().any(|l| l.id() == lease))
+    };
+    ensure!(here(on_a.clone()).await?, "the lease is not listed at a");
+    ensure!(
+        !here(on_b.clone()).await? && !here(on_c.clone()).await?,
+        "the lease lives at b or c too"
+    );
+    // Renewed only at b and c, for twice its TTL: it lives on, and so do its keys.
+    let until = tokio::time::Instant::now() + Duration::from_secs(8);
+    let mut turn = 0;
+    while tokio::time::Instant::now() < until {
+        let at = if turn % 2 == 0 { &on_b } else { &on_c };
+        ensure!(
+            renew_once(at, lease).await? > 0,
+            "the lease lapsed, renewed at b and c"
+        );
+        turn += 1;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    ensure!(
+        key_state(&on_a, "svc/c").await?.is_some(),
+        "a key of the lease is gone"
+    );
+    // Another lease waits for the lock the lease holds, whichever proxy it asks.
+    let other = on_b.lease_client().grant(10, None).await?.id();
+    let waiting = tokio::time::timeout(
+        Duration::from_secs(2),
+        on_a.lock_client()
+            .lock("jobs/y", Some(LockOptions::new().with_lease(other))),
+    )
+    .await;
+    ensure!(
+        waiting.is_err(),
+        "another lease was granted the held lock: {waiting:?}"
+    );
+
+    on_c.lease_client().revoke(lease).await?;
+    for key in ["svc/b", "svc/c", lock_key.as_str()] {
+        ensure!(
+            key_state(&on_a, key).await?.is_none(),
+            "key {key} outlived its lease's revoke at c"
+        );
+    }
+    let renewed = renew_once(&on_b, lease).await;
+    ensure!(
+        renewed
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("lease not found")),
+        "a revoked lease was renewed at b: {renewed:?}"
+    );
+    ensure!(
+        keys_of(on_c.clone()).await?.0 == -1,
+        "a revoked lease has a time to live at c"
+    );
+
+    // Every proxy's etcd API is a member.
+    let members = on_c.cluster_client().member_list().await?;
+    let mut urls: Vec<String> = members
+        .members()
+        .iter()
+        .flat_map(|m| m.client_urls().iter().cloned())
+        .collect();
+    urls.sort();
+    let mut want: Vec<String> = [&api_a, &api_b, &api_c]
+        .iter()
+        .map(|a| format!("http://{a}"))
+        .collect();
+    want.sort();
+    ensure!(urls == want, "MemberList at c answered {urls:?}");
+
+    // A client given all three endpoints spreads its calls over them, as Go's does.
+    let spread = etcd_client::Client::connect([&api_a, &api_b, &api_c], None).await?;
+    let spread_lease = spread.lease_client().grant(10, None).await?.id();
+    let on_spread = Some(PutOptions::new().with_lease(spread_lease));
+    for n in 0..9 {
+        let key = format!("spread/{n}");
+        spread.kv_client().put(key, "up", on_spread.clone()).await?;
+        ensure!(
+            renew_once(&spread, spread_lease).await? > 0,
+            "a lease of a client of three endpoints lapsed"
+        );
+    }
+    let listed = spread
+        .lease_client()
+        .time_to_live(
+            spread_lease,
+            Some(LeaseTimeToLiveOptions::new().with_keys()),
+        )
+        .await?;
+    ensure!(
+        listed.keys().len() == 9,
+        "the lease of a client of three endpoints lists {} keys",
+        listed.keys().len()
+    );
+
+    // A lease handed over by a draining proxy is found where it went.
+    let moving = on_a.lease_client().grant(10, None).await?.id();
+    let on_moving = Some(PutOptions::new().with_lease(moving));
+    on_a.kv_client()
+        .put("svc/moving", "up", on_moving.clone())
+        .await?;
+    a.process.signal(nix::sys::signal::Signal::SIGTERM)?;
+    a.wait_for_log("handed over to the next proxy", Duration::from_secs(10))
+        .await?;
+    ensure!(
+        renew_once(&on_b, moving).await? > 0,
+        "the handed-over lease was not taken over at b"
+    );
+    on_c.kv_client().put("svc/moved", "up", on_moving).await?;
+    let listed = on_c
+        .lease_client()
+        .time_to_live(moving, Some(LeaseTimeToLiveOptions::new().with_keys()))
+        .await?;
+    ensure!(
+        listed.keys().len() == 2,
+        "the moved lease lists {} keys at c",
+        listed.keys().len()
+    );
+    Ok(())
+}
+
+/// A forwarded call runs as its caller: another identity's call on a lease finds it
+/// unknown through any proxy, and no client names a caller of its own choosing in
+/// the forwarding metadata.
+pub async fn a_forwarded_call_keeps_its_callers_identity() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let (alice, mallory) = (
+        "alice-token-0123456789abcdef0123456789",
+        "mallory-token-0123456789abcdef0123456789",
+    );
+    let grants = etcd.dir.join("forward-grants.toml");
+    token_grants(&grants, "held/", &[("alice", alice), ("mallory", mallory)])?;
+    let (_a, api_a) = proxy_with_grants(&etcd, &grants).await?;
+    let (_b, api_b) = proxy_with_grants(&etcd, &grants).await?;
+    let apis = [api_a, api_b];
+    let login = |token: &str, api: &str| {
+        let options = etcd_client::ConnectOptions::new()
+            .with_user(if token == alice { "alice" } else { "mallory" }, token);
+        let api = api.to_owned();
+        async move { etcd_client::Client::connect([api], Some(options)).await }
+    };
+    let alice_a = login(alice, &apis[0]).await?;
+    let alice_b = login(alice, &apis[1]).await?;
+    let mallory_b = login(mallory, &apis[1]).await?;
+    let lease = alice_a.lease_client().grant(10, None).await?.id();
+    ensure!(
+        renew_once(&alice_b, lease).await? > 0,
+        "alice could not renew her lease at b"
+    );
+    let taken = renew_once(&mallory_b, lease).await;
+    ensure!(
+        taken
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("lease not found")),
+        "mallory renewed alice's lease at b: {taken:?}"
+    );
+    let put = mallory_b
+        .kv_client()
+        .put(
+            "held/m",
+            "v",
+            Some(etcd_client::PutOptions::new().with_lease(lease)),
+        )
+        .await;
+    ensure!(
+        put.as_ref()
+            .is_err_and(|e| e.to_string().contains("requested lease not found")),
+        "mallory put with alice's lease at b: {put:?}"
+    );
+
+    // A client that names a caller in the forwarding metadata itself is refused.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", apis[0]))?
+        .connect()
+        .await?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await?;
+    let mut request = tonic::Request::new(etcd_client::proto::PbLeaseRevokeRequest { id: lease });
+    let md = request.metadata_mut();
+    md.insert("lockcell-forwarded-for", "616c696365".parse()?);
+    md.insert("lockcell-forwarded-at", "0".parse()?);
+    md.insert("lockcell-forwarded-mac", "00".parse()?);
+    let forged: Result<tonic::Response<etcd_client::proto::PbLeaseRevokeResponse>, _> = grpc
+        .unary(
+            request,
+            tonic::codegen::http::uri::PathAndQuery::from_static("/etcdserverpb.Lease/LeaseRevoke"),
+            tonic_prost::ProstCodec::default(),
+        )
+        .await;
+    ensure!(
+        forged
+            .as_ref()
+            .is_err_and(|s| s.code() == tonic::Code::Unauthenticated),
+        "a forged forwarded revoke was answered {forged:?}"
+    );
+    ensure!(
+        renew_once(&alice_a, lease).await? > 0,
+        "alice's lease did not survive the forged revoke"
     );
     Ok(())
 }

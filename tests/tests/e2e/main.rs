@@ -158,6 +158,8 @@ fn main() {
         etcd_api::only_its_owner_takes_a_handed_over_lease,
         etcd_api::the_election_service_elects_one_leader_at_a_time,
         etcd_api::a_watch_that_requires_a_leader_ends_when_the_proxy_is_cut_off,
+        etcd_api::a_lease_is_served_at_every_proxy,
+        etcd_api::a_forwarded_call_keeps_its_callers_identity,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
         operations_doc::the_operations_guides_commands_run_against_a_real_cell,
         operations::an_ended_session_is_refused_by_every_proxy,

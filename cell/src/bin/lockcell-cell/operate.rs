@@ -645,6 +645,8 @@ mod tests {
             admin: "0.0.0.0:7421".into(),
             version: "0".into(),
             started_ms: 0,
+            etcd: None,
+            etcd_lease_blocks: Vec::new(),
         };
         assert_eq!(admin_url(&p).as_deref(), Some("http://10.0.0.7:7421"));
         p.listen = "0.0.0.0:7420".into();

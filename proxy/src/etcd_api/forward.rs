@@ -1,0 +1,534 @@
+//! Calls on a lease that lives at another proxy of the cell, forwarded there.
+//!
+//! Go's clientv3 spreads its calls over all its endpoints: a grant lands on proxy A,
+//! the lease's keepalives on B, a put with it on C. A lease lives at one proxy at a
+//! time, the one that holds its session, so every other proxy finds that one and
+//! forwards the call to its etcd API, which runs it as if the client had called it:
+//!
+//! - A hand-off record of the lease (see [`super::handoff`]) means it is up for
+//!   taking: the proxy the call reached takes it over itself.
+//! - Else the lease's session fence names the proxy a lease moved to (a take-over
+//!   writes it, on that proxy's etcd lease).
+//! - Else the claim of a lease ID the client chose names the proxy that claimed it.
+//! - Else the ID's block ([`super::ids`]) is named in the presence record of the proxy
+//!   that took it.
+//!
+//! A lease found nowhere is answered as unknown, here. The answer is remembered per
+//! lease until a forwarded call finds the lease gone or moved there, which looks again.
+//!
+//! The forwarded call names its caller in its metadata, signed with the cell's
+//! forwarding key (an HMAC key the first proxy that needs it writes in etcd, at
+//! [`keyspace::etcd_forward_key`], where only proxies read) and the time it was signed,
+//! so no client can claim another's identity through it; a forwarded call is never
+//! forwarded again.
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use dashmap::DashMap;
+use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
+use lockcell_cell::error::with_timeout;
+use lockcell_cell::keyspace;
+use lockcell_cell::presence::{self, Presence};
+use ring::hmac;
+use tokio::time::Instant;
+use tonic::codegen::http::uri::PathAndQuery;
+use tonic::metadata::{MetadataMap, MetadataValue};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::{Request, Response, Status, Streaming};
+
+use super::lease::session_of;
+use super::{ids, EtcdApi};
+use crate::errors::ProxyError;
+use crate::metrics as m;
+
+/// Metadata of a forwarded call: its caller's identity, in hex (empty for none).
+pub const FORWARDED_FOR: &str = "lockcell-forwarded-for";
+/// When the forwarding proxy signed it: Unix seconds.
+const FORWARDED_AT: &str = "lockcell-forwarded-at";
+/// The signature of the two, in hex.
+const FORWARDED_MAC: &str = "lockcell-forwarded-mac";
+
+/// How far a forwarded call's signing time may be from this proxy's clock.
+const SIGNED_WITHIN: Duration = Duration::from_secs(300);
+
+/// How long the presence records read are used before they are read again.
+const PRESENCE_FRESH: Duration = Duration::from_secs(1);
+
+/// Metadata a forwarded call carries on, as the client sent it.
+const CARRIED: [&str; 2] = ["hasleader", "grpc-timeout"];
+
+/// The other proxies of the cell, as far as forwarding is concerned.
+#[derive(Default)]
+pub struct Peers {
+    /// By lease: the proxy it was last found at.
+    owners: DashMap<i64, String>,
+    /// By proxy id: its etcd API address and a channel to it.
+    channels: DashMap<String, (String, Channel)>,
+    /// The presence records last read, and when.
+    presence: tokio::sync::Mutex<Option<(Instant, Arc<Vec<Presence>>)>>,
+    /// The cell's forwarding key, once read.
+    key: OnceLock<hmac::Key>,
+}
+
+/// A proxy a call is forwarded to.
+#[derive(Clone)]
+pub struct Peer {
+    pub proxy: String,
+    channel: Channel,
+}
+
+impl Peers {
+    /// Forgets where the leases at `proxy` were found: a call there failed.
+    pub fn forget_proxy(&self, proxy: &str) {
+        self.owners.retain(|_, at| at != proxy);
+    }
+
+    /// Forgets where lease `id` was found.
+    pub fn forget(&self, id: i64) {
+        self.owners.remove(&id);
+    }
+}
+
+impl EtcdApi {
+    /// Reads the cell's forwarding key, writing it first if no proxy has: until then,
+    /// forwarded calls are refused. Tries until it has it or the proxy stops.
+    pub(super) async fn load_forward_key(self) {
+        let mut pause = Duration::from_millis(100);
+        while !*self.state.shutdown.borrow() {
+            match self.read_forward_key().await {
+                Ok(key) => {
+                    let _ = self.peers.key.set(key);
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "reading the cell's forwarding key failed; retrying")
+                }
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    async fn read_forward_key(&self) -> Result<hmac::Key, ProxyError> {
+        let key = keyspace::etcd_forward_key();
+        let fresh: [u8; 32] = rand::random();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, to_hex(&fresh), None)])
+            .or_else([TxnOp::get(key, None)]);
+        let done = with_timeout(
+            "read the forwarding key",
+            self.state.config.etcd_timeout,
+            self.state.etcd.kv_client().txn(txn),
+        )
+        .await?;
+        let text = if done.succeeded() {
+            to_hex(&fresh)
+        } else {
+            first_value(&done.op_responses(), 0)
+                .map(|v| String::from_utf8_lossy(&v).into_owned())
+                .unwrap_or_default()
+        };
+        let bytes = from_hex(text.trim()).filter(|b| b.len() >= 16).ok_or_else(|| {
+            ProxyError::Refused(format!(
+                "the cell's forwarding key at {key} is not 16 or more bytes in hex; an operator must delete it (the proxies write a new one)"
+            ))
+        })?;
+        Ok(hmac::Key::new(hmac::HMAC_SHA256, &bytes))
+    }
+
+    /// The caller a forwarded call names, when `metadata` is a forwarded call's:
+    /// checked against the cell's forwarding key.
+    pub(super) fn forwarded_caller(
+        &self,
+        metadata: &MetadataMap,
+    ) -> Option<Result<Option<String>, Status>> {
+        let who = metadata.get(FORWARDED_FOR)?;
+        let refused = |why: &str| {
+            Err(Status::unauthenticated(format!(
+                "etcdserver: a call forwarded by another proxy {why}"
+            )))
+        };
+        let Some(key) = self.peers.key.get() else {
+            return Some(Err(Status::unavailable(
+                "etcdserver: this proxy has not read the cell's forwarding key yet; try again",
+            )));
+        };
+        let (Ok(who), Some(Ok(at)), Some(Ok(mac))) = (
+            who.to_str(),
+            metadata.get(FORWARDED_AT).map(|v| v.to_str()),
+            metadata.get(FORWARDED_MAC).map(|v| v.to_str()),
+        ) else {
+            return Some(refused("lacks its signature"));
+        };
+        let signed = from_hex(mac)
+            .is_some_and(|mac| hmac::verify(key, signed_text(who, at).as_bytes(), &mac).is_ok());
+        if !signed {
+            return Some(refused("is not signed with the cell's forwarding key"));
+        }
+        let at: u64 = at.parse().unwrap_or_default();
+        if now_secs().abs_diff(at) > SIGNED_WITHIN.as_secs() {
+            return Some(refused(&format!(
+                "was signed {} s away from this proxy's clock (more than {} s): are the proxies' clocks set?",
+                now_secs().abs_diff(at),
+                SIGNED_WITHIN.as_secs()
+            )));
+        }
+        let identity = from_hex(who).and_then(|b| String::from_utf8(b).ok());
+        match identity {
+            Some(identity) if !identity.is_empty() => Some(Ok(Some(identity))),
+            Some(_) => Some(Ok(None)),
+            None => Some(refused("names no identity")),
+        }
+    }
+
+    /// Where a call on lease `id` runs: `None` here (the lease is here, up for taking,
+    /// or nowhere), else the proxy it lives at. `fresh` looks again rather than use what
+    /// was found before. A forwarded call always runs here.
+    pub(super) async fn route(
+        &self,
+        id: i64,
+        metadata: &MetadataMap,
+        fresh: bool,
+    ) -> Result<Option<Peer>, Status> {
+        if id == 0
+            || metadata.contains_key(FORWARDED_FOR)
+            || self.state.sessions.peek(&session_of(id)).is_some()
+        {
+            return Ok(None);
+        }
+        let known = if fresh {
+            None
+        } else {
+            self.peers.owners.get(&id).map(|o| o.clone())
+        };
+        let owner = match known {
+            Some(owner) => owner,
+            None => match self.find_owner(id).await? {
+                Some(owner) => owner,
+                None => return Ok(None),
+            },
+        };
+        if owner == self.state.proxy_id {
+            self.peers.forget(id);
+            return Ok(None);
+        }
+        let Some(peer) = self.peer(&owner, id).await? else {
+            self.peers.forget(id);
+            return Ok(None);
+        };
+        self.peers.owners.insert(id, owner);
+        Ok(Some(peer))
+    }
+
+    /// The proxy lease `id` lives at, from etcd: `None` when it is up for taking or
+    /// found nowhere.
+    async fn find_owner(&self, id: i64) -> Result<Option<String>, Status> {
+        let state = &self.state;
+        let txn = Txn::new().and_then([
+            TxnOp::get(keyspace::etcd_lease_handoff_key(id), None),
+            TxnOp::get(keyspace::session_fence_key(&session_of(id)), None),
+            TxnOp::get(keyspace::etcd_lease_claim_key(id), None),
+        ]);
+        let done = with_timeout(
+            "find a lease's proxy",
+            state.config.etcd_timeout,
+            state.etcd.kv_client().txn(txn),
+        )
+        .await
+        .map_err(ProxyError::from)?;
+        let ops = done.op_responses();
+        if first_value(&ops, 0).is_some() {
+            return Ok(None);
+        }
+        if let Some(proxy) = first_value(&ops, 1).or_else(|| first_value(&ops, 2)) {
+            return Ok(Some(String::from_utf8_lossy(&proxy).into_owned()));
+        }
+        if !ids::is_ours(id) {
+            return Ok(None);
+        }
+        // Read again if the records read lately do not name the block: its proxy may
+        // have taken it since.
+        let block = ids::block_of(id);
+        for again in [false, true] {
+            let proxies = self.presence(again).await?;
+            let found = proxies
+                .iter()
+                .find(|p| p.etcd_lease_blocks.contains(&block));
+            if let Some(found) = found {
+                return Ok(Some(found.proxy_id.clone()));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The presence records of the cell's proxies, read again when older than
+    /// [`PRESENCE_FRESH`] or when `again`.
+    pub(super) async fn presence(&self, again: bool) -> Result<Arc<Vec<Presence>>, Status> {
+        let mut kept = self.peers.presence.lock().await;
+        if let Some((read, proxies)) = kept.as_ref() {
+            if !again && read.elapsed() < PRESENCE_FRESH {
+                return Ok(proxies.clone());
+            }
+        }
+        let mut kv = self.state.etcd.kv_client();
+        let read = presence::recorded(&mut kv, self.state.config.etcd_timeout)
+            .await
+            .map_err(ProxyError::from)?;
+        let proxies = Arc::new(read.into_iter().map(|r| r.presence).collect::<Vec<_>>());
+        *kept = Some((Instant::now(), proxies.clone()));
+        Ok(proxies)
+    }
+
+    /// A channel to proxy `proxy`'s etcd API, where a call on lease `id` goes: `None`
+    /// when the proxy is not running (its presence record is gone with its leases).
+    async fn peer(&self, proxy: &str, id: i64) -> Result<Option<Peer>, Status> {
+        let mut found = None;
+        for again in [false, true] {
+            found = self
+                .presence(again)
+                .await?
+                .iter()
+                .find(|p| p.proxy_id == proxy)
+                .cloned();
+            if found.is_some() {
+                break;
+            }
+        }
+        let Some(found) = found else {
+            return Ok(None);
+        };
+        let Some(address) = found.etcd else {
+            return Err(Status::unavailable(format!(
+                "etcdserver: lease {id:x} lives at proxy {proxy}, which serves no etcd API; call that proxy's lockcell API"
+            )));
+        };
+        if let Some(known) = self.peers.channels.get(proxy) {
+            if known.0 == address {
+                return Ok(Some(Peer {
+                    proxy: proxy.to_owned(),
+                    channel: known.1.clone(),
+                }));
+            }
+        }
+        let channel = self.channel(&address, proxy, id)?;
+        self.peers
+            .channels
+            .insert(proxy.to_owned(), (address, channel.clone()));
+        Ok(Some(Peer {
+            proxy: proxy.to_owned(),
+            channel,
+        }))
+    }
+
+    /// A lazily connected channel to `address`, with this proxy's TLS.
+    fn channel(&self, address: &str, proxy: &str, id: i64) -> Result<Channel, Status> {
+        let config = &self.state.config;
+        let unavailable = |why: String| {
+            Status::unavailable(format!(
+                "etcdserver: lease {id:x} lives at proxy {proxy} ({address}), and this proxy cannot forward there: {why}"
+            ))
+        };
+        let tls = crate::tls_files(config).is_some();
+        let scheme = if tls { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
+            .map_err(|e| unavailable(e.to_string()))?
+            .connect_timeout(config.etcd_timeout)
+            .tcp_nodelay(true);
+        if tls {
+            let Some(ca) = &config.etcd_peer_ca else {
+                return Err(unavailable(
+                    "this proxy serves TLS and has no --etcd-peer-ca to check the other proxies' certificates with".into(),
+                ));
+            };
+            let read = |path: &std::path::Path| {
+                std::fs::read(path).map_err(|e| unavailable(format!("{}: {e}", path.display())))
+            };
+            let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(ca)?));
+            if let (Some(_), Some(cert), Some(key)) =
+                (&config.tls_client_ca, &config.tls_cert, &config.tls_key)
+            {
+                tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+            }
+            endpoint = endpoint
+                .tls_config(tls)
+                .map_err(|e| unavailable(e.to_string()))?;
+        }
+        Ok(endpoint.connect_lazy())
+    }
+
+    /// A copy of `request` to forward for `caller`: signed, with the metadata the
+    /// client's call carries on.
+    pub(super) fn forwarded<U>(
+        &self,
+        metadata: &MetadataMap,
+        message: U,
+        caller: Option<&str>,
+    ) -> Result<Request<U>, Status> {
+        let mut out = Request::new(message);
+        for name in CARRIED {
+            if let Some(value) = metadata.get(name) {
+                out.metadata_mut().insert(name, value.clone());
+            }
+        }
+        let key = self.peers.key.get().ok_or_else(|| {
+            Status::unavailable(
+                "etcdserver: this proxy has not read the cell's forwarding key yet; try again",
+            )
+        })?;
+        let who = to_hex(caller.unwrap_or_default().as_bytes());
+        let at = now_secs().to_string();
+        let mac = to_hex(hmac::sign(key, signed_text(&who, &at).as_bytes()).as_ref());
+        let md = out.metadata_mut();
+        for (name, value) in [
+            (FORWARDED_FOR, who),
+            (FORWARDED_AT, at),
+            (FORWARDED_MAC, mac),
+        ] {
+            let value = MetadataValue::try_from(value.as_str()).expect("hex and digits");
+            md.insert(name, value);
+        }
+        Ok(out)
+    }
+
+    /// Runs unary call `path` on lease `id` at the proxy the lease lives at: `None`
+    /// when it runs here. A lease the proxy no longer has there (its answer is
+    /// NOT_FOUND or UNAVAILABLE, or `moved` says so) is looked for again, once.
+    pub(super) async fn forward_unary<Req, Resp>(
+        &self,
+        id: i64,
+        path: &'static str,
+        request: &Request<Req>,
+        caller: Option<&str>,
+        moved: impl Fn(&Resp) -> bool,
+    ) -> Result<Option<Response<Resp>>, Status>
+    where
+        Req: prost::Message + Clone + Send + 'static,
+        Resp: prost::Message + Default + Send + 'static,
+    {
+        for fresh in [false, true] {
+            let Some(peer) = self.route(id, request.metadata(), fresh).await? else {
+                return Ok(None);
+            };
+            metrics::counter!(m::ETCD_API_FORWARDED).increment(1);
+            let call = self.forwarded(request.metadata(), request.get_ref().clone(), caller)?;
+            let got = peer.unary(path, call).await;
+            let gone = match &got {
+                Ok(reply) => moved(reply.get_ref()),
+                Err(status) => matches!(
+                    status.code(),
+                    tonic::Code::NotFound | tonic::Code::Unavailable
+                ),
+            };
+            if gone && !fresh {
+                self.peers.forget(id);
+                continue;
+            }
+            return got.map(Some);
+        }
+        unreachable!("the second look returns")
+    }
+}
+
+impl Peer {
+    /// Calls unary `path` at this proxy.
+    pub async fn unary<Req, Resp>(
+        &self,
+        path: &'static str,
+        request: Request<Req>,
+    ) -> Result<Response<Resp>, Status>
+    where
+        Req: prost::Message + Send + 'static,
+        Resp: prost::Message + Default + Send + 'static,
+    {
+        let mut grpc = self.ready().await?;
+        let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
+        grpc.unary(request, PathAndQuery::from_static(path), codec)
+            .await
+    }
+
+    /// Opens streaming call `path` at this proxy.
+    pub async fn streaming<S, Req, Resp>(
+        &self,
+        path: &'static str,
+        request: Request<S>,
+    ) -> Result<Response<Streaming<Resp>>, Status>
+    where
+        S: tokio_stream::Stream<Item = Req> + Send + 'static,
+        Req: prost::Message + Send + 'static,
+        Resp: prost::Message + Default + Send + 'static,
+    {
+        let mut grpc = self.ready().await?;
+        let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
+        grpc.streaming(request, PathAndQuery::from_static(path), codec)
+            .await
+    }
+
+    async fn ready(&self) -> Result<tonic::client::Grpc<Channel>, Status> {
+        let mut grpc = tonic::client::Grpc::new(self.channel.clone());
+        grpc.ready().await.map_err(|e| {
+            Status::unavailable(format!(
+                "etcdserver: the lease lives at proxy {}, which this proxy cannot reach: {e}",
+                self.proxy
+            ))
+        })?;
+        Ok(grpc)
+    }
+}
+
+/// What a forwarded call's signature covers.
+fn signed_text(who: &str, at: &str) -> String {
+    format!("lockcell-forwarded\n{who}\n{at}")
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The value of the first key of Get operation `index` in a transaction's answers.
+fn first_value(ops: &[TxnOpResponse], index: usize) -> Option<Vec<u8>> {
+    match ops.get(index)? {
+        TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
+        _ => None,
+    }
+}
+
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn from_hex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_goes_there_and_back() {
+        let bytes = b"batch \xff\x00".to_vec();
+        assert_eq!(from_hex(&to_hex(&bytes)), Some(bytes));
+        assert_eq!(from_hex("abc"), None);
+        assert_eq!(from_hex("zz"), None);
+        assert_eq!(to_hex(b""), "");
+    }
+
+    #[test]
+    fn a_signature_covers_the_caller_and_the_time() {
+        let key = hmac::Key::new(hmac::HMAC_SHA256, b"0123456789abcdef");
+        let mac = hmac::sign(&key, signed_text("6261", "100").as_bytes());
+        assert!(hmac::verify(&key, signed_text("6261", "100").as_bytes(), mac.as_ref()).is_ok());
+        assert!(hmac::verify(&key, signed_text("6262", "100").as_bytes(), mac.as_ref()).is_err());
+        assert!(hmac::verify(&key, signed_text("6261", "101").as_bytes(), mac.as_ref()).is_err());
+    }
+}
