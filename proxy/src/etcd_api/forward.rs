@@ -37,6 +37,8 @@ use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Request, Response, Status, Streaming};
 
+use etcd_client::proto::{PbLeaseLeasesRequest, PbLeaseLeasesResponse, PbLeaseStatus};
+
 use super::lease::session_of;
 use super::{ids, EtcdApi};
 use crate::errors::ProxyError;
@@ -356,6 +358,37 @@ impl EtcdApi {
                 .map_err(|e| unavailable(e.to_string()))?;
         }
         Ok(endpoint.connect_lazy())
+    }
+
+    /// The caller's leases at every other proxy that serves the etcd API. A proxy that
+    /// does not answer is left out (logged): its leases end with it, within its etcd
+    /// lease TTL.
+    pub(super) async fn leases_elsewhere(
+        &self,
+        request: &Request<PbLeaseLeasesRequest>,
+        caller: Option<&str>,
+    ) -> Result<Vec<PbLeaseStatus>, Status> {
+        let mut leases = Vec::new();
+        for other in self.presence(true).await?.iter() {
+            if other.proxy_id == self.state.proxy_id || other.etcd.is_none() {
+                continue;
+            }
+            let Some(peer) = self.peer(&other.proxy_id, 0).await? else {
+                continue;
+            };
+            let call = self.forwarded(request.metadata(), PbLeaseLeasesRequest {}, caller)?;
+            let listed: Result<Response<PbLeaseLeasesResponse>, _> =
+                peer.unary("/etcdserverpb.Lease/LeaseLeases", call).await;
+            match listed {
+                Ok(listed) => leases.extend(listed.into_inner().leases),
+                Err(error) => tracing::warn!(
+                    proxy = %peer.proxy,
+                    error = %error.message(),
+                    "could not list the leases at another proxy; left out"
+                ),
+            }
+        }
+        Ok(leases)
     }
 
     /// A copy of `request` to forward for `caller`: signed, with the metadata the

@@ -310,7 +310,7 @@ impl PbLeaseService for EtcdApi {
         request: Request<PbLeaseLeasesRequest>,
     ) -> Result<Response<PbLeaseLeasesResponse>, Status> {
         let caller = self.caller(&request)?;
-        let leases = self
+        let mut leases: Vec<PbLeaseStatus> = self
             .state
             .sessions
             .ids_where(|s| s.owned_by(caller.as_deref()))
@@ -318,6 +318,16 @@ impl PbLeaseService for EtcdApi {
             .filter_map(|id| lease_of(id))
             .map(|id| PbLeaseStatus { id })
             .collect();
+        // And the caller's leases at the other proxies, unless this is another proxy
+        // asking.
+        if !request
+            .metadata()
+            .contains_key(super::forward::FORWARDED_FOR)
+        {
+            leases.extend(self.leases_elsewhere(&request, caller.as_deref()).await?);
+            leases.sort_by_key(|l| l.id);
+            leases.dedup_by_key(|l| l.id);
+        }
         Ok(Response::new(PbLeaseLeasesResponse {
             header: Some(self.header(self.state.cell.seen())),
             leases,
