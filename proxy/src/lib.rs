@@ -144,11 +144,19 @@ pub async fn run(
             "--etcd-listen: the etcd API serves a proxy of one cell, and this proxy serves {} (the shard map has several cells)",
             cells.len()
         ),
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("binding the etcd API address {addr}"))?,
-        ),
+        Some(addr) => {
+            if addr.ip().is_unspecified() && config.etcd_advertise.is_none() {
+                tracing::warn!(
+                    %addr,
+                    "--etcd-listen binds every interface and no --etcd-advertise is set: the other proxies cannot forward calls on this proxy's leases here, and MemberList names an address clients cannot reach"
+                );
+            }
+            Some(
+                TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding the etcd API address {addr}"))?,
+            )
+        }
         None => None,
     };
 

@@ -21,12 +21,22 @@ impl EtcdApi {
     /// The caller's identity, or `None` when the proxy does not check grants.
     pub(super) fn caller<T>(&self, request: &Request<T>) -> Result<Option<String>, Status> {
         let grants = self.state.grants.current();
+        // Another proxy's call for its client, on a lease that lives here: checked
+        // whether or not this proxy checks grants, so no client turns forwarding off.
+        if let Some(forwarded) = self.forwarded_caller(request.metadata()) {
+            return match forwarded? {
+                Some(_) if !grants.enforced() => Ok(None),
+                Some(identity) => Ok(Some(identity)),
+                None if !grants.enforced() => Ok(None),
+                // A proxy without grants forwards no identity: here it would pass for
+                // the owner of every lease and every right.
+                None => Err(Status::unauthenticated(
+                    "etcdserver: a call forwarded by a proxy that checks no grants names no identity, and this proxy checks grants: give every proxy of the cell the same grants file",
+                )),
+            };
+        }
         if !grants.enforced() {
             return Ok(None);
-        }
-        // Another proxy's call for its client, on a lease that lives here.
-        if let Some(forwarded) = self.forwarded_caller(request.metadata()) {
-            return forwarded;
         }
         if request.peer_certs().is_some() {
             return grants.identify(request).map(Some);

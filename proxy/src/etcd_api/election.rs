@@ -175,7 +175,9 @@ impl Election for EtcdApi {
             let ended = tokio::select! {
                 ended = api.observe_leaders(&name, &tx) => ended,
                 _ = tx.closed() => Ok(()),
-                _ = shutdown.wait_for(|stop| *stop) => Ok(()),
+                _ = shutdown.wait_for(|stop| *stop) => {
+                    Err(Status::unavailable(super::watch::STOPPING))
+                }
             };
             if let Err(e) = ended {
                 let _ = tx.send(Err(e)).await;

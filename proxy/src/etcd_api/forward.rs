@@ -52,7 +52,16 @@ const FORWARDED_AT: &str = "lockcell-forwarded-at";
 const FORWARDED_MAC: &str = "lockcell-forwarded-mac";
 
 /// How far a forwarded call's signing time may be from this proxy's clock.
-const SIGNED_WITHIN: Duration = Duration::from_secs(300);
+const SIGNED_WITHIN: Duration = Duration::from_secs(60);
+
+/// How a forwarded call that never reached its proxy fails.
+const UNREACHABLE: &str =
+    "etcdserver: the lease lives at another proxy, which this proxy cannot reach:";
+
+/// How often a channel to another proxy is pinged, and how long a ping may go
+/// unanswered before the proxy counts as hung and its calls fail.
+const PEER_PING: Duration = Duration::from_secs(2);
+const PEER_PING_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How long the presence records read are used before they are read again.
 const PRESENCE_FRESH: Duration = Duration::from_secs(1);
@@ -192,6 +201,7 @@ impl EtcdApi {
         &self,
         id: i64,
         metadata: &MetadataMap,
+        caller: Option<&str>,
         fresh: bool,
     ) -> Result<Option<Peer>, Status> {
         if id == 0
@@ -200,52 +210,66 @@ impl EtcdApi {
         {
             return Ok(None);
         }
-        let known = if fresh {
-            None
-        } else {
-            self.peers.owners.get(&id).map(|o| o.clone())
-        };
-        let owner = match known {
-            Some(owner) => owner,
-            None => match self.find_owner(id).await? {
+        let mut fresh = fresh;
+        loop {
+            let known = if fresh {
+                None
+            } else {
+                self.peers.owners.get(&id).map(|o| o.clone())
+            };
+            let owner = match known {
                 Some(owner) => owner,
-                None => return Ok(None),
-            },
-        };
-        if owner == self.state.proxy_id {
+                None => match self.find_owner(id, caller).await? {
+                    Some(owner) => owner,
+                    None => return Ok(None),
+                },
+            };
+            if owner == self.state.proxy_id {
+                self.peers.forget(id);
+                return Ok(None);
+            }
+            if let Some(peer) = self.peer(&owner, id).await? {
+                self.peers.owners.insert(id, owner);
+                return Ok(Some(peer));
+            }
+            // The proxy it was found at is gone: it may have moved since.
             self.peers.forget(id);
-            return Ok(None);
+            if fresh {
+                return Ok(None);
+            }
+            fresh = true;
         }
-        let Some(peer) = self.peer(&owner, id).await? else {
-            self.peers.forget(id);
-            return Ok(None);
-        };
-        self.peers.owners.insert(id, owner);
-        Ok(Some(peer))
     }
 
-    /// The proxy lease `id` lives at, from etcd: `None` when it is up for taking or
-    /// found nowhere.
-    async fn find_owner(&self, id: i64) -> Result<Option<String>, Status> {
+    /// The proxy lease `id` lives at, from etcd, for `caller`: `None` when it is here
+    /// (a hand-off record of it is taken over here first) or found nowhere. A take-over
+    /// that another proxy won looks again, and finds the winner.
+    async fn find_owner(&self, id: i64, caller: Option<&str>) -> Result<Option<String>, Status> {
         let state = &self.state;
-        let txn = Txn::new().and_then([
-            TxnOp::get(keyspace::etcd_lease_handoff_key(id), None),
-            TxnOp::get(keyspace::session_fence_key(&session_of(id)), None),
-            TxnOp::get(keyspace::etcd_lease_claim_key(id), None),
-        ]);
-        let done = with_timeout(
-            "find a lease's proxy",
-            state.config.etcd_timeout,
-            state.etcd.kv_client().txn(txn),
-        )
-        .await
-        .map_err(ProxyError::from)?;
-        let ops = done.op_responses();
-        if first_value(&ops, 0).is_some() {
-            return Ok(None);
-        }
-        if let Some(proxy) = first_value(&ops, 1).or_else(|| first_value(&ops, 2)) {
-            return Ok(Some(String::from_utf8_lossy(&proxy).into_owned()));
+        for first in [true, false] {
+            let txn = Txn::new().and_then([
+                TxnOp::get(keyspace::etcd_lease_handoff_key(id), None),
+                TxnOp::get(keyspace::session_fence_key(&session_of(id)), None),
+                TxnOp::get(keyspace::etcd_lease_claim_key(id), None),
+            ]);
+            let done = with_timeout(
+                "find a lease's proxy",
+                state.config.etcd_timeout,
+                state.etcd.kv_client().txn(txn),
+            )
+            .await
+            .map_err(ProxyError::from)?;
+            let ops = done.op_responses();
+            if first && first_value(&ops, 0).is_some() {
+                match self.take_over(id, caller).await? {
+                    super::handoff::TakeOver::Taken(_) => return Ok(None),
+                    super::handoff::TakeOver::NoRecord => continue,
+                }
+            }
+            if let Some(proxy) = first_value(&ops, 1).or_else(|| first_value(&ops, 2)) {
+                return Ok(Some(String::from_utf8_lossy(&proxy).into_owned()));
+            }
+            break;
         }
         if !ids::is_ours(id) {
             return Ok(None);
@@ -337,6 +361,9 @@ impl EtcdApi {
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
             .map_err(|e| unavailable(e.to_string()))?
             .connect_timeout(config.etcd_timeout)
+            .http2_keep_alive_interval(PEER_PING)
+            .keep_alive_timeout(PEER_PING_TIMEOUT)
+            .keep_alive_while_idle(true)
             .tcp_nodelay(true);
         if tls {
             let Some(ca) = &config.etcd_peer_ca else {
@@ -441,18 +468,23 @@ impl EtcdApi {
         Resp: prost::Message + Default + Send + 'static,
     {
         for fresh in [false, true] {
-            let Some(peer) = self.route(id, request.metadata(), fresh).await? else {
+            let Some(peer) = self.route(id, request.metadata(), caller, fresh).await? else {
                 return Ok(None);
             };
             metrics::counter!(m::ETCD_API_FORWARDED).increment(1);
             let call = self.forwarded(request.metadata(), request.get_ref().clone(), caller)?;
             let got = peer.unary(path, call).await;
+            // Looked for again only when the peer did nothing: it does not have the
+            // lease (NOT_FOUND is answered before any write), it handed the lease over,
+            // or it could not be reached. Any other failure may have come after a
+            // write landed: the client hears it as it is.
             let gone = match &got {
                 Ok(reply) => moved(reply.get_ref()),
-                Err(status) => matches!(
-                    status.code(),
-                    tonic::Code::NotFound | tonic::Code::Unavailable
-                ),
+                Err(status) => {
+                    status.code() == tonic::Code::NotFound
+                        || status.message() == super::refused_handed_off().message()
+                        || status.message().starts_with(UNREACHABLE)
+                }
             };
             if gone && !fresh {
                 self.peers.forget(id);
@@ -500,12 +532,9 @@ impl Peer {
 
     async fn ready(&self) -> Result<tonic::client::Grpc<Channel>, Status> {
         let mut grpc = tonic::client::Grpc::new(self.channel.clone());
-        grpc.ready().await.map_err(|e| {
-            Status::unavailable(format!(
-                "etcdserver: the lease lives at proxy {}, which this proxy cannot reach: {e}",
-                self.proxy
-            ))
-        })?;
+        grpc.ready()
+            .await
+            .map_err(|e| Status::unavailable(format!("{UNREACHABLE} {}: {e}", self.proxy)))?;
         Ok(grpc)
     }
 }

@@ -431,8 +431,22 @@ struct Relays {
     metadata: tonic::metadata::MetadataMap,
     /// The client's replies.
     tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
-    /// By proxy id: the requests of the stream to it.
-    open: std::sync::Mutex<HashMap<String, mpsc::Sender<PbLeaseKeepAliveRequest>>>,
+    /// By proxy id: the stream to it.
+    open: std::sync::Mutex<HashMap<String, Relayed>>,
+}
+
+/// A keepalive stream's replies to its client.
+type Replies = mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>;
+
+/// The leases sent on a stream to another proxy and not yet answered.
+type Waiting = Arc<std::sync::Mutex<Vec<i64>>>;
+
+/// A stream to another proxy: its requests, and the leases sent on it and not yet
+/// answered.
+#[derive(Clone)]
+struct Relayed {
+    requests: mpsc::Sender<PbLeaseKeepAliveRequest>,
+    waiting: Waiting,
 }
 
 impl Relays {
@@ -442,15 +456,20 @@ impl Relays {
     /// looked for again, and if it is still found there, the client is told TTL 0.
     async fn unknown(self: Arc<Self>, id: i64, denied: Option<String>) {
         let api = &self.api;
-        let peer = match api.route(id, &self.metadata, denied.is_some()).await {
+        let caller = self.caller.as_deref();
+        let peer = match api
+            .route(id, &self.metadata, caller, denied.is_some())
+            .await
+        {
             Ok(Some(peer)) => peer,
             Ok(None) => {
                 let (api, caller, tx) = (api.clone(), self.caller.clone(), self.tx.clone());
                 return take_over_and_answer(api, id, caller, tx).await;
             }
-            // The client renews again; it is looked for then.
-            Err(error) => {
-                tracing::debug!(%error, lease = format_args!("{id:x}"), "could not find where a lease lives");
+            // The client hears why (its stream ends; clients open another).
+            Err(refused) => {
+                tracing::warn!(error = %refused.message(), lease = format_args!("{id:x}"), "could not find where a lease lives");
+                let _ = self.tx.send(Err(refused)).await;
                 return;
             }
         };
@@ -460,25 +479,28 @@ impl Relays {
         }
         let request = PbLeaseKeepAliveRequest { id };
         for _ in 0..2 {
-            let Some(sender) = self.stream_to(&peer) else {
+            let Some(relayed) = self.stream_to(&peer) else {
                 return;
             };
             metrics::counter!(m::ETCD_API_FORWARDED).increment(1);
-            if sender.send(request).await.is_ok() {
+            relayed.waiting.lock().expect("waiting lock").push(id);
+            if relayed.requests.send(request).await.is_ok() {
                 return;
             }
+            relayed
+                .waiting
+                .lock()
+                .expect("waiting lock")
+                .retain(|w| *w != id);
             self.open.lock().expect("relays lock").remove(&peer.proxy);
         }
     }
 
     /// The stream to `peer`, opened if it is not yet.
-    fn stream_to(
-        self: &Arc<Self>,
-        peer: &super::forward::Peer,
-    ) -> Option<mpsc::Sender<PbLeaseKeepAliveRequest>> {
+    fn stream_to(self: &Arc<Self>, peer: &super::forward::Peer) -> Option<Relayed> {
         let mut open = self.open.lock().expect("relays lock");
-        if let Some(sender) = open.get(&peer.proxy) {
-            return Some(sender.clone());
+        if let Some(relayed) = open.get(&peer.proxy) {
+            return Some(relayed.clone());
         }
         let (sender, requests) = mpsc::channel(KEEPALIVE_BUFFER);
         let call = self
@@ -489,25 +511,31 @@ impl Relays {
                 self.caller.as_deref(),
             )
             .ok()?;
-        open.insert(peer.proxy.clone(), sender.clone());
+        let relayed = Relayed {
+            requests: sender,
+            waiting: Arc::default(),
+        };
+        open.insert(peer.proxy.clone(), relayed.clone());
         tokio::spawn(relay(
             Arc::downgrade(self),
             peer.clone(),
             call,
-            self.tx.clone(),
+            (self.tx.clone(), relayed.waiting.clone()),
         ));
-        Some(sender)
+        Some(relayed)
     }
 }
 
 /// Relays the replies of the keepalive stream to `peer` to the client: a lease the
-/// peer no longer has is looked for again before the client hears TTL 0. Holds the
-/// relays weakly, so the stream ends with the client's.
+/// peer no longer has is looked for again before the client hears TTL 0. A stream that
+/// fails or ends with renewals unanswered ends the client's stream with why, so the
+/// client opens another and renews again (looked for afresh). Holds the relays weakly,
+/// so the stream ends with the client's.
 async fn relay(
     relays: std::sync::Weak<Relays>,
     peer: super::forward::Peer,
     call: Request<ReceiverStream<PbLeaseKeepAliveRequest>>,
-    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
+    (tx, waiting): (Replies, Waiting),
 ) {
     let opened = peer
         .streaming::<_, PbLeaseKeepAliveRequest, PbLeaseKeepAliveResponse>(KEEP_ALIVE, call)
@@ -518,6 +546,12 @@ async fn relay(
             Ok(replies) => replies.message().await,
             Err(status) => Err(status.clone()),
         };
+        if let Ok(Some(reply)) = &reply {
+            let mut waiting = waiting.lock().expect("waiting lock");
+            if let Some(at) = waiting.iter().position(|w| *w == reply.id) {
+                waiting.remove(at);
+            }
+        }
         match reply {
             Ok(Some(reply)) if reply.ttl > 0 => {
                 if tx.send(Ok(reply)).await.is_err() {
@@ -531,12 +565,22 @@ async fn relay(
                 relays.api.peers.forget(reply.id);
                 tokio::spawn(relays.unknown(reply.id, Some(peer.proxy.clone())));
             }
-            // The peer is gone or draining: its leases are looked for again at their
-            // next renewal (the client renews again when it hears nothing).
-            Ok(None) | Err(_) => {
+            // The peer is gone, draining or refusing: its leases are looked for again
+            // at their next renewal.
+            ended => {
                 if let Some(relays) = relays.upgrade() {
                     relays.open.lock().expect("relays lock").remove(&peer.proxy);
                     relays.api.peers.forget_proxy(&peer.proxy);
+                }
+                if !waiting.lock().expect("waiting lock").is_empty() {
+                    let why = match ended {
+                        Err(status) => status,
+                        _ => Status::unavailable(format!(
+                            "etcdserver: proxy {}, where a lease of this stream lives, ended its stream; renew again",
+                            peer.proxy
+                        )),
+                    };
+                    let _ = tx.send(Err(why)).await;
                 }
                 return;
             }

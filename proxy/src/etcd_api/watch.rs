@@ -47,6 +47,9 @@ impl PbWatchService for EtcdApi {
     }
 }
 
+/// Why a stream ends when the proxy stops.
+pub(super) const STOPPING: &str = "etcdserver: this proxy is shutting down; use another endpoint";
+
 impl EtcdApi {
     /// Relays one client watch stream until either side ends it or the proxy stops.
     async fn relay(
@@ -102,7 +105,10 @@ impl EtcdApi {
                         return Ok(());
                     }
                 }
-                Next::Stop => return Ok(()),
+                // UNAVAILABLE, as etcd ends a stream when a member stops: clients
+                // watch again at another endpoint (an OK end reads as the end of the
+                // watch to Go's clientv3).
+                Next::Stop => return Err(Status::unavailable(STOPPING)),
             }
         }
     }

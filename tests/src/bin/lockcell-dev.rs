@@ -104,6 +104,9 @@ async fn main() -> anyhow::Result<()> {
             grants.display().to_string(),
             "--etcd-listen".into(),
             etcd_api.clone(),
+            // The proxies forward calls on each other's leases, over TLS.
+            "--etcd-peer-ca".into(),
+            ca.ca.display().to_string(),
         ];
         etcd_apis.push(etcd_api);
         options.lease_ttl = args.lease_ttl;

@@ -878,7 +878,14 @@ pub async fn a_lock_call_standing_on_a_withdrawn_key_is_refused() -> anyhow::Res
 
 /// Renews `lease` once through `client` and returns the TTL answered (0: gone).
 async fn renew_once(client: &etcd_client::Client, lease: i64) -> anyhow::Result<i64> {
-    let (mut keeper, mut replies) = client.lease_client().keep_alive(lease).await?;
+    // The client sends the first renewal itself, and waits for its answer.
+    let opened = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.lease_client().keep_alive(lease),
+    )
+    .await
+    .context("a keepalive was not answered within 10 s")?;
+    let (mut keeper, mut replies) = opened?;
     keeper.keep_alive().await?;
     let reply = tokio::time::timeout(Duration::from_secs(10), replies.message())
         .await
@@ -1463,6 +1470,7 @@ pub async fn a_forwarded_call_keeps_its_callers_identity() -> anyhow::Result<()>
     token_grants(&grants, "held/", &[("alice", alice), ("mallory", mallory)])?;
     let (_a, api_a) = proxy_with_grants(&etcd, &grants).await?;
     let (_b, api_b) = proxy_with_grants(&etcd, &grants).await?;
+    let (_n, api_n) = proxy_with_etcd_api(&etcd).await?;
     let apis = [api_a, api_b];
     let login = |token: &str, api: &str| {
         let options = etcd_client::ConnectOptions::new()
@@ -1499,33 +1507,134 @@ pub async fn a_forwarded_call_keeps_its_callers_identity() -> anyhow::Result<()>
         "mallory put with alice's lease at b: {put:?}"
     );
 
-    // A client that names a caller in the forwarding metadata itself is refused.
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", apis[0]))?
-        .connect()
-        .await?;
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await?;
-    let mut request = tonic::Request::new(etcd_client::proto::PbLeaseRevokeRequest { id: lease });
-    let md = request.metadata_mut();
-    md.insert("lockcell-forwarded-for", "616c696365".parse()?);
-    md.insert("lockcell-forwarded-at", "0".parse()?);
-    md.insert("lockcell-forwarded-mac", "00".parse()?);
-    let forged: Result<tonic::Response<etcd_client::proto::PbLeaseRevokeResponse>, _> = grpc
-        .unary(
-            request,
-            tonic::codegen::http::uri::PathAndQuery::from_static("/etcdserverpb.Lease/LeaseRevoke"),
-            tonic_prost::ProstCodec::default(),
-        )
-        .await;
+    // Through a proxy that checks no grants, an anonymous caller is no one at a proxy
+    // that does: it neither renews nor revokes alice's lease.
+    let anonymous = etcd_client::Client::connect([api_n.as_str()], None).await?;
+    let renewed = renew_once(&anonymous, lease).await;
     ensure!(
-        forged
-            .as_ref()
-            .is_err_and(|s| s.code() == tonic::Code::Unauthenticated),
-        "a forged forwarded revoke was answered {forged:?}"
+        renewed.is_err(),
+        "an anonymous caller renewed alice's lease through a proxy without grants: {renewed:?}"
     );
+    let revoked = anonymous.lease_client().revoke(lease).await;
+    ensure!(
+        revoked.is_err(),
+        "an anonymous caller revoked alice's lease through a proxy without grants"
+    );
+
+    // A client that names a caller in the forwarding metadata itself is refused, by a
+    // proxy with grants or without.
+    for api in [&apis[0], &api_n] {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{api}"))?
+            .connect()
+            .await?;
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await?;
+        let mut request =
+            tonic::Request::new(etcd_client::proto::PbLeaseRevokeRequest { id: lease });
+        let md = request.metadata_mut();
+        md.insert("lockcell-forwarded-for", "616c696365".parse()?);
+        md.insert("lockcell-forwarded-at", "0".parse()?);
+        md.insert("lockcell-forwarded-mac", "00".parse()?);
+        let forged: Result<tonic::Response<etcd_client::proto::PbLeaseRevokeResponse>, _> = grpc
+            .unary(
+                request,
+                tonic::codegen::http::uri::PathAndQuery::from_static(
+                    "/etcdserverpb.Lease/LeaseRevoke",
+                ),
+                tonic_prost::ProstCodec::default(),
+            )
+            .await;
+        ensure!(
+            forged
+                .as_ref()
+                .is_err_and(|s| s.code() == tonic::Code::Unauthenticated),
+            "a forged forwarded revoke at {api} was answered {forged:?}"
+        );
+    }
     ensure!(
         renew_once(&alice_a, lease).await? > 0,
         "alice's lease did not survive the forged revoke"
+    );
+    Ok(())
+}
+
+/// After a drain, calls on the drained proxy's leases race to other proxies: whichever
+/// takes a lease over, the other finds it there (never "unknown"). A proxy that
+/// remembered the drained proxy as a lease's home looks again once that proxy is gone.
+/// A watch on the draining proxy ends UNAVAILABLE, so clients watch again elsewhere.
+pub async fn calls_racing_a_take_over_find_the_lease() -> anyhow::Result<()> {
+    use etcd_client::PutOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let (mut x, api_x) = proxy_with_etcd_api(&etcd).await?;
+    let (_y, api_y) = proxy_with_etcd_api(&etcd).await?;
+    let (_z, api_z) = proxy_with_etcd_api(&etcd).await?;
+    let on_x = etcd_client::Client::connect([api_x.as_str()], None).await?;
+    let on_y = etcd_client::Client::connect([api_y.as_str()], None).await?;
+    let on_z = etcd_client::Client::connect([api_z.as_str()], None).await?;
+    let mut leases = Vec::new();
+    for n in 0..8 {
+        let lease = on_x.lease_client().grant(30, None).await?.id();
+        let leased = Some(PutOptions::new().with_lease(lease));
+        on_x.kv_client()
+            .put(format!("race/{n}"), "v", leased)
+            .await?;
+        leases.push(lease);
+    }
+    // z learns that the first lease lives at x.
+    ensure!(
+        renew_once(&on_z, leases[0]).await? > 0,
+        "z could not renew at x"
+    );
+    let mut events = on_x.watch_client().watch("race/", None).await?;
+
+    x.process.signal(nix::sys::signal::Signal::SIGTERM)?;
+    x.wait_for_log("handed over to the next proxy", Duration::from_secs(10))
+        .await?;
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match events.message().await {
+                Ok(Some(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .context("the watch at the draining proxy did not end")?;
+    ensure!(
+        matches!(&ended, Err(etcd_client::Error::GRpcStatus(s)) if s.code() == tonic::Code::Unavailable),
+        "the watch at the draining proxy ended with {ended:?}"
+    );
+    for lease in leases.iter().skip(1) {
+        let (at_y, at_z) = tokio::join!(renew_once(&on_y, *lease), renew_once(&on_z, *lease));
+        ensure!(
+            at_y.as_ref().is_ok_and(|t| *t > 0) && at_z.as_ref().is_ok_and(|t| *t > 0),
+            "lease {lease:x} renewed at y and z at once: {at_y:?}, {at_z:?}"
+        );
+    }
+    // The first lease goes to y; z, which found it at x, finds it at y once x is gone.
+    ensure!(
+        renew_once(&on_y, leases[0]).await? > 0,
+        "y could not take the lease"
+    );
+    let status = x.process.wait_exit(Duration::from_secs(20)).await?;
+    ensure!(status.success(), "the drained proxy exited {status}");
+    let etcd_client = etcd.client().await?;
+    eventually("x's presence record goes", Duration::from_secs(10), || {
+        let mut kv = etcd_client.kv_client();
+        async move {
+            let got = kv
+                .get(
+                    "/s/!proxy/",
+                    Some(etcd_client::GetOptions::new().with_prefix()),
+                )
+                .await?;
+            Ok((got.kvs().len() == 2).then_some(()))
+        }
+    })
+    .await?;
+    ensure!(
+        renew_once(&on_z, leases[0]).await? > 0,
+        "z, which found the lease at x, did not find it at y"
     );
     Ok(())
 }
