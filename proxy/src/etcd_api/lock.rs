@@ -158,8 +158,27 @@ impl EtcdApi {
     }
 
     /// Puts the caller's key in line, with `value`: created on the lease unless the
-    /// lease has it.
+    /// lease has it. Calls placing one key take turns: a call that reads the key
+    /// another call of the lease is creating would not yet see it as the lease's.
     pub(super) async fn place(
+        &self,
+        caller: Option<String>,
+        key: &[u8],
+        lease: i64,
+        value: &[u8],
+    ) -> Result<Placed, Status> {
+        let turn = self.placing.entry(key.to_vec()).or_default().clone();
+        let placed = {
+            let _turn = turn.lock().await;
+            self.place_now(caller, key, lease, value).await
+        };
+        drop(turn);
+        self.placing
+            .remove_if(key, |_, t| std::sync::Arc::strong_count(t) <= 1);
+        placed
+    }
+
+    async fn place_now(
         &self,
         caller: Option<String>,
         key: &[u8],

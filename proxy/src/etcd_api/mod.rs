@@ -63,6 +63,9 @@ pub struct EtcdApi {
     fences: Arc<DashMap<i64, i64>>,
     /// By lease: the turn of each take-over under way.
     taking: Arc<DashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
+    /// By lock key: the turn of each Lock or Campaign placing it, so a second call of
+    /// one lease finds the first's key recorded as the lease's.
+    placing: Arc<DashMap<Vec<u8>, Arc<tokio::sync::Mutex<()>>>>,
     /// Turns true once a drain's hand-off is written ([`ProxyState::handed_off`]).
     handed_off: Arc<tokio::sync::watch::Sender<bool>>,
     /// The other proxies, for calls on leases that live there.
@@ -84,6 +87,7 @@ impl EtcdApi {
             writes: Arc::default(),
             fences: Arc::default(),
             taking: Arc::default(),
+            placing: Arc::default(),
             handed_off: Arc::new(handed_off),
             peers: Arc::default(),
         }

@@ -100,6 +100,20 @@ async fn proxy_with_grants(
     Ok((proxy, listen))
 }
 
+/// Three proxies with their etcd API on `etcd`, and a client of each (one endpoint).
+async fn three_proxies(
+    etcd: &EtcdCluster,
+) -> anyhow::Result<[(ProxyProcess, String, etcd_client::Client); 3]> {
+    let mut each = Vec::new();
+    for _ in 0..3 {
+        let (proxy, api) = proxy_with_etcd_api(etcd).await?;
+        let client = etcd_client::Client::connect([api.as_str()], None).await?;
+        each.push((proxy, api, client));
+    }
+    each.try_into()
+        .map_err(|_| anyhow::anyhow!("three proxies"))
+}
+
 /// Keys through the etcd API are lockcell's small keys under `/k/`; lockcell's own keys
 /// are out of every range; puts, gets, prefixes, deletes and a transaction behave as
 /// etcd's; the RPCs that act on etcd's members are refused by name.
@@ -1297,12 +1311,7 @@ pub async fn only_its_owner_takes_a_handed_over_lease() -> anyhow::Result<()> {
 pub async fn a_lease_is_served_at_every_proxy() -> anyhow::Result<()> {
     use etcd_client::{LeaseTimeToLiveOptions, LockOptions, PutOptions, Txn, TxnOp};
     let etcd = EtcdCluster::start(1).await?;
-    let (mut a, api_a) = proxy_with_etcd_api(&etcd).await?;
-    let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
-    let (_c, api_c) = proxy_with_etcd_api(&etcd).await?;
-    let on_a = etcd_client::Client::connect([api_a.as_str()], None).await?;
-    let on_b = etcd_client::Client::connect([api_b.as_str()], None).await?;
-    let on_c = etcd_client::Client::connect([api_c.as_str()], None).await?;
+    let [(mut a, api_a, on_a), (_b, api_b, on_b), (_c, api_c, on_c)] = three_proxies(&etcd).await?;
 
     let lease = on_a.lease_client().grant(4, None).await?.id();
     let leased = || Some(PutOptions::new().with_lease(lease));
@@ -1565,12 +1574,7 @@ pub async fn a_forwarded_call_keeps_its_callers_identity() -> anyhow::Result<()>
 pub async fn calls_racing_a_take_over_find_the_lease() -> anyhow::Result<()> {
     use etcd_client::PutOptions;
     let etcd = EtcdCluster::start(1).await?;
-    let (mut x, api_x) = proxy_with_etcd_api(&etcd).await?;
-    let (_y, api_y) = proxy_with_etcd_api(&etcd).await?;
-    let (_z, api_z) = proxy_with_etcd_api(&etcd).await?;
-    let on_x = etcd_client::Client::connect([api_x.as_str()], None).await?;
-    let on_y = etcd_client::Client::connect([api_y.as_str()], None).await?;
-    let on_z = etcd_client::Client::connect([api_z.as_str()], None).await?;
+    let [(mut x, _, on_x), (_y, _, on_y), (_z, _, on_z)] = three_proxies(&etcd).await?;
     let mut leases = Vec::new();
     for n in 0..8 {
         let lease = on_x.lease_client().grant(30, None).await?.id();
@@ -1635,6 +1639,75 @@ pub async fn calls_racing_a_take_over_find_the_lease() -> anyhow::Result<()> {
     ensure!(
         renew_once(&on_z, leases[0]).await? > 0,
         "z, which found the lease at x, did not find it at y"
+    );
+    Ok(())
+}
+
+/// A Lock call forwarded to the lease's proxy and given up half-way (the client's
+/// deadline) takes its key out of line there, as a call made at that proxy does: the
+/// holder's release then leaves the lock free, not granted to a caller who left. Two
+/// forwarded calls of one lease at once stand in line as one key, and a repeated call
+/// once the lease holds the lock answers at once with the same key.
+pub async fn a_forwarded_lock_wait_given_up_leaves_nothing_in_line() -> anyhow::Result<()> {
+    use etcd_client::LockOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let [(_a, _, on_a), (_b, _, on_b), (_c, _, on_c)] = three_proxies(&etcd).await?;
+    let on = |lease: i64| Some(LockOptions::new().with_lease(lease));
+    let holder = on_a.lease_client().grant(30, None).await?.id();
+    let waiter = on_a.lease_client().grant(30, None).await?.id();
+    let held = on_a.lock_client().lock("jobs/z", on(holder)).await?;
+    let held = held.key().to_vec();
+    let line = |client: etcd_client::Client| async move {
+        let got = client
+            .kv_client()
+            .get(
+                "jobs/z/",
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await?;
+        anyhow::Ok(got.kvs().len())
+    };
+    // Two calls of the waiter's lease at once, through b and c; both given up.
+    let (mut lock_b, mut lock_c) = (on_b.lock_client(), on_c.lock_client());
+    let (through_b, through_c) = tokio::join!(
+        tokio::time::timeout(
+            Duration::from_millis(1500),
+            lock_b.lock("jobs/z", on(waiter))
+        ),
+        tokio::time::timeout(
+            Duration::from_millis(1500),
+            lock_c.lock("jobs/z", on(waiter))
+        ),
+    );
+    ensure!(
+        through_b.is_err() && through_c.is_err(),
+        "a held lock was granted through b or c: {through_b:?} {through_c:?}"
+    );
+    eventually(
+        "the given-up waits' key leaves the line",
+        Duration::from_secs(10),
+        || {
+            let client = on_a.clone();
+            async move { Ok((line(client).await? == 1).then_some(())) }
+        },
+    )
+    .await?;
+    on_a.lock_client().unlock(held).await?;
+    ensure!(
+        line(on_a.clone()).await? == 0,
+        "the lock went to a caller who had given up"
+    );
+    // Taken through b; asked again through c, the same hold answers.
+    let first = on_b.lock_client().lock("jobs/z", on(waiter)).await?;
+    let again = tokio::time::timeout(
+        Duration::from_secs(5),
+        on_c.lock_client().lock("jobs/z", on(waiter)),
+    )
+    .await
+    .context("a second call of the holding lease waited")??;
+    ensure!(
+        first.key() == again.key() && line(on_a.clone()).await? == 1,
+        "a second call of the holding lease made another key"
     );
     Ok(())
 }
