@@ -25,5 +25,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ],
             &["proto"],
         )?;
+    etcd_descriptor_set(&out_dir)?;
+    Ok(())
+}
+
+/// etcd's whole v3 API (`proto/etcd-v3`, etcd's own files) as one descriptor set with
+/// its HTTP annotations, for the proxy's JSON gateway; no code is generated from it.
+fn etcd_descriptor_set(out_dir: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
+    let root = "proto/etcd-v3";
+    println!("cargo:rerun-if-changed={root}");
+    let protoc = std::env::var_os("PROTOC").unwrap_or_else(|| "protoc".into());
+    let status = std::process::Command::new(&protoc)
+        .arg("--include_imports")
+        .arg(format!(
+            "--descriptor_set_out={}",
+            out_dir.join("etcd_descriptor_set.bin").display()
+        ))
+        .args(["-I", root])
+        .args([
+            "etcd/api/etcdserverpb/rpc.proto",
+            "etcd/server/etcdserver/api/v3lock/v3lockpb/v3lock.proto",
+            "etcd/server/etcdserver/api/v3election/v3electionpb/v3election.proto",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .map_err(|e| format!("running {}: {e}", protoc.to_string_lossy()))?;
+    if !status.success() {
+        return Err(format!("protoc failed on {root} ({status})").into());
+    }
     Ok(())
 }

@@ -43,6 +43,11 @@ pub mod etcd_election {
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/lockcell_descriptor_set.bin"));
 
+/// etcd's v3 API as etcd declares it (`proto/etcd-v3`), with the HTTP paths of its JSON
+/// gateway, for the proxy's etcd listener to answer that gateway.
+pub const ETCD_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/etcd_descriptor_set.bin"));
+
 impl From<FencingToken> for v1::FencingToken {
     fn from(t: FencingToken) -> Self {
         v1::FencingToken {

@@ -118,12 +118,14 @@ fn stamps(files: &TlsFiles) -> Vec<Stamp> {
     .collect()
 }
 
+/// HTTP/2 for gRPC; HTTP/1.1 too, for etcd's JSON gateway on the etcd listener, whose
+/// HTTP clients (Python's, for one) offer only that.
 fn build(files: &TlsFiles) -> anyhow::Result<ServerConfig> {
     lockcell_cell::tls::server_config(
         &files.cert,
         &files.key,
         files.client_ca.as_deref(),
-        &[b"h2"],
+        &[b"h2", b"http/1.1"],
     )
 }
 

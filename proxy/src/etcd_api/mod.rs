@@ -13,11 +13,13 @@
 //! - [`watch`]: client watch streams relayed to etcd's.
 //! - [`lock`]: etcd's Lock service, as etcd's own recipe on the caller's lease.
 //! - [`election`]: etcd's Election service, the same way.
+//! - [`gateway`]: etcd's JSON gateway (`POST /v3/kv/range`, …) over the services above.
 //! - this file: Maintenance and Cluster, what they refuse, and the server.
 
 pub mod auth;
 pub mod election;
 pub mod forward;
+pub mod gateway;
 pub mod handoff;
 pub mod ids;
 pub mod keys;
@@ -192,22 +194,32 @@ impl EtcdApi {
         let handing_off = tokio::spawn(self.clone().hand_off_on_drain());
         let keyed = tokio::spawn(self.clone().load_forward_key());
         let size = self.state.config.max_value_bytes + 64 * 1024;
+        let size = size.max(2 * 1024 * 1024);
+        let max_streams = self.state.config.max_streams_per_connection;
+        let grpc = tonic::service::Routes::new(
+            PbKvServer::new(self.clone()).max_decoding_message_size(size),
+        )
+        .add_service(PbLeaseServer::new(self.clone()))
+        .add_service(PbWatchServer::new(self.clone()))
+        .add_service(PbMaintenanceServer::new(self.clone()))
+        .add_service(PbClusterServer::new(self.clone()))
+        .add_service(lockcell_proto::etcd_auth::auth_server::AuthServer::new(
+            self.clone(),
+        ))
+        .add_service(lockcell_proto::etcd_lock::lock_server::LockServer::new(
+            self.clone(),
+        ))
+        .add_service(lockcell_proto::etcd_election::election_server::ElectionServer::new(self))
+        .prepare();
+        // etcd's JSON gateway beside the gRPC services, on HTTP/1.1 as well as HTTP/2:
+        // base64 and JSON take up to 3 bytes of request for each byte of the call.
+        let gateway = gateway::router(grpc.clone(), 3 * size);
         let router = tonic::transport::Server::builder()
-            .max_concurrent_streams(Some(self.state.config.max_streams_per_connection))
-            .add_service(
-                PbKvServer::new(self.clone()).max_decoding_message_size(size.max(2 * 1024 * 1024)),
-            )
-            .add_service(PbLeaseServer::new(self.clone()))
-            .add_service(PbWatchServer::new(self.clone()))
-            .add_service(PbMaintenanceServer::new(self.clone()))
-            .add_service(PbClusterServer::new(self.clone()))
-            .add_service(lockcell_proto::etcd_auth::auth_server::AuthServer::new(
-                self.clone(),
-            ))
-            .add_service(lockcell_proto::etcd_lock::lock_server::LockServer::new(
-                self.clone(),
-            ))
-            .add_service(lockcell_proto::etcd_election::election_server::ElectionServer::new(self));
+            .accept_http1(true)
+            .max_concurrent_streams(Some(max_streams))
+            .add_routes(tonic::service::Routes::from(
+                grpc.into_axum_router().merge(gateway),
+            ));
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };

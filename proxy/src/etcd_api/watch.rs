@@ -63,6 +63,9 @@ impl EtcdApi {
         let mut look = tokio::time::interval(super::LEADER_LOOK);
         // The etcd stream, opened with the first watch the client creates.
         let mut etcd: Option<(WatchRequestSender, WatchResponseStream)> = None;
+        // A client that half-closes its stream keeps its watches, as etcd keeps them
+        // (etcd's JSON gateway half-closes once the request body is read).
+        let mut asking = true;
         loop {
             let from_etcd = async {
                 match etcd.as_mut() {
@@ -77,10 +80,11 @@ impl EtcdApi {
                 Stop,
             }
             let next = tokio::select! {
-                asked = input.message() => Next::Asked(asked),
+                asked = input.message(), if asking => Next::Asked(asked),
                 told = from_etcd => Next::Told(told),
                 _ = look.tick(), if leader_required => Next::Look,
                 _ = shutdown.wait_for(|stop| *stop) => Next::Stop,
+                _ = tx.closed() => return Ok(()),
             };
             match next {
                 Next::Look => {
@@ -89,7 +93,10 @@ impl EtcdApi {
                     }
                 }
                 Next::Asked(asked) => {
-                    let Some(asked) = asked? else { return Ok(()) };
+                    let Some(asked) = asked? else {
+                        asking = false;
+                        continue;
+                    };
                     self.forward(asked, identity.as_deref(), &mut etcd, tx)
                         .await?;
                 }

@@ -1711,3 +1711,291 @@ pub async fn a_forwarded_lock_wait_given_up_leaves_nothing_in_line() -> anyhow::
     );
     Ok(())
 }
+
+/// One call of etcd's JSON gateway: its HTTP status and JSON body.
+async fn gateway(
+    http: &reqwest::Client,
+    listen: &str,
+    path: &str,
+    token: Option<&str>,
+    body: serde_json::Value,
+) -> anyhow::Result<(u16, serde_json::Value)> {
+    let mut request = http
+        .post(format!("http://{listen}{path}"))
+        .body(body.to_string());
+    if let Some(token) = token {
+        request = request.header("Authorization", token);
+    }
+    let response = request
+        .send()
+        .await
+        .with_context(|| format!("POST {path}"))?;
+    let status = response.status().as_u16();
+    let text = response.text().await?;
+    let json = serde_json::from_str(&text).with_context(|| format!("{path} answered {text:?}"))?;
+    Ok((status, json))
+}
+
+/// The next `{"result": …}` line of a gateway stream that `wanted` accepts, within 10 s.
+async fn next_line(
+    stream: &mut reqwest::Response,
+    pending: &mut String,
+    wanted: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        while let Some(end) = pending.find('\n') {
+            let line: String = pending.drain(..=end).collect();
+            let json: serde_json::Value = serde_json::from_str(line.trim())
+                .with_context(|| format!("a stream line {line:?}"))?;
+            ensure!(json.get("error").is_none(), "the stream ended in {json}");
+            if wanted(&json["result"]) {
+                return Ok(json["result"].clone());
+            }
+        }
+        let chunk = tokio::time::timeout_at(deadline, stream.chunk())
+            .await
+            .with_context(|| format!("no wanted line in 10 s; read {pending:?}"))??
+            .context("the stream ended")?;
+        pending.push_str(std::str::from_utf8(&chunk)?);
+    }
+}
+
+/// etcd's JSON gateway, as curl and Patroni call it over HTTP/1.1: a login, puts and
+/// ranges in base64, a refusal by grants, a watch stream, a lease granted, renewed,
+/// written with, listed and revoked, and a refused RPC, each answered as etcd's gateway
+/// answers it.
+pub async fn etcds_json_gateway_answers_http_clients() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let svc = "svc-token-0123456789abcdef0123456789";
+    let grants = etcd.dir.join("etcd-api-grants.toml");
+    std::fs::write(
+        &grants,
+        format!(
+            "[[grant]]\nidentity = \"svc\"\nread = [\"config/\"]\nwrite = [\"config/\"]\nwatch = [\"config/\"]\n\n\
+             [[token]]\nidentity = \"svc\"\nsha256 = \"{}\"\n",
+            lockcell_tests::certs::token_sha256(svc)
+        ),
+    )?;
+    let (_proxy, listen) = proxy_with_grants(&etcd, &grants).await?;
+    let http = reqwest::Client::new();
+    let call = |path: &'static str, token: Option<&'static str>, body: serde_json::Value| {
+        gateway(&http, &listen, path, token, body)
+    };
+    let version: serde_json::Value = serde_json::from_str(
+        &http
+            .get(format!("http://{listen}/version"))
+            .send()
+            .await?
+            .text()
+            .await?,
+    )?;
+    ensure!(
+        version["etcdcluster"].is_string(),
+        "/version answered {version}"
+    );
+
+    let put_a = serde_json::json!({"key": "Y29uZmlnL2E=", "value": "MQ=="});
+    let (status, body) = call("/v3/kv/put", None, put_a.clone()).await?;
+    ensure!(
+        status == 401
+            && body["code"] == 16
+            && body["error"]
+                .as_str()
+                .unwrap_or("")
+                .contains("user name is empty"),
+        "a put without a token answered {status} {body}"
+    );
+    let (status, body) = call(
+        "/v3/auth/authenticate",
+        None,
+        serde_json::json!({"name": "svc", "password": svc}),
+    )
+    .await?;
+    ensure!(
+        status == 200 && body["token"] == svc,
+        "the login answered {status} {body}"
+    );
+    let token = Some(svc);
+    let (status, body) = call("/v3/kv/put", token, put_a).await?;
+    ensure!(
+        status == 200 && body["header"]["revision"].is_string(),
+        "the put answered {status} {body}"
+    );
+    let (status, body) = call(
+        "/v3/kv/range",
+        token,
+        serde_json::json!({"key": "Y29uZmlnL2E="}),
+    )
+    .await?;
+    ensure!(
+        status == 200
+            && body["count"] == "1"
+            && body["kvs"][0]["key"] == "Y29uZmlnL2E="
+            && body["kvs"][0]["value"] == "MQ=="
+            && body["kvs"][0]["version"] == "1",
+        "the range answered {status} {body}"
+    );
+    let (status, body) = call(
+        "/v3/kv/put",
+        token,
+        serde_json::json!({"key": "c2VjcmV0L2I=", "value": "MQ=="}),
+    )
+    .await?;
+    ensure!(
+        status == 403 && body["code"] == 7,
+        "a put outside the grants answered {status} {body}"
+    );
+    let (status, body) = call("/v3/kv/put", token, serde_json::json!({"key": 1})).await?;
+    ensure!(
+        status == 400 && body["error"].as_str().unwrap_or("").contains("PutRequest"),
+        "a put that is not a PutRequest answered {status} {body}"
+    );
+
+    // A watch: one line per answer, created first, then each event.
+    let mut watch = http
+        .post(format!("http://{listen}/v3/watch"))
+        .header("Authorization", svc)
+        .body(
+            serde_json::json!({"create_request": {"key": "Y29uZmlnL3c=", "prev_kv": true}})
+                .to_string(),
+        )
+        .send()
+        .await?;
+    ensure!(
+        watch.status().as_u16() == 200,
+        "the watch answered {}",
+        watch.status()
+    );
+    let mut pending = String::new();
+    let created = next_line(&mut watch, &mut pending, |r| r["created"] == true)
+        .await
+        .context("waiting for the watch to be created")?;
+    ensure!(
+        created.get("canceled").is_none(),
+        "the watch was refused: {created}"
+    );
+    let (status, _) = call(
+        "/v3/kv/put",
+        token,
+        serde_json::json!({"key": "Y29uZmlnL3c=", "value": "dXA="}),
+    )
+    .await?;
+    ensure!(status == 200, "the watched put answered {status}");
+    let event = next_line(&mut watch, &mut pending, |r| r["events"].is_array()).await?;
+    ensure!(
+        event["events"][0]["kv"]["key"] == "Y29uZmlnL3c="
+            && event["events"][0]["kv"]["value"] == "dXA=",
+        "the watch saw {event}"
+    );
+    drop(watch);
+    // A watch outside the grants: created and cancelled at once with the reason, as etcd
+    // answers a watch it refuses.
+    let mut refused = http
+        .post(format!("http://{listen}/v3/watch"))
+        .header("Authorization", svc)
+        .body(serde_json::json!({"create_request": {"key": "c2VjcmV0L2I="}}).to_string())
+        .send()
+        .await?;
+    let mut pending = String::new();
+    let cancelled = next_line(&mut refused, &mut pending, |r| r["created"] == true).await?;
+    ensure!(
+        cancelled["canceled"] == true
+            && cancelled["cancel_reason"]
+                .as_str()
+                .is_some_and(|r| !r.is_empty()),
+        "a watch outside the grants answered {cancelled}"
+    );
+
+    // A lease: granted, renewed, written with, listed with its keys, revoked.
+    let (status, body) = call("/v3/lease/grant", token, serde_json::json!({"TTL": 10})).await?;
+    let lease = body["ID"].as_str().unwrap_or_default().to_owned();
+    ensure!(
+        status == 200 && !lease.is_empty() && body["TTL"] == "10",
+        "the grant answered {status} {body}"
+    );
+    let (status, body) = gateway(
+        &http,
+        &listen,
+        "/v3/kv/put",
+        token,
+        serde_json::json!({"key": "Y29uZmlnL2w=", "value": "dXA=", "lease": lease}),
+    )
+    .await?;
+    ensure!(status == 200, "the leased put answered {status} {body}");
+    let (status, body) = gateway(
+        &http,
+        &listen,
+        "/v3/lease/keepalive",
+        token,
+        serde_json::json!({"ID": lease}),
+    )
+    .await?;
+    let ttl: i64 = body["result"]["TTL"].as_str().unwrap_or("0").parse()?;
+    ensure!(
+        status == 200 && ttl > 0,
+        "the renewal answered {status} {body}"
+    );
+    let (status, body) = gateway(
+        &http,
+        &listen,
+        "/v3/kv/lease/timetolive",
+        token,
+        serde_json::json!({"ID": lease, "keys": true}),
+    )
+    .await?;
+    ensure!(
+        status == 200
+            && body["keys"] == serde_json::json!(["Y29uZmlnL2w="])
+            && body["grantedTTL"] == "10",
+        "the lease's time to live answered {status} {body}"
+    );
+    let (status, body) = gateway(
+        &http,
+        &listen,
+        "/v3/lease/revoke",
+        token,
+        serde_json::json!({"ID": lease}),
+    )
+    .await?;
+    ensure!(status == 200, "the revoke answered {status} {body}");
+    let (_, body) = call(
+        "/v3/kv/range",
+        token,
+        serde_json::json!({"key": "Y29uZmlnL2w="}),
+    )
+    .await?;
+    ensure!(
+        body.get("kvs").is_none(),
+        "the revoked lease's key is still there: {body}"
+    );
+    // An unknown lease renews to TTL 0, as etcd answers (the field left out, as 0 is).
+    let (status, body) = gateway(
+        &http,
+        &listen,
+        "/v3/lease/keepalive",
+        token,
+        serde_json::json!({"ID": lease}),
+    )
+    .await?;
+    ensure!(
+        status == 200 && body["result"].get("TTL").is_none(),
+        "a renewal of a revoked lease answered {status} {body}"
+    );
+    let (status, body) = call(
+        "/v3/kv/put",
+        token,
+        serde_json::json!({"key": "Y29uZmlnL2w=", "lease": "12345"}),
+    )
+    .await?;
+    ensure!(
+        status == 404 && body["error"] == "etcdserver: requested lease not found",
+        "a put with an unknown lease answered {status} {body}"
+    );
+    let (status, body) = call("/v3/maintenance/defragment", token, serde_json::json!({})).await?;
+    ensure!(
+        status == 501 && body["error"].as_str().unwrap_or("").contains("Defragment"),
+        "a defragment answered {status} {body}"
+    );
+    Ok(())
+}

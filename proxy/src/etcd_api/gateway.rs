@@ -1,0 +1,537 @@
+//! etcd's JSON gateway on the etcd listener: `POST /v3/kv/range` with `{"key": "Zm9v"}`
+//! and every other path etcd's own declarations give its RPCs (the `google.api.http`
+//! annotations of `proto/etcd-v3`), over HTTP/1.1 or HTTP/2, as etcd serves them to
+//! curl, Patroni and the other HTTP clients of etcd.
+//!
+//! A call is turned into the gRPC call of the same method and sent to this listener's
+//! own gRPC services, in the process: it is checked, served and refused exactly as that
+//! gRPC call, and only the encoding differs. JSON is read and written by etcd's
+//! descriptors (field names as declared, 64-bit integers as strings, bytes in base64),
+//! as etcd's gateway writes them. A streaming RPC (Watch, LeaseKeepAlive, Observe)
+//! answers one `{"result": …}` line per message, and `{"error": …}` if it ends in one.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, LazyLock};
+
+use axum::body::{Body, Bytes};
+use axum::http::{self, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
+use prost::Message;
+use prost_reflect::{
+    DescriptorPool, DeserializeOptions, DynamicMessage, MessageDescriptor, SerializeOptions, Value,
+};
+use tokio_stream::{Stream, StreamExt};
+use tonic::codegen::Service;
+use tonic::service::Routes;
+use tonic::{Code, Status};
+
+/// etcd's v3 API, as etcd declares it.
+static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
+    DescriptorPool::decode(lockcell_proto::ETCD_DESCRIPTOR_SET)
+        .expect("the build's descriptor set of etcd's API decodes")
+});
+
+/// The API version the gateway answers `GET /version` with: the etcd release whose
+/// declarations the listener serves, which clients read to pick their paths.
+const ETCD_VERSION: &str = "3.5.0";
+
+/// One RPC as the gateway serves it.
+#[derive(Debug, Clone)]
+pub struct Rpc {
+    /// Its gRPC path, `/etcdserverpb.KV/Range`.
+    pub grpc_path: String,
+    input: MessageDescriptor,
+    output: MessageDescriptor,
+    client_streaming: bool,
+    server_streaming: bool,
+}
+
+/// Every RPC with an HTTP path in etcd's declarations, by that path.
+pub fn rpcs() -> BTreeMap<String, Rpc> {
+    let pool = &*POOL;
+    let http = pool
+        .get_extension_by_name("google.api.http")
+        .expect("etcd's declarations import google.api.http");
+    let mut rpcs = BTreeMap::new();
+    for service in pool.services() {
+        for method in service.methods() {
+            let options = method.options();
+            if !options.has_extension(&http) {
+                continue;
+            }
+            let rpc = Rpc {
+                grpc_path: format!("/{}/{}", service.full_name(), method.name()),
+                input: method.input(),
+                output: method.output(),
+                client_streaming: method.is_client_streaming(),
+                server_streaming: method.is_server_streaming(),
+            };
+            let rule = options.get_extension(&http);
+            let mut rules = vec![rule.into_owned()];
+            while let Some(rule) = rules.pop() {
+                let Value::Message(rule) = rule else { continue };
+                if let Some(Value::String(path)) = rule.get_field_by_name("post").as_deref() {
+                    rpcs.insert(path.clone(), rpc.clone());
+                }
+                if let Some(Value::List(more)) =
+                    rule.get_field_by_name("additional_bindings").as_deref()
+                {
+                    rules.extend(more.iter().cloned());
+                }
+            }
+        }
+    }
+    rpcs
+}
+
+/// The gateway's routes, each calling `grpc` (the listener's gRPC services); requests
+/// are read up to `max_bytes` of JSON each.
+pub fn router(grpc: Routes, max_bytes: usize) -> axum::Router {
+    let mut router = axum::Router::new().route("/version", axum::routing::get(version));
+    for (path, rpc) in rpcs() {
+        let call = Arc::new(Call {
+            rpc,
+            grpc: grpc.clone(),
+            max_bytes,
+        });
+        router = router.route(
+            &path,
+            axum::routing::post(move |request: http::Request<Body>| {
+                let call = call.clone();
+                async move { call.serve(request).await }
+            }),
+        );
+    }
+    router
+}
+
+async fn version() -> Response {
+    json_response(
+        StatusCode::OK,
+        serde_json::json!({
+            "etcdserver": ETCD_VERSION,
+            "etcdcluster": ETCD_VERSION,
+            "lockcell": env!("CARGO_PKG_VERSION"),
+        })
+        .to_string(),
+    )
+}
+
+/// A call's request messages, as gRPC frames.
+type Frames = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + Send>>;
+
+struct Call {
+    rpc: Rpc,
+    grpc: Routes,
+    max_bytes: usize,
+}
+
+impl Call {
+    async fn serve(&self, request: http::Request<Body>) -> Response {
+        let (parts, body) = request.into_parts();
+        let frames = match self.requests(body).await {
+            Ok(frames) => frames,
+            Err(status) => return error_response(&status),
+        };
+        let mut grpc_request =
+            http::Request::new(tonic::body::Body::new(Body::from_stream(frames)));
+        *grpc_request.method_mut() = http::Method::POST;
+        *grpc_request.uri_mut() = match self.rpc.grpc_path.parse() {
+            Ok(uri) => uri,
+            Err(_) => return error_response(&Status::internal("a gateway path did not parse")),
+        };
+        *grpc_request.version_mut() = http::Version::HTTP_2;
+        // The connection's own facts (its address, its TLS client certificate) go with
+        // the call, so a certificate identifies its caller here as on gRPC.
+        *grpc_request.extensions_mut() = parts.extensions;
+        let headers = grpc_request.headers_mut();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+        // etcd's gateway takes the auth token in `Authorization`; gRPC carries it as
+        // `token`. Nothing else a caller sends in headers reaches the call.
+        if let Some(token) = parts.headers.get(http::header::AUTHORIZATION) {
+            headers.insert("token", token.clone());
+        }
+        let mut grpc = self.grpc.clone();
+        if let Err(e) = std::future::poll_fn(|cx| {
+            Service::<http::Request<tonic::body::Body>>::poll_ready(&mut grpc, cx)
+        })
+        .await
+        {
+            return error_response(&Status::internal(format!(
+                "the gateway could not call: {e}"
+            )));
+        }
+        let response = match grpc.call(grpc_request).await {
+            Ok(response) => response,
+            Err(e) => {
+                return error_response(&Status::internal(format!("the gateway's call failed: {e}")))
+            }
+        };
+        if let Some(status) = status_in(response.headers()) {
+            // A trailers-only answer: refused before any message.
+            return error_response(&status);
+        }
+        let mut replies = Box::pin(replies(response.into_body(), self.rpc.output.clone()));
+        if !self.rpc.server_streaming {
+            return match replies.next().await {
+                Some(Ok(json)) => json_response(StatusCode::OK, json),
+                Some(Err(status)) => error_response(&status),
+                None => error_response(&Status::internal("the call ended without an answer")),
+            };
+        }
+        // As etcd's gateway: an error before the first message is the response's
+        // status; after it, a last `{"error": …}` line.
+        let first = match replies.next().await {
+            Some(Err(status)) => return error_response(&status),
+            first => first,
+        };
+        let lines = tokio_stream::iter(first).chain(replies).map(|reply| {
+            Ok::<_, std::convert::Infallible>(Bytes::from(match reply {
+                Ok(json) => format!("{{\"result\":{json}}}\n"),
+                Err(status) => format!("{}\n", stream_error(&status)),
+            }))
+        });
+        let mut response = Response::new(Body::from_stream(lines));
+        response.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+
+    /// The request body as gRPC frames: one JSON message for a unary call; for a
+    /// streaming one, each JSON message as it arrives, the stream ending with the body
+    /// (a half-close, after which etcd still answers what was asked).
+    async fn requests(&self, body: Body) -> Result<Frames, Status> {
+        let input = self.rpc.input.clone();
+        let max_bytes = self.max_bytes;
+        if !self.rpc.client_streaming {
+            let bytes = axum::body::to_bytes(body, max_bytes)
+                .await
+                .map_err(|e| too_large_or(e, max_bytes))?;
+            let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+                b"{}"
+            } else {
+                &bytes
+            };
+            let value: serde_json::Value = serde_json::from_slice(text)
+                .map_err(|e| Status::invalid_argument(format!("the request is not JSON: {e}")))?;
+            let frame = frame(&input, value)?;
+            return Ok(Box::pin(tokio_stream::iter(vec![Ok(frame)])));
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            let mut body = body.into_data_stream();
+            let mut pending: Vec<u8> = Vec::new();
+            while let Some(chunk) = body.next().await {
+                let Ok(chunk) = chunk else { return };
+                pending.extend_from_slice(&chunk);
+                let mut values =
+                    serde_json::Deserializer::from_slice(&pending).into_iter::<serde_json::Value>();
+                let mut used = 0;
+                loop {
+                    match values.next() {
+                        Some(Ok(value)) => {
+                            used = values.byte_offset();
+                            if tx.send(frame(&input, value)).await.is_err() {
+                                return;
+                            }
+                        }
+                        Some(Err(e)) if e.is_eof() => break,
+                        None => break,
+                        Some(Err(e)) => {
+                            let _ = tx
+                                .send(Err(Status::invalid_argument(format!(
+                                    "the request is not JSON: {e}"
+                                ))))
+                                .await;
+                            return;
+                        }
+                    }
+                }
+                pending.drain(..used);
+                if pending.len() > max_bytes {
+                    let _ = tx.send(Err(too_large(max_bytes))).await;
+                    return;
+                }
+            }
+        });
+        // A message that does not read ends the call's request stream with an error,
+        // which the call sees as the client's failure.
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+}
+
+/// One JSON request as a gRPC frame of its method's input message.
+fn frame(input: &MessageDescriptor, value: serde_json::Value) -> Result<Bytes, Status> {
+    let message =
+        DynamicMessage::deserialize_with_options(input.clone(), value, &DeserializeOptions::new())
+            .map_err(|e| {
+                Status::invalid_argument(format!(
+                    "the request does not read as {}: {e}",
+                    input.full_name()
+                ))
+            })?;
+    let encoded = message.encode_to_vec();
+    let mut frame = Vec::with_capacity(encoded.len() + 5);
+    frame.push(0);
+    frame.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&encoded);
+    Ok(Bytes::from(frame))
+}
+
+/// The messages of a gRPC response body, each as JSON, then its status if not OK.
+fn replies(
+    body: tonic::body::Body,
+    output: MessageDescriptor,
+) -> impl Stream<Item = Result<String, Status>> + Send + 'static {
+    async_stream_of(move |tx| async move {
+        let mut body = body;
+        let mut pending: Vec<u8> = Vec::new();
+        loop {
+            // The caller hung up: the call ends with it.
+            let frame = tokio::select! {
+                frame = body.frame() => frame,
+                _ = tx.closed() => return,
+            };
+            let Some(frame) = frame else { return };
+            let frame = match frame {
+                Ok(frame) => frame,
+                Err(e) => {
+                    let _ = tx
+                        .send(Err(Status::unavailable(format!("the call ended: {e}"))))
+                        .await;
+                    return;
+                }
+            };
+            let frame = match frame.into_data() {
+                Ok(data) => {
+                    pending.extend_from_slice(&data);
+                    while let Some((message, rest)) = split_frame(&pending) {
+                        let json = to_json(&output, message);
+                        pending = rest.to_vec();
+                        if tx.send(json).await.is_err() {
+                            return;
+                        }
+                    }
+                    continue;
+                }
+                Err(frame) => frame,
+            };
+            if let Ok(trailers) = frame.into_trailers() {
+                if let Some(status) = status_in(&trailers) {
+                    let _ = tx.send(Err(status)).await;
+                }
+                return;
+            }
+        }
+    })
+}
+
+/// A stream fed by a task, ending when the task does.
+fn async_stream_of<T, F, Fut>(task: F) -> impl Stream<Item = T> + Send + 'static
+where
+    T: Send + 'static,
+    F: FnOnce(tokio::sync::mpsc::Sender<T>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(task(tx));
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// The first whole gRPC message in `buffer` and what follows it.
+fn split_frame(buffer: &[u8]) -> Option<(&[u8], &[u8])> {
+    let header = buffer.get(..5)?;
+    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+    let message = buffer.get(5..5 + len)?;
+    Some((message, &buffer[5 + len..]))
+}
+
+fn to_json(output: &MessageDescriptor, message: &[u8]) -> Result<String, Status> {
+    let message = DynamicMessage::decode(output.clone(), message)
+        .map_err(|e| Status::internal(format!("an answer did not decode: {e}")))?;
+    let mut json = Vec::new();
+    let mut serializer = serde_json::Serializer::new(&mut json);
+    message
+        .serialize_with_options(
+            &mut serializer,
+            &SerializeOptions::new()
+                .use_proto_field_name(true)
+                .skip_default_fields(true),
+        )
+        .map_err(|e| Status::internal(format!("an answer did not encode as JSON: {e}")))?;
+    String::from_utf8(json).map_err(|e| Status::internal(e.to_string()))
+}
+
+/// The gRPC status a header or trailer map carries, unless it is OK or absent.
+fn status_in(headers: &HeaderMap) -> Option<Status> {
+    let status = Status::from_header_map(headers)?;
+    (status.code() != Code::Ok).then_some(status)
+}
+
+fn too_large(max_bytes: usize) -> Status {
+    Status::resource_exhausted(format!(
+        "etcdserver: request is too large: a JSON request of the gateway is at most {max_bytes} bytes"
+    ))
+}
+
+fn too_large_or(e: axum::Error, max_bytes: usize) -> Status {
+    let text = e.to_string();
+    if text.contains("length limit") {
+        too_large(max_bytes)
+    } else {
+        Status::invalid_argument(format!("the request body could not be read: {text}"))
+    }
+}
+
+/// The HTTP status etcd's gateway answers a gRPC code with.
+fn http_status(code: Code) -> StatusCode {
+    match code {
+        Code::Ok => StatusCode::OK,
+        Code::Cancelled => StatusCode::REQUEST_TIMEOUT,
+        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => {
+            StatusCode::BAD_REQUEST
+        }
+        Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+        Code::NotFound => StatusCode::NOT_FOUND,
+        Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
+        Code::PermissionDenied => StatusCode::FORBIDDEN,
+        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+        Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
+        Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
+        Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        Code::Unknown | Code::Internal | Code::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// A refused call, as etcd's gateway answers one: `{"error", "code", "message"}`.
+fn error_response(status: &Status) -> Response {
+    json_response(
+        http_status(status.code()),
+        serde_json::json!({
+            "error": status.message(),
+            "code": status.code() as i32,
+            "message": status.message(),
+        })
+        .to_string(),
+    )
+}
+
+/// A stream's last line when it ends in an error, as etcd's gateway writes it.
+fn stream_error(status: &Status) -> String {
+    let http = http_status(status.code());
+    serde_json::json!({
+        "error": {
+            "grpc_code": status.code() as i32,
+            "http_code": http.as_u16(),
+            "message": status.message(),
+            "http_status": http.canonical_reason().unwrap_or_default(),
+        }
+    })
+    .to_string()
+}
+
+fn json_response(status: StatusCode, json: String) -> Response {
+    (
+        status,
+        [(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        json,
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_path_of_etcds_declarations_names_its_rpc() {
+        let rpcs = rpcs();
+        let path = |p: &str| rpcs.get(p).map(|r| r.grpc_path.as_str());
+        assert_eq!(path("/v3/kv/range"), Some("/etcdserverpb.KV/Range"));
+        assert_eq!(path("/v3/kv/txn"), Some("/etcdserverpb.KV/Txn"));
+        assert_eq!(path("/v3/watch"), Some("/etcdserverpb.Watch/Watch"));
+        assert_eq!(
+            path("/v3/lease/keepalive"),
+            Some("/etcdserverpb.Lease/LeaseKeepAlive")
+        );
+        // An additional binding.
+        assert_eq!(
+            path("/v3/kv/lease/revoke"),
+            Some("/etcdserverpb.Lease/LeaseRevoke")
+        );
+        assert_eq!(
+            path("/v3/auth/authenticate"),
+            Some("/etcdserverpb.Auth/Authenticate")
+        );
+        assert_eq!(path("/v3/lock/lock"), Some("/v3lockpb.Lock/Lock"));
+        assert_eq!(
+            path("/v3/election/observe"),
+            Some("/v3electionpb.Election/Observe")
+        );
+        assert!(rpcs["/v3/watch"].client_streaming && rpcs["/v3/watch"].server_streaming);
+        assert!(!rpcs["/v3/kv/put"].client_streaming && !rpcs["/v3/kv/put"].server_streaming);
+    }
+
+    #[test]
+    fn json_goes_to_protobuf_and_back_as_etcds_gateway_writes_it() {
+        let rpcs = rpcs();
+        let range = &rpcs["/v3/kv/range"];
+        let frame = frame(
+            &range.input,
+            serde_json::json!({"key": "Zm9v", "limit": "2"}),
+        )
+        .unwrap();
+        let (message, rest) = split_frame(&frame).unwrap();
+        assert!(rest.is_empty());
+        let request = etcd_client::proto::PbRangeRequest::decode(message).unwrap();
+        assert_eq!(request.key, b"foo");
+        assert_eq!(request.limit, 2);
+
+        let reply = etcd_client::proto::PbRangeResponse {
+            header: Some(etcd_client::proto::PbResponseHeader {
+                revision: 7,
+                ..Default::default()
+            }),
+            kvs: vec![etcd_client::proto::PbKeyValue {
+                key: b"foo".to_vec(),
+                value: b"bar".to_vec(),
+                create_revision: 5,
+                ..Default::default()
+            }],
+            count: 1,
+            more: false,
+        };
+        let json: serde_json::Value =
+            serde_json::from_str(&to_json(&range.output, &reply.encode_to_vec()).unwrap()).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "header": {"revision": "7"},
+                "kvs": [{"key": "Zm9v", "value": "YmFy", "create_revision": "5"}],
+                "count": "1",
+            })
+        );
+    }
+
+    #[test]
+    fn a_request_with_a_field_etcd_does_not_declare_is_refused_by_name() {
+        let rpcs = rpcs();
+        let e = frame(
+            &rpcs["/v3/kv/put"].input,
+            serde_json::json!({"key": "Zm9v", "lease_id": "1"}),
+        )
+        .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(e.message().contains("lease_id"), "{}", e.message());
+    }
+}
