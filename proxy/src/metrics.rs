@@ -39,6 +39,7 @@ pub const SESSIONS_RESUMED: &str = "lockcell_sessions_resumed_total";
 pub const KEYS_MOVED: &str = "lockcell_keys_moved_total";
 pub const ETCD_API_LEASES_HANDED_OFF: &str = "lockcell_etcd_api_leases_handed_off_total";
 pub const ETCD_API_FORWARDED: &str = "lockcell_etcd_api_forwarded_total";
+pub const ETCD_API_GATEWAY_CALLS: &str = "lockcell_etcd_api_gateway_calls_total";
 pub const KEYS_LOST_ON_RESUME: &str = "lockcell_keys_lost_on_resume_total";
 pub const DRAINING: &str = "lockcell_draining";
 pub const LEASE_REMAINING: &str = "lockcell_etcd_lease_remaining_seconds";
@@ -145,6 +146,10 @@ pub fn describe() {
     counter(
         ETCD_API_FORWARDED,
         "etcd API calls on a lease that lives at another proxy, forwarded there (keepalives count once per forwarded keepalive).",
+    );
+    counter(
+        ETCD_API_GATEWAY_CALLS,
+        "Calls on etcd's JSON gateway (the etcd listener's HTTP paths), by `path` and the gRPC `code` of their answer (a stream's: of its first message).",
     );
     counter(
         ETCD_API_KEEPALIVES_UNBACKED,

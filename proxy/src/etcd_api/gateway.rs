@@ -95,11 +95,22 @@ pub fn router(grpc: Routes, max_bytes: usize) -> axum::Router {
             grpc: grpc.clone(),
             max_bytes,
         });
+        let label = path.clone();
         router = router.route(
             &path,
             axum::routing::post(move |request: http::Request<Body>| {
                 let call = call.clone();
-                async move { call.serve(request).await }
+                let path = label.clone();
+                async move {
+                    let (response, code) = call.serve(request).await;
+                    metrics::counter!(
+                        crate::metrics::ETCD_API_GATEWAY_CALLS,
+                        "path" => path,
+                        "code" => format!("{code:?}"),
+                    )
+                    .increment(1);
+                    response
+                }
             }),
         );
     }
@@ -128,18 +139,19 @@ struct Call {
 }
 
 impl Call {
-    async fn serve(&self, request: http::Request<Body>) -> Response {
+    /// Serves one call; answers the response and the gRPC code it carries.
+    async fn serve(&self, request: http::Request<Body>) -> (Response, Code) {
         let (parts, body) = request.into_parts();
         let frames = match self.requests(body).await {
             Ok(frames) => frames,
-            Err(status) => return error_response(&status),
+            Err(status) => return refused(status),
         };
         let mut grpc_request =
             http::Request::new(tonic::body::Body::new(Body::from_stream(frames)));
         *grpc_request.method_mut() = http::Method::POST;
         *grpc_request.uri_mut() = match self.rpc.grpc_path.parse() {
             Ok(uri) => uri,
-            Err(_) => return error_response(&Status::internal("a gateway path did not parse")),
+            Err(_) => return refused(Status::internal("a gateway path did not parse")),
         };
         *grpc_request.version_mut() = http::Version::HTTP_2;
         // The connection's own facts (its address, its TLS client certificate) go with
@@ -162,32 +174,28 @@ impl Call {
         })
         .await
         {
-            return error_response(&Status::internal(format!(
-                "the gateway could not call: {e}"
-            )));
+            return refused(Status::internal(format!("the gateway could not call: {e}")));
         }
         let response = match grpc.call(grpc_request).await {
             Ok(response) => response,
-            Err(e) => {
-                return error_response(&Status::internal(format!("the gateway's call failed: {e}")))
-            }
+            Err(e) => return refused(Status::internal(format!("the gateway's call failed: {e}"))),
         };
         if let Some(status) = status_in(response.headers()) {
             // A trailers-only answer: refused before any message.
-            return error_response(&status);
+            return refused(status);
         }
         let mut replies = Box::pin(replies(response.into_body(), self.rpc.output.clone()));
         if !self.rpc.server_streaming {
             return match replies.next().await {
-                Some(Ok(json)) => json_response(StatusCode::OK, json),
-                Some(Err(status)) => error_response(&status),
-                None => error_response(&Status::internal("the call ended without an answer")),
+                Some(Ok(json)) => (json_response(StatusCode::OK, json), Code::Ok),
+                Some(Err(status)) => refused(status),
+                None => refused(Status::internal("the call ended without an answer")),
             };
         }
         // As etcd's gateway: an error before the first message is the response's
         // status; after it, a last `{"error": …}` line.
         let first = match replies.next().await {
-            Some(Err(status)) => return error_response(&status),
+            Some(Err(status)) => return refused(status),
             first => first,
         };
         let lines = tokio_stream::iter(first).chain(replies).map(|reply| {
@@ -201,7 +209,7 @@ impl Call {
             http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        response
+        (response, Code::Ok)
     }
 
     /// The request body as gRPC frames: one JSON message for a unary call; for a
@@ -408,6 +416,10 @@ fn http_status(code: Code) -> StatusCode {
         Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         Code::Unknown | Code::Internal | Code::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
     }
+}
+
+fn refused(status: Status) -> (Response, Code) {
+    (error_response(&status), status.code())
 }
 
 /// A refused call, as etcd's gateway answers one: `{"error", "code", "message"}`.
