@@ -167,7 +167,9 @@ impl Election for EtcdApi {
     ) -> Result<Response<Self::ObserveStream>, Status> {
         let caller = self.caller(&request)?;
         let name = request.into_inner().name;
-        self.may(caller.as_deref(), Right::Read, &name)?;
+        // Each value proclaimed, as it changes: a read over time, as Observe is on the
+        // lockcell API (docs/security.md).
+        self.may(caller.as_deref(), Right::Watch, &name)?;
         let (tx, rx) = mpsc::channel(OBSERVE_BUFFER);
         let api = self.clone();
         tokio::spawn(async move {
@@ -363,6 +365,8 @@ impl EtcdApi {
                         break 'leading;
                     }
                     if let Some(kv) = event.kv() {
+                        self.settle_leased(&[(kv.key(), kv.lease(), kv.mod_revision())])
+                            .await;
                         let sent = tx.send(Ok(self.leader_response(at, self.outward(kv))));
                         if sent.await.is_err() {
                             return Ok(());

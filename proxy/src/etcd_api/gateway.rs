@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, LazyLock};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::http::{self, HeaderMap, HeaderValue, StatusCode};
@@ -85,14 +86,25 @@ pub fn rpcs() -> BTreeMap<String, Rpc> {
     rpcs
 }
 
-/// The gateway's routes, each calling `grpc` (the listener's gRPC services); requests
-/// are read up to `max_bytes` of JSON each.
-pub fn router(grpc: Routes, max_bytes: usize) -> axum::Router {
-    let mut router = axum::Router::new().route("/version", axum::routing::get(version));
+/// The etcd listener's routes: the gateway's, each calling `grpc` (the listener's gRPC
+/// services) for `api`, with requests read up to `max_bytes` of JSON each; gRPC calls
+/// go on to `grpc`; any other path is not found.
+pub fn router(api: super::EtcdApi, grpc: Routes, max_bytes: usize) -> axum::Router {
+    let health = api.clone();
+    let mut router = axum::Router::new()
+        .route("/version", axum::routing::get(version))
+        .route(
+            "/health",
+            axum::routing::get(move || {
+                let api = health.clone();
+                async move { self::health(&api) }
+            }),
+        );
     for (path, rpc) in rpcs() {
         let call = Arc::new(Call {
             rpc,
             grpc: grpc.clone(),
+            api: api.clone(),
             max_bytes,
         });
         let label = path.clone();
@@ -114,7 +126,49 @@ pub fn router(grpc: Routes, max_bytes: usize) -> axum::Router {
             }),
         );
     }
-    router
+    router.fallback(move |request: http::Request<Body>| {
+        let grpc = grpc.clone();
+        async move { elsewhere(grpc, request).await }
+    })
+}
+
+/// A request for no path of the gateway: a gRPC call goes to the gRPC services; anything
+/// else is not found, as etcd answers.
+async fn elsewhere(mut grpc: Routes, request: http::Request<Body>) -> Response {
+    let is_grpc = request
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"application/grpc"));
+    if !is_grpc {
+        return json_response(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({
+                "error": format!("{} is not a path of etcd's API", request.uri().path()),
+                "code": Code::NotFound as i32,
+                "message": "Not Found",
+            })
+            .to_string(),
+        );
+    }
+    match grpc.call(request).await {
+        Ok(response) => response.map(Body::new),
+        Err(never) => match never {},
+    }
+}
+
+/// `GET /health`, as etcd answers it: healthy while the proxy holds all its etcd leases
+/// and has renewed them in time (what "no leader" means on this API).
+fn health(api: &super::EtcdApi) -> Response {
+    if api.without_leader() {
+        return json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"health": "false", "reason": super::NO_LEADER}).to_string(),
+        );
+    }
+    json_response(
+        StatusCode::OK,
+        serde_json::json!({"health": "true", "reason": ""}).to_string(),
+    )
 }
 
 async fn version() -> Response {
@@ -135,14 +189,46 @@ type Frames = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + Send>
 struct Call {
     rpc: Rpc,
     grpc: Routes,
+    api: super::EtcdApi,
     max_bytes: usize,
 }
+
+/// How long a unary call's request body may take to arrive.
+const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a login's request may weigh: it is read before its caller is known.
+const LOGIN_BYTES: usize = 64 * 1024;
 
 impl Call {
     /// Serves one call; answers the response and the gRPC code it carries.
     async fn serve(&self, request: http::Request<Body>) -> (Response, Code) {
         let (parts, body) = request.into_parts();
-        let frames = match self.requests(body).await {
+        // etcd's gateway takes the auth token in `Authorization`; gRPC carries it as
+        // `token`. Nothing else a caller sends in headers reaches the call.
+        let mut metadata = HeaderMap::new();
+        if let Some(token) = parts.headers.get(http::header::AUTHORIZATION) {
+            // The raw token, as etcd takes it; `Bearer TOKEN` too, as the lockcell API.
+            let token = token.as_bytes();
+            let token = token.strip_prefix(b"Bearer ").unwrap_or(token);
+            if let Ok(token) = HeaderValue::from_bytes(token) {
+                metadata.insert("token", token);
+            }
+        }
+        // The caller is known before its body is read, so no one unknown makes the
+        // proxy hold a large body; a login is read first, and small.
+        let login = self.rpc.grpc_path.ends_with("/Authenticate");
+        if !login {
+            let probe = tonic::Request::from_parts(
+                tonic::metadata::MetadataMap::from_headers(metadata.clone()),
+                parts.extensions.clone(),
+                (),
+            );
+            if let Err(status) = self.api.caller(&probe) {
+                return refused(status);
+            }
+        }
+        let max_bytes = if login { LOGIN_BYTES } else { self.max_bytes };
+        let frames = match self.requests(body, max_bytes).await {
             Ok(frames) => frames,
             Err(status) => return refused(status),
         };
@@ -163,11 +249,7 @@ impl Call {
             HeaderValue::from_static("application/grpc"),
         );
         headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
-        // etcd's gateway takes the auth token in `Authorization`; gRPC carries it as
-        // `token`. Nothing else a caller sends in headers reaches the call.
-        if let Some(token) = parts.headers.get(http::header::AUTHORIZATION) {
-            headers.insert("token", token.clone());
-        }
+        headers.extend(metadata);
         let mut grpc = self.grpc.clone();
         if let Err(e) = std::future::poll_fn(|cx| {
             Service::<http::Request<tonic::body::Body>>::poll_ready(&mut grpc, cx)
@@ -215,12 +297,18 @@ impl Call {
     /// The request body as gRPC frames: one JSON message for a unary call; for a
     /// streaming one, each JSON message as it arrives, the stream ending with the body
     /// (a half-close, after which etcd still answers what was asked).
-    async fn requests(&self, body: Body) -> Result<Frames, Status> {
+    async fn requests(&self, body: Body, max_bytes: usize) -> Result<Frames, Status> {
         let input = self.rpc.input.clone();
-        let max_bytes = self.max_bytes;
         if !self.rpc.client_streaming {
-            let bytes = axum::body::to_bytes(body, max_bytes)
+            let read = axum::body::to_bytes(body, max_bytes);
+            let bytes = tokio::time::timeout(BODY_TIMEOUT, read)
                 .await
+                .map_err(|_| {
+                    Status::deadline_exceeded(format!(
+                        "the request body did not arrive within {} s",
+                        BODY_TIMEOUT.as_secs()
+                    ))
+                })?
                 .map_err(|e| too_large_or(e, max_bytes))?;
             let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
                 b"{}"
@@ -268,6 +356,13 @@ impl Call {
                     return;
                 }
             }
+            if !pending.iter().all(u8::is_ascii_whitespace) {
+                let _ = tx
+                    .send(Err(Status::invalid_argument(
+                        "the request body ends inside a JSON message",
+                    )))
+                    .await;
+            }
         });
         // A message that does not read ends the call's request stream with an error,
         // which the call sees as the client's failure.
@@ -277,20 +372,43 @@ impl Call {
 
 /// One JSON request as a gRPC frame of its method's input message.
 fn frame(input: &MessageDescriptor, value: serde_json::Value) -> Result<Bytes, Status> {
-    let message =
-        DynamicMessage::deserialize_with_options(input.clone(), value, &DeserializeOptions::new())
-            .map_err(|e| {
-                Status::invalid_argument(format!(
-                    "the request does not read as {}: {e}",
-                    input.full_name()
-                ))
-            })?;
+    let message = read(input, value.clone()).map_err(|e| {
+        let field = match bad_field(input, &value) {
+            Some(field) => format!(" (field {field:?})"),
+            None => String::new(),
+        };
+        Status::invalid_argument(format!(
+            "the request does not read as {}{field}: {e}",
+            input.full_name()
+        ))
+    })?;
     let encoded = message.encode_to_vec();
     let mut frame = Vec::with_capacity(encoded.len() + 5);
     frame.push(0);
     frame.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
     frame.extend_from_slice(&encoded);
     Ok(Bytes::from(frame))
+}
+
+/// A JSON message as `input`. Fields etcd does not declare are left out, as etcd's
+/// gateway leaves them (a client of a newer etcd may send some).
+fn read(input: &MessageDescriptor, value: serde_json::Value) -> Result<DynamicMessage, String> {
+    DynamicMessage::deserialize_with_options(
+        input.clone(),
+        value,
+        &DeserializeOptions::new().deny_unknown_fields(false),
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// The first field of a JSON object that does not read as its field of `input`.
+fn bad_field(input: &MessageDescriptor, value: &serde_json::Value) -> Option<String> {
+    value.as_object()?.iter().find_map(|(name, field)| {
+        let alone: serde_json::Map<_, _> = [(name.clone(), field.clone())].into_iter().collect();
+        read(input, serde_json::Value::Object(alone))
+            .is_err()
+            .then(|| name.clone())
+    })
 }
 
 /// The messages of a gRPC response body, each as JSON, then its status if not OK.
@@ -536,14 +654,24 @@ mod tests {
     }
 
     #[test]
-    fn a_request_with_a_field_etcd_does_not_declare_is_refused_by_name() {
+    fn a_field_that_does_not_read_is_refused_by_name_and_one_etcd_does_not_declare_is_left_out() {
         let rpcs = rpcs();
-        let e = frame(
-            &rpcs["/v3/kv/put"].input,
-            serde_json::json!({"key": "Zm9v", "lease_id": "1"}),
-        )
-        .unwrap_err();
+        let put = &rpcs["/v3/kv/put"].input;
+        let e = frame(put, serde_json::json!({"key": "Zm9v", "lease": "x"})).unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument);
-        assert!(e.message().contains("lease_id"), "{}", e.message());
+        assert!(e.message().contains("(field \"lease\")"), "{}", e.message());
+        assert!(
+            e.message().contains("etcdserverpb.PutRequest"),
+            "{}",
+            e.message()
+        );
+        let frame = frame(put, serde_json::json!({"key": "Zm9v", "newer_field": 1})).unwrap();
+        let (message, _) = split_frame(&frame).unwrap();
+        assert_eq!(
+            etcd_client::proto::PbPutRequest::decode(message)
+                .unwrap()
+                .key,
+            b"foo"
+        );
     }
 }

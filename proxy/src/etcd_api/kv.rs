@@ -529,6 +529,32 @@ impl EtcdApi {
 
     /// A key as the client sees it: its client key, and its client lease (0 when the
     /// key's lease is not one this proxy knows the client lease of).
+    /// Waits, when one of `kvs` (etcd key, lease, mod revision) is on one of this
+    /// proxy's etcd leases with no leased write of this proxy recorded for it, until the
+    /// leased writes on their way are recorded: etcd can deliver a put's watch event
+    /// before the put's answer reaches the proxy, and the event must show the client's
+    /// lease as a read after the answer does.
+    pub(super) async fn settle_leased(&self, kvs: &[(&[u8], i64, i64)]) {
+        let unrecorded: Vec<i64> = kvs
+            .iter()
+            .filter(|(key, lease, revision)| {
+                *lease != 0
+                    && !self
+                        .leased
+                        .get(*key)
+                        .is_some_and(|l| l.proxy_lease == *lease && l.revision == *revision)
+            })
+            .map(|(_, lease, _)| *lease)
+            .collect();
+        if unrecorded.is_empty() {
+            return;
+        }
+        let own = self.state.leases.leases();
+        if unrecorded.iter().any(|lease| own.contains(lease)) {
+            drop(self.writes.write().await);
+        }
+    }
+
     pub(super) fn outward_kv(&self, kv: &mut PbKeyValue) {
         if kv.lease != 0 {
             kv.lease = self

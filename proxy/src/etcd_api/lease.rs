@@ -207,12 +207,19 @@ impl PbLeaseService for EtcdApi {
         tokio::spawn(async move {
             let mut shutdown = api.state.shutdown.clone();
             loop {
-                let req = tokio::select! {
-                    msg = input.message() => match msg {
-                        Ok(Some(req)) => req,
-                        Ok(None) | Err(_) => return,
-                    },
+                let msg = tokio::select! {
+                    msg = input.message() => msg,
                     _ = shutdown.wait_for(|stop| *stop) => return,
+                };
+                let req = match msg {
+                    Ok(Some(req)) => req,
+                    Ok(None) => return,
+                    // A request that did not read (over etcd's JSON gateway: one that
+                    // is not JSON): the client hears why.
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
                 };
                 metrics::counter!(m::KEEPALIVES).increment(1);
                 if leader_required && api.without_leader() {
@@ -430,7 +437,7 @@ struct Relays {
     /// The client's call's metadata.
     metadata: tonic::metadata::MetadataMap,
     /// The client's replies.
-    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
+    tx: Replies,
     /// By proxy id: the stream to it.
     open: std::sync::Mutex<HashMap<String, Relayed>>,
 }
@@ -496,6 +503,19 @@ impl Relays {
         }
     }
 
+    /// A new set of relays for the same client, with no stream open: what a renewal
+    /// still unanswered uses once the client has half-closed its stream (and so let go
+    /// of its relays), so the client still hears its answer.
+    fn detached(&self) -> Arc<Relays> {
+        Arc::new(Relays {
+            api: self.api.clone(),
+            caller: self.caller.clone(),
+            metadata: self.metadata.clone(),
+            tx: self.tx.clone(),
+            open: Default::default(),
+        })
+    }
+
     /// The stream to `peer`, opened if it is not yet.
     fn stream_to(self: &Arc<Self>, peer: &super::forward::Peer) -> Option<Relayed> {
         let mut open = self.open.lock().expect("relays lock");
@@ -518,9 +538,10 @@ impl Relays {
         open.insert(peer.proxy.clone(), relayed.clone());
         tokio::spawn(relay(
             Arc::downgrade(self),
+            self.detached(),
             peer.clone(),
             call,
-            (self.tx.clone(), relayed.waiting.clone()),
+            relayed.waiting.clone(),
         ));
         Some(relayed)
     }
@@ -533,10 +554,12 @@ impl Relays {
 /// so the stream ends with the client's.
 async fn relay(
     relays: std::sync::Weak<Relays>,
+    detached: Arc<Relays>,
     peer: super::forward::Peer,
     call: Request<ReceiverStream<PbLeaseKeepAliveRequest>>,
-    (tx, waiting): (Replies, Waiting),
+    waiting: Waiting,
 ) {
+    let tx = detached.tx.clone();
     let opened = peer
         .streaming::<_, PbLeaseKeepAliveRequest, PbLeaseKeepAliveResponse>(KEEP_ALIVE, call)
         .await;
@@ -559,9 +582,8 @@ async fn relay(
                 }
             }
             Ok(Some(reply)) => {
-                let Some(relays) = relays.upgrade() else {
-                    return;
-                };
+                // The client may have half-closed its stream since: it still hears.
+                let relays = relays.upgrade().unwrap_or_else(|| detached.detached());
                 relays.api.peers.forget(reply.id);
                 tokio::spawn(relays.unknown(reply.id, Some(peer.proxy.clone())));
             }

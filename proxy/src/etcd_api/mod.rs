@@ -209,17 +209,18 @@ impl EtcdApi {
         .add_service(lockcell_proto::etcd_lock::lock_server::LockServer::new(
             self.clone(),
         ))
-        .add_service(lockcell_proto::etcd_election::election_server::ElectionServer::new(self))
+        .add_service(
+            lockcell_proto::etcd_election::election_server::ElectionServer::new(self.clone()),
+        )
         .prepare();
+        let api = self;
         // etcd's JSON gateway beside the gRPC services, on HTTP/1.1 as well as HTTP/2:
         // base64 and JSON take up to 3 bytes of request for each byte of the call.
-        let gateway = gateway::router(grpc.clone(), 3 * size);
+        let routes = gateway::router(api, grpc, 3 * size);
         let router = tonic::transport::Server::builder()
             .accept_http1(true)
             .max_concurrent_streams(Some(max_streams))
-            .add_routes(tonic::service::Routes::from(
-                grpc.into_axum_router().merge(gateway),
-            ));
+            .add_routes(tonic::service::Routes::from(routes));
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };

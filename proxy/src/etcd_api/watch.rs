@@ -107,6 +107,13 @@ impl EtcdApi {
                             Status::unavailable("etcd ended the watch stream; watch again")
                         })?;
                     let mut reply = told.0;
+                    let mut kvs = Vec::new();
+                    for event in &reply.events {
+                        for kv in event.kv.iter().chain(&event.prev_kv) {
+                            kvs.push((kv.key.as_slice(), kv.lease, kv.mod_revision));
+                        }
+                    }
+                    self.settle_leased(&kvs).await;
                     self.outward_watch(&mut reply);
                     if tx.send(Ok(reply)).await.is_err() {
                         return Ok(());

@@ -1992,10 +1992,101 @@ pub async fn etcds_json_gateway_answers_http_clients() -> anyhow::Result<()> {
         status == 404 && body["error"] == "etcdserver: requested lease not found",
         "a put with an unknown lease answered {status} {body}"
     );
+    // A renewal that does not read is refused with the reason, not dropped.
+    let (status, body) = call(
+        "/v3/lease/keepalive",
+        token,
+        serde_json::json!({"ID": "not a number"}),
+    )
+    .await?;
+    ensure!(
+        status == 400 && body["error"].as_str().unwrap_or("").contains("\"ID\""),
+        "a renewal that is not a LeaseKeepAliveRequest answered {status} {body}"
+    );
+    // `Bearer TOKEN` works as the raw token; a field etcd does not declare is left out.
+    let (status, body) = call(
+        "/v3/kv/range",
+        Some("Bearer svc-token-0123456789abcdef0123456789"),
+        serde_json::json!({"key": "Y29uZmlnL2E=", "from_a_newer_etcd": true}),
+    )
+    .await?;
+    ensure!(
+        status == 200 && body["count"] == "1",
+        "a range with a Bearer token and an undeclared field answered {status} {body}"
+    );
+    let (status, body) = call("/v3/kv/nothing", token, serde_json::json!({})).await?;
+    ensure!(
+        status == 404,
+        "a path etcd does not have answered {status} {body}"
+    );
+    let health = http.get(format!("http://{listen}/health")).send().await?;
+    ensure!(
+        health.status().as_u16() == 200,
+        "/health answered {}",
+        health.status()
+    );
     let (status, body) = call("/v3/maintenance/defragment", token, serde_json::json!({})).await?;
     ensure!(
         status == 501 && body["error"].as_str().unwrap_or("").contains("Defragment"),
         "a defragment answered {status} {body}"
     );
+    Ok(())
+}
+
+/// Through etcd's JSON gateway, whose streams half-close once the body is read: a
+/// renewal at a proxy the lease does not live at is still answered (forwarded, and TTL
+/// 0 for a lease that is nowhere), and a watch event of a leased put shows the client's
+/// lease, as a range after the put's answer does.
+pub async fn gateway_streams_answer_what_they_were_asked() -> anyhow::Result<()> {
+    use etcd_client::PutOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let [(_a, api_a, on_a), (_b, api_b, _), _] = three_proxies(&etcd).await?;
+    let http = reqwest::Client::new();
+    let lease = on_a.lease_client().grant(10, None).await?.id();
+    let renew_at_b = |id: i64| {
+        gateway(
+            &http,
+            &api_b,
+            "/v3/lease/keepalive",
+            None,
+            serde_json::json!({"ID": id.to_string()}),
+        )
+    };
+    let (status, body) = renew_at_b(lease).await?;
+    let ttl: i64 = body["result"]["TTL"].as_str().unwrap_or("0").parse()?;
+    ensure!(
+        status == 200 && ttl > 0,
+        "a renewal at b of a's lease answered {status} {body}"
+    );
+    // The next ID of a's block: never granted.
+    let (status, body) = renew_at_b(lease + 1).await?;
+    ensure!(
+        status == 200
+            && body["result"]["ID"] == format!("{}", lease + 1).as_str()
+            && body["result"].get("TTL").is_none(),
+        "a renewal at b of an ID no one was granted answered {status} {body}"
+    );
+
+    for round in 0..5 {
+        let mut watch = http
+            .post(format!("http://{api_a}/v3/watch"))
+            .body(serde_json::json!({"create_request": {"key": "bWVtYmVycy94"}}).to_string())
+            .send()
+            .await?;
+        let mut pending = String::new();
+        next_line(&mut watch, &mut pending, |r| r["created"] == true).await?;
+        on_a.kv_client()
+            .put(
+                "members/x",
+                format!("up {round}"),
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await?;
+        let event = next_line(&mut watch, &mut pending, |r| r["events"].is_array()).await?;
+        ensure!(
+            event["events"][0]["kv"]["lease"] == format!("{lease}").as_str(),
+            "round {round}: the event of a put with lease {lease} showed {event}"
+        );
+    }
     Ok(())
 }
