@@ -238,15 +238,18 @@ pub async fn run(
     let router = Arc::new(router::Router::new(
         engines.iter().map(|e| e.state.clone()).collect(),
     ));
-    if let Some(listener) = etcd_api {
+    // Not one of `tasks`, which are aborted once the lockcell API has stopped: the etcd
+    // API's streams end with their reason (UNAVAILABLE, "shutting down") only if its
+    // server finishes its own graceful stop.
+    let etcd_served = etcd_api.map(|listener| {
         let api = etcd_api::EtcdApi::new(first.clone());
         let (tls, stop) = (tls.clone(), stop_rx.clone());
-        tasks.spawn(async move {
+        tokio::spawn(async move {
             if let Err(error) = api.serve(listener, tls, stop).await {
                 tracing::error!(%error, "the etcd API stopped");
             }
-        });
-    }
+        })
+    });
     let mut stop = stop_rx.clone();
     let sizes = MessageSizes::for_config(&first.config);
     let router = tonic::transport::Server::builder()
@@ -273,12 +276,32 @@ pub async fn run(
         None => Box::pin(router.serve_with_incoming_shutdown(incoming(grpc), stopped)),
     };
     let mut stop = stop_rx.clone();
-    tokio::select! {
-        result = server => result.context("gRPC server failed")?,
+    let grace = first.config.shutdown_grace;
+    let stopped_at = std::sync::OnceLock::new();
+    let graceful = tokio::select! {
+        result = server => {
+            result.context("gRPC server failed")?;
+            true
+        }
         _ = async {
             let _ = stop.wait_for(|s| *s).await;
-            tokio::time::sleep(first.config.shutdown_grace).await;
-        } => tracing::warn!("clients did not disconnect within the shutdown grace; closing"),
+            let _ = stopped_at.set(tokio::time::Instant::now());
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!("clients did not disconnect within the shutdown grace; closing");
+            false
+        }
+    };
+    if let Some(mut etcd_served) = etcd_served {
+        // What is left of the grace, counted from the stop.
+        let until = *stopped_at.get_or_init(tokio::time::Instant::now) + grace;
+        if !graceful
+            || tokio::time::timeout_at(until, &mut etcd_served)
+                .await
+                .is_err()
+        {
+            etcd_served.abort();
+        }
     }
     tasks.shutdown().await;
     stopping.abort();
