@@ -204,16 +204,27 @@ pub async fn compaction_and_bad_watches_are_reported_by_name() -> anyhow::Result
     let compact_at = writes.last().unwrap().0;
     etcd.client().await?.compact(compact_at, None).await?;
 
-    let mut stream = WatchClient::new(a.clone())
-        .watch(prefix_from("c/", old))
-        .await?
-        .into_inner();
+    // The proxy's own view of the cell may be reloading after the compaction (a
+    // watch then ends UNAVAILABLE, to be resumed, as a client does): watch again until
+    // the answer is about the compaction, within a deadline.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
     let status = loop {
-        match stream.message().await {
-            Ok(Some(_)) => continue,
-            Ok(None) => bail!("the watch from a compacted revision ended without an error"),
-            Err(status) => break status,
+        let mut stream = WatchClient::new(a.clone())
+            .watch(prefix_from("c/", old))
+            .await?
+            .into_inner();
+        let status = loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => bail!("the watch from a compacted revision ended without an error"),
+                Err(status) => break status,
+            }
+        };
+        if status.code() != Code::Unavailable || tokio::time::Instant::now() > deadline {
+            break status;
         }
+        // A client's pause before it resumes.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     };
     ensure!(status.code() == Code::OutOfRange, "compaction: {status:?}");
     let reported = status
