@@ -507,12 +507,14 @@ fn too_large(max_bytes: usize) -> Status {
     ))
 }
 
+/// A body that could not be read: over the limit (the error `to_bytes` gives for
+/// one), or cut short.
 fn too_large_or(e: axum::Error, max_bytes: usize) -> Status {
-    let text = e.to_string();
-    if text.contains("length limit") {
+    let e = e.into_inner();
+    if e.is::<http_body_util::LengthLimitError>() {
         too_large(max_bytes)
     } else {
-        Status::invalid_argument(format!("the request body could not be read: {text}"))
+        Status::invalid_argument(format!("the request body could not be read: {e}"))
     }
 }
 
@@ -582,6 +584,16 @@ fn json_response(status: StatusCode, json: String) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_refused_with_the_limit() {
+        let e = axum::body::to_bytes(Body::from(vec![b' '; 100]), 10)
+            .await
+            .unwrap_err();
+        let status = too_large_or(e, 10);
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+        assert!(status.message().contains("at most 10 bytes"), "{status:?}");
+    }
 
     #[test]
     fn every_path_of_etcds_declarations_names_its_rpc() {
