@@ -185,6 +185,14 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_WATCH_BACKLOG", default_value_t = 1024)]
     pub watch_backlog: usize,
 
+    /// How many bytes of the cell's latest events (keys, values and previous values, and
+    /// 128 bytes an event) the proxy keeps, so a watch from a recent revision (a client
+    /// resuming, or watching from the revision after a read) starts from them instead
+    /// of reading etcd's history. 0 keeps none: every watch from a past revision then
+    /// reads etcd's.
+    #[arg(long, env = "LOCKCELL_WATCH_HISTORY_BYTES", default_value_t = crate::fanout::HISTORY_BYTES)]
+    pub watch_history_bytes: usize,
+
     /// How long a stopping proxy (SIGTERM, or POST /drain on the admin address) waits
     /// for its clients to resume their sessions on other proxies before it shuts down.
     /// Sessions still here then are ended as before: the proxy waits until no holder can

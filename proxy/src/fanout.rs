@@ -6,13 +6,23 @@
 //! grow with the number of topics. Delivery never waits: each watcher has a bounded
 //! backlog, and a watcher whose backlog is full is cut off (told the revision to resume
 //! from) instead of slowing the others.
+//!
+//! The fan-out also keeps the events of its last revisions (up to [`HISTORY_BYTES`]), so
+//! a watcher that starts a little in the past — the usual case: it read at a revision
+//! and watches from the one after — joins with those events in hand and costs etcd
+//! nothing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::mpsc;
 
-use crate::mirror::{KeyEvent, Topic};
+use crate::mirror::{key_bytes, KeyEvent, Topic};
+
+/// What the fan-out's history of recent events holds by default
+/// (`--watch-history-bytes`): names and values (and previous values) with
+/// [`crate::mirror::PER_KEY_BYTES`] for each event.
+pub const HISTORY_BYTES: usize = 16 << 20;
 
 /// Events of whole revisions for one topic; `revision` is the last revision they cover.
 #[derive(Debug)]
@@ -77,6 +87,67 @@ struct Topics {
     prefixes: HashMap<String, Vec<Watcher>>,
     next_id: u64,
     watchers: usize,
+    history: History,
+}
+
+/// The events of the last revisions published, oldest first.
+#[derive(Default)]
+struct History {
+    events: VecDeque<KeyEvent>,
+    bytes: usize,
+    /// Every event from this revision on is in `events`.
+    complete_from: i64,
+}
+
+impl History {
+    fn restart(&mut self, revision: i64) {
+        self.events.clear();
+        self.bytes = 0;
+        self.complete_from = revision + 1;
+    }
+
+    fn cost(event: &KeyEvent) -> usize {
+        key_bytes(&event.entry.name, event.entry.value.len())
+            + event.prev.as_ref().map_or(0, |p| p.value.len())
+    }
+
+    fn push(&mut self, events: &[KeyEvent], limit: usize) {
+        for event in events {
+            self.bytes += Self::cost(event);
+            self.events.push_back(event.clone());
+        }
+        while self.bytes > limit {
+            let Some(oldest) = self.events.pop_front() else {
+                break;
+            };
+            self.bytes -= Self::cost(&oldest);
+            // Events of one revision leave together: a revision is whole or absent.
+            self.complete_from = oldest.revision() + 1;
+            while self
+                .events
+                .front()
+                .is_some_and(|e| e.revision() == oldest.revision())
+            {
+                let same = self.events.pop_front().expect("looked at");
+                self.bytes -= Self::cost(&same);
+            }
+        }
+    }
+
+    /// The events of `topic` from revision `from` on, if every one of them is kept.
+    fn since(&self, topic: &Topic, from: i64) -> Option<Vec<KeyEvent>> {
+        if from < self.complete_from {
+            return None;
+        }
+        let first = self.events.partition_point(|e| e.revision() < from);
+        Some(
+            self.events
+                .range(first..)
+                .filter(|e| topic.matches(&e.entry.name))
+                .cloned()
+                .collect(),
+        )
+    }
 }
 
 impl Topics {
@@ -99,28 +170,55 @@ pub struct Published {
 }
 
 /// The proxy's watchers, by topic.
-#[derive(Default)]
 pub struct Fanout {
     topics: Mutex<Topics>,
+    history_bytes: usize,
+}
+
+impl Default for Fanout {
+    fn default() -> Fanout {
+        Fanout::with_history(HISTORY_BYTES)
+    }
 }
 
 impl Fanout {
+    /// A fan-out that keeps up to `history_bytes` of recent events (see [`History`]).
+    pub fn with_history(history_bytes: usize) -> Fanout {
+        Fanout {
+            topics: Mutex::default(),
+            history_bytes,
+        }
+    }
+
     /// Starts (or restarts) delivering, from a view of the cell at `revision`.
     pub fn open(&self, revision: i64) {
         let mut topics = self.topics.lock().expect("fan-out lock");
         topics.open = true;
         topics.revision = revision;
+        topics.history.restart(revision);
     }
 
     /// Joins `topic` with a backlog of `backlog` batches. While the fan-out is not open
     /// the subscription comes back already ended ([`End::FeedLost`]).
     pub fn subscribe(self: &Arc<Self>, topic: Topic, backlog: usize) -> Subscription {
+        self.subscribe_from(topic, backlog, i64::MAX).0
+    }
+
+    /// Joins `topic` as [`Self::subscribe`] does, and answers the topic's events from
+    /// revision `from` through the join position, when the history still holds all of
+    /// them (`None`: it does not, or `from` is past the join position).
+    pub fn subscribe_from(
+        self: &Arc<Self>,
+        topic: Topic,
+        backlog: usize,
+        from: i64,
+    ) -> (Subscription, Option<Vec<KeyEvent>>) {
         let (tx, rx) = mpsc::channel(backlog.max(1));
         let end = Arc::new(OnceLock::new());
         let mut topics = self.topics.lock().expect("fan-out lock");
         if !topics.open {
             let _ = end.set(End::FeedLost);
-            return Subscription {
+            let sub = Subscription {
                 joined_at: topics.revision,
                 batches: rx,
                 end,
@@ -128,7 +226,11 @@ impl Fanout {
                 topic,
                 id: u64::MAX,
             };
+            return (sub, None);
         }
+        let past = (from <= topics.revision)
+            .then(|| topics.history.since(&topic, from))
+            .flatten();
         let id = topics.next_id;
         topics.next_id += 1;
         topics.watchers += 1;
@@ -142,14 +244,15 @@ impl Fanout {
                 tx,
                 end: end.clone(),
             });
-        Subscription {
+        let sub = Subscription {
             joined_at,
             batches: rx,
             end,
             fanout: self.clone(),
             topic,
             id,
-        }
+        };
+        (sub, past)
     }
 
     /// The last revision published.
@@ -167,6 +270,8 @@ impl Fanout {
     pub fn publish(&self, revision: i64, events: &[KeyEvent]) -> Published {
         let mut topics = self.topics.lock().expect("fan-out lock");
         topics.revision = topics.revision.max(revision);
+        let limit = self.history_bytes;
+        topics.history.push(events, limit);
         let mut done = Published::default();
         if events.is_empty() || topics.watchers == 0 {
             return done;
@@ -358,5 +463,56 @@ mod tests {
             Some(&End::FeedLost),
             "nobody joins a fan-out that may have missed events"
         );
+    }
+
+    #[test]
+    fn a_watcher_from_a_recent_revision_joins_with_the_events_since() {
+        let fanout = Arc::new(Fanout::default());
+        fanout.open(4);
+        fanout.publish(5, &[put("a/1", 5)]);
+        fanout.publish(6, &[put("b/1", 6)]);
+        fanout.publish(7, &[put("a/2", 7)]);
+        let names = |events: Vec<KeyEvent>| -> Vec<String> {
+            events.into_iter().map(|e| e.entry.name).collect()
+        };
+        let (sub, past) = fanout.subscribe_from(topic("a/", true), 8, 6);
+        assert_eq!(sub.joined_at, 7);
+        assert_eq!(names(past.unwrap()), ["a/2"]);
+        let (_, past) = fanout.subscribe_from(topic("a/", true), 8, 5);
+        assert_eq!(names(past.unwrap()), ["a/1", "a/2"]);
+        let (_, past) = fanout.subscribe_from(topic("a/", true), 8, 8);
+        assert_eq!(
+            past, None,
+            "a start past the join position needs no history"
+        );
+        let (_, past) = fanout.subscribe_from(topic("a/", true), 8, 4);
+        assert_eq!(
+            past, None,
+            "revision 4 came before the view: not in the history"
+        );
+    }
+
+    #[test]
+    fn the_history_forgets_whole_revisions_past_its_size() {
+        let one = key_bytes("k", 0);
+        let fanout = Arc::new(Fanout::with_history(3 * one));
+        fanout.open(0);
+        fanout.publish(1, &[put("k", 1)]);
+        fanout.publish(2, &[put("k", 2), put("k", 2)]);
+        fanout.publish(3, &[put("k", 3)]);
+        // Revision 1 left to make room; revision 2 is whole.
+        let (_, past) = fanout.subscribe_from(topic("k", false), 8, 2);
+        assert_eq!(past.map(|p| p.len()), Some(3));
+        assert_eq!(fanout.subscribe_from(topic("k", false), 8, 1).1, None);
+        fanout.publish(4, &[put("k", 4)]);
+        // Revision 2 went whole, not one of its two events.
+        assert_eq!(fanout.subscribe_from(topic("k", false), 8, 2).1, None);
+        let (_, past) = fanout.subscribe_from(topic("k", false), 8, 3);
+        assert_eq!(past.map(|p| p.len()), Some(2));
+        // A reload starts the history again.
+        fanout.end_all(End::FeedLost);
+        fanout.open(10);
+        assert_eq!(fanout.subscribe_from(topic("k", false), 8, 4).1, None);
+        assert_eq!(fanout.subscribe_from(topic("k", false), 8, 11).1, None);
     }
 }

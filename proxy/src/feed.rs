@@ -93,14 +93,16 @@ pub struct Feed {
 }
 
 impl Feed {
-    pub fn new(backlog: usize, routes: Arc<Routes>) -> Feed {
+    /// A feed whose watchers may fall `backlog` batches behind, and whose fan-out keeps
+    /// `history_bytes` of the latest events.
+    pub fn new(backlog: usize, history_bytes: usize, routes: Arc<Routes>) -> Feed {
         Feed {
             routes,
             mirror: RwLock::default(),
             applied: watch::channel(0).0,
             live: watch::channel(false).0,
             stalled: Notify::new(),
-            fanout: Arc::default(),
+            fanout: Arc::new(Fanout::with_history(history_bytes)),
             backlog,
             catch_ups: Arc::new(tokio::sync::Semaphore::new(MAX_CATCH_UPS)),
         }

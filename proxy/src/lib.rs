@@ -11,6 +11,7 @@
 pub mod acquire;
 pub mod admin;
 pub mod barrier;
+pub mod catchup;
 pub mod cellguard;
 pub mod check;
 pub mod classes;
@@ -461,7 +462,11 @@ impl Engine {
             routes = routes.in_map();
         }
         let routes = Arc::new(routes);
-        let feed = Arc::new(feed::Feed::new(config.watch_backlog, routes.clone()));
+        let feed = Arc::new(feed::Feed::new(
+            config.watch_backlog,
+            config.watch_history_bytes,
+            routes.clone(),
+        ));
         let reads = reads::Reads::new(
             feed.clone(),
             barrier::Barrier::start(etcd.kv_client(), config.etcd_timeout),

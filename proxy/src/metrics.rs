@@ -27,6 +27,7 @@ pub const WATCH_EVENTS_SENT: &str = "lockcell_watch_events_sent_total";
 pub const WATCH_BATCHES_SENT: &str = "lockcell_watch_batches_fanned_out_total";
 pub const WATCHERS_CUT_OFF: &str = "lockcell_watchers_cut_off_total";
 pub const WATCH_CATCH_UPS: &str = "lockcell_watch_catch_ups_total";
+pub const WATCH_HISTORY_STARTS: &str = "lockcell_watch_history_starts_total";
 pub const FEED_RELOADS: &str = "lockcell_feed_reloads_total";
 pub const FEED_GAPS: &str = "lockcell_feed_gaps_total";
 pub const READ_BARRIERS: &str = "lockcell_read_barriers_total";
@@ -222,6 +223,10 @@ pub fn describe() {
     counter(
         WATCH_CATCH_UPS,
         "Watchers that started from an older revision and caught up on a watch of their own.",
+    );
+    counter(
+        WATCH_HISTORY_STARTS,
+        "Watchers that started from an older revision the proxy's history of recent events still held (no etcd catch-up).",
     );
     counter(
         FEED_RELOADS,

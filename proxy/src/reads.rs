@@ -28,6 +28,8 @@ pub struct Reads {
     routes: Arc<Routes>,
     /// For reading the copy after a read that bypassed the feed.
     etcd: etcd_client::KvClient,
+    /// The revision etcd was last found to keep history from, and when that look began.
+    history: tokio::sync::Mutex<Option<(i64, tokio::time::Instant)>>,
 }
 
 /// A key's or prefix's topic, with the key rules checked (errors say "key").
@@ -62,7 +64,37 @@ impl Reads {
             timeout,
             routes,
             etcd,
+            history: tokio::sync::Mutex::new(None),
         }
+    }
+
+    /// Whether etcd still keeps the cell's history from `revision` on, so a watch from
+    /// `revision + 1` that the fan-out's own history can serve is one etcd would serve
+    /// too (etcd refuses a watch from before its compaction, and so does the proxy).
+    /// A serializable read at `revision` tells. Looks are made one at a time, and one
+    /// that began after a caller asked answers it too when it was at or before the
+    /// caller's revision: a compaction finished before the call is always seen, and a
+    /// crowd of watchers resuming costs etcd a few reads. False when etcd cannot be
+    /// asked: the caller then reads etcd's history itself, which says what is wrong.
+    pub async fn history_kept_from(&self, revision: i64) -> bool {
+        let revision = revision.max(1);
+        let asked = tokio::time::Instant::now();
+        let mut last = self.history.lock().await;
+        if last.is_some_and(|(from, began)| from <= revision && began > asked) {
+            return true;
+        }
+        let began = tokio::time::Instant::now();
+        let options = etcd_client::GetOptions::new()
+            .with_revision(revision)
+            .with_serializable()
+            .with_count_only();
+        let mut etcd = self.etcd.clone();
+        let look = etcd.get(keyspace::epoch_key(), Some(options));
+        let kept = matches!(tokio::time::timeout(self.timeout, look).await, Ok(Ok(_)));
+        if kept {
+            *last = Some((revision, began));
+        }
+        kept
     }
 
     /// A revision no older than every write that finished before the call.

@@ -672,10 +672,20 @@ fn check_txn(txn: &PbTxnRequest, max_value: usize, ops: &mut usize) -> Result<()
     Ok(())
 }
 
-/// A key a client writes: not empty, and within [`MAX_KEY_BYTES`].
+/// A key a client writes: not empty, UTF-8 text, and within [`MAX_KEY_BYTES`].
+///
+/// lockcell's small keys are text: the proxies' copy of them, which reads and watches
+/// are served from, holds text names.
 fn key_within(key: &[u8]) -> Result<(), Status> {
     if key.is_empty() {
         return Err(Status::invalid_argument("etcdserver: key is not provided"));
+    }
+    if let Err(e) = std::str::from_utf8(key) {
+        let shown = String::from_utf8_lossy(&key[..key.len().min(64)]).into_owned();
+        return Err(Status::invalid_argument(format!(
+            "key {shown:?} is not UTF-8 text (byte {} is not), which every key written through lockcell must be",
+            e.valid_up_to()
+        )));
     }
     if key.len() > MAX_KEY_BYTES {
         return Err(Status::invalid_argument(format!(

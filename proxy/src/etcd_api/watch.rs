@@ -1,29 +1,51 @@
-//! etcd's Watch service: each client watch stream is relayed to one etcd watch stream of
-//! the proxy's, with every key moved into the small-key space on the way in and out of
-//! it on the way back. Watch IDs, revisions, progress notifications, compaction and
-//! cancellation are etcd's own, so clients that resume from a revision or order by it
-//! (Go's `concurrency` package) see what etcd would show them.
+//! etcd's Watch service, served from the proxy's fan-out (see [`crate::fanout`]): a
+//! client's watches join the proxy's one watch over the cell, so a million client
+//! watches cost etcd what one does. Keys are the client's (the small-key space, with
+//! `/k/` taken off), revisions and watch IDs are etcd's rules: a watch from a past
+//! revision gets every event since (from the fan-out's history, or etcd's when that is
+//! too short), a compacted start is answered with the compact revision, progress
+//! requests are answered only once every watch of the stream has caught up.
 //!
-//! A relay costs etcd one watch stream per client stream: joining the proxy's fan-out
-//! (one etcd watch for every client) is still to come (docs/etcd-api.md).
+//! Each watch of a stream has a source: it joins the fan-out at the watch's next
+//! revision, catches up when it joined in the past, and joins again from where it was
+//! when the fan-out drops it (a full backlog, or the proxy reloading its view of the
+//! cell). The stream interleaves what its sources deliver.
 
+use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
-use etcd_client::proto::{PbWatchRequest, PbWatchRequestUnion, PbWatchResponse, PbWatchService};
-use etcd_client::{WatchFilterType, WatchOptions, WatchRequestSender, WatchResponseStream};
+use etcd_client::proto::{
+    PbEvent, PbKeyValue, PbWatchRequest, PbWatchRequestUnion, PbWatchResponse, PbWatchService,
+};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt, StreamMap};
 use tonic::{Request, Response, Status, Streaming};
 
-use super::keys::inner_range;
+use super::keys::inner;
 use super::EtcdApi;
+use crate::catchup::{CatchUp, CatchUpError, CaughtUp};
+use crate::fanout::Subscription;
 use crate::grants::Right;
+use crate::metrics;
+use crate::mirror::{EventKind, KeyEvent, Topic};
+use crate::state::ProxyState;
 
-/// Replies buffered per client stream before the relay stops reading etcd's.
+/// Replies buffered per client stream before its sources wait.
 const BUFFER: usize = 64;
+/// How often a watch that asked for progress notifications gets one: etcd's default.
+const PROGRESS_NOTIFY: Duration = Duration::from_secs(600);
+/// A watch ID etcd never hands out: the ID of a progress answer for the whole stream,
+/// and of a create etcd refused.
+const NO_WATCH: i64 = -1;
 
 type Replies = mpsc::Sender<Result<PbWatchResponse, Status>>;
+type Sources = StreamMap<i64, Pin<Box<dyn Stream<Item = Arrival> + Send>>>;
 
 #[tonic::async_trait]
 impl PbWatchService for EtcdApi {
@@ -39,7 +61,16 @@ impl PbWatchService for EtcdApi {
         let (tx, rx) = mpsc::channel(BUFFER);
         let api = self.clone();
         tokio::spawn(async move {
-            if let Err(status) = api.relay(input, identity, leader_required, &tx).await {
+            let stream = WatchStream {
+                api: &api,
+                identity,
+                tx: &tx,
+                watches: HashMap::new(),
+                sources: StreamMap::new(),
+                next_id: 0,
+                progress_asked: false,
+            };
+            if let Err(status) = stream.serve(input, leader_required).await {
                 let _ = tx.send(Err(status)).await;
             }
         });
@@ -50,179 +81,611 @@ impl PbWatchService for EtcdApi {
 /// Why a stream ends when the proxy stops.
 pub(super) const STOPPING: &str = "etcdserver: this proxy is shutting down; use another endpoint";
 
-impl EtcdApi {
-    /// Relays one client watch stream until either side ends it or the proxy stops.
-    async fn relay(
-        &self,
+/// One client watch stream.
+struct WatchStream<'a> {
+    api: &'a EtcdApi,
+    identity: Option<String>,
+    tx: &'a Replies,
+    watches: HashMap<i64, Watching>,
+    sources: Sources,
+    /// The next ID to hand out, as etcd does: counting from 0, skipping IDs in use.
+    next_id: i64,
+    /// The client asked for progress while a watch was catching up: answered once
+    /// every watch has.
+    progress_asked: bool,
+}
+
+/// One watch of a stream: what it selects.
+struct Watching {
+    range: ClientRange,
+    prev_kv: bool,
+    no_put: bool,
+    no_delete: bool,
+    progress_notify: bool,
+    /// True while its source follows the fan-out: every event through the revision
+    /// the feed applied is then queued for it.
+    synced: Arc<AtomicBool>,
+}
+
+/// A client range as etcd's API spells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ClientRange {
+    key: Vec<u8>,
+    /// Empty: the key alone; `\0`: every key from `key` on; else the first key past.
+    end: Vec<u8>,
+}
+
+impl ClientRange {
+    fn contains(&self, name: &[u8]) -> bool {
+        match &self.end[..] {
+            [] => name == self.key,
+            [0] => name >= &self.key[..],
+            end => name >= &self.key[..] && name < end,
+        }
+    }
+
+    /// Whether no key can be in it (etcd refuses such a watch).
+    fn is_empty(&self) -> bool {
+        !matches!(&self.end[..], [] | [0]) && self.key >= self.end
+    }
+
+    /// The fan-out topic whose events include every key of the range: the key, or the
+    /// longest text both ends of the range start with.
+    fn topic(&self) -> Topic {
+        if self.end.is_empty() {
+            return Topic {
+                name: String::from_utf8_lossy(&self.key).into_owned(),
+                prefix: false,
+            };
+        }
+        let end: &[u8] = if self.end == [0] { &[] } else { &self.end };
+        let common = self.key.iter().zip(end).take_while(|(a, b)| a == b).count();
+        let shared = &self.key[..common];
+        let text = match std::str::from_utf8(shared) {
+            Ok(text) => text,
+            Err(e) => std::str::from_utf8(&shared[..e.valid_up_to()]).expect("valid up to"),
+        };
+        Topic {
+            name: text.to_owned(),
+            prefix: true,
+        }
+    }
+}
+
+/// What a watch's source delivers.
+enum Arrival {
+    /// The source's events of the revisions through `revision`.
+    Events {
+        revision: i64,
+        events: Vec<KeyEvent>,
+    },
+    /// etcd compacted the history the watch starts in: the oldest start it can serve.
+    Compacted(i64),
+    /// The watch cannot go on; the stream ends with this, to be watched again.
+    Failed(Status),
+}
+
+enum Next {
+    Asked(Result<Option<PbWatchRequest>, Status>),
+    Arrived(i64, Arrival),
+    Look,
+    Notify,
+    Stop,
+    Gone,
+}
+
+impl WatchStream<'_> {
+    async fn serve(
+        mut self,
         mut input: Streaming<PbWatchRequest>,
-        identity: Option<String>,
         leader_required: bool,
-        tx: &Replies,
     ) -> Result<(), Status> {
-        let mut shutdown = self.state.shutdown.clone();
+        let state = &self.api.state;
+        let mut shutdown = state.shutdown.clone();
         let mut look = tokio::time::interval(super::LEADER_LOOK);
-        // The etcd stream, opened with the first watch the client creates.
-        let mut etcd: Option<(WatchRequestSender, WatchResponseStream)> = None;
+        let start = tokio::time::Instant::now() + PROGRESS_NOTIFY;
+        let mut notify = tokio::time::interval_at(start, PROGRESS_NOTIFY);
         // A client that half-closes its stream keeps its watches, as etcd keeps them
         // (etcd's JSON gateway half-closes once the request body is read).
         let mut asking = true;
         loop {
-            let from_etcd = async {
-                match etcd.as_mut() {
-                    Some((_, replies)) => replies.message().await,
-                    None => std::future::pending().await,
-                }
-            };
-            enum Next {
-                Asked(Result<Option<PbWatchRequest>, Status>),
-                Told(Result<Option<etcd_client::WatchResponse>, etcd_client::Error>),
-                Look,
-                Stop,
-            }
             let next = tokio::select! {
                 asked = input.message(), if asking => Next::Asked(asked),
-                told = from_etcd => Next::Told(told),
+                Some((id, arrival)) = self.sources.next(), if !self.sources.is_empty() => {
+                    Next::Arrived(id, arrival)
+                }
                 _ = look.tick(), if leader_required => Next::Look,
+                _ = notify.tick() => Next::Notify,
                 _ = shutdown.wait_for(|stop| *stop) => Next::Stop,
-                _ = tx.closed() => return Ok(()),
+                _ = self.tx.closed() => Next::Gone,
             };
             match next {
+                Next::Asked(asked) => match asked? {
+                    Some(asked) => self.asked(asked).await?,
+                    None => asking = false,
+                },
+                Next::Arrived(id, arrival) => self.arrived(id, arrival).await?,
                 Next::Look => {
-                    if self.without_leader() {
+                    if self.api.without_leader() {
                         return Err(Status::unavailable(super::NO_LEADER));
                     }
                 }
-                Next::Asked(asked) => {
-                    let Some(asked) = asked? else {
-                        asking = false;
+                Next::Notify => {
+                    let Some(revision) = self.caught_up().await? else {
                         continue;
                     };
-                    self.forward(asked, identity.as_deref(), &mut etcd, tx)
-                        .await?;
-                }
-                Next::Told(told) => {
-                    let told = told
-                        .map_err(|e| Status::unavailable(format!("etcd's watch failed: {e}")))?
-                        .ok_or_else(|| {
-                            Status::unavailable("etcd ended the watch stream; watch again")
-                        })?;
-                    let mut reply = told.0;
-                    let mut kvs = Vec::new();
-                    for event in &reply.events {
-                        for kv in event.kv.iter().chain(&event.prev_kv) {
-                            kvs.push((kv.key.as_slice(), kv.lease, kv.mod_revision));
-                        }
-                    }
-                    self.settle_leased(&kvs).await;
-                    self.outward_watch(&mut reply);
-                    if tx.send(Ok(reply)).await.is_err() {
-                        return Ok(());
+                    let due: Vec<i64> = self
+                        .watches
+                        .iter()
+                        .filter(|(_, w)| w.progress_notify && w.synced.load(Ordering::Acquire))
+                        .map(|(id, _)| *id)
+                        .collect();
+                    for id in due {
+                        send(self.tx, self.reply(id, revision)).await?;
                     }
                 }
                 // UNAVAILABLE, as etcd ends a stream when a member stops: clients
                 // watch again at another endpoint (an OK end reads as the end of the
                 // watch to Go's clientv3).
                 Next::Stop => return Err(Status::unavailable(STOPPING)),
+                Next::Gone => return Ok(()),
+            }
+            if self.progress_asked {
+                if let Some(revision) = self.caught_up().await? {
+                    self.progress_asked = false;
+                    send(self.tx, self.reply(NO_WATCH, revision)).await?;
+                }
             }
         }
     }
 
-    /// Sends one client request on to etcd, its keys moved into the small-key space; a
-    /// watch the caller may not make is answered as etcd answers one: created, and
-    /// cancelled at once with the reason.
-    async fn forward(
-        &self,
-        mut asked: PbWatchRequest,
-        identity: Option<&str>,
-        etcd: &mut Option<(WatchRequestSender, WatchResponseStream)>,
-        tx: &Replies,
-    ) -> Result<(), Status> {
-        if let Some(PbWatchRequestUnion::CreateRequest(create)) = asked.request_union.as_mut() {
-            if let Err(refused) = self.may_watch(identity, &create.key, &create.range_end) {
-                let reply = PbWatchResponse {
-                    header: Some(self.header(self.state.cell.seen())),
-                    watch_id: create.watch_id,
-                    created: true,
-                    canceled: true,
-                    cancel_reason: refused.message().to_owned(),
-                    ..PbWatchResponse::default()
-                };
-                let _ = tx.send(Ok(reply)).await;
-                return Ok(());
-            }
-            let range = inner_range(&create.key, &create.range_end);
-            create.key = range.key;
-            create.range_end = range.end;
-            if etcd.is_none() {
-                let mut options = WatchOptions::new()
-                    .with_start_revision(create.start_revision)
-                    .with_watch_id(create.watch_id);
-                if !create.range_end.is_empty() {
-                    options = options.with_range(create.range_end.clone());
-                }
-                if create.progress_notify {
-                    options = options.with_progress_notify();
-                }
-                if create.prev_kv {
-                    options = options.with_prev_key();
-                }
-                if create.fragment {
-                    options = options.with_fragment();
-                }
-                let filters: Vec<WatchFilterType> = create
-                    .filters
-                    .iter()
-                    .filter_map(|f| WatchFilterType::try_from(*f).ok())
-                    .collect();
-                if !filters.is_empty() {
-                    options = options.with_filters(filters);
-                }
-                let stream = self
-                    .state
-                    .etcd
-                    .watch_client()
-                    .watch(create.key.clone(), Some(options))
-                    .await
-                    .map_err(|e| Status::unavailable(format!("etcd's watch failed: {e}")))?;
-                *etcd = Some(stream.split());
-                return Ok(());
-            }
+    /// Delivers everything the sources have queued; then, if every watch follows the
+    /// fan-out, the revision through which every event of every watch was sent.
+    async fn caught_up(&mut self) -> Result<Option<i64>, Status> {
+        // Read first: every batch through it is queued already.
+        let applied = self.api.state.reads.feed.applied();
+        while let Some((id, arrival)) = ready(&mut self.sources) {
+            self.arrived(id, arrival).await?;
         }
-        match etcd.as_mut() {
-            Some((sender, _)) => sender
-                .0
-                .send(asked)
-                .await
-                .map_err(|_| Status::unavailable("etcd ended the watch stream; watch again")),
-            // A cancel or progress request before any watch: nothing to do.
+        let synced = self
+            .watches
+            .values()
+            .all(|w| w.synced.load(Ordering::Acquire));
+        Ok(synced.then_some(applied))
+    }
+
+    async fn asked(&mut self, asked: PbWatchRequest) -> Result<(), Status> {
+        match asked.request_union {
+            Some(PbWatchRequestUnion::CreateRequest(create)) => {
+                let range = ClientRange {
+                    key: create.key,
+                    end: create.range_end,
+                };
+                let filters = |f| create.filters.contains(&f);
+                let watching = Watching {
+                    prev_kv: create.prev_kv,
+                    no_put: filters(etcd_client::WatchFilterType::NoPut as i32),
+                    no_delete: filters(etcd_client::WatchFilterType::NoDelete as i32),
+                    progress_notify: create.progress_notify,
+                    range,
+                    synced: Arc::new(AtomicBool::new(false)),
+                };
+                self.create(create.watch_id, create.start_revision, watching)
+                    .await
+            }
+            Some(PbWatchRequestUnion::CancelRequest(cancel)) => {
+                // etcd answers only the cancel of a watch it has.
+                if self.watches.remove(&cancel.watch_id).is_some() {
+                    self.sources.remove(&cancel.watch_id);
+                    let revision = self.api.state.reads.feed.applied();
+                    let reply = PbWatchResponse {
+                        canceled: true,
+                        ..self.reply(cancel.watch_id, revision)
+                    };
+                    send(self.tx, reply).await?;
+                }
+                Ok(())
+            }
+            Some(PbWatchRequestUnion::ProgressRequest(_)) => {
+                self.progress_asked = true;
+                Ok(())
+            }
             None => Ok(()),
         }
     }
 
-    /// Whether `identity` may watch the client range.
-    fn may_watch(
-        &self,
-        identity: Option<&str>,
-        key: &[u8],
-        range_end: &[u8],
+    async fn create(
+        &mut self,
+        asked_id: i64,
+        start_revision: i64,
+        watching: Watching,
     ) -> Result<(), Status> {
-        let Some(identity) = identity else {
-            return Ok(());
+        let state = &self.api.state;
+        let refusal = if let Err(refused) = self.may_watch(&watching.range) {
+            Some(refused.message().to_owned())
+        } else if watching.range.is_empty() {
+            Some("mvcc: watcher range is empty".to_owned())
+        } else if asked_id != 0 && self.watches.contains_key(&asked_id) {
+            Some("mvcc: duplicate watch ID provided on the WatchStream".to_owned())
+        } else if start_revision < 0 {
+            Some(format!(
+                "etcdserver: a watch cannot start at revision {start_revision}"
+            ))
+        } else {
+            None
         };
-        let grants = self.state.grants.current();
-        super::auth::check_range(&grants, identity, Right::Watch, key, range_end)
+        if let Some(reason) = refusal {
+            let revision = state.reads.feed.applied();
+            let reply = PbWatchResponse {
+                created: true,
+                canceled: true,
+                cancel_reason: reason,
+                ..self.reply(if asked_id != 0 { asked_id } else { NO_WATCH }, revision)
+            };
+            return send(self.tx, reply).await;
+        }
+        let id = if asked_id != 0 {
+            asked_id
+        } else {
+            while self.watches.contains_key(&self.next_id) {
+                self.next_id += 1;
+            }
+            self.next_id += 1;
+            self.next_id - 1
+        };
+        // From now: the store's revision now, so the watch sees exactly the changes
+        // that come after the call, as etcd's does.
+        let (start, created_at) = match start_revision {
+            0 => {
+                let now = state.reads.barrier().await?;
+                (now + 1, now)
+            }
+            start => (start, state.reads.feed.applied().max(start - 1)),
+        };
+        let source = Source {
+            state: state.clone(),
+            topic: watching.range.topic(),
+            prev_kv: watching.prev_kv,
+            next: start,
+            synced: watching.synced.clone(),
+            phase: Phase::Join,
+        };
+        send(
+            self.tx,
+            PbWatchResponse {
+                created: true,
+                ..self.reply(id, created_at)
+            },
+        )
+        .await?;
+        self.watches.insert(id, watching);
+        self.sources.insert(id, Box::pin(source.into_stream()));
+        Ok(())
     }
 
-    fn outward_watch(&self, reply: &mut PbWatchResponse) {
-        let revision = reply.header.as_ref().map_or(0, |h| h.revision);
-        reply.header = Some(self.header(revision));
-        for event in &mut reply.events {
-            if let Some(kv) = event.kv.as_mut() {
-                self.outward_kv(kv);
+    async fn arrived(&mut self, id: i64, arrival: Arrival) -> Result<(), Status> {
+        let Some(watching) = self.watches.get(&id) else {
+            return Ok(());
+        };
+        match arrival {
+            Arrival::Events { revision, events } => {
+                let selected: Vec<&KeyEvent> = events
+                    .iter()
+                    .filter(|e| watching.range.contains(e.entry.name.as_bytes()))
+                    .filter(|e| match e.kind {
+                        EventKind::Put => !watching.no_put,
+                        EventKind::Delete => !watching.no_delete,
+                    })
+                    .collect();
+                if selected.is_empty() {
+                    return Ok(());
+                }
+                let events = client_events(self.api, &selected, watching.prev_kv).await;
+                ::metrics::counter!(metrics::WATCH_EVENTS_SENT).increment(events.len() as u64);
+                let reply = PbWatchResponse {
+                    events,
+                    ..self.reply(id, revision)
+                };
+                send(self.tx, reply).await
             }
-            if let Some(kv) = event.prev_kv.as_mut() {
-                self.outward_kv(kv);
+            Arrival::Compacted(oldest) => {
+                self.watches.remove(&id);
+                let revision = self.api.state.reads.feed.applied();
+                let reply = PbWatchResponse {
+                    compact_revision: oldest,
+                    canceled: true,
+                    cancel_reason: "etcdserver: mvcc: required revision has been compacted"
+                        .to_owned(),
+                    ..self.reply(id, revision)
+                };
+                send(self.tx, reply).await
+            }
+            Arrival::Failed(status) => Err(status),
+        }
+    }
+}
+
+/// The events as etcd shows them to the client: its keys, and its leases.
+async fn client_events(api: &EtcdApi, events: &[&KeyEvent], prev_kv: bool) -> Vec<PbEvent> {
+    let kv = |e: &lockcell_cell::kv::Entry| PbKeyValue {
+        key: inner(e.name.as_bytes()),
+        create_revision: e.create_revision,
+        mod_revision: e.mod_revision,
+        version: e.version,
+        value: e.value.clone(),
+        lease: e.lease,
+    };
+    let mut out: Vec<PbEvent> = events
+        .iter()
+        .map(|e| PbEvent {
+            r#type: match e.kind {
+                EventKind::Put => 0,
+                EventKind::Delete => 1,
+            },
+            kv: Some(kv(&e.entry)),
+            prev_kv: if prev_kv {
+                e.prev.as_ref().map(kv)
+            } else {
+                None
+            },
+        })
+        .collect();
+    let leased: Vec<(&[u8], i64, i64)> = out
+        .iter()
+        .flat_map(|e| e.kv.iter().chain(&e.prev_kv))
+        .map(|kv| (kv.key.as_slice(), kv.lease, kv.mod_revision))
+        .collect();
+    api.settle_leased(&leased).await;
+    for event in &mut out {
+        for kv in event.kv.iter_mut().chain(event.prev_kv.iter_mut()) {
+            api.outward_kv(kv);
+        }
+    }
+    out
+}
+
+impl WatchStream<'_> {
+    /// Whether the caller may watch the client range.
+    fn may_watch(&self, range: &ClientRange) -> Result<(), Status> {
+        let Some(identity) = self.identity.as_deref() else {
+            return Ok(());
+        };
+        let grants = self.api.state.grants.current();
+        super::auth::check_range(&grants, identity, Right::Watch, &range.key, &range.end)
+    }
+
+    fn reply(&self, watch_id: i64, revision: i64) -> PbWatchResponse {
+        PbWatchResponse {
+            header: Some(self.api.header(revision)),
+            watch_id,
+            ..PbWatchResponse::default()
+        }
+    }
+}
+
+/// What a source has ready now, without waiting.
+fn ready(sources: &mut Sources) -> Option<(i64, Arrival)> {
+    let mut context = Context::from_waker(Waker::noop());
+    match Pin::new(sources).poll_next(&mut context) {
+        Poll::Ready(next) => next,
+        Poll::Pending => None,
+    }
+}
+
+async fn send(tx: &Replies, reply: PbWatchResponse) -> Result<(), Status> {
+    // A client gone ends the stream quietly: the loop sees `tx` closed.
+    let _ = tx.send(Ok(reply)).await;
+    Ok(())
+}
+
+/// One watch's events, from the fan-out.
+struct Source {
+    state: Arc<ProxyState>,
+    topic: Topic,
+    prev_kv: bool,
+    /// The first revision not yet delivered.
+    next: i64,
+    synced: Arc<AtomicBool>,
+    phase: Phase,
+}
+
+enum Phase {
+    /// To join the fan-out, at `next`.
+    Join,
+    /// Joined in the past: etcd's history through the join position comes first.
+    CatchingUp {
+        sub: Subscription,
+        through: i64,
+        caught: mpsc::Receiver<CaughtUp>,
+        read: JoinHandle<Result<(), CatchUpError>>,
+    },
+    Following(Subscription),
+    Done,
+}
+
+impl Source {
+    fn into_stream(self) -> impl Stream<Item = Arrival> + Send {
+        let counted = metrics::Counted::in_gauge(metrics::WATCHERS);
+        futures_util::stream::unfold((self, counted), |(mut source, counted)| async move {
+            let arrival = source.next().await?;
+            Some((arrival, (source, counted)))
+        })
+    }
+
+    async fn next(&mut self) -> Option<Arrival> {
+        loop {
+            match &mut self.phase {
+                Phase::Join => {
+                    if let Some(arrival) = self.join().await {
+                        return Some(arrival);
+                    }
+                }
+                Phase::CatchingUp { caught, .. } => {
+                    if let Some(CaughtUp { reached, events }) = caught.recv().await {
+                        self.next = reached + 1;
+                        return Some(Arrival::Events {
+                            revision: reached,
+                            events,
+                        });
+                    }
+                    let Phase::CatchingUp {
+                        sub, through, read, ..
+                    } = std::mem::replace(&mut self.phase, Phase::Done)
+                    else {
+                        unreachable!("matched above");
+                    };
+                    let result = read
+                        .await
+                        .unwrap_or_else(|e| Err(CatchUpError::Etcd(e.to_string())));
+                    match result {
+                        Ok(()) => {
+                            self.next = self.next.max(through + 1);
+                            self.synced.store(true, Ordering::Release);
+                            self.phase = Phase::Following(sub);
+                        }
+                        Err(CatchUpError::ClientGone) => return None,
+                        // etcd keeps the state at its compact revision but not the
+                        // deletes made at it: a watch can start one past it.
+                        Err(CatchUpError::Compacted(compacted)) => {
+                            return Some(Arrival::Compacted(compacted + 1));
+                        }
+                        Err(CatchUpError::Gap(gap)) => {
+                            return Some(Arrival::Compacted(gap.got));
+                        }
+                        Err(CatchUpError::Etcd(why)) => {
+                            return Some(Arrival::Failed(Status::unavailable(format!(
+                                "etcdserver: the watch could not read etcd's history from revision {}: {why}; watch again",
+                                self.next
+                            ))));
+                        }
+                    }
+                }
+                Phase::Following(sub) => match sub.batches.recv().await {
+                    Some(batch) => {
+                        if batch.revision < self.next {
+                            continue;
+                        }
+                        let events: Vec<KeyEvent> = batch
+                            .events
+                            .iter()
+                            .filter(|e| e.revision() >= self.next)
+                            .cloned()
+                            .collect();
+                        self.next = batch.revision + 1;
+                        if !events.is_empty() {
+                            return Some(Arrival::Events {
+                                revision: batch.revision,
+                                events,
+                            });
+                        }
+                    }
+                    // Cut off for a full backlog, or the proxy is loading its view of
+                    // the cell again: everything before `next` was delivered, so the
+                    // watch joins again from there, as an etcd watcher that fell
+                    // behind catches up.
+                    None => {
+                        self.synced.store(false, Ordering::Release);
+                        self.phase = Phase::Join;
+                    }
+                },
+                Phase::Done => return None,
             }
         }
+    }
+
+    /// Joins the fan-out at `next`; the events from before the join position come
+    /// from the fan-out's history or from a catch-up on etcd's.
+    async fn join(&mut self) -> Option<Arrival> {
+        let state = &self.state;
+        let feed = &state.reads.feed;
+        if !feed.live_within(state.config.etcd_timeout).await {
+            return None;
+        }
+        let (sub, kept) = feed
+            .fanout
+            .subscribe_from(self.topic.clone(), feed.backlog(), self.next);
+        if sub.end.get().is_some() {
+            // Between two views of the cell: the next one is moments away.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            return None;
+        }
+        let joined = sub.joined_at;
+        if self.next > joined {
+            self.synced.store(true, Ordering::Release);
+            self.phase = Phase::Following(sub);
+            return None;
+        }
+        // The history is used only as far back as etcd keeps its own: a watch from
+        // a compacted revision is answered as one.
+        if let Some(events) = kept {
+            if state.reads.history_kept_from(self.next - 1).await {
+                ::metrics::counter!(metrics::WATCH_HISTORY_STARTS).increment(1);
+                self.next = joined + 1;
+                self.synced.store(true, Ordering::Release);
+                self.phase = Phase::Following(sub);
+                return (!events.is_empty()).then_some(Arrival::Events {
+                    revision: joined,
+                    events,
+                });
+            }
+        }
+        let (out, caught) = mpsc::channel(1);
+        let catch_up = CatchUp {
+            client: state.etcd.watch_client(),
+            through: joined,
+            slots: feed.catch_ups.clone(),
+        };
+        let (topic, start, prev_kv) = (self.topic.clone(), self.next, self.prev_kv);
+        let read = tokio::spawn(async move { catch_up.run(&topic, start, prev_kv, out).await });
+        self.phase = Phase::CatchingUp {
+            sub,
+            through: joined,
+            caught,
+            read,
+        };
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(key: &str, end: &[u8]) -> ClientRange {
+        ClientRange {
+            key: key.as_bytes().to_vec(),
+            end: end.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_range_selects_what_etcd_would() {
+        let one = range("a", b"");
+        assert!(one.contains(b"a") && !one.contains(b"ab"));
+        let prefix = range("a/", b"a0");
+        assert!(prefix.contains(b"a/") && prefix.contains(b"a/x") && !prefix.contains(b"a0"));
+        assert!(!prefix.contains(b"a"));
+        let from = range("m", b"\0");
+        assert!(from.contains(b"m") && from.contains(b"zz") && !from.contains(b"l"));
+        let all = range("\0", b"\0");
+        assert!(all.contains(b"a") && all.contains(b"/x"));
+        assert!(range("b", b"a").is_empty() && range("a", b"a").is_empty());
+        assert!(!range("a", b"").is_empty() && !range("a", b"\0").is_empty());
+    }
+
+    #[test]
+    fn a_ranges_topic_holds_every_key_of_the_range() {
+        let topic = |r: ClientRange| (r.topic().name, r.topic().prefix);
+        assert_eq!(topic(range("a", b"")), ("a".into(), false));
+        assert_eq!(topic(range("a/", b"a0")), ("a".into(), true));
+        assert_eq!(topic(range("jobs/a", b"jobs/c")), ("jobs/".into(), true));
+        assert_eq!(topic(range("m", b"\0")), ("".into(), true));
+        assert_eq!(topic(range("\0", b"\0")), ("".into(), true));
+        // Ends that share half a character: the topic stops before it.
+        let r = ClientRange {
+            key: "é".as_bytes().to_vec(),
+            end: vec![0xc3, 0xaa],
+        };
+        assert_eq!(topic(r), ("".into(), true));
     }
 }

@@ -9,19 +9,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{WatchClient, WatchOptions};
-use lockcell_cell::keyspace;
 use lockcell_proto::v1::watch_event::Kind;
 use lockcell_proto::v1::watch_server::Watch as WatchApi;
 use lockcell_proto::v1::{WatchEvent, WatchRequest, WatchResponse};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
+use crate::catchup::{CatchUp, CatchUpError, CaughtUp};
 use crate::errors::ProxyError;
 use crate::fanout::{Batch, End, Subscription};
-use crate::feed::{self, MAX_WATCH_MESSAGE_BYTES};
 use crate::grants::Right;
 use crate::metrics;
 use crate::mirror::{EventKind, KeyEvent, Topic};
@@ -106,7 +104,15 @@ impl WatchApi for WatchService {
             )
             .into());
         }
-        let sub = feed.fanout.subscribe(topic.clone(), feed.backlog());
+        // From a past revision the fan-out's history may still hold, the events since
+        // come with the subscription.
+        let from = match req.start_revision {
+            0 => i64::MAX,
+            r => r,
+        };
+        let (sub, kept) = feed
+            .fanout
+            .subscribe_from(topic.clone(), feed.backlog(), from);
         if sub.end.get().is_some() {
             return Err(ProxyError::EtcdUnavailable(
                 "the proxy is reloading the cell's small keys".to_owned(),
@@ -146,10 +152,22 @@ impl WatchApi for WatchService {
             shutdown: state.shutdown.clone(),
             backlog: feed.backlog(),
         };
-        let catch_up = (start <= joined).then(|| CatchUp {
-            client: state.etcd.watch_client(),
-            through: joined,
-            slots: feed.catch_ups.clone(),
+        // The history is used only as far back as etcd keeps its own: a watch from a
+        // compacted revision is refused as one.
+        let kept = match kept {
+            Some(events) if state.reads.history_kept_from(start - 1).await => {
+                ::metrics::counter!(metrics::WATCH_HISTORY_STARTS).increment(1);
+                Some(events)
+            }
+            _ => None,
+        };
+        let catch_up = (start <= joined).then(|| match kept {
+            Some(events) => Before::Kept(events),
+            None => Before::Etcd(Box::new(CatchUp {
+                client: state.etcd.watch_client(),
+                through: joined,
+                slots: feed.catch_ups.clone(),
+            })),
         });
         tokio::spawn(pump.run(sub, catch_up));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -186,30 +204,21 @@ struct Pump {
     backlog: usize,
 }
 
-/// A watcher's catch-up: from its start through the fan-out's join position.
-struct CatchUp {
-    client: WatchClient,
-    through: i64,
-    /// Catch-ups allowed at once.
-    slots: Arc<Semaphore>,
-}
-
-/// Why a catch-up stopped short.
-enum CatchUpError {
-    Compacted(i64),
-    /// etcd's history skips revisions from the start on: resuming cannot help.
-    Gap(feed::Gap),
-    Etcd(String),
-    ClientGone,
+/// What a watcher from a past revision gets before the fan-out's queue.
+enum Before {
+    /// The events the fan-out's history kept, through the join position.
+    Kept(Vec<crate::mirror::KeyEvent>),
+    /// A catch-up from etcd's history.
+    Etcd(Box<CatchUp>),
 }
 
 impl Pump {
-    async fn run(mut self, mut sub: Subscription, catch_up: Option<CatchUp>) {
+    async fn run(mut self, mut sub: Subscription, catch_up: Option<Before>) {
         let _counted = metrics::Counted::in_gauge(metrics::WATCHERS);
         self.deliver(&mut sub, catch_up).await;
     }
 
-    async fn deliver(&mut self, sub: &mut Subscription, catch_up: Option<CatchUp>) {
+    async fn deliver(&mut self, sub: &mut Subscription, catch_up: Option<Before>) {
         let mut last = self.start - 1;
         let created = WatchResponse {
             cell: self.cell.clone(),
@@ -218,11 +227,18 @@ impl Pump {
         if !self.send(created).await {
             return;
         }
-        if let Some(catch_up) = catch_up {
+        if let Some(Before::Kept(events)) = &catch_up {
+            let events: Vec<WatchEvent> = events.iter().map(|e| self.event(e)).collect();
+            if !events.is_empty() && !self.send(response(false, sub.joined_at, events)).await {
+                return;
+            }
+            last = sub.joined_at;
+        }
+        if let Some(Before::Etcd(catch_up)) = catch_up {
             let through = catch_up.through;
             let mut shutdown = self.shutdown.clone();
             let result = tokio::select! {
-                result = self.catch_up(catch_up) => result,
+                result = self.catch_up(*catch_up) => result,
                 _ = self.tx.closed() => Err(CatchUpError::ClientGone),
                 _ = async { let _ = shutdown.wait_for(|s| *s).await; } => {
                     Err(CatchUpError::Etcd("this proxy is shutting down".into()))
@@ -403,96 +419,20 @@ impl Pump {
         }
     }
 
-    /// Sends the watcher's events from its start through `through` from a watch of its
-    /// own over every key: every revision has an event there, so reaching `through` is
-    /// certain and seen.
+    /// Sends the watcher's events from its start through the catch-up's end.
     async fn catch_up(&self, catch_up: CatchUp) -> Result<(), CatchUpError> {
-        let CatchUp {
-            client,
-            through,
-            slots,
-        } = catch_up;
-        // A catch-up reads the cell's history, not only this watcher's keys: a few at a
-        // time, the others wait their turn.
-        let _slot = slots
-            .acquire_owned()
-            .await
-            .map_err(|_| CatchUpError::Etcd("the proxy is stopping".into()))?;
-        // One revision early: etcd accepts a watch from exactly its compact revision
-        // but has dropped the deletes made at it, so a watch from `start` could skip
-        // them unseen. From `start - 1`, a compaction at `start` is refused as one.
-        let mut options = WatchOptions::new()
-            .with_all_keys()
-            .with_start_revision((self.start - 1).max(1));
-        if self.prev_kv {
-            options = options.with_prev_key();
-        }
-        let mut client = client.max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES);
-        let mut stream = client
-            .watch(vec![0u8], Some(options))
-            .await
-            .map_err(|e| CatchUpError::Etcd(e.to_string()))?;
-        ::metrics::counter!(metrics::WATCH_CATCH_UPS).increment(1);
-        let _counted = metrics::Counted::in_gauge(metrics::ETCD_WATCHES);
-        let mut seen = self.start - 1;
-        loop {
-            let resp = match stream.message().await {
-                Ok(Some(resp)) => resp,
-                Ok(None) => return Err(CatchUpError::Etcd("etcd ended the watch".into())),
-                Err(e) => return Err(CatchUpError::Etcd(e.to_string())),
-            };
-            if resp.compact_revision() > 0 {
-                return Err(CatchUpError::Compacted(resp.compact_revision()));
+        let (out, mut caught) = mpsc::channel(1);
+        let read = catch_up.run(&self.topic, self.start, self.prev_kv, out);
+        // Owns `caught`: a relay that stops closes the channel, which ends the read.
+        let relay = async move {
+            while let Some(CaughtUp { reached, events }) = caught.recv().await {
+                let events = events.iter().map(|e| self.event(e)).collect();
+                if !self.send(response(false, reached, events)).await {
+                    return;
+                }
             }
-            if resp.canceled() {
-                return Err(CatchUpError::Etcd(resp.cancel_reason().to_owned()));
-            }
-            if resp.events().is_empty() {
-                continue;
-            }
-            let revisions = resp
-                .events()
-                .iter()
-                .filter_map(|e| e.kv())
-                .map(|kv| kv.mod_revision());
-            // A hole in history etcd serves is there for every retry too.
-            let reached = feed::contiguous(seen, revisions).map_err(CatchUpError::Gap)?;
-            seen = reached;
-            let events: Vec<WatchEvent> = resp
-                .events()
-                .iter()
-                .filter_map(|e| self.caught_up_event(e, through))
-                .collect();
-            if !events.is_empty()
-                && !self
-                    .send(response(false, reached.min(through), events))
-                    .await
-            {
-                return Err(CatchUpError::ClientGone);
-            }
-            if reached >= through {
-                return Ok(());
-            }
-        }
-    }
-
-    fn caught_up_event(&self, e: &etcd_client::Event, through: i64) -> Option<WatchEvent> {
-        let (name, revision, put) = feed::change(e)?;
-        if revision < self.start || revision > through || !self.topic.matches(&name) {
-            return None;
-        }
-        let prev = e
-            .prev_kv()
-            .and_then(|kv| Some(feed::entry(keyspace::kv_name(kv.key())?, kv)));
-        let event = match put {
-            Some(entry) => KeyEvent {
-                kind: EventKind::Put,
-                entry,
-                prev,
-            },
-            None => KeyEvent::deleted(name, revision, prev),
         };
-        Some(self.event(&event))
+        tokio::join!(read, relay).0
     }
 }
 

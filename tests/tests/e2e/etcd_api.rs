@@ -2090,3 +2090,242 @@ pub async fn gateway_streams_answer_what_they_were_asked() -> anyhow::Result<()>
     }
     Ok(())
 }
+
+/// The next answer on `stream` that `wanted` picks, within 10 s; the others are skipped.
+async fn next_reply(
+    stream: &mut etcd_client::WatchStream,
+    wanted: impl Fn(&etcd_client::WatchResponse) -> bool,
+) -> anyhow::Result<etcd_client::WatchResponse> {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let reply = stream.message().await?.context("the watch stream ended")?;
+            if wanted(&reply) {
+                return anyhow::Ok(reply);
+            }
+        }
+    })
+    .await
+    .context("no such answer within 10 s")?
+}
+
+fn keys_of(reply: &etcd_client::WatchResponse) -> Vec<(String, i64)> {
+    reply
+        .events()
+        .iter()
+        .filter_map(|e| e.kv())
+        .map(|kv| {
+            (
+                String::from_utf8_lossy(kv.key()).into_owned(),
+                kv.mod_revision(),
+            )
+        })
+        .collect()
+}
+
+/// etcd API watches join the proxy's fan-out: hundreds of them cost etcd no watcher; a
+/// watch from a recent revision starts from the proxy's history of recent events; ranges,
+/// filters, several watches on one stream, cancels, progress requests and a compacted
+/// start behave as etcd's.
+pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let (proxy, listen) = proxy_with_etcd_api(&etcd).await?;
+    let client = etcd_client::Client::connect([listen.as_str()], None).await?;
+    let mut kv = client.kv_client();
+    let etcd_watchers = || async {
+        let page = lockcell_tests::proxy::http_get(&etcd.endpoints()[0], "/metrics").await?;
+        page.lines()
+            .find(|l| l.starts_with("etcd_debugging_mvcc_watcher_total "))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .context("etcd's watcher gauge")
+    };
+    let before = etcd_watchers().await?;
+
+    // 300 watch streams, each with one watch of a prefix, from now.
+    let mut streams = Vec::new();
+    for i in 0..300 {
+        let options = etcd_client::WatchOptions::new().with_prefix();
+        let mut stream = client
+            .watch_client()
+            .watch(format!("fan/{}/", i % 3), Some(options))
+            .await?;
+        next_reply(&mut stream, |r| r.created())
+            .await
+            .context("answer 1")?;
+        streams.push(stream);
+    }
+    let during = etcd_watchers().await?;
+    ensure!(
+        during <= before + 1.0,
+        "300 etcd API watches cost etcd {} watchers",
+        during - before
+    );
+    let put = kv.put("fan/1/x", "one", None).await?;
+    let revision = put.header().context("header")?.revision();
+    for (i, stream) in streams.iter_mut().enumerate().filter(|(i, _)| i % 3 == 1) {
+        let reply = next_reply(stream, |r| !r.events().is_empty()).await?;
+        ensure!(
+            keys_of(&reply) == [("fan/1/x".to_owned(), revision)],
+            "stream {i} got {:?}",
+            keys_of(&reply)
+        );
+    }
+    drop(streams);
+
+    // A range that is not a prefix, a "from key" range and a filter, on one stream.
+    // (A watch of "sync" tells when the proxy has seen the writes before it.)
+    let mut sync = client.watch_client().watch("sync", None).await?;
+    next_reply(&mut sync, |r| r.created())
+        .await
+        .context("answer 2")?;
+    let first = kv
+        .put("r/a", "1", None)
+        .await?
+        .header()
+        .context("h")?
+        .revision();
+    kv.put("r/b", "2", None).await?;
+    kv.put("r/c", "3", None).await?;
+    kv.delete("r/b", None).await?;
+    kv.put("sync", "", None).await?;
+    next_reply(&mut sync, |r| !r.events().is_empty())
+        .await
+        .context("answer 3")?;
+    let catch_ups = proxy.metric("lockcell_watch_catch_ups_total").await?;
+    let mut stream = client
+        .watch_client()
+        .watch(
+            "r/a",
+            Some(
+                etcd_client::WatchOptions::new()
+                    .with_range("r/c")
+                    .with_start_revision(first)
+                    .with_prev_key(),
+            ),
+        )
+        .await?;
+    let created = next_reply(&mut stream, |r| r.created())
+        .await
+        .context("answer 4")?;
+    let range_id = created.watch_id();
+    let events = next_reply(&mut stream, |r| r.watch_id() == range_id)
+        .await
+        .context("answer 5")?;
+    let seen: Vec<(String, etcd_client::EventType, Option<Vec<u8>>)> = events
+        .events()
+        .iter()
+        .map(|e| {
+            let kv = e.kv().expect("kv");
+            (
+                String::from_utf8_lossy(kv.key()).into_owned(),
+                e.event_type(),
+                e.prev_kv().map(|p| p.value().to_vec()),
+            )
+        })
+        .collect();
+    use etcd_client::EventType::{Delete, Put};
+    ensure!(
+        seen == [
+            ("r/a".to_owned(), Put, None),
+            ("r/b".to_owned(), Put, None),
+            ("r/b".to_owned(), Delete, Some(b"2".to_vec())),
+        ],
+        "the range [r/a, r/c) from revision {first} saw {seen:?}"
+    );
+    ensure!(
+        proxy.metric("lockcell_watch_history_starts_total").await? >= 1.0
+            && proxy.metric("lockcell_watch_catch_ups_total").await? == catch_ups,
+        "the watch from a recent revision read etcd's history, not the proxy's: {} history starts, {} catch-ups (was {catch_ups})",
+        proxy.metric("lockcell_watch_history_starts_total").await?,
+        proxy.metric("lockcell_watch_catch_ups_total").await?
+    );
+    stream
+        .watch(
+            "r/b",
+            Some(
+                etcd_client::WatchOptions::new()
+                    .with_from_key()
+                    .with_filters([etcd_client::WatchFilterType::NoPut]),
+            ),
+        )
+        .await?;
+    let from_key = next_reply(&mut stream, |r| r.created())
+        .await
+        .context("answer 6")?
+        .watch_id();
+    ensure!(
+        from_key != range_id,
+        "two watches of one stream share ID {range_id}"
+    );
+    kv.put("r/z", "put", None).await?;
+    let deleted = kv
+        .delete("r/z", None)
+        .await?
+        .header()
+        .context("h")?
+        .revision();
+    let reply = next_reply(&mut stream, |r| r.watch_id() == from_key)
+        .await
+        .context("answer 7")?;
+    ensure!(
+        keys_of(&reply) == [("r/z".to_owned(), deleted)]
+            && reply.events()[0].event_type() == Delete,
+        "the from-key watch without puts got {:?}",
+        keys_of(&reply)
+    );
+
+    // A progress request is answered for the whole stream, past the last event.
+    stream.request_progress().await?;
+    let progress = next_reply(&mut stream, |r| r.watch_id() == -1)
+        .await
+        .context("answer 8")?;
+    ensure!(
+        progress.header().context("h")?.revision() >= deleted && progress.events().is_empty(),
+        "progress answered {progress:?}"
+    );
+    // A cancel is answered, and nothing more comes for the cancelled watch.
+    stream.cancel(range_id).await?;
+    next_reply(&mut stream, |r| r.watch_id() == range_id && r.canceled())
+        .await
+        .context("answer 9")?;
+    kv.put("r/a", "after", None).await?;
+    kv.delete("r/q", None).await?;
+    kv.put("r/zz", "x", None).await?;
+    let last = kv
+        .delete("r/zz", None)
+        .await?
+        .header()
+        .context("h")?
+        .revision();
+    let reply = next_reply(&mut stream, |r| !r.events().is_empty())
+        .await
+        .context("answer 10")?;
+    ensure!(
+        reply.watch_id() == from_key && keys_of(&reply) == [("r/zz".to_owned(), last)],
+        "after the cancel: {reply:?}"
+    );
+
+    // A start etcd has compacted is answered with the oldest revision it can serve.
+    let compact_at = kv
+        .put("c/x", "1", None)
+        .await?
+        .header()
+        .context("h")?
+        .revision();
+    kv.put("c/x", "2", None).await?;
+    etcd.client().await?.compact(compact_at, None).await?;
+    let mut old = client
+        .watch_client()
+        .watch(
+            "c/x",
+            Some(etcd_client::WatchOptions::new().with_start_revision(first)),
+        )
+        .await?;
+    let refused = next_reply(&mut old, |r| r.canceled())
+        .await
+        .context("answer 11")?;
+    ensure!(
+        refused.compact_revision() == compact_at + 1,
+        "a watch from compacted revision {first} answered {refused:?}"
+    );
+    Ok(())
+}

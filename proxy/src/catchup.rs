@@ -1,0 +1,157 @@
+//! A watcher's catch-up: the events of a key or prefix from a past revision through the
+//! revision the watcher joined the fan-out at, read from etcd's history when the
+//! fan-out's own history no longer holds them.
+//!
+//! The catch-up watches every key, not only the watcher's: every revision has an event
+//! there, so reaching the join revision is certain and seen.
+
+use std::sync::Arc;
+
+use etcd_client::{WatchClient, WatchOptions};
+use lockcell_cell::keyspace;
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::feed::{self, Gap, MAX_WATCH_MESSAGE_BYTES};
+use crate::metrics;
+use crate::mirror::{EventKind, KeyEvent, Topic};
+
+/// What a catch-up reads with.
+pub struct CatchUp {
+    pub client: WatchClient,
+    /// The last revision to deliver: the watcher's join position.
+    pub through: i64,
+    /// Catch-ups allowed at once.
+    pub slots: Arc<Semaphore>,
+}
+
+/// Events delivered by a catch-up: every event of the watcher's topic in the revisions
+/// up to `reached`, from the start or the last batch on.
+#[derive(Debug)]
+pub struct CaughtUp {
+    pub reached: i64,
+    pub events: Vec<KeyEvent>,
+}
+
+/// Why a catch-up stopped short.
+#[derive(Debug)]
+pub enum CatchUpError {
+    /// etcd compacted its history through this revision.
+    Compacted(i64),
+    /// etcd's history skips revisions from the start on: resuming cannot help.
+    Gap(Gap),
+    Etcd(String),
+    /// Whoever wanted the events stopped listening.
+    ClientGone,
+}
+
+impl CatchUp {
+    /// Sends `topic`'s events from revision `start` through [`CatchUp::through`] to
+    /// `out`, previous values included when `prev_kv`, and drops `out` when done.
+    pub async fn run(
+        self,
+        topic: &Topic,
+        start: i64,
+        prev_kv: bool,
+        out: mpsc::Sender<CaughtUp>,
+    ) -> Result<(), CatchUpError> {
+        tokio::select! {
+            result = self.read(topic, start, prev_kv, &out) => result,
+            _ = out.closed() => Err(CatchUpError::ClientGone),
+        }
+    }
+
+    async fn read(
+        self,
+        topic: &Topic,
+        start: i64,
+        prev_kv: bool,
+        out: &mpsc::Sender<CaughtUp>,
+    ) -> Result<(), CatchUpError> {
+        let CatchUp {
+            client,
+            through,
+            slots,
+        } = self;
+        // A catch-up reads the cell's history, not only this watcher's keys: a few at a
+        // time, the others wait their turn.
+        let _slot = slots
+            .acquire_owned()
+            .await
+            .map_err(|_| CatchUpError::Etcd("the proxy is stopping".into()))?;
+        // One revision early: etcd accepts a watch from exactly its compact revision
+        // but has dropped the deletes made at it, so a watch from `start` could skip
+        // them unseen. From `start - 1`, a compaction at `start` is refused as one.
+        let mut options = WatchOptions::new()
+            .with_all_keys()
+            .with_start_revision((start - 1).max(1));
+        if prev_kv {
+            options = options.with_prev_key();
+        }
+        let mut client = client.max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES);
+        let mut stream = client
+            .watch(vec![0u8], Some(options))
+            .await
+            .map_err(|e| CatchUpError::Etcd(e.to_string()))?;
+        ::metrics::counter!(metrics::WATCH_CATCH_UPS).increment(1);
+        let _counted = metrics::Counted::in_gauge(metrics::ETCD_WATCHES);
+        let mut seen = start - 1;
+        loop {
+            let resp = match stream.message().await {
+                Ok(Some(resp)) => resp,
+                Ok(None) => return Err(CatchUpError::Etcd("etcd ended the watch".into())),
+                Err(e) => return Err(CatchUpError::Etcd(e.to_string())),
+            };
+            if resp.compact_revision() > 0 {
+                return Err(CatchUpError::Compacted(resp.compact_revision()));
+            }
+            if resp.canceled() {
+                return Err(CatchUpError::Etcd(resp.cancel_reason().to_owned()));
+            }
+            if resp.events().is_empty() {
+                continue;
+            }
+            let revisions = resp
+                .events()
+                .iter()
+                .filter_map(|e| e.kv())
+                .map(|kv| kv.mod_revision());
+            // A hole in history etcd serves is there for every retry too.
+            let reached = feed::contiguous(seen, revisions).map_err(CatchUpError::Gap)?;
+            seen = reached;
+            let events: Vec<KeyEvent> = resp
+                .events()
+                .iter()
+                .filter_map(|e| event(e, topic, start, through))
+                .collect();
+            if !events.is_empty() {
+                let reached = reached.min(through);
+                if out.send(CaughtUp { reached, events }).await.is_err() {
+                    return Err(CatchUpError::ClientGone);
+                }
+            }
+            if reached >= through {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// An etcd event as a small key's event, if it is one of `topic`'s in the revisions
+/// from `start` through `through`.
+fn event(e: &etcd_client::Event, topic: &Topic, start: i64, through: i64) -> Option<KeyEvent> {
+    let (name, revision, put) = feed::change(e)?;
+    if revision < start || revision > through || !topic.matches(&name) {
+        return None;
+    }
+    let prev = e
+        .prev_kv()
+        .and_then(|kv| Some(feed::entry(keyspace::kv_name(kv.key())?, kv)));
+    Some(match put {
+        Some(entry) => KeyEvent {
+            kind: EventKind::Put,
+            entry,
+            prev,
+        },
+        None => KeyEvent::deleted(name, revision, prev),
+    })
+}
