@@ -170,6 +170,22 @@ impl Mirror {
         events
     }
 
+    /// The key named `name`.
+    pub fn get(&self, name: &str) -> Option<&Entry> {
+        self.entries.get(name)
+    }
+
+    /// The keys from `start` on, before `end`, in order of their names.
+    pub fn range<'a>(
+        &'a self,
+        start: &'a str,
+        end: Bound<&'a str>,
+    ) -> impl Iterator<Item = &'a Entry> + 'a {
+        self.entries
+            .range::<str, _>((Bound::Included(start), end))
+            .map(|(_, e)| e)
+    }
+
     /// The key, or the keys under the prefix, at most `limit` of them (0: all); and
     /// whether more matched.
     pub fn read(&self, topic: &Topic, limit: i64) -> (Vec<Entry>, bool) {

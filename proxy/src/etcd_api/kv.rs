@@ -1,5 +1,6 @@
-//! etcd's KV service over lockcell's small keys. Reads go to etcd (a linearizable read
-//! there, or serializable when asked); each write is one etcd transaction guarded by
+//! etcd's KV service over lockcell's small keys. Reads of now are answered from the
+//! proxy's copy of the small keys (after a read barrier unless serializable), as the
+//! lockcell API's are; reads at a past revision go to etcd. Each write is one etcd transaction guarded by
 //! the cell's shard map copy, with the proxy's writer record for the audit trail, as
 //! the lockcell API's writes are. A put with a lease writes the key on the lease's
 //! session's proxy lease and records it in the session, which deletes it when it ends.
@@ -14,8 +15,9 @@ use etcd_client::{
 };
 use lockcell_cell::error::with_timeout;
 use lockcell_cell::keyspace;
-use lockcell_cell::kv::Writer;
+use lockcell_cell::kv::{Entry, Writer};
 use lockcell_cell::locklog::{check_map, map_guard, Grant};
+use std::ops::Bound;
 use tonic::{Request, Response, Status};
 
 use super::keys::{self, inner, inner_range};
@@ -23,6 +25,8 @@ use super::lease::LEASE_NOT_FOUND;
 use super::EtcdApi;
 use crate::errors::ProxyError;
 use crate::grants::Right;
+use crate::metrics;
+use crate::mirror::Mirror;
 use crate::sessions::Session;
 
 /// Most operations in one Txn, counting each branch's and nested ones': etcd's default
@@ -45,8 +49,13 @@ impl PbKvService for EtcdApi {
         let req = request.get_ref();
         self.authorize_range(&request, Right::Read, &req.key, &req.range_end)?;
         let req = request.into_inner();
+        if let Some(mut reply) = self.range_from_mirror(&req).await? {
+            self.outward_range(&mut reply);
+            return Ok(Response::new(reply));
+        }
         let (key, options) = get_options(&req)?;
         let state = &self.state;
+        ::metrics::counter!(metrics::KV_READS, "path" => "etcd").increment(1);
         let got = with_timeout(
             "api range",
             state.config.etcd_timeout,
@@ -429,7 +438,7 @@ impl EtcdApi {
         let state = &self.state;
         let resp = with_timeout(
             "api write",
-            state.config.etcd_timeout,
+            super::write_timeout(state.config.etcd_timeout),
             state.etcd.kv_client().txn(txn),
         )
         .await?;
@@ -493,6 +502,44 @@ impl EtcdApi {
             }
         }
         Ok(())
+    }
+
+    /// A Range of now answered from the proxy's copy of the small keys: a linearizable
+    /// one once the copy has applied the revision a read barrier fixed (one etcd read
+    /// shared by the reads of the moment), a serializable one at once. `None` when etcd
+    /// must answer: a read at a past revision, a bound that is not text, or a copy that
+    /// is loading or lags.
+    async fn range_from_mirror(
+        &self,
+        req: &PbRangeRequest,
+    ) -> Result<Option<PbRangeResponse>, Status> {
+        let reads = &self.state.reads;
+        if req.revision != 0 || !reads.feed.is_live() {
+            return Ok(None);
+        }
+        let path = if req.serializable {
+            "mirror"
+        } else {
+            let at = reads.barrier().await?;
+            if !reads
+                .feed
+                .applied_through(at, self.state.config.etcd_timeout)
+                .await
+            {
+                reads.feed.report_stall();
+                return Ok(None);
+            }
+            "barrier"
+        };
+        let reply = reads.feed.with_mirror(|mirror| {
+            let mut reply = mirror_range(mirror, req)?;
+            reply.header = Some(self.header(mirror.revision()));
+            Some(reply)
+        });
+        if reply.is_some() {
+            ::metrics::counter!(metrics::KV_READS, "path" => path).increment(1);
+        }
+        Ok(reply)
     }
 
     /// Records a leased put in its session, for the session's clean-up, and remembers
@@ -605,6 +652,97 @@ impl EtcdApi {
             None => {}
         }
     }
+}
+
+/// What etcd answers to `req` at the mirror's revision, from the mirror: the keys of
+/// the client's range, then etcd's own steps (its `Range` apply) — the count of every key
+/// in the range, the revision filters, the sort (ascending by default when the target is
+/// not the key), the limit and `more`, `keys_only`, `count_only`. Keys are etcd's (under
+/// `/k/`) and leases the proxy's, as etcd would answer. `None` when a bound is not text.
+fn mirror_range(mirror: &Mirror, req: &PbRangeRequest) -> Option<PbRangeResponse> {
+    let key = if req.key == [0] {
+        ""
+    } else {
+        std::str::from_utf8(&req.key).ok()?
+    };
+    let in_range: Vec<&Entry> = match &req.range_end[..] {
+        [] => mirror.get(key).into_iter().collect(),
+        [0] => mirror.range(key, Bound::Unbounded).collect(),
+        end => {
+            let end = std::str::from_utf8(end).ok()?;
+            if key >= end {
+                Vec::new()
+            } else {
+                mirror.range(key, Bound::Excluded(end)).collect()
+            }
+        }
+    };
+    let count = in_range.len() as i64;
+    let within =
+        |value: i64, min: i64, max: i64| (min == 0 || value >= min) && (max == 0 || value <= max);
+    let mut kvs: Vec<&Entry> = if req.count_only {
+        Vec::new()
+    } else {
+        in_range
+            .into_iter()
+            .filter(|e| {
+                within(e.mod_revision, req.min_mod_revision, req.max_mod_revision)
+                    && within(
+                        e.create_revision,
+                        req.min_create_revision,
+                        req.max_create_revision,
+                    )
+            })
+            .collect()
+    };
+    let target = SortTarget::try_from(req.sort_target).ok()?;
+    let order = match SortOrder::try_from(req.sort_order).ok()? {
+        SortOrder::None if target != SortTarget::Key => SortOrder::Ascend,
+        order => order,
+    };
+    if order != SortOrder::None {
+        kvs.sort_by(|a, b| {
+            let by = match target {
+                SortTarget::Key => a.name.cmp(&b.name),
+                SortTarget::Version => a.version.cmp(&b.version),
+                SortTarget::Create => a.create_revision.cmp(&b.create_revision),
+                SortTarget::Mod => a.mod_revision.cmp(&b.mod_revision),
+                SortTarget::Value => a.value.cmp(&b.value),
+            };
+            match order {
+                SortOrder::Descend => by.reverse(),
+                _ => by,
+            }
+        });
+    }
+    let mut more = false;
+    if let Ok(limit) = usize::try_from(req.limit) {
+        if limit > 0 && kvs.len() > limit {
+            kvs.truncate(limit);
+            more = true;
+        }
+    }
+    let kvs = kvs
+        .into_iter()
+        .map(|e| PbKeyValue {
+            key: inner(e.name.as_bytes()),
+            create_revision: e.create_revision,
+            mod_revision: e.mod_revision,
+            version: e.version,
+            value: if req.keys_only {
+                Vec::new()
+            } else {
+                e.value.clone()
+            },
+            lease: e.lease,
+        })
+        .collect();
+    Some(PbRangeResponse {
+        header: None,
+        kvs,
+        more,
+        count,
+    })
 }
 
 /// The etcd key of a key put with a lease, as text: a session keeps its keys' names as
@@ -855,4 +993,115 @@ fn inward_op(op: &PbTxnRequestOp, leased: &Sessions) -> Result<TxnOp, Status> {
             ))
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mirror() -> Mirror {
+        let entry = |name: &str, value: &str, create: i64, modified: i64, version: i64| Entry {
+            name: name.into(),
+            value: value.as_bytes().to_vec(),
+            create_revision: create,
+            mod_revision: modified,
+            version,
+            lease: 0,
+        };
+        Mirror::new(
+            [
+                entry("a", "3", 2, 9, 4),
+                entry("b/1", "1", 3, 3, 1),
+                entry("b/2", "2", 4, 8, 2),
+                entry("c", "0", 5, 5, 1),
+            ],
+            9,
+        )
+    }
+
+    fn range(key: &[u8], end: &[u8]) -> PbRangeRequest {
+        PbRangeRequest {
+            key: key.to_vec(),
+            range_end: end.to_vec(),
+            ..PbRangeRequest::default()
+        }
+    }
+
+    fn names(reply: &PbRangeResponse) -> Vec<String> {
+        reply
+            .kvs
+            .iter()
+            .map(|kv| String::from_utf8_lossy(&kv.key).into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn the_mirror_answers_a_range_as_etcd_would() {
+        let m = mirror();
+        let one = mirror_range(&m, &range(b"a", b"")).unwrap();
+        assert_eq!(
+            (names(&one), one.count, one.more),
+            (vec!["/k/a".into()], 1, false)
+        );
+        let prefix = mirror_range(&m, &range(b"b/", b"b0")).unwrap();
+        assert_eq!(names(&prefix), ["/k/b/1", "/k/b/2"]);
+        let from = mirror_range(&m, &range(b"b/2", b"\0")).unwrap();
+        assert_eq!(names(&from), ["/k/b/2", "/k/c"]);
+        let all = mirror_range(&m, &range(b"\0", b"\0")).unwrap();
+        assert_eq!(all.count, 4);
+        let backwards = mirror_range(&m, &range(b"c", b"a")).unwrap();
+        assert_eq!((backwards.count, backwards.kvs.len()), (0, 0));
+        // A limit cuts after the sort, and says more; the count is of the whole range.
+        let page = mirror_range(
+            &m,
+            &PbRangeRequest {
+                limit: 2,
+                sort_target: SortTarget::Mod as i32,
+                sort_order: SortOrder::Descend as i32,
+                ..range(b"\0", b"\0")
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            (names(&page), page.count, page.more),
+            (vec!["/k/a".into(), "/k/b/2".into()], 4, true)
+        );
+        // A target other than the key sorts ascending when no order is given.
+        let by_version = mirror_range(
+            &m,
+            &PbRangeRequest {
+                sort_target: SortTarget::Version as i32,
+                ..range(b"\0", b"\0")
+            },
+        )
+        .unwrap();
+        assert_eq!(by_version.kvs.last().map(|kv| kv.version), Some(4));
+        // Revision filters leave the count alone; keys_only drops values.
+        let filtered = mirror_range(
+            &m,
+            &PbRangeRequest {
+                min_create_revision: 3,
+                max_mod_revision: 5,
+                keys_only: true,
+                ..range(b"\0", b"\0")
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            (names(&filtered), filtered.count),
+            (vec!["/k/b/1".into(), "/k/c".into()], 4)
+        );
+        assert!(filtered.kvs.iter().all(|kv| kv.value.is_empty()));
+        let counted = mirror_range(
+            &m,
+            &PbRangeRequest {
+                count_only: true,
+                ..range(b"b/", b"b0")
+            },
+        )
+        .unwrap();
+        assert_eq!((counted.count, counted.kvs.len()), (2, 0));
+        // A bound that is not text is left to etcd.
+        assert!(mirror_range(&m, &range(b"b/", &[0xff, 0xfe])).is_none());
+    }
 }

@@ -281,7 +281,15 @@ pub(crate) fn requires_leader<T>(request: &Request<T>) -> bool {
         .is_some_and(|v| v.as_bytes() == b"true")
 }
 
-/// How often a relayed stream that requires a leader looks again.
+/// How long a write through the etcd API waits for etcd: etcd's own request timeout
+/// (5 s and two election timeouts), so a client waits on a busy cell as long as it
+/// would on etcd itself, and never less than `--etcd-timeout`. An answer that does not
+/// come is an unknown outcome, kept as one (see `crate::unsettled`).
+pub(crate) fn write_timeout(etcd_timeout: std::time::Duration) -> std::time::Duration {
+    etcd_timeout.max(std::time::Duration::from_secs(7))
+}
+
+/// How often a stream that requires a leader looks again.
 pub(crate) const LEADER_LOOK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The refusal of a call on a lease this proxy handed off while draining.
