@@ -6,11 +6,13 @@
 //! there, so reaching the join revision is certain and seen.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use etcd_client::{WatchClient, WatchOptions};
 use lockcell_cell::keyspace;
 use tokio::sync::{mpsc, Semaphore};
 
+use crate::fanout::{in_chunks, RESPONSE_BYTES};
 use crate::feed::{self, Gap, MAX_WATCH_MESSAGE_BYTES};
 use crate::metrics;
 use crate::mirror::{EventKind, KeyEvent, Topic};
@@ -40,9 +42,16 @@ pub enum CatchUpError {
     /// etcd's history skips revisions from the start on: resuming cannot help.
     Gap(Gap),
     Etcd(String),
+    /// Whoever wanted the events did not take them for [`SLOW_READER`]: the catch-up
+    /// gives its slot and etcd's stream up, to start again from where it was.
+    Slow,
     /// Whoever wanted the events stopped listening.
     ClientGone,
 }
+
+/// How long a catch-up waits for its reader to take a response before giving up its
+/// slot (catch-ups are few at a time: one reader that stops must not hold one).
+pub const SLOW_READER: Duration = Duration::from_secs(5);
 
 impl CatchUp {
     /// Sends `topic`'s events from revision `start` through [`CatchUp::through`] to
@@ -123,10 +132,15 @@ impl CatchUp {
                 .iter()
                 .filter_map(|e| event(e, topic, start, through))
                 .collect();
-            if !events.is_empty() {
-                let reached = reached.min(through);
-                if out.send(CaughtUp { reached, events }).await.is_err() {
-                    return Err(CatchUpError::ClientGone);
+            // A response at a time, in whole revisions of a bounded size, each taken
+            // by the reader before the next is read.
+            for (reached, events) in in_chunks(events, reached.min(through), RESPONSE_BYTES) {
+                match tokio::time::timeout(SLOW_READER, out.send(CaughtUp { reached, events }))
+                    .await
+                {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return Err(CatchUpError::ClientGone),
+                    Err(_) => return Err(CatchUpError::Slow),
                 }
             }
             if reached >= through {

@@ -24,6 +24,44 @@ use crate::mirror::{key_bytes, KeyEvent, Topic};
 /// [`crate::mirror::PER_KEY_BYTES`] for each event.
 pub const HISTORY_BYTES: usize = 16 << 20;
 
+/// The most a watcher takes from the history when it joins: one further behind reads
+/// etcd's history instead, a response at a time, at the pace its client reads.
+pub const HISTORY_START_BYTES: usize = 4 << 20;
+
+/// About the most event bytes one watch response carries (whole revisions; a revision
+/// bigger than this goes alone): clients refuse messages over 4 MiB by default.
+pub const RESPONSE_BYTES: usize = 1 << 20;
+
+/// What an event weighs in a response: its name, its values and a share for the rest.
+pub fn event_bytes(event: &KeyEvent) -> usize {
+    event.entry.name.len()
+        + event.entry.value.len()
+        + event.prev.as_ref().map_or(0, |p| p.value.len())
+        + 64
+}
+
+/// `events` (in revision order) cut into runs of whole revisions of about `limit`
+/// bytes, each with the last revision it covers; the last run covers through `through`.
+pub fn in_chunks(events: Vec<KeyEvent>, through: i64, limit: usize) -> Vec<(i64, Vec<KeyEvent>)> {
+    let mut chunks: Vec<(i64, Vec<KeyEvent>)> = Vec::new();
+    let mut current: Vec<KeyEvent> = Vec::new();
+    let mut bytes = 0;
+    for event in events {
+        let revision = event.revision();
+        if bytes >= limit && current.last().is_some_and(|e| e.revision() != revision) {
+            let last = current.last().map_or(through, KeyEvent::revision);
+            chunks.push((last, std::mem::take(&mut current)));
+            bytes = 0;
+        }
+        bytes += event_bytes(&event);
+        current.push(event);
+    }
+    if !current.is_empty() {
+        chunks.push((through, current));
+    }
+    chunks
+}
+
 /// Events of whole revisions for one topic; `revision` is the last revision they cover.
 #[derive(Debug)]
 pub struct Batch {
@@ -134,19 +172,25 @@ impl History {
         }
     }
 
-    /// The events of `topic` from revision `from` on, if every one of them is kept.
+    /// The events of `topic` from revision `from` on, if every one of them is kept and
+    /// they come to at most [`HISTORY_START_BYTES`].
     fn since(&self, topic: &Topic, from: i64) -> Option<Vec<KeyEvent>> {
         if from < self.complete_from {
             return None;
         }
         let first = self.events.partition_point(|e| e.revision() < from);
-        Some(
-            self.events
-                .range(first..)
-                .filter(|e| topic.matches(&e.entry.name))
-                .cloned()
-                .collect(),
-        )
+        let mut bytes = 0;
+        let mut since = Vec::new();
+        for event in self.events.range(first..) {
+            if topic.matches(&event.entry.name) {
+                bytes += event_bytes(event);
+                if bytes > HISTORY_START_BYTES {
+                    return None;
+                }
+                since.push(event.clone());
+            }
+        }
+        Some(since)
     }
 }
 
@@ -490,6 +534,26 @@ mod tests {
             past, None,
             "revision 4 came before the view: not in the history"
         );
+    }
+
+    #[test]
+    fn events_are_cut_between_revisions_only() {
+        let events = vec![put("a", 1), put("b", 1), put("c", 2), put("d", 3)];
+        let one = event_bytes(&events[0]);
+        let shape = |limit| -> Vec<(i64, usize)> {
+            in_chunks(events.clone(), 9, limit)
+                .iter()
+                .map(|(r, e)| (*r, e.len()))
+                .collect()
+        };
+        assert_eq!(
+            shape(one),
+            [(1, 2), (2, 1), (9, 1)],
+            "revision 1 stays whole"
+        );
+        assert_eq!(shape(2 * one + 1), [(2, 3), (9, 1)]);
+        assert_eq!(in_chunks(events, 9, usize::MAX).len(), 1);
+        assert!(in_chunks(Vec::new(), 9, 1).is_empty());
     }
 
     #[test]

@@ -404,8 +404,16 @@ async fn load(
             revision = header_revision(resp.header(), "load small keys")?;
         }
         for kv in resp.kvs() {
-            if let Some(name) = keyspace::kv_name(kv.key()) {
-                entries.push(entry(name, kv));
+            match keyspace::kv_name(kv.key()) {
+                Some(name) => entries.push(entry(name, kv)),
+                None => {
+                    // Written before keys had to be text, or around lockcell: reads
+                    // and watches of now do not show it.
+                    tracing::warn!(
+                        key = %String::from_utf8_lossy(kv.key()),
+                        "a small key that is not UTF-8 text is left out of the proxy's copy; rename or delete it"
+                    );
+                }
             }
         }
         match (resp.more(), resp.kvs().last()) {

@@ -70,6 +70,9 @@ impl PbKvService for EtcdApi {
 
     async fn put(&self, request: Request<PbPutRequest>) -> Result<Response<PbPutResponse>, Status> {
         let caller = self.caller(&request)?;
+        // The key's rules first: a key that is not text is a bad argument, whatever the
+        // caller's grants.
+        key_within(&request.get_ref().key)?;
         self.authorize_range(&request, Right::Write, &request.get_ref().key, &[])?;
         let lease = request.get_ref().lease;
         let put = "/etcdserverpb.KV/Put";

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::Poll;
 use std::time::Duration;
 
 use etcd_client::proto::{
@@ -30,14 +30,15 @@ use tonic::{Request, Response, Status, Streaming};
 use super::keys::inner;
 use super::EtcdApi;
 use crate::catchup::{CatchUp, CatchUpError, CaughtUp};
-use crate::fanout::Subscription;
+use crate::fanout::{in_chunks, Subscription, RESPONSE_BYTES};
 use crate::grants::Right;
 use crate::metrics;
 use crate::mirror::{EventKind, KeyEvent, Topic};
 use crate::state::ProxyState;
 
-/// Replies buffered per client stream before its sources wait.
-const BUFFER: usize = 64;
+/// Replies buffered per client stream before its sources wait (each at most about
+/// [`RESPONSE_BYTES`] of events).
+const BUFFER: usize = 16;
 /// How often a watch that asked for progress notifications gets one: etcd's default.
 const PROGRESS_NOTIFY: Duration = Duration::from_secs(600);
 /// A watch ID etcd never hands out: the ID of a progress answer for the whole stream,
@@ -159,6 +160,8 @@ enum Arrival {
         revision: i64,
         events: Vec<KeyEvent>,
     },
+    /// The source follows the fan-out again: a progress the stream owes may be due.
+    Synced,
     /// etcd compacted the history the watch starts in: the oldest start it can serve.
     Compacted(i64),
     /// The watch cannot go on; the stream ends with this, to be watched again.
@@ -244,7 +247,7 @@ impl WatchStream<'_> {
     async fn caught_up(&mut self) -> Result<Option<i64>, Status> {
         // Read first: every batch through it is queued already.
         let applied = self.api.state.reads.feed.applied();
-        while let Some((id, arrival)) = ready(&mut self.sources) {
+        while let Some((id, arrival)) = ready(&mut self.sources).await {
             self.arrived(id, arrival).await?;
         }
         let synced = self
@@ -301,26 +304,32 @@ impl WatchStream<'_> {
         watching: Watching,
     ) -> Result<(), Status> {
         let state = &self.api.state;
+        // Refused as etcd refuses: a watch outside the grants under the ID asked for,
+        // one etcd's watch store turns down under no ID at all.
         let refusal = if let Err(refused) = self.may_watch(&watching.range) {
-            Some(refused.message().to_owned())
+            Some((asked_id, refused.message().to_owned()))
         } else if watching.range.is_empty() {
-            Some("mvcc: watcher range is empty".to_owned())
+            Some((NO_WATCH, "mvcc: watcher range is empty".to_owned()))
         } else if asked_id != 0 && self.watches.contains_key(&asked_id) {
-            Some("mvcc: duplicate watch ID provided on the WatchStream".to_owned())
+            Some((
+                NO_WATCH,
+                "mvcc: duplicate watch ID provided on the WatchStream".to_owned(),
+            ))
         } else if start_revision < 0 {
-            Some(format!(
-                "etcdserver: a watch cannot start at revision {start_revision}"
+            Some((
+                NO_WATCH,
+                format!("etcdserver: a watch cannot start at revision {start_revision}"),
             ))
         } else {
             None
         };
-        if let Some(reason) = refusal {
+        if let Some((id, reason)) = refusal {
             let revision = state.reads.feed.applied();
             let reply = PbWatchResponse {
                 created: true,
                 canceled: true,
                 cancel_reason: reason,
-                ..self.reply(if asked_id != 0 { asked_id } else { NO_WATCH }, revision)
+                ..self.reply(id, revision)
             };
             return send(self.tx, reply).await;
         }
@@ -340,7 +349,7 @@ impl WatchStream<'_> {
                 let now = state.reads.barrier().await?;
                 (now + 1, now)
             }
-            start => (start, state.reads.feed.applied().max(start - 1)),
+            start => (start, state.reads.feed.applied()),
         };
         let source = Source {
             state: state.clone(),
@@ -349,6 +358,7 @@ impl WatchStream<'_> {
             next: start,
             synced: watching.synced.clone(),
             phase: Phase::Join,
+            pending: Default::default(),
         };
         send(
             self.tx,
@@ -400,6 +410,7 @@ impl WatchStream<'_> {
                 };
                 send(self.tx, reply).await
             }
+            Arrival::Synced => Ok(()),
             Arrival::Failed(status) => Err(status),
         }
     }
@@ -463,13 +474,17 @@ impl WatchStream<'_> {
     }
 }
 
-/// What a source has ready now, without waiting.
-fn ready(sources: &mut Sources) -> Option<(i64, Arrival)> {
-    let mut context = Context::from_waker(Waker::noop());
-    match Pin::new(sources).poll_next(&mut context) {
-        Poll::Ready(next) => next,
-        Poll::Pending => None,
-    }
+/// What a source has ready now, without waiting. Outside tokio's cooperative budget: a
+/// task that has done enough work sees a queue with batches in it as empty otherwise,
+/// and a progress would be claimed past events still queued.
+async fn ready(sources: &mut Sources) -> Option<(i64, Arrival)> {
+    let poll = std::future::poll_fn(|context| {
+        Poll::Ready(match Pin::new(&mut *sources).poll_next(context) {
+            Poll::Ready(next) => next,
+            Poll::Pending => None,
+        })
+    });
+    tokio::task::unconstrained(poll).await
 }
 
 async fn send(tx: &Replies, reply: PbWatchResponse) -> Result<(), Status> {
@@ -487,6 +502,8 @@ struct Source {
     next: i64,
     synced: Arc<AtomicBool>,
     phase: Phase,
+    /// Responses' worth of events to deliver before anything else.
+    pending: std::collections::VecDeque<Arrival>,
 }
 
 enum Phase {
@@ -514,6 +531,9 @@ impl Source {
 
     async fn next(&mut self) -> Option<Arrival> {
         loop {
+            if let Some(arrival) = self.pending.pop_front() {
+                return Some(arrival);
+            }
             match &mut self.phase {
                 Phase::Join => {
                     if let Some(arrival) = self.join().await {
@@ -542,7 +562,11 @@ impl Source {
                             self.next = self.next.max(through + 1);
                             self.synced.store(true, Ordering::Release);
                             self.phase = Phase::Following(sub);
+                            return Some(Arrival::Synced);
                         }
+                        // Its client stopped reading: the stream is not polled, and the
+                        // catch-up starts again from `next` once it is.
+                        Err(CatchUpError::Slow) => self.phase = Phase::Join,
                         Err(CatchUpError::ClientGone) => return None,
                         // etcd keeps the state at its compact revision but not the
                         // deletes made at it: a watch can start one past it.
@@ -572,12 +596,7 @@ impl Source {
                             .cloned()
                             .collect();
                         self.next = batch.revision + 1;
-                        if !events.is_empty() {
-                            return Some(Arrival::Events {
-                                revision: batch.revision,
-                                events,
-                            });
-                        }
+                        self.deliver(events, batch.revision);
                     }
                     // Cut off for a full backlog, or the proxy is loading its view of
                     // the cell again: everything before `next` was delivered, so the
@@ -590,6 +609,14 @@ impl Source {
                 },
                 Phase::Done => return None,
             }
+        }
+    }
+
+    /// Queues `events` (of the revisions through `through`) as responses of a bounded
+    /// size.
+    fn deliver(&mut self, events: Vec<KeyEvent>, through: i64) {
+        for (revision, events) in in_chunks(events, through, RESPONSE_BYTES) {
+            self.pending.push_back(Arrival::Events { revision, events });
         }
     }
 
@@ -613,7 +640,7 @@ impl Source {
         if self.next > joined {
             self.synced.store(true, Ordering::Release);
             self.phase = Phase::Following(sub);
-            return None;
+            return Some(Arrival::Synced);
         }
         // The history is used only as far back as etcd keeps its own: a watch from
         // a compacted revision is answered as one.
@@ -623,10 +650,9 @@ impl Source {
                 self.next = joined + 1;
                 self.synced.store(true, Ordering::Release);
                 self.phase = Phase::Following(sub);
-                return (!events.is_empty()).then_some(Arrival::Events {
-                    revision: joined,
-                    events,
-                });
+                self.deliver(events, joined);
+                self.pending.push_back(Arrival::Synced);
+                return self.pending.pop_front();
             }
         }
         let (out, caught) = mpsc::channel(1);

@@ -19,7 +19,7 @@ use tonic::{Request, Response, Status};
 
 use crate::catchup::{CatchUp, CatchUpError, CaughtUp};
 use crate::errors::ProxyError;
-use crate::fanout::{Batch, End, Subscription};
+use crate::fanout::{in_chunks, Batch, End, Subscription, RESPONSE_BYTES};
 use crate::grants::Right;
 use crate::metrics;
 use crate::mirror::{EventKind, KeyEvent, Topic};
@@ -227,13 +227,19 @@ impl Pump {
         if !self.send(created).await {
             return;
         }
-        if let Some(Before::Kept(events)) = &catch_up {
-            let events: Vec<WatchEvent> = events.iter().map(|e| self.event(e)).collect();
-            if !events.is_empty() && !self.send(response(false, sub.joined_at, events)).await {
-                return;
+        let catch_up = match catch_up {
+            Some(Before::Kept(events)) => {
+                for (revision, events) in in_chunks(events, sub.joined_at, RESPONSE_BYTES) {
+                    let events = events.iter().map(|e| self.event(e)).collect();
+                    if !self.send(response(false, revision, events)).await {
+                        return;
+                    }
+                }
+                last = sub.joined_at;
+                None
             }
-            last = sub.joined_at;
-        }
+            other => other,
+        };
         if let Some(Before::Etcd(catch_up)) = catch_up {
             let through = catch_up.through;
             let mut shutdown = self.shutdown.clone();
@@ -265,6 +271,16 @@ impl Pump {
                         self.what, self.start
                     ));
                     insert(&mut status, "lockcell-compact-revision", gap.got);
+                    let _ = self.tx.send(Err(status)).await;
+                    return;
+                }
+                Err(CatchUpError::Slow) => {
+                    let status = Status::unavailable(format!(
+                        "watch of {} from revision {}: the watcher took no events for {} s while catching up; resume from the revision after the last one received",
+                        self.what,
+                        self.start,
+                        crate::catchup::SLOW_READER.as_secs()
+                    ));
                     let _ = self.tx.send(Err(status)).await;
                     return;
                 }

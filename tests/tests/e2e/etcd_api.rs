@@ -2304,6 +2304,41 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
         "after the cancel: {reply:?}"
     );
 
+    // A watch from the past and, at once, a progress request: answered once it has
+    // caught up, with nothing more written.
+    stream
+        .watch(
+            "r/",
+            Some(
+                etcd_client::WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(first),
+            ),
+        )
+        .await?;
+    stream.request_progress().await?;
+    let progress = next_reply(&mut stream, |r| r.watch_id() == -1)
+        .await
+        .context("progress after a watch from the past")?;
+    ensure!(
+        progress.header().context("h")?.revision() >= last,
+        "progress answered {progress:?}"
+    );
+    // A watch ID in use is refused under no ID, as etcd does; the watch using it goes on.
+    stream
+        .watch(
+            "r/",
+            Some(etcd_client::WatchOptions::new().with_watch_id(from_key)),
+        )
+        .await?;
+    let duplicate = next_reply(&mut stream, |r| r.created())
+        .await
+        .context("a duplicate watch ID")?;
+    ensure!(
+        duplicate.canceled() && duplicate.watch_id() == -1,
+        "a duplicate watch ID was answered {duplicate:?}"
+    );
+
     // A start etcd has compacted is answered with the oldest revision it can serve.
     let compact_at = kv
         .put("c/x", "1", None)
@@ -2326,6 +2361,124 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
     ensure!(
         refused.compact_revision() == compact_at + 1,
         "a watch from compacted revision {first} answered {refused:?}"
+    );
+
+    // Many big events from the past come a bounded response at a time, whole
+    // revisions each, so a client with gRPC's usual 4 MiB limit can take them.
+    let value = "v".repeat(50_000);
+    let big_from = kv
+        .put("big/0", value.as_str(), None)
+        .await?
+        .header()
+        .context("h")?
+        .revision();
+    for i in 1..60 {
+        kv.put(format!("big/{i}"), value.as_str(), None).await?;
+    }
+    let mut big = client
+        .watch_client()
+        .watch(
+            "big/",
+            Some(
+                etcd_client::WatchOptions::new()
+                    .with_prefix()
+                    .with_prev_key()
+                    .with_start_revision(big_from),
+            ),
+        )
+        .await?;
+    let (mut seen, mut responses) = (0, 0);
+    while seen < 60 {
+        let reply = next_reply(&mut big, |r| !r.events().is_empty())
+            .await
+            .context("the big events")?;
+        let bytes: usize = reply
+            .events()
+            .iter()
+            .filter_map(|e| e.kv())
+            .map(|kv| kv.value().len())
+            .sum();
+        ensure!(
+            bytes <= 1_200_000,
+            "one response carried {bytes} bytes of values"
+        );
+        seen += reply.events().len();
+        responses += 1;
+    }
+    ensure!(
+        seen == 60 && responses >= 3,
+        "{seen} events in {responses} responses"
+    );
+    Ok(())
+}
+
+/// A progress answer never runs ahead of the events of the watches of its stream: with
+/// a hundred watches on one stream, a writer, and progress asked for all along, no event
+/// arrives after a progress answer at or past its revision.
+pub async fn etcd_api_progress_never_runs_ahead_of_events() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    // The watches on one proxy, the writer on another, as in a fleet.
+    let [(_a, _, client), (_b, _, writer_client), _] = three_proxies(&etcd).await?;
+    let mut stream = client
+        .watch_client()
+        .watch("pg/", Some(etcd_client::WatchOptions::new().with_prefix()))
+        .await?;
+    next_reply(&mut stream, |r| r.created()).await?;
+    for _ in 1..100 {
+        stream
+            .watch("pg/", Some(etcd_client::WatchOptions::new().with_prefix()))
+            .await?;
+        next_reply(&mut stream, |r| r.created()).await?;
+    }
+    let (mut sender, mut replies) = stream.split();
+    let mut kv = writer_client.kv_client();
+    let mut writer = tokio::spawn(async move {
+        let mut last = 0;
+        for i in 0..400 {
+            let put = kv.put(format!("pg/{}", i % 7), i.to_string(), None).await?;
+            last = put.header().context("header")?.revision();
+        }
+        anyhow::Ok(last)
+    });
+    let asker = tokio::spawn(async move {
+        for _ in 0..3000 {
+            if sender.request_progress().await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    let (mut promised, mut progresses, mut events) = (0, 0, 0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut last_written = None;
+    loop {
+        let reply = tokio::time::timeout_at(deadline, replies.message())
+            .await
+            .context("the watch stream went quiet")??
+            .context("the watch stream ended")?;
+        if reply.watch_id() == -1 {
+            promised = promised.max(reply.header().context("h")?.revision());
+            progresses += 1;
+        }
+        for event in reply.events() {
+            let revision = event.kv().context("kv")?.mod_revision();
+            ensure!(
+                revision > promised,
+                "an event at revision {revision} came after a progress answer at {promised}"
+            );
+            events += 1;
+        }
+        if last_written.is_none() && writer.is_finished() {
+            last_written = Some((&mut writer).await??);
+        }
+        if last_written.is_some_and(|last| promised >= last) {
+            break;
+        }
+    }
+    asker.abort();
+    ensure!(
+        events == 400 * 100 && progresses > 1,
+        "{events} events (want 40,000) and {progresses} progress answers"
     );
     Ok(())
 }
