@@ -2150,7 +2150,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
             .await?;
         next_reply(&mut stream, |r| r.created())
             .await
-            .context("answer 1")?;
+            .context("a fan-out watch created")?;
         streams.push(stream);
     }
     let during = etcd_watchers().await?;
@@ -2176,7 +2176,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
     let mut sync = client.watch_client().watch("sync", None).await?;
     next_reply(&mut sync, |r| r.created())
         .await
-        .context("answer 2")?;
+        .context("the sync watch created")?;
     let first = kv
         .put("r/a", "1", None)
         .await?
@@ -2189,7 +2189,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
     kv.put("sync", "", None).await?;
     next_reply(&mut sync, |r| !r.events().is_empty())
         .await
-        .context("answer 3")?;
+        .context("the sync put seen")?;
     let catch_ups = proxy.metric("lockcell_watch_catch_ups_total").await?;
     let mut stream = client
         .watch_client()
@@ -2205,11 +2205,11 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
         .await?;
     let created = next_reply(&mut stream, |r| r.created())
         .await
-        .context("answer 4")?;
+        .context("the range watch created")?;
     let range_id = created.watch_id();
     let events = next_reply(&mut stream, |r| r.watch_id() == range_id)
         .await
-        .context("answer 5")?;
+        .context("the range watch's events")?;
     let seen: Vec<(String, etcd_client::EventType, Option<Vec<u8>>)> = events
         .events()
         .iter()
@@ -2250,7 +2250,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
         .await?;
     let from_key = next_reply(&mut stream, |r| r.created())
         .await
-        .context("answer 6")?
+        .context("the from-key watch created")?
         .watch_id();
     ensure!(
         from_key != range_id,
@@ -2265,7 +2265,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
         .revision();
     let reply = next_reply(&mut stream, |r| r.watch_id() == from_key)
         .await
-        .context("answer 7")?;
+        .context("the from-key watch's delete")?;
     ensure!(
         keys_of(&reply) == [("r/z".to_owned(), deleted)]
             && reply.events()[0].event_type() == Delete,
@@ -2277,7 +2277,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
     stream.request_progress().await?;
     let progress = next_reply(&mut stream, |r| r.watch_id() == -1)
         .await
-        .context("answer 8")?;
+        .context("a progress answer")?;
     ensure!(
         progress.header().context("h")?.revision() >= deleted && progress.events().is_empty(),
         "progress answered {progress:?}"
@@ -2286,7 +2286,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
     stream.cancel(range_id).await?;
     next_reply(&mut stream, |r| r.watch_id() == range_id && r.canceled())
         .await
-        .context("answer 9")?;
+        .context("the cancel answered")?;
     kv.put("r/a", "after", None).await?;
     kv.delete("r/q", None).await?;
     kv.put("r/zz", "x", None).await?;
@@ -2298,7 +2298,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
         .revision();
     let reply = next_reply(&mut stream, |r| !r.events().is_empty())
         .await
-        .context("answer 10")?;
+        .context("the event after the cancel")?;
     ensure!(
         reply.watch_id() == from_key && keys_of(&reply) == [("r/zz".to_owned(), last)],
         "after the cancel: {reply:?}"
@@ -2357,7 +2357,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
         .await?;
     let refused = next_reply(&mut old, |r| r.canceled())
         .await
-        .context("answer 11")?;
+        .context("the compacted start refused")?;
     ensure!(
         refused.compact_revision() == compact_at + 1,
         "a watch from compacted revision {first} answered {refused:?}"
