@@ -99,7 +99,7 @@ impl Router {
     }
 
     /// The engine of the cell that serves `name`.
-    fn engine_for(&self, name: &str) -> Result<&Arc<ProxyState>, Status> {
+    fn route(&self, name: &str) -> Result<&Arc<ProxyState>, Status> {
         if let Some(only) = self.single() {
             return Ok(only);
         }
@@ -116,7 +116,7 @@ impl Router {
     }
 
     /// The engine of the one cell that serves every name under `prefix`.
-    fn engine_for_prefix(&self, prefix: &str) -> Result<&Arc<ProxyState>, Status> {
+    fn route_prefix(&self, prefix: &str) -> Result<&Arc<ProxyState>, Status> {
         if let Some(only) = self.single() {
             return Ok(only);
         }
@@ -141,16 +141,13 @@ impl Router {
     }
 
     /// The engine of the one cell that serves all of `names`.
-    fn engine_for_all<'n>(
-        &self,
-        mut names: impl Iterator<Item = &'n str>,
-    ) -> Result<&Arc<ProxyState>, Status> {
-        let Some(first) = names.next() else {
+    fn route_all(&self, names: &[&str]) -> Result<&Arc<ProxyState>, Status> {
+        let Some((first, rest)) = names.split_first() else {
             return Ok(&self.engines[0]);
         };
-        let engine = self.engine_for(first)?;
-        for name in names {
-            if !Arc::ptr_eq(self.engine_for(name)?, engine) {
+        let engine = self.route(first)?;
+        for name in rest {
+            if !Arc::ptr_eq(self.route(name)?, engine) {
                 return Err(ProxyError::NotServed(format!(
                     "a transaction stays within one cell: {first:?} and {name:?} are in different cells of the shard map"
                 ))
@@ -158,6 +155,65 @@ impl Router {
             }
         }
         Ok(engine)
+    }
+
+    /// The engine of the cell that serves `name`, its copy of the map caught up.
+    async fn engine_for(&self, name: &str) -> Result<Arc<ProxyState>, Status> {
+        let engine = self.route(name)?;
+        Ok(self.caught_up(engine, &[name], false).await)
+    }
+
+    /// The engine of the one cell that serves every name under `prefix`, caught up.
+    async fn engine_for_prefix(&self, prefix: &str) -> Result<Arc<ProxyState>, Status> {
+        let engine = self.route_prefix(prefix)?;
+        Ok(self.caught_up(engine, &[prefix], true).await)
+    }
+
+    /// The engine of the one cell that serves all of `names`, caught up.
+    async fn engine_for_all(&self, names: &[&str]) -> Result<Arc<ProxyState>, Status> {
+        let engine = self.route_all(names)?;
+        Ok(self.caught_up(engine, names, false).await)
+    }
+
+    /// `engine`, its copy of the shard map read again first when the call would be
+    /// refused there only because this proxy has not yet taken in that copy.
+    ///
+    /// A move writes the source cell's copy, then the target's, and this proxy follows
+    /// each through its own watch: it may route names by the source's new copy to the
+    /// target while the target's copy it holds still sends them back. A call made right
+    /// after `lockcell-cell shardmap move` returned would then be refused as moving.
+    /// Costs one read of the copy, and only in that window.
+    async fn caught_up(
+        &self,
+        engine: &Arc<ProxyState>,
+        names: &[&str],
+        prefix: bool,
+    ) -> Arc<ProxyState> {
+        let engine = engine.clone();
+        if self.single().is_some() {
+            return engine;
+        }
+        let version = |c: Option<Arc<StoredMap>>| c.map_or(0, |c| c.map.version);
+        let behind = version(engine.routes.copy()) < version(self.newest_map());
+        let refused = || {
+            names.iter().any(|name| {
+                if prefix {
+                    engine.routes.read_here(name, true).is_err()
+                } else {
+                    engine.routes.serve(name).is_err()
+                }
+            })
+        };
+        if behind && refused() {
+            let read = engine
+                .routes
+                .refresh(&mut engine.etcd.kv_client(), engine.config.etcd_timeout)
+                .await;
+            if let Err(e) = read {
+                tracing::debug!(error = %e, cell = ?engine.cell_name, "could not read the cell's shard map copy again");
+            }
+        }
+        engine
     }
 }
 
@@ -248,7 +304,7 @@ impl SessionApi for Router {
         let mut lost = Vec::new();
         for key in &req.keys {
             let found = self
-                .engine_for(&key.name)
+                .route(&key.name)
                 .ok()
                 .and_then(|e| self.engines.iter().position(|x| Arc::ptr_eq(x, e)));
             match found {
@@ -261,6 +317,8 @@ impl SessionApi for Router {
         }
         let mut replies = Vec::new();
         for (i, (engine, keys)) in self.engines.iter().zip(keys).enumerate() {
+            let names: Vec<&str> = keys.iter().map(|k| k.name.as_str()).collect();
+            let engine = &self.caught_up(engine, &names, false).await;
             let stay = req
                 .cells
                 .iter()
@@ -419,7 +477,7 @@ impl LockApi for Router {
         &self,
         request: Request<AcquireRequest>,
     ) -> Result<Response<AcquireResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().lock)?.clone();
+        let state = self.engine_for(&request.get_ref().lock).await?;
         LockService { state }.acquire(request).await
     }
 
@@ -427,7 +485,7 @@ impl LockApi for Router {
         &self,
         request: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().lock)?.clone();
+        let state = self.engine_for(&request.get_ref().lock).await?;
         LockService { state }.release(request).await
     }
 
@@ -435,7 +493,7 @@ impl LockApi for Router {
         &self,
         request: Request<CheckSequencerRequest>,
     ) -> Result<Response<CheckSequencerResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().lock)?.clone();
+        let state = self.engine_for(&request.get_ref().lock).await?;
         LockService { state }.check_sequencer(request).await
     }
 
@@ -443,7 +501,7 @@ impl LockApi for Router {
         &self,
         request: Request<DescribeRequest>,
     ) -> Result<Response<DescribeResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().lock)?.clone();
+        let state = self.engine_for(&request.get_ref().lock).await?;
         LockService { state }.describe(request).await
     }
 }
@@ -454,7 +512,7 @@ impl ElectionApi for Router {
         &self,
         request: Request<CampaignRequest>,
     ) -> Result<Response<CampaignResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().election)?.clone();
+        let state = self.engine_for(&request.get_ref().election).await?;
         ElectionService { state }.campaign(request).await
     }
 
@@ -462,7 +520,7 @@ impl ElectionApi for Router {
         &self,
         request: Request<ProclaimRequest>,
     ) -> Result<Response<ProclaimResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().election)?.clone();
+        let state = self.engine_for(&request.get_ref().election).await?;
         ElectionService { state }.proclaim(request).await
     }
 
@@ -470,7 +528,7 @@ impl ElectionApi for Router {
         &self,
         request: Request<LeaderRequest>,
     ) -> Result<Response<LeaderResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().election)?.clone();
+        let state = self.engine_for(&request.get_ref().election).await?;
         ElectionService { state }.leader(request).await
     }
 
@@ -481,7 +539,7 @@ impl ElectionApi for Router {
         request: Request<LeaderRequest>,
     ) -> Result<Response<Self::ObserveStream>, Status> {
         let election = request.get_ref().election.clone();
-        let state = self.engine_for(&election)?.clone();
+        let state = self.engine_for(&election).await?;
         let cell = state.cell_name.clone();
         let inner = ElectionService { state }
             .observe(request)
@@ -501,7 +559,7 @@ impl ElectionApi for Router {
         &self,
         request: Request<ResignRequest>,
     ) -> Result<Response<ResignResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().election)?.clone();
+        let state = self.engine_for(&request.get_ref().election).await?;
         ElectionService { state }.resign(request).await
     }
 }
@@ -511,16 +569,15 @@ impl KvApi for Router {
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<GetResponse>, Status> {
         let req = request.get_ref();
         let state = if req.prefix {
-            self.engine_for_prefix(&req.key)?
+            self.engine_for_prefix(&req.key).await?
         } else {
-            self.engine_for(&req.key)?
-        }
-        .clone();
+            self.engine_for(&req.key).await?
+        };
         KvService { state }.get(request).await
     }
 
     async fn put(&self, request: Request<PutRequest>) -> Result<Response<PutResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().key)?.clone();
+        let state = self.engine_for(&request.get_ref().key).await?;
         KvService { state }.put(request).await
     }
 
@@ -528,18 +585,19 @@ impl KvApi for Router {
         &self,
         request: Request<DeleteRequest>,
     ) -> Result<Response<DeleteResponse>, Status> {
-        let state = self.engine_for(&request.get_ref().key)?.clone();
+        let state = self.engine_for(&request.get_ref().key).await?;
         KvService { state }.delete(request).await
     }
 
     async fn txn(&self, request: Request<TxnRequest>) -> Result<Response<TxnResponse>, Status> {
         let txn = request.get_ref();
-        let names = txn
+        let names: Vec<&str> = txn
             .compares
             .iter()
             .map(|c| c.key.as_str())
-            .chain(txn.writes.iter().map(|w| w.key.as_str()));
-        let state = self.engine_for_all(names)?.clone();
+            .chain(txn.writes.iter().map(|w| w.key.as_str()))
+            .collect();
+        let state = self.engine_for_all(&names).await?;
         KvService { state }.txn(request).await
     }
 }
@@ -561,10 +619,9 @@ impl WatchApi for Router {
             (false, false) => Watched::Key(req.key.clone()),
         };
         let state = match &watched {
-            Watched::Prefix(prefix) => self.engine_for_prefix(prefix)?,
-            Watched::Key(key) => self.engine_for(key)?,
-        }
-        .clone();
+            Watched::Prefix(prefix) => self.engine_for_prefix(prefix).await?,
+            Watched::Key(key) => self.engine_for(key).await?,
+        };
         let cell = state.cell_name.clone();
         let inner = WatchService { state }.watch(request).await?.into_inner();
         if self.single().is_some() {
@@ -608,8 +665,8 @@ impl Router {
                     },
                     Ok(()) = changes.changed() => {
                         let now = match &watched {
-                            Watched::Prefix(prefix) => router.engine_for_prefix(prefix),
-                            Watched::Key(key) => router.engine_for(key),
+                            Watched::Prefix(prefix) => router.route_prefix(prefix),
+                            Watched::Key(key) => router.route(key),
                         };
                         let still = matches!(&now, Ok(e) if e.cell_name == cell);
                         if !still {
