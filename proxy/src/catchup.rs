@@ -26,6 +26,40 @@ pub struct CatchUp {
     pub slots: Arc<Semaphore>,
 }
 
+/// What a watcher from a past revision gets before the fan-out's queue.
+pub enum Before {
+    /// The events the fan-out's history kept, through the join position.
+    Kept(Vec<KeyEvent>),
+    /// A catch-up from etcd's history.
+    Etcd(Box<CatchUp>),
+}
+
+impl Before {
+    /// For a watcher from `start` whose subscription joined at `joined` with `kept`
+    /// from the fan-out's history: that history, used only as far back as etcd keeps
+    /// its own (a watch from a compacted revision is answered as one), else a catch-up
+    /// on etcd's.
+    pub async fn choose(
+        state: &crate::state::ProxyState,
+        start: i64,
+        joined: i64,
+        kept: Option<Vec<KeyEvent>>,
+    ) -> Before {
+        if let Some(events) = kept {
+            if state.reads.history_kept_from(start - 1).await {
+                ::metrics::counter!(metrics::WATCH_HISTORY_STARTS).increment(1);
+                return Before::Kept(events);
+            }
+        }
+        let feed = &state.reads.feed;
+        Before::Etcd(Box::new(CatchUp {
+            client: state.etcd.watch_client(),
+            through: joined,
+            slots: feed.catch_ups.clone(),
+        }))
+    }
+}
+
 /// Events delivered by a catch-up: every event of the watcher's topic in the revisions
 /// up to `reached`, from the start or the last batch on.
 #[derive(Debug)]

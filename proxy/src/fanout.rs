@@ -150,6 +150,13 @@ impl History {
     }
 
     fn push(&mut self, events: &[KeyEvent], limit: usize) {
+        if limit == 0 {
+            // No history kept: nothing to copy.
+            if let Some(last) = events.last() {
+                self.complete_from = last.revision() + 1;
+            }
+            return;
+        }
         for event in events {
             self.bytes += Self::cost(event);
             self.events.push_back(event.clone());

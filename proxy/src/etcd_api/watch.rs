@@ -29,7 +29,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::keys::inner;
 use super::EtcdApi;
-use crate::catchup::{CatchUp, CatchUpError, CaughtUp};
+use crate::catchup::{Before, CatchUpError, CaughtUp};
 use crate::fanout::{in_chunks, Subscription, RESPONSE_BYTES};
 use crate::grants::Right;
 use crate::metrics;
@@ -98,14 +98,31 @@ struct WatchStream<'a> {
 
 /// One watch of a stream: what it selects.
 struct Watching {
-    range: ClientRange,
+    select: Selection,
     prev_kv: bool,
-    no_put: bool,
-    no_delete: bool,
     progress_notify: bool,
     /// True while its source follows the fan-out: every event through the revision
     /// the feed applied is then queued for it.
     synced: Arc<AtomicBool>,
+}
+
+/// Which events of its topic a watch delivers: those in its range, less the kinds its
+/// filters drop.
+#[derive(Debug, Clone)]
+struct Selection {
+    range: ClientRange,
+    no_put: bool,
+    no_delete: bool,
+}
+
+impl Selection {
+    fn wants(&self, event: &KeyEvent) -> bool {
+        let kind = match event.kind {
+            EventKind::Put => !self.no_put,
+            EventKind::Delete => !self.no_delete,
+        };
+        kind && self.range.contains(event.entry.name.as_bytes())
+    }
 }
 
 /// A client range as etcd's API spells it.
@@ -260,17 +277,18 @@ impl WatchStream<'_> {
     async fn asked(&mut self, asked: PbWatchRequest) -> Result<(), Status> {
         match asked.request_union {
             Some(PbWatchRequestUnion::CreateRequest(create)) => {
-                let range = ClientRange {
-                    key: create.key,
-                    end: create.range_end,
-                };
                 let filters = |f| create.filters.contains(&f);
                 let watching = Watching {
                     prev_kv: create.prev_kv,
-                    no_put: filters(etcd_client::WatchFilterType::NoPut as i32),
-                    no_delete: filters(etcd_client::WatchFilterType::NoDelete as i32),
+                    select: Selection {
+                        range: ClientRange {
+                            key: create.key,
+                            end: create.range_end,
+                        },
+                        no_put: filters(etcd_client::WatchFilterType::NoPut as i32),
+                        no_delete: filters(etcd_client::WatchFilterType::NoDelete as i32),
+                    },
                     progress_notify: create.progress_notify,
-                    range,
                     synced: Arc::new(AtomicBool::new(false)),
                 };
                 self.create(create.watch_id, create.start_revision, watching)
@@ -306,9 +324,9 @@ impl WatchStream<'_> {
         let state = &self.api.state;
         // Refused as etcd refuses: a watch outside the grants under the ID asked for,
         // one etcd's watch store turns down under no ID at all.
-        let refusal = if let Err(refused) = self.may_watch(&watching.range) {
+        let refusal = if let Err(refused) = self.may_watch(&watching.select.range) {
             Some((asked_id, refused.message().to_owned()))
-        } else if watching.range.is_empty() {
+        } else if watching.select.range.is_empty() {
             Some((NO_WATCH, "mvcc: watcher range is empty".to_owned()))
         } else if asked_id != 0 && self.watches.contains_key(&asked_id) {
             Some((
@@ -353,7 +371,8 @@ impl WatchStream<'_> {
         };
         let source = Source {
             state: state.clone(),
-            topic: watching.range.topic(),
+            topic: watching.select.range.topic(),
+            select: watching.select.clone(),
             prev_kv: watching.prev_kv,
             next: start,
             synced: watching.synced.clone(),
@@ -379,18 +398,10 @@ impl WatchStream<'_> {
         };
         match arrival {
             Arrival::Events { revision, events } => {
-                let selected: Vec<&KeyEvent> = events
-                    .iter()
-                    .filter(|e| watching.range.contains(e.entry.name.as_bytes()))
-                    .filter(|e| match e.kind {
-                        EventKind::Put => !watching.no_put,
-                        EventKind::Delete => !watching.no_delete,
-                    })
-                    .collect();
-                if selected.is_empty() {
+                if events.is_empty() {
                     return Ok(());
                 }
-                let events = client_events(self.api, &selected, watching.prev_kv).await;
+                let events = client_events(self.api, &events, watching.prev_kv).await;
                 ::metrics::counter!(metrics::WATCH_EVENTS_SENT).increment(events.len() as u64);
                 let reply = PbWatchResponse {
                     events,
@@ -417,7 +428,7 @@ impl WatchStream<'_> {
 }
 
 /// The events as etcd shows them to the client: its keys, and its leases.
-async fn client_events(api: &EtcdApi, events: &[&KeyEvent], prev_kv: bool) -> Vec<PbEvent> {
+async fn client_events(api: &EtcdApi, events: &[KeyEvent], prev_kv: bool) -> Vec<PbEvent> {
     let kv = |e: &lockcell_cell::kv::Entry| PbKeyValue {
         key: inner(e.name.as_bytes()),
         create_revision: e.create_revision,
@@ -497,6 +508,7 @@ async fn send(tx: &Replies, reply: PbWatchResponse) -> Result<(), Status> {
 struct Source {
     state: Arc<ProxyState>,
     topic: Topic,
+    select: Selection,
     prev_kv: bool,
     /// The first revision not yet delivered.
     next: i64,
@@ -541,8 +553,13 @@ impl Source {
                     }
                 }
                 Phase::CatchingUp { caught, .. } => {
-                    if let Some(CaughtUp { reached, events }) = caught.recv().await {
+                    if let Some(CaughtUp {
+                        reached,
+                        mut events,
+                    }) = caught.recv().await
+                    {
                         self.next = reached + 1;
+                        events.retain(|e| self.select.wants(e));
                         return Some(Arrival::Events {
                             revision: reached,
                             events,
@@ -592,7 +609,7 @@ impl Source {
                         let events: Vec<KeyEvent> = batch
                             .events
                             .iter()
-                            .filter(|e| e.revision() >= self.next)
+                            .filter(|e| e.revision() >= self.next && self.select.wants(e))
                             .cloned()
                             .collect();
                         self.next = batch.revision + 1;
@@ -642,11 +659,9 @@ impl Source {
             self.phase = Phase::Following(sub);
             return Some(Arrival::Synced);
         }
-        // The history is used only as far back as etcd keeps its own: a watch from
-        // a compacted revision is answered as one.
-        if let Some(events) = kept {
-            if state.reads.history_kept_from(self.next - 1).await {
-                ::metrics::counter!(metrics::WATCH_HISTORY_STARTS).increment(1);
+        let catch_up = match Before::choose(state, self.next, joined, kept).await {
+            Before::Kept(mut events) => {
+                events.retain(|e| self.select.wants(e));
                 self.next = joined + 1;
                 self.synced.store(true, Ordering::Release);
                 self.phase = Phase::Following(sub);
@@ -654,13 +669,9 @@ impl Source {
                 self.pending.push_back(Arrival::Synced);
                 return self.pending.pop_front();
             }
-        }
-        let (out, caught) = mpsc::channel(1);
-        let catch_up = CatchUp {
-            client: state.etcd.watch_client(),
-            through: joined,
-            slots: feed.catch_ups.clone(),
+            Before::Etcd(catch_up) => catch_up,
         };
+        let (out, caught) = mpsc::channel(1);
         let (topic, start, prev_kv) = (self.topic.clone(), self.next, self.prev_kv);
         let read = tokio::spawn(async move { catch_up.run(&topic, start, prev_kv, out).await });
         self.phase = Phase::CatchingUp {

@@ -17,7 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
-use crate::catchup::{CatchUp, CatchUpError, CaughtUp};
+use crate::catchup::{Before, CatchUp, CatchUpError, CaughtUp};
 use crate::errors::ProxyError;
 use crate::fanout::{in_chunks, Batch, End, Subscription, RESPONSE_BYTES};
 use crate::grants::Right;
@@ -152,23 +152,10 @@ impl WatchApi for WatchService {
             shutdown: state.shutdown.clone(),
             backlog: feed.backlog(),
         };
-        // The history is used only as far back as etcd keeps its own: a watch from a
-        // compacted revision is refused as one.
-        let kept = match kept {
-            Some(events) if state.reads.history_kept_from(start - 1).await => {
-                ::metrics::counter!(metrics::WATCH_HISTORY_STARTS).increment(1);
-                Some(events)
-            }
-            _ => None,
+        let catch_up = match start <= joined {
+            true => Some(Before::choose(state, start, joined, kept).await),
+            false => None,
         };
-        let catch_up = (start <= joined).then(|| match kept {
-            Some(events) => Before::Kept(events),
-            None => Before::Etcd(Box::new(CatchUp {
-                client: state.etcd.watch_client(),
-                through: joined,
-                slots: feed.catch_ups.clone(),
-            })),
-        });
         tokio::spawn(pump.run(sub, catch_up));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -202,14 +189,6 @@ struct Pump {
     applied: watch::Receiver<i64>,
     shutdown: watch::Receiver<bool>,
     backlog: usize,
-}
-
-/// What a watcher from a past revision gets before the fan-out's queue.
-enum Before {
-    /// The events the fan-out's history kept, through the join position.
-    Kept(Vec<crate::mirror::KeyEvent>),
-    /// A catch-up from etcd's history.
-    Etcd(Box<CatchUp>),
 }
 
 impl Pump {

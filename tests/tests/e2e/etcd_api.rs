@@ -972,9 +972,9 @@ pub async fn a_drained_proxys_leases_go_on_at_the_next_proxy() -> anyhow::Result
 
     // Past the first proxy's own etcd lease (3 s), renewed at the second.
     let until = tokio::time::Instant::now() + Duration::from_secs(5);
-    while tokio::time::Instant::now() < until {
+    let mut renewals = tokio::time::interval(Duration::from_millis(500));
+    while renewals.tick().await < until {
         ensure!(renew_once(&on_b, lease).await? > 0, "the lease lapsed at b");
-        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     ensure!(
         key_state(&on_b, "held/k").await? == Some((created, lease)),
@@ -1258,9 +1258,9 @@ pub async fn a_write_whose_answer_was_lost_is_handed_over_with_its_lease() -> an
     a.process.wait_exit(Duration::from_secs(20)).await?;
     // Past the first proxy's own etcd lease (3 s).
     let until = tokio::time::Instant::now() + Duration::from_secs(5);
-    while tokio::time::Instant::now() < until {
+    let mut renewals = tokio::time::interval(Duration::from_millis(500));
+    while renewals.tick().await < until {
         ensure!(renew_once(&on_b, lease).await? > 0, "the lease lapsed at b");
-        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let now = key_state(&on_b, &key).await?;
     ensure!(
@@ -1355,14 +1355,14 @@ pub async fn a_lease_is_served_at_every_proxy() -> anyhow::Result<()> {
     // Renewed only at b and c, for twice its TTL: it lives on, and so do its keys.
     let until = tokio::time::Instant::now() + Duration::from_secs(8);
     let mut turn = 0;
-    while tokio::time::Instant::now() < until {
+    let mut renewals = tokio::time::interval(Duration::from_millis(700));
+    while renewals.tick().await < until {
         let at = if turn % 2 == 0 { &on_b } else { &on_c };
         ensure!(
             renew_once(at, lease).await? > 0,
             "the lease lapsed, renewed at b and c"
         );
         turn += 1;
-        tokio::time::sleep(Duration::from_millis(700)).await;
     }
     ensure!(
         key_state(&on_a, "svc/c").await?.is_some(),
