@@ -116,9 +116,10 @@ impl Lock for EtcdApi {
             })?;
         self.may(caller.as_deref(), Right::Lock, name)?;
         let map_revision = self.map_revision(&key, &[])?;
+        let records = super::kv::records_deleted(&super::keys::inner_range(&key, &[]));
         let outcome = self
             .guarded(
-                vec![TxnOp::delete(inner(&key), None)],
+                vec![TxnOp::delete(inner(&key), None), records],
                 map_revision,
                 &self.writer(caller, None),
             )
