@@ -1073,7 +1073,21 @@ fn guarded_delete(grant: &Grant, lease: i64, clean: bool) -> Txn {
             Some(PutOptions::new().with_lease(lease)),
         ));
     }
-    Txn::new().when(grant.unchanged(lease)).and_then(then)
+    let txn = Txn::new().when(grant.unchanged(lease)).and_then(then);
+    match grant.lease_record().filter(|_| grant.written != 0) {
+        // The key was written since by a write that left its record alone (lockcell's
+        // own API): the record is still about the session's write, and goes with it.
+        Some(record) => txn.or_else([TxnOp::txn(
+            Txn::new()
+                .when([Compare::mod_revision(
+                    record.as_slice(),
+                    CompareOp::Equal,
+                    grant.written,
+                )])
+                .and_then([TxnOp::delete(record, None)]),
+        )]),
+        None => txn,
+    }
 }
 
 /// What a fenced resume did.

@@ -210,7 +210,7 @@ impl Election for EtcdApi {
                             CompareOp::Equal,
                             leader.rev,
                         )])
-                        .and_then([TxnOp::delete(key, None)]),
+                        .and_then(super::kv::deleted_with_record(&leader.key)),
                 )],
                 map_revision,
                 &self.writer(caller, None),

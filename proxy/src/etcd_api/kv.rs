@@ -47,6 +47,9 @@ impl PbKvService for EtcdApi {
         request: Request<PbRangeRequest>,
     ) -> Result<Response<PbRangeResponse>, Status> {
         let req = request.get_ref();
+        if req.key.is_empty() {
+            return Err(Status::invalid_argument("etcdserver: key is not provided"));
+        }
         self.authorize_range(&request, Right::Read, &req.key, &req.range_end)?;
         let req = request.into_inner();
         if let Some(mut reply) = self.range_from_mirror(&req).await? {
@@ -893,9 +896,15 @@ fn record_op(key: &[u8], leased: Option<(i64, i64)>) -> TxnOp {
     }
 }
 
+/// The ops that delete client key `key` and its client lease record.
+pub(super) fn deleted_with_record(key: &[u8]) -> [TxnOp; 2] {
+    let record = keyspace::etcd_leased_key(&inner(key)).expect("a small key has a record");
+    [TxnOp::delete(inner(key), None), TxnOp::delete(record, None)]
+}
+
 /// The op that deletes the client lease records of the small keys a delete of `range`
 /// (etcd keys) deletes, reading them as they were.
-pub(super) fn records_deleted(range: &keys::Range) -> TxnOp {
+fn records_deleted(range: &keys::Range) -> TxnOp {
     let record = |key: &[u8]| keyspace::etcd_leased_key(key).expect("a small-key range");
     let mut options = DeleteOptions::new().with_prev_key();
     if !range.end.is_empty() {
@@ -1025,8 +1034,16 @@ fn check_txn_part(
 ) -> Result<(), Status> {
     *ops += txn.compare.len();
     for c in &txn.compare {
-        if c.target == etcd_client::proto::PbCompareTarget::Lease as i32 && !c.range_end.is_empty()
-        {
+        if c.key.is_empty() {
+            return Err(Status::invalid_argument("etcdserver: key is not provided"));
+        }
+        let lease = c.target == etcd_client::proto::PbCompareTarget::Lease as i32;
+        // A lease compare is also a compare of the key's mod revision in the proxy's
+        // guard, one level up, which etcd counts against the levels below it.
+        if lease {
+            *ops += 1;
+        }
+        if lease && !c.range_end.is_empty() {
             return Err(Status::invalid_argument(format!(
                 "the compare on the leases of the keys from {:?} to {:?}: a lease compare through lockcell names one key",
                 String::from_utf8_lossy(&c.key),
@@ -1335,5 +1352,76 @@ mod tests {
         assert_eq!((counted.count, counted.kvs.len()), (2, 0));
         // A bound that is not text is left to etcd.
         assert!(mirror_range(&m, &range(b"b/", &[0xff, 0xfe])).is_none());
+    }
+
+    fn lease_compare(key: &str, result: CompareOp, lease: i64) -> PbCompare {
+        PbCompare {
+            result: result as i32,
+            target: etcd_client::proto::PbCompareTarget::Lease as i32,
+            key: key.as_bytes().to_vec(),
+            target_union: Some(etcd_client::proto::PbTargetUnion::Lease(lease)),
+            range_end: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_lease_compare_is_decided_on_the_client_lease_read() {
+        let leases: LeasesCompared = [
+            (b"held".to_vec(), (7, 20)),
+            (b"plain".to_vec(), (0, 21)),
+            (b"absent".to_vec(), (0, 0)),
+        ]
+        .into();
+        // Always true: a mod revision above -1; always false: one below 0.
+        let always = |holds: bool| match holds {
+            true => (CompareOp::Greater as i32, -1),
+            false => (CompareOp::Less as i32, 0),
+        };
+        for (key, op, lease, holds) in [
+            ("held", CompareOp::Equal, 7, true),
+            ("held", CompareOp::Equal, 8, false),
+            ("held", CompareOp::NotEqual, 7, false),
+            ("held", CompareOp::Greater, 6, true),
+            ("held", CompareOp::Less, 7, false),
+            ("plain", CompareOp::Equal, 0, true),
+            ("absent", CompareOp::Equal, 0, true),
+            ("absent", CompareOp::NotEqual, 7, true),
+            ("absent", CompareOp::Less, 7, true),
+        ] {
+            let inward = inward_compare(&lease_compare(key, op, lease), &leases).unwrap();
+            let pb: PbTxnRequest = Txn::new().when([inward]).into();
+            let pb = pb.compare[0].clone();
+            let got = match pb.target_union {
+                Some(etcd_client::proto::PbTargetUnion::ModRevision(r)) => (pb.result, r),
+                other => panic!("{key} {op:?} {lease}: {other:?}"),
+            };
+            assert_eq!(got, always(holds), "{key} {op:?} {lease}");
+            assert_eq!(pb.key, inner(key.as_bytes()));
+        }
+    }
+
+    #[test]
+    fn a_lease_compare_names_one_key_and_counts_twice() {
+        let txn = |compare: Vec<PbCompare>| PbTxnRequest {
+            compare,
+            ..PbTxnRequest::default()
+        };
+        let mut ops = 0;
+        check_txn(
+            &txn(vec![lease_compare("k", CompareOp::Equal, 1)]),
+            10,
+            &mut ops,
+        )
+        .unwrap();
+        assert_eq!(ops, 2);
+        let ranged = PbCompare {
+            range_end: b"l".to_vec(),
+            ..lease_compare("k", CompareOp::Equal, 1)
+        };
+        let refused = check_txn(&txn(vec![ranged]), 10, &mut 0).unwrap_err();
+        assert!(refused.message().contains("names one key"), "{refused:?}");
+        let empty = lease_compare("", CompareOp::Equal, 1);
+        let refused = check_txn(&txn(vec![empty]), 10, &mut 0).unwrap_err();
+        assert_eq!(refused.message(), "etcdserver: key is not provided");
     }
 }

@@ -2771,5 +2771,54 @@ pub async fn a_keys_client_lease_shows_at_every_proxy_and_in_lease_compares() ->
             && raw.get("/k/cfg/y", None).await?.count() == 0,
         "a revoked lease's key or its record is still there"
     );
+
+    // The Lock and Election services' keys take their records along: an unlock, a
+    // lock wait given up, a resignation.
+    let records_under = |prefix: &str| {
+        let (mut raw, key) = (raw.clone(), record(prefix));
+        async move {
+            let options = etcd_client::GetOptions::new()
+                .with_prefix()
+                .with_keys_only();
+            anyhow::Ok(raw.get(key, Some(options)).await?.count())
+        }
+    };
+    let holder = on_a.lease_client().grant(30, None).await?.id();
+    let waiter = on_b.lease_client().grant(30, None).await?.id();
+    let on = |lease| Some(etcd_client::LockOptions::new().with_lease(lease));
+    let held = on_a
+        .lock_client()
+        .lock("m", on(holder))
+        .await?
+        .key()
+        .to_vec();
+    let mut waiting = on_b.lock_client();
+    let gave_up = tokio::time::timeout(Duration::from_millis(800), waiting.lock("m", on(waiter)));
+    ensure!(gave_up.await.is_err(), "a held lock was granted");
+    eventually(
+        "a given-up lock wait's record goes",
+        Duration::from_secs(10),
+        || async { Ok((records_under("m/").await? == 1).then_some(())) },
+    )
+    .await?;
+    on_a.lock_client().unlock(held).await?;
+    ensure!(
+        records_under("m/").await? == 0,
+        "an unlocked key's record is still there"
+    );
+    let mut elections = on_b.election_client();
+    let won = elections.campaign("e", "v", holder).await?;
+    let leader = won.leader().context("a leader key")?.clone();
+    ensure!(
+        records_under("e/").await? == 1,
+        "a candidate's key has no record"
+    );
+    elections
+        .resign(Some(etcd_client::ResignOptions::new().with_leader(leader)))
+        .await?;
+    ensure!(
+        records_under("e/").await? == 0,
+        "a resigned leader's record is still there"
+    );
     Ok(())
 }
