@@ -9,8 +9,6 @@
 //! | `/s/<session>` | the fence of a session that moved between proxies | its proxy lease |
 //! | `/s/!proxy/<proxy id>` | a running proxy: its zone, addresses and version | one of that proxy's leases |
 //! | `/q/<lock>/!x/<session>`, `/q/<lock>/!s/<session>` | a waiter of a fair class, in line by create revision | the waiter's proxy lease |
-//! | `/k/<key>` | a small key | none, or its writer session's proxy lease |
-//! | `/s/!etcd-leased/<key>` | the etcd API client lease small key `<key>` was written with, written in the key's own transaction | the same proxy lease as the key |
 //!
 //! Lock names are `/`-separated paths (`billing/nightly`), so one lock's name may be a
 //! prefix of another's. The keys of a lock therefore sit under a marker segment that
@@ -37,8 +35,6 @@ const PRESENCE_ROOT: &str = "/s/!proxy/";
 /// Where proxies record who made their latest small-key write.
 const WRITER_ROOT: &str = "/s/!writer/";
 const LEASE_BLOCKS_KEY: &str = "/s/!etcd-lease-blocks";
-const ETCD_LEASED_ROOT: &str = "/s/!etcd-leased/";
-const ETCD_LEASE_CLAIM_ROOT: &str = "/s/!etcd-lease/";
 const MARK: &str = "/!";
 
 /// Why a lock name was refused. The message names the rule the name broke.
@@ -307,17 +303,7 @@ pub fn lease_blocks_key() -> &'static str {
 /// `/s/!etcd-lease/<id in hex>`, on the proxy lease of the lease's session, so no two
 /// proxies hand out one ID at once.
 pub fn etcd_lease_claim_key(id: i64) -> String {
-    format!("{ETCD_LEASE_CLAIM_ROOT}{id:016x}")
-}
-
-/// Whether `key`'s value names the proxy whose lease the key is on: a session fence
-/// (`/s/<session>`: session ids never contain `!`) or a lease ID claim
-/// ([`etcd_lease_claim_key`]). lockcell's other records under `/s/` hold other values.
-pub fn value_names_proxy(key: &[u8]) -> bool {
-    match key.strip_prefix(SESSIONS_ROOT.as_bytes()) {
-        Some(rest) => !rest.starts_with(b"!") || key.starts_with(ETCD_LEASE_CLAIM_ROOT.as_bytes()),
-        None => false,
-    }
+    format!("{SESSIONS_ROOT}!etcd-lease/{id:016x}")
 }
 
 /// The cell's key for the calls its proxies forward to each other on etcd API leases
@@ -332,35 +318,6 @@ pub fn etcd_forward_key() -> &'static str {
 /// session, so it goes with that lease (see the proxy's `etcd_api::handoff`).
 pub fn etcd_lease_handoff_key(id: i64) -> String {
     format!("{}{id:016x}", etcd_lease_handoff_root())
-}
-
-/// Where the etcd API records the client lease a small key was written with:
-/// `/s/!etcd-leased/<key>`, its value the lease ID in decimal. Written in the same
-/// transaction as the key (so its mod revision is the key's as long as the record is
-/// about that write) and on the same proxy lease, so it goes when the key's lease does.
-/// Every proxy of the cell reads it, so an etcd client sees its own lease on a key
-/// whichever proxy wrote it.
-pub fn etcd_leased_root() -> &'static str {
-    ETCD_LEASED_ROOT
-}
-
-/// The client lease record ([`etcd_leased_root`]) of etcd key `key`, or of the end of a
-/// range of etcd keys: a key under `/k/` maps to the record of the same name, the end
-/// of the small-key space to the end of the records. `None` for any other key.
-pub fn etcd_leased_key(key: &[u8]) -> Option<Vec<u8>> {
-    if let Some(name) = key.strip_prefix(KV_ROOT.as_bytes()) {
-        let mut record = ETCD_LEASED_ROOT.as_bytes().to_vec();
-        record.extend_from_slice(name);
-        return Some(record);
-    }
-    (key == prefix_end(KV_ROOT.as_bytes())).then(|| prefix_end(ETCD_LEASED_ROOT.as_bytes()))
-}
-
-/// The small key's name a client lease record is about, if `key` is one.
-pub fn etcd_leased_name(key: &[u8]) -> Option<&str> {
-    std::str::from_utf8(key)
-        .ok()?
-        .strip_prefix(ETCD_LEASED_ROOT)
 }
 
 /// The prefix of every hand-off record ([`etcd_lease_handoff_key`]).
@@ -555,30 +512,6 @@ mod tests {
         );
         assert_eq!(lock_of_key(b"/sys/epoch"), None);
         assert_eq!(lock_of_key(b"/l/no-marker"), None);
-    }
-
-    #[test]
-    fn a_client_lease_record_maps_small_keys_and_their_ranges() {
-        assert_eq!(
-            etcd_leased_key(b"/k/a/b"),
-            Some(b"/s/!etcd-leased/a/b".to_vec())
-        );
-        assert_eq!(etcd_leased_name(b"/s/!etcd-leased/a/b"), Some("a/b"));
-        // The end of the small keys is the end of the records.
-        let end = etcd_leased_key(&prefix_end(KV_ROOT.as_bytes())).unwrap();
-        assert_eq!(end, prefix_end(ETCD_LEASED_ROOT.as_bytes()));
-        assert_eq!(etcd_leased_key(b"/l/a/!x"), None);
-        // Only fences and claims name a proxy in their value.
-        assert!(value_names_proxy(b"/s/6c63000000010002"));
-        assert!(value_names_proxy(etcd_lease_claim_key(7).as_bytes()));
-        for other in [
-            &b"/s/!etcd-leased/a"[..],
-            b"/s/!etcd-handoff/07",
-            b"/s/!writer/p",
-        ] {
-            assert!(!value_names_proxy(other), "{other:?}");
-        }
-        assert_eq!(etcd_leased_name(b"/k/a"), None);
     }
 
     #[test]

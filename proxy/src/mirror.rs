@@ -44,7 +44,6 @@ impl KeyEvent {
                 mod_revision: revision,
                 version: 0,
                 lease: 0,
-                client_lease: 0,
             },
             prev,
         }
@@ -223,7 +222,6 @@ mod tests {
             mod_revision: rev,
             version: 1,
             lease: 0,
-            client_lease: 0,
         }
     }
 

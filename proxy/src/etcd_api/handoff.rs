@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use super::lease::{lease_of, session_of};
-use super::EtcdApi;
+use super::{EtcdApi, Leased};
 use crate::metrics as m;
 use crate::sessions::Session;
 
@@ -479,6 +479,14 @@ impl EtcdApi {
                         },
                         ..grant.clone()
                     };
+                    self.leased.insert(
+                        now.key.clone().into_bytes(),
+                        Leased {
+                            lease: id,
+                            proxy_lease: lease,
+                            revision: now.written,
+                        },
+                    );
                     state
                         .sessions
                         .record_grant(&session_id, incarnation, now, None);

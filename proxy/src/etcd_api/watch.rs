@@ -27,6 +27,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt, StreamMap};
 use tonic::{Request, Response, Status, Streaming};
 
+use super::keys::inner;
 use super::EtcdApi;
 use crate::catchup::{Before, CatchUpError, CaughtUp};
 use crate::fanout::{in_chunks, Subscription, RESPONSE_BYTES};
@@ -400,7 +401,7 @@ impl WatchStream<'_> {
                 if events.is_empty() {
                     return Ok(());
                 }
-                let events = client_events(&events, watching.prev_kv);
+                let events = client_events(self.api, &events, watching.prev_kv).await;
                 ::metrics::counter!(metrics::WATCH_EVENTS_SENT).increment(events.len() as u64);
                 let reply = PbWatchResponse {
                     events,
@@ -427,16 +428,16 @@ impl WatchStream<'_> {
 }
 
 /// The events as etcd shows them to the client: its keys, and its leases.
-fn client_events(events: &[KeyEvent], prev_kv: bool) -> Vec<PbEvent> {
+async fn client_events(api: &EtcdApi, events: &[KeyEvent], prev_kv: bool) -> Vec<PbEvent> {
     let kv = |e: &lockcell_cell::kv::Entry| PbKeyValue {
-        key: e.name.as_bytes().to_vec(),
+        key: inner(e.name.as_bytes()),
         create_revision: e.create_revision,
         mod_revision: e.mod_revision,
         version: e.version,
         value: e.value.clone(),
-        lease: e.client_lease,
+        lease: e.lease,
     };
-    events
+    let mut out: Vec<PbEvent> = events
         .iter()
         .map(|e| PbEvent {
             r#type: match e.kind {
@@ -450,7 +451,19 @@ fn client_events(events: &[KeyEvent], prev_kv: bool) -> Vec<PbEvent> {
                 None
             },
         })
-        .collect()
+        .collect();
+    let leased: Vec<(&[u8], i64, i64)> = out
+        .iter()
+        .flat_map(|e| e.kv.iter().chain(&e.prev_kv))
+        .map(|kv| (kv.key.as_slice(), kv.lease, kv.mod_revision))
+        .collect();
+    api.settle_leased(&leased).await;
+    for event in &mut out {
+        for kv in event.kv.iter_mut().chain(event.prev_kv.iter_mut()) {
+            api.outward_kv(kv);
+        }
+    }
+    out
 }
 
 impl WatchStream<'_> {

@@ -658,9 +658,7 @@ pub async fn a_watcher_cut_off_from_its_proxy_for_a_while_misses_nothing() -> an
     }
     let mut got = Vec::new();
     while got.len() < 5 {
-        let batch = tokio::time::timeout(Duration::from_secs(10), watch.next())
-            .await
-            .with_context(|| format!("no event within 10 s before the cut ({got:?})"))??;
+        let batch = tokio::time::timeout(Duration::from_secs(10), watch.next()).await??;
         got.extend(batch.events.iter().map(|e| e.entry.mod_revision));
     }
     link.cut(true);
@@ -677,14 +675,7 @@ pub async fn a_watcher_cut_off_from_its_proxy_for_a_while_misses_nothing() -> an
     }
     link.heal();
     while got.len() < want.len() {
-        let next = tokio::time::timeout(Duration::from_secs(30), watch.next()).await;
-        let next = next.with_context(|| {
-            format!(
-                "no event within 30 s after the heal: {}",
-                first_difference_revs(&got, &want)
-            )
-        })?;
-        let batch = match next {
+        let batch = match tokio::time::timeout(Duration::from_secs(30), watch.next()).await? {
             Ok(batch) => batch,
             Err(e) => {
                 println!("watch error: {e}");
