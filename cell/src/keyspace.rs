@@ -35,6 +35,7 @@ const PRESENCE_ROOT: &str = "/s/!proxy/";
 /// Where proxies record who made their latest small-key write.
 const WRITER_ROOT: &str = "/s/!writer/";
 const LEASE_BLOCKS_KEY: &str = "/s/!etcd-lease-blocks";
+const ETCD_LEASE_CLAIM_ROOT: &str = "/s/!etcd-lease/";
 const MARK: &str = "/!";
 
 /// Why a lock name was refused. The message names the rule the name broke.
@@ -303,7 +304,17 @@ pub fn lease_blocks_key() -> &'static str {
 /// `/s/!etcd-lease/<id in hex>`, on the proxy lease of the lease's session, so no two
 /// proxies hand out one ID at once.
 pub fn etcd_lease_claim_key(id: i64) -> String {
-    format!("{SESSIONS_ROOT}!etcd-lease/{id:016x}")
+    format!("{ETCD_LEASE_CLAIM_ROOT}{id:016x}")
+}
+
+/// Whether `key`'s value names the proxy whose lease the key is on: a session fence
+/// (`/s/<session>`: session ids never contain `!`) or a lease ID claim
+/// ([`etcd_lease_claim_key`]). lockcell's other records under `/s/` hold other values.
+pub fn value_names_proxy(key: &[u8]) -> bool {
+    match key.strip_prefix(SESSIONS_ROOT.as_bytes()) {
+        Some(rest) => !rest.starts_with(b"!") || key.starts_with(ETCD_LEASE_CLAIM_ROOT.as_bytes()),
+        None => false,
+    }
 }
 
 /// The cell's key for the calls its proxies forward to each other on etcd API leases
@@ -512,6 +523,15 @@ mod tests {
         );
         assert_eq!(lock_of_key(b"/sys/epoch"), None);
         assert_eq!(lock_of_key(b"/l/no-marker"), None);
+    }
+
+    #[test]
+    fn only_fences_and_lease_claims_name_a_proxy_in_their_value() {
+        assert!(value_names_proxy(b"/s/6c63000000010002"));
+        assert!(value_names_proxy(etcd_lease_claim_key(7).as_bytes()));
+        for other in [&b"/s/!etcd-handoff/07"[..], b"/s/!writer/p", b"/k/a"] {
+            assert!(!value_names_proxy(other), "{other:?}");
+        }
     }
 
     #[test]

@@ -590,9 +590,7 @@ impl Reading {
             if key.starts_with(keyspace::proxy_presence_root().as_bytes()) {
                 let id = &key[keyspace::proxy_presence_root().len()..];
                 self.learn_proxy(kv.lease(), &String::from_utf8_lossy(id));
-            } else if key.starts_with(keyspace::sessions_root().as_bytes())
-                && !key.starts_with(keyspace::writer_root().as_bytes())
-            {
+            } else if keyspace::value_names_proxy(key) {
                 self.learn_proxy(kv.lease(), &String::from_utf8_lossy(kv.value()));
             } else if kv.create_revision() == kv.mod_revision()
                 && matches!(

@@ -47,6 +47,9 @@ impl PbKvService for EtcdApi {
         request: Request<PbRangeRequest>,
     ) -> Result<Response<PbRangeResponse>, Status> {
         let req = request.get_ref();
+        if req.key.is_empty() {
+            return Err(Status::invalid_argument("etcdserver: key is not provided"));
+        }
         self.authorize_range(&request, Right::Read, &req.key, &req.range_end)?;
         let req = request.into_inner();
         if let Some(mut reply) = self.range_from_mirror(&req).await? {
@@ -846,6 +849,9 @@ fn check_txn_part(
 ) -> Result<(), Status> {
     *ops += txn.compare.len();
     for c in &txn.compare {
+        if c.key.is_empty() {
+            return Err(Status::invalid_argument("etcdserver: key is not provided"));
+        }
         if c.target == etcd_client::proto::PbCompareTarget::Lease as i32 {
             return Err(Status::invalid_argument(format!(
                 "the compare on the lease of key {:?} is not supported through lockcell yet",
@@ -1106,5 +1112,15 @@ mod tests {
         assert_eq!((counted.count, counted.kvs.len()), (2, 0));
         // A bound that is not text is left to etcd.
         assert!(mirror_range(&m, &range(b"b/", &[0xff, 0xfe])).is_none());
+    }
+
+    #[test]
+    fn a_compare_on_an_empty_key_is_refused_as_etcd_refuses_it() {
+        let txn = PbTxnRequest {
+            compare: vec![PbCompare::default()],
+            ..PbTxnRequest::default()
+        };
+        let refused = check_txn(&txn, 10, &mut 0).unwrap_err();
+        assert_eq!(refused.message(), "etcdserver: key is not provided");
     }
 }

@@ -658,7 +658,9 @@ pub async fn a_watcher_cut_off_from_its_proxy_for_a_while_misses_nothing() -> an
     }
     let mut got = Vec::new();
     while got.len() < 5 {
-        let batch = tokio::time::timeout(Duration::from_secs(10), watch.next()).await??;
+        let batch = tokio::time::timeout(Duration::from_secs(10), watch.next())
+            .await
+            .with_context(|| format!("no event within 10 s before the cut ({got:?})"))??;
         got.extend(batch.events.iter().map(|e| e.entry.mod_revision));
     }
     link.cut(true);
@@ -675,7 +677,14 @@ pub async fn a_watcher_cut_off_from_its_proxy_for_a_while_misses_nothing() -> an
     }
     link.heal();
     while got.len() < want.len() {
-        let batch = match tokio::time::timeout(Duration::from_secs(30), watch.next()).await? {
+        let next = tokio::time::timeout(Duration::from_secs(30), watch.next()).await;
+        let next = next.with_context(|| {
+            format!(
+                "no event within 30 s after the heal: {}",
+                first_difference_revs(&got, &want)
+            )
+        })?;
+        let batch = match next {
             Ok(batch) => batch,
             Err(e) => {
                 println!("watch error: {e}");
