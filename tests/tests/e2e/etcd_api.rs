@@ -2108,6 +2108,26 @@ async fn next_reply(
     .context("no such answer within 10 s")?
 }
 
+/// Puts `count` values of `bytes` bytes under `prefix/` (keys `0` to `keys - 1`, in
+/// turn); returns the first put's revision.
+async fn put_many(
+    kv: &mut etcd_client::KvClient,
+    prefix: &str,
+    bytes: usize,
+    count: usize,
+    keys: usize,
+) -> anyhow::Result<i64> {
+    let value = "v".repeat(bytes);
+    let mut first = None;
+    for i in 0..count {
+        let put = kv
+            .put(format!("{prefix}/{}", i % keys), value.as_str(), None)
+            .await?;
+        first.get_or_insert(put.header().context("a put's header")?.revision());
+    }
+    first.context("nothing put")
+}
+
 fn keys_of(reply: &etcd_client::WatchResponse) -> Vec<(String, i64)> {
     reply
         .events()
@@ -2365,16 +2385,7 @@ pub async fn etcd_api_watches_are_fanned_out_by_the_proxy() -> anyhow::Result<()
 
     // Many big events from the past come a bounded response at a time, whole
     // revisions each, so a client with gRPC's usual 4 MiB limit can take them.
-    let value = "v".repeat(50_000);
-    let big_from = kv
-        .put("big/0", value.as_str(), None)
-        .await?
-        .header()
-        .context("h")?
-        .revision();
-    for i in 1..60 {
-        kv.put(format!("big/{i}"), value.as_str(), None).await?;
-    }
+    let big_from = put_many(&mut kv, "big", 50_000, 60, 60).await?;
     let mut big = client
         .watch_client()
         .watch(
@@ -2441,11 +2452,13 @@ pub async fn etcd_api_progress_never_runs_ahead_of_events() -> anyhow::Result<()
         anyhow::Ok(last)
     });
     let asker = tokio::spawn(async move {
+        // A client asking for progress a hundred times a second.
+        let mut asking = tokio::time::interval(Duration::from_millis(10));
         for _ in 0..3000 {
+            asking.tick().await;
             if sender.request_progress().await.is_err() {
                 break;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     });
     let (mut promised, mut progresses, mut events) = (0, 0, 0);
@@ -2502,17 +2515,7 @@ pub async fn a_watch_cancelled_during_its_catch_up_leaves_nothing_behind() -> an
     let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
     let client = etcd_client::Client::connect([listen.as_str()], None).await?;
     let mut kv = client.kv_client();
-    let value = "v".repeat(20_000);
-    let first = kv
-        .put("cc/0", value.as_str(), None)
-        .await?
-        .header()
-        .context("h")?
-        .revision();
-    for i in 1..300 {
-        kv.put(format!("cc/{}", i % 10), value.as_str(), None)
-            .await?;
-    }
+    let first = put_many(&mut kv, "cc", 20_000, 300, 10).await?;
     // The proxy's own etcd watches (of the cell, its events, its guard, its routes).
     let own = proxy.metric("lockcell_etcd_watches").await?;
     let mut stream = client
