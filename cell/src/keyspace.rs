@@ -9,6 +9,8 @@
 //! | `/s/<session>` | the fence of a session that moved between proxies | its proxy lease |
 //! | `/s/!proxy/<proxy id>` | a running proxy: its zone, addresses and version | one of that proxy's leases |
 //! | `/q/<lock>/!x/<session>`, `/q/<lock>/!s/<session>` | a waiter of a fair class, in line by create revision | the waiter's proxy lease |
+//! | `/k/<key>` | a small key | none, or its writer session's proxy lease |
+//! | `/s/!etcd-leased/<key>` | the etcd API client lease small key `<key>` was written with, written in the key's own transaction | the same proxy lease as the key |
 //!
 //! Lock names are `/`-separated paths (`billing/nightly`), so one lock's name may be a
 //! prefix of another's. The keys of a lock therefore sit under a marker segment that
@@ -35,6 +37,7 @@ const PRESENCE_ROOT: &str = "/s/!proxy/";
 /// Where proxies record who made their latest small-key write.
 const WRITER_ROOT: &str = "/s/!writer/";
 const LEASE_BLOCKS_KEY: &str = "/s/!etcd-lease-blocks";
+const ETCD_LEASED_ROOT: &str = "/s/!etcd-leased/";
 const ETCD_LEASE_CLAIM_ROOT: &str = "/s/!etcd-lease/";
 const MARK: &str = "/!";
 
@@ -331,6 +334,35 @@ pub fn etcd_lease_handoff_key(id: i64) -> String {
     format!("{}{id:016x}", etcd_lease_handoff_root())
 }
 
+/// Where the etcd API records the client lease a small key was written with:
+/// `/s/!etcd-leased/<key>`, its value the lease ID in decimal. Written in the same
+/// transaction as the key (so its mod revision is the key's as long as the record is
+/// about that write) and on the same proxy lease, so it goes when the key's lease does.
+/// Every proxy of the cell reads it, so an etcd client sees its own lease on a key
+/// whichever proxy wrote it.
+pub fn etcd_leased_root() -> &'static str {
+    ETCD_LEASED_ROOT
+}
+
+/// The client lease record ([`etcd_leased_root`]) of etcd key `key`, or of the end of a
+/// range of etcd keys: a key under `/k/` maps to the record of the same name, the end
+/// of the small-key space to the end of the records. `None` for any other key.
+pub fn etcd_leased_key(key: &[u8]) -> Option<Vec<u8>> {
+    if let Some(name) = key.strip_prefix(KV_ROOT.as_bytes()) {
+        let mut record = ETCD_LEASED_ROOT.as_bytes().to_vec();
+        record.extend_from_slice(name);
+        return Some(record);
+    }
+    (key == prefix_end(KV_ROOT.as_bytes())).then(|| prefix_end(ETCD_LEASED_ROOT.as_bytes()))
+}
+
+/// The small key's name a client lease record is about, if `key` is one.
+pub fn etcd_leased_name(key: &[u8]) -> Option<&str> {
+    std::str::from_utf8(key)
+        .ok()?
+        .strip_prefix(ETCD_LEASED_ROOT)
+}
+
 /// The prefix of every hand-off record ([`etcd_lease_handoff_key`]).
 pub fn etcd_lease_handoff_root() -> &'static str {
     "/s/!etcd-handoff/"
@@ -526,12 +558,27 @@ mod tests {
     }
 
     #[test]
-    fn only_fences_and_lease_claims_name_a_proxy_in_their_value() {
+    fn a_client_lease_record_maps_small_keys_and_their_ranges() {
+        assert_eq!(
+            etcd_leased_key(b"/k/a/b"),
+            Some(b"/s/!etcd-leased/a/b".to_vec())
+        );
+        assert_eq!(etcd_leased_name(b"/s/!etcd-leased/a/b"), Some("a/b"));
+        // The end of the small keys is the end of the records.
+        let end = etcd_leased_key(&prefix_end(KV_ROOT.as_bytes())).unwrap();
+        assert_eq!(end, prefix_end(ETCD_LEASED_ROOT.as_bytes()));
+        assert_eq!(etcd_leased_key(b"/l/a/!x"), None);
+        // Only fences and claims name a proxy in their value.
         assert!(value_names_proxy(b"/s/6c63000000010002"));
         assert!(value_names_proxy(etcd_lease_claim_key(7).as_bytes()));
-        for other in [&b"/s/!etcd-handoff/07"[..], b"/s/!writer/p", b"/k/a"] {
+        for other in [
+            &b"/s/!etcd-leased/a"[..],
+            b"/s/!etcd-handoff/07",
+            b"/s/!writer/p",
+        ] {
             assert!(!value_names_proxy(other), "{other:?}");
         }
+        assert_eq!(etcd_leased_name(b"/k/a"), None);
     }
 
     #[test]

@@ -129,7 +129,11 @@ pub struct Entry {
     pub create_revision: i64,
     pub mod_revision: i64,
     pub version: i64,
+    /// The etcd lease the key is on (a proxy's lease; 0: none).
     pub lease: i64,
+    /// The lease an etcd API client wrote the key with, as etcd clients see it (0: none,
+    /// or not known where the key was read): see `keyspace::etcd_leased_root`.
+    pub client_lease: i64,
 }
 
 /// What a conditional write did.
@@ -406,6 +410,7 @@ fn entry(kv: &etcd_client::KeyValue) -> Option<Entry> {
         mod_revision: kv.mod_revision(),
         version: kv.version(),
         lease: kv.lease(),
+        client_lease: 0,
     })
 }
 

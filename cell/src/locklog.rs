@@ -978,6 +978,15 @@ impl Grant {
         }
     }
 
+    /// The client lease record of a key written through etcd's own API (see
+    /// `keyspace::etcd_leased_root`), which goes wherever the key goes.
+    fn lease_record(&self) -> Option<Vec<u8>> {
+        if self.lock.as_str() != ETCD_API_KEYS {
+            return None;
+        }
+        crate::keyspace::etcd_leased_key(self.key.as_bytes())
+    }
+
     /// Whether the key's outcome is still unknown.
     pub fn is_unsettled(&self) -> bool {
         self.made_by.is_some()
@@ -1053,6 +1062,10 @@ pub fn check_map(ops: &[TxnOpResponse], map_revision: i64) -> Result<(), CellErr
 /// next grant of the lock, so markers never pile up.
 fn guarded_delete(grant: &Grant, lease: i64, clean: bool) -> Txn {
     let mut then = vec![TxnOp::delete(grant.key.as_bytes(), None)];
+    // A key of the etcd API goes with its client lease record.
+    if let Some(record) = grant.lease_record() {
+        then.push(TxnOp::delete(record, None));
+    }
     if clean {
         then.push(TxnOp::put(
             grant.lock.released_key().as_bytes(),
@@ -1060,7 +1073,21 @@ fn guarded_delete(grant: &Grant, lease: i64, clean: bool) -> Txn {
             Some(PutOptions::new().with_lease(lease)),
         ));
     }
-    Txn::new().when(grant.unchanged(lease)).and_then(then)
+    let txn = Txn::new().when(grant.unchanged(lease)).and_then(then);
+    match grant.lease_record().filter(|_| grant.written != 0) {
+        // The key was written since by a write that left its record alone (lockcell's
+        // own API): the record is still about the session's write, and goes with it.
+        Some(record) => txn.or_else([TxnOp::txn(
+            Txn::new()
+                .when([Compare::mod_revision(
+                    record.as_slice(),
+                    CompareOp::Equal,
+                    grant.written,
+                )])
+                .and_then([TxnOp::delete(record, None)]),
+        )]),
+        None => txn,
+    }
 }
 
 /// What a fenced resume did.
@@ -1128,13 +1155,31 @@ fn guarded_move(grant: &Grant, from: i64, to: i64) -> Txn {
             .when(unchanged(NOT_ITS_OWN))
             .or_else([TxnOp::txn(read)]);
     }
+    let mut then = vec![TxnOp::put(
+        key.as_bytes(),
+        Vec::new(),
+        Some(PutOptions::new().with_lease(to).with_ignore_value()),
+    )];
+    // A key of the etcd API takes its client lease record along, in the same revision,
+    // when the record is about the session's write of the key (it is, unless the key was
+    // written before proxies kept records).
+    if let Some(record) = grant.lease_record().filter(|_| grant.written != 0) {
+        let along = Txn::new()
+            .when([Compare::mod_revision(
+                record.as_slice(),
+                CompareOp::Equal,
+                grant.written,
+            )])
+            .and_then([TxnOp::put(
+                record.as_slice(),
+                Vec::new(),
+                Some(PutOptions::new().with_lease(to).with_ignore_value()),
+            )]);
+        then.push(TxnOp::txn(along));
+    }
     let take = Txn::new()
         .when(unchanged(from))
-        .and_then([TxnOp::put(
-            key.as_bytes(),
-            Vec::new(),
-            Some(PutOptions::new().with_lease(to).with_ignore_value()),
-        )])
+        .and_then(then)
         .or_else([TxnOp::get(key.as_bytes(), None)]);
     Txn::new().when(unchanged(to)).or_else([TxnOp::txn(take)])
 }

@@ -161,10 +161,11 @@ impl CatchUp {
             // A hole in history etcd serves is there for every retry too.
             let reached = feed::contiguous(seen, revisions).map_err(CatchUpError::Gap)?;
             seen = reached;
+            let leased = feed::leased_in(resp.events());
             let events: Vec<KeyEvent> = resp
                 .events()
                 .iter()
-                .filter_map(|e| event(e, topic, start, through))
+                .filter_map(|e| event(e, &leased, topic, start, through))
                 .collect();
             // A response at a time, in whole revisions of a bounded size, each taken
             // by the reader before the next is read.
@@ -186,14 +187,30 @@ impl CatchUp {
 
 /// An etcd event as a small key's event, if it is one of `topic`'s in the revisions
 /// from `start` through `through`.
-fn event(e: &etcd_client::Event, topic: &Topic, start: i64, through: i64) -> Option<KeyEvent> {
-    let (name, revision, put) = feed::change(e)?;
+/// `leased`: the client lease records written in the same response, which give the key
+/// its client lease and, when the write rewrote or deleted the record of the key's
+/// previous write, the previous key its own (0 when the write left the record alone).
+fn event(
+    e: &etcd_client::Event,
+    leased: &feed::Leased,
+    topic: &Topic,
+    start: i64,
+    through: i64,
+) -> Option<KeyEvent> {
+    let (name, revision, put) = feed::change(e, leased)?;
     if revision < start || revision > through || !topic.matches(&name) {
         return None;
     }
-    let prev = e
-        .prev_kv()
-        .and_then(|kv| Some(feed::entry(keyspace::kv_name(kv.key())?, kv)));
+    let prev = e.prev_kv().and_then(|kv| {
+        let mut prev = feed::entry(keyspace::kv_name(kv.key())?, kv);
+        let record = leased.get(&(name.clone(), revision)).and_then(|r| r.prev);
+        if let Some((lease, written)) = record {
+            if prev.lease != 0 && written == prev.mod_revision {
+                prev.client_lease = lease;
+            }
+        }
+        Some(prev)
+    });
     Some(match put {
         Some(entry) => KeyEvent {
             kind: EventKind::Put,

@@ -436,6 +436,7 @@ mod tests {
                 mod_revision: rev,
                 version: 1,
                 lease: 0,
+                client_lease: 0,
             },
             prev: None,
         }

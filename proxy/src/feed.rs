@@ -188,7 +188,8 @@ impl Feed {
                     .changed(put.then(|| kv.value()), kv.mod_revision());
             }
         }
-        let changes = events.iter().filter_map(change);
+        let leased = leased_in(events);
+        let changes = events.iter().filter_map(|e| change(e, &leased));
         let events = self
             .mirror
             .write()
@@ -203,13 +204,62 @@ impl Feed {
 }
 
 /// A small key's change in an etcd event: its name, revision, and the key after it
-/// (`None` for a delete). Events outside `/k/` give nothing.
-pub fn change(event: &etcd_client::Event) -> Option<(String, i64, Option<Entry>)> {
+/// (`None` for a delete), with the client lease `leased` (the records written in the
+/// same events, [`leased_in`]) gives it. Events outside `/k/` give nothing.
+pub fn change(event: &etcd_client::Event, leased: &Leased) -> Option<(String, i64, Option<Entry>)> {
     let kv = event.kv()?;
     let name = keyspace::kv_name(kv.key())?.to_owned();
     let revision = kv.mod_revision();
-    let put = (event.event_type() == EventType::Put).then(|| entry(&name, kv));
+    let put = (event.event_type() == EventType::Put).then(|| {
+        let mut entry = entry(&name, kv);
+        // A write of the key that did not write its record is no etcd API leased put.
+        if entry.lease != 0 {
+            entry.client_lease = leased.get(&(name.clone(), revision)).map_or(0, |r| r.lease);
+        }
+        entry
+    });
     Some((name, revision, put))
+}
+
+/// What the client lease record of one small key became in one revision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseRecord {
+    /// The client lease the key was written with (0: the record was deleted).
+    pub lease: i64,
+    /// The record before: its lease and mod revision.
+    pub prev: Option<(i64, i64)>,
+}
+
+/// By small key name and revision, the client lease records written in `events`.
+pub type Leased = std::collections::HashMap<(String, i64), LeaseRecord>;
+
+/// The client lease records (`keyspace::etcd_leased_root`) written in `events`. A
+/// record is written in its key's own transaction, so a watch response, which holds
+/// whole revisions, holds both.
+pub fn leased_in(events: &[etcd_client::Event]) -> Leased {
+    events
+        .iter()
+        .filter_map(|event| {
+            let kv = event.kv()?;
+            let name = keyspace::etcd_leased_name(kv.key())?.to_owned();
+            let lease = match event.event_type() {
+                EventType::Put => record_lease(kv.value()),
+                EventType::Delete => 0,
+            };
+            let prev = event
+                .prev_kv()
+                .map(|p| (record_lease(p.value()), p.mod_revision()));
+            Some(((name, kv.mod_revision()), LeaseRecord { lease, prev }))
+        })
+        .collect()
+}
+
+/// The lease a client lease record names (0 when it does not read as one).
+pub fn record_lease(value: &[u8]) -> i64 {
+    std::str::from_utf8(value)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 /// A small key from etcd's record of it.
@@ -221,6 +271,7 @@ pub fn entry(name: &str, kv: &etcd_client::KeyValue) -> Entry {
         mod_revision: kv.mod_revision(),
         version: kv.version(),
         lease: kv.lease(),
+        client_lease: 0,
     }
 }
 
@@ -383,11 +434,66 @@ async fn load(
     kv: &mut KvClient,
     timeout: Duration,
 ) -> Result<(Mirror, Option<etcd_client::KeyValue>), CellError> {
-    let root = keyspace::kv_prefix("").expect("the root prefix is valid");
-    let end = prefix_end(root.as_bytes());
-    let mut start = root.into_bytes();
-    let mut revision = 0;
     let mut entries = Vec::new();
+    let root = keyspace::kv_root().as_bytes();
+    let revision = load_range(kv, root, 0, timeout, |kv| {
+        match keyspace::kv_name(kv.key()) {
+            Some(name) => entries.push(entry(name, kv)),
+            None => {
+                // Written before keys had to be text, or around lockcell: reads and
+                // watches of now do not show it.
+                tracing::warn!(
+                    key = %String::from_utf8_lossy(kv.key()),
+                    "a small key that is not UTF-8 text is left out of the proxy's copy; rename or delete it"
+                );
+            }
+        }
+    })
+    .await?;
+    // Each key's client lease, from its record when the record is about the key's
+    // last write.
+    let mut records = std::collections::HashMap::new();
+    let root = keyspace::etcd_leased_root().as_bytes();
+    load_range(kv, root, revision, timeout, |kv| {
+        if let Some(name) = keyspace::etcd_leased_name(kv.key()) {
+            records.insert(
+                name.to_owned(),
+                (record_lease(kv.value()), kv.mod_revision()),
+            );
+        }
+    })
+    .await?;
+    for entry in &mut entries {
+        if let Some((lease, written)) = records.get(&entry.name) {
+            if entry.lease != 0 && *written == entry.mod_revision {
+                entry.client_lease = *lease;
+            }
+        }
+    }
+    let map = with_timeout(
+        "load shard map copy",
+        timeout,
+        kv.get(
+            keyspace::shardmap_key(),
+            Some(GetOptions::new().with_revision(revision)),
+        ),
+    )
+    .await?;
+    let map = map.kvs().first().cloned();
+    Ok((Mirror::new(entries, revision), map))
+}
+
+/// Reads every key under `root` at `revision` (0: now) in pages, handing each to `take`;
+/// returns the revision read at.
+async fn load_range(
+    kv: &mut KvClient,
+    root: &[u8],
+    mut revision: i64,
+    timeout: Duration,
+    mut take: impl FnMut(&etcd_client::KeyValue),
+) -> Result<i64, CellError> {
+    let end = prefix_end(root);
+    let mut start = root.to_vec();
     loop {
         let options = GetOptions::new()
             .with_range(end.clone())
@@ -403,37 +509,13 @@ async fn load(
         if revision == 0 {
             revision = header_revision(resp.header(), "load small keys")?;
         }
-        for kv in resp.kvs() {
-            match keyspace::kv_name(kv.key()) {
-                Some(name) => entries.push(entry(name, kv)),
-                None => {
-                    // Written before keys had to be text, or around lockcell: reads
-                    // and watches of now do not show it.
-                    tracing::warn!(
-                        key = %String::from_utf8_lossy(kv.key()),
-                        "a small key that is not UTF-8 text is left out of the proxy's copy; rename or delete it"
-                    );
-                }
-            }
-        }
+        resp.kvs().iter().for_each(&mut take);
         match (resp.more(), resp.kvs().last()) {
             (true, Some(last)) => {
                 start = last.key().to_vec();
                 start.push(0);
             }
-            _ => {
-                let map = with_timeout(
-                    "load shard map copy",
-                    timeout,
-                    kv.get(
-                        keyspace::shardmap_key(),
-                        Some(GetOptions::new().with_revision(revision)),
-                    ),
-                )
-                .await?;
-                let map = map.kvs().first().cloned();
-                return Ok((Mirror::new(entries, revision), map));
-            }
+            _ => return Ok(revision),
         }
     }
 }

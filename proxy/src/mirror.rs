@@ -44,6 +44,7 @@ impl KeyEvent {
                 mod_revision: revision,
                 version: 0,
                 lease: 0,
+                client_lease: 0,
             },
             prev,
         }
@@ -222,6 +223,7 @@ mod tests {
             mod_revision: rev,
             version: 1,
             lease: 0,
+            client_lease: 0,
         }
     }
 

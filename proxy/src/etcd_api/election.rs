@@ -210,7 +210,7 @@ impl Election for EtcdApi {
                             CompareOp::Equal,
                             leader.rev,
                         )])
-                        .and_then([TxnOp::delete(key, None)]),
+                        .and_then(super::kv::deleted_with_record(&leader.key)),
                 )],
                 map_revision,
                 &self.writer(caller, None),
@@ -287,11 +287,17 @@ impl EtcdApi {
         .await
         .map_err(super::etcd_error)?;
         let revision = got.header().map_or(0, |h| h.revision());
-        Ok((revision, got.kvs().first().map(|kv| self.outward(kv))))
+        let first = match got.kvs().first() {
+            Some(kv) => Some(self.outward(kv).await),
+            None => None,
+        };
+        Ok((revision, first))
     }
 
-    /// A key as a client of the election sees it.
-    fn outward(&self, kv: &etcd_client::KeyValue) -> KeyValue {
+    /// A key as a client of the election sees it, its client lease as the proxy's copy
+    /// of the small keys shows it once caught up with the key's write.
+    async fn outward(&self, kv: &etcd_client::KeyValue) -> KeyValue {
+        self.caught_up(kv.mod_revision()).await;
         let mut pb = etcd_client::proto::PbKeyValue {
             key: kv.key().to_vec(),
             create_revision: kv.create_revision(),
@@ -365,9 +371,8 @@ impl EtcdApi {
                         break 'leading;
                     }
                     if let Some(kv) = event.kv() {
-                        self.settle_leased(&[(kv.key(), kv.lease(), kv.mod_revision())])
-                            .await;
-                        let sent = tx.send(Ok(self.leader_response(at, self.outward(kv))));
+                        let leader = self.outward(kv).await;
+                        let sent = tx.send(Ok(self.leader_response(at, leader)));
                         if sent.await.is_err() {
                             return Ok(());
                         }
@@ -403,7 +408,7 @@ impl EtcdApi {
                 .find(|e| e.event_type() == EventType::Put)
                 .and_then(|e| e.kv());
             if let Some(kv) = put {
-                return Ok((at, self.outward(kv)));
+                return Ok((at, self.outward(kv).await));
             }
         }
     }

@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use super::lease::{lease_of, session_of};
-use super::{EtcdApi, Leased};
+use super::EtcdApi;
 use crate::metrics as m;
 use crate::sessions::Session;
 
@@ -479,14 +479,6 @@ impl EtcdApi {
                         },
                         ..grant.clone()
                     };
-                    self.leased.insert(
-                        now.key.clone().into_bytes(),
-                        Leased {
-                            lease: id,
-                            proxy_lease: lease,
-                            revision: now.written,
-                        },
-                    );
                     state
                         .sessions
                         .record_grant(&session_id, incarnation, now, None);

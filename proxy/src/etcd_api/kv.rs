@@ -53,7 +53,8 @@ impl PbKvService for EtcdApi {
         self.authorize_range(&request, Right::Read, &req.key, &req.range_end)?;
         let req = request.into_inner();
         if let Some(mut reply) = self.range_from_mirror(&req).await? {
-            self.outward_range(&mut reply);
+            // Leases are the client's already (`mirror_range`).
+            reply.kvs.iter_mut().for_each(outward_key);
             return Ok(Response::new(reply));
         }
         let (key, options) = get_options(&req)?;
@@ -67,6 +68,8 @@ impl PbKvService for EtcdApi {
         .await
         .map_err(super::etcd_error)?;
         let mut reply = got.0;
+        self.caught_up(reply.header.as_ref().map_or(0, |h| h.revision))
+            .await;
         self.outward_range(&mut reply);
         Ok(Response::new(reply))
     }
@@ -133,7 +136,8 @@ impl PbKvService for EtcdApi {
             None => options,
         };
         let op = TxnOp::put(inner(&req.key), req.value.clone(), Some(options));
-        let write = self.guarded(vec![op], map_revision, &writer);
+        let record = record_op(&req.key, session.as_ref().map(|s| (req.lease, s.lease)));
+        let write = self.guarded(vec![op, record], map_revision, &writer);
         let outcome = match (&session, &key) {
             (Some(s), Some(key)) => {
                 let pending = Grant::unsettled_etcd_api_key(key.clone(), &s.id, &req.value);
@@ -152,19 +156,18 @@ impl PbKvService for EtcdApi {
         .map_err(super::etcd_error)?;
         let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
         admitted.landed(Some(revision));
-        let mut prev_kv = outcome
-            .responses
-            .into_iter()
-            .find_map(|op| match op.response {
-                Some(PbTxnOpResponse::ResponsePut(put)) => put.prev_kv,
-                _ => None,
-            });
+        let mut responses = outcome.responses.into_iter();
+        let (put, record) = (responses.next(), responses.next());
+        let mut prev_kv = match put.and_then(|op| op.response) {
+            Some(PbTxnOpResponse::ResponsePut(put)) => put.prev_kv,
+            _ => None,
+        };
         if let (Some(session), Some(key)) = (&session, key) {
             let created = prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
-            self.record_leased(session, key, req.lease, created, revision);
+            self.record_leased(session, key, created, revision);
         }
         if let Some(kv) = prev_kv.as_mut() {
-            self.outward_kv(kv);
+            outward_prev(kv, &records_before(record.as_ref()));
         }
         Ok(Response::new(PbPutResponse {
             header: Some(self.header(revision)),
@@ -185,6 +188,7 @@ impl PbKvService for EtcdApi {
         }
         let map_revision = self.map_revision(&req.key, &req.range_end)?;
         let range = inner_range(&req.key, &req.range_end);
+        let records = records_deleted(&range);
         let mut options = DeleteOptions::new();
         if !range.end.is_empty() {
             options = options.with_range(range.end);
@@ -194,20 +198,19 @@ impl PbKvService for EtcdApi {
         }
         let op = TxnOp::delete(range.key, Some(options));
         let outcome = self
-            .guarded(vec![op], map_revision, &self.writer(caller, None))
+            .guarded(vec![op, records], map_revision, &self.writer(caller, None))
             .await
             .map_err(super::etcd_error)?;
         let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
-        let mut deleted = outcome
-            .responses
-            .into_iter()
-            .find_map(|op| match op.response {
-                Some(PbTxnOpResponse::ResponseDeleteRange(d)) => Some(d),
-                _ => None,
-            })
-            .unwrap_or_default();
+        let mut responses = outcome.responses.into_iter();
+        let (delete, records) = (responses.next(), responses.next());
+        let mut deleted = match delete.and_then(|op| op.response) {
+            Some(PbTxnOpResponse::ResponseDeleteRange(d)) => d,
+            _ => PbDeleteResponse::default(),
+        };
+        let before = records_before(records.as_ref());
         for kv in &mut deleted.prev_kvs {
-            self.outward_kv(kv);
+            outward_prev(kv, &before);
         }
         deleted.header = Some(self.header(revision));
         Ok(Response::new(deleted))
@@ -289,10 +292,74 @@ impl EtcdApi {
             false => None,
         };
         let leased = self.txn_sessions(&req, caller.as_deref()).await?;
-        let client_txn = inward_txn(&req, &leased)?;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let leases = self.leases_compared(&req).await?;
+            match self
+                .txn_once(caller.clone(), &req, &leased, &leases, map_revision)
+                .await?
+            {
+                Some(reply) => return Ok(reply),
+                None if tries < LEASE_COMPARE_TRIES => continue,
+                None => {
+                    return Err(Status::unavailable(format!(
+                        "etcdserver: the keys a lease compare names were written {tries} times while the transaction was on its way; try again"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// The client lease of every key a LEASE compare of `txn` names, as the proxy's
+    /// copy of the small keys shows it after a read barrier: with the key's mod
+    /// revision, which the transaction's guard then compares (0: no such key).
+    async fn leases_compared(&self, txn: &PbTxnRequest) -> Result<LeasesCompared, Status> {
+        let mut keys = Vec::new();
+        lease_compares(txn, &mut keys);
+        if keys.is_empty() {
+            return Ok(LeasesCompared::new());
+        }
+        let reads = &self.state.reads;
+        let at = reads.barrier().await?;
+        if !reads.feed.is_live()
+            || !reads
+                .feed
+                .applied_through(at, self.state.config.etcd_timeout)
+                .await
+        {
+            reads.feed.report_stall();
+            return Err(Status::unavailable(
+                "etcdserver: the proxy's copy of the keys is loading or behind, and a lease compare needs it; try again",
+            ));
+        }
+        Ok(reads.feed.with_mirror(|mirror| {
+            keys.into_iter()
+                .map(|key| {
+                    let now = std::str::from_utf8(&key)
+                        .ok()
+                        .and_then(|name| mirror.get(name))
+                        .map_or((0, 0), |e| (e.client_lease, e.mod_revision));
+                    (key, now)
+                })
+                .collect()
+        }))
+    }
+
+    /// One try of a Txn: `None` when a key a lease compare names changed since the
+    /// proxy read its lease (nothing was written).
+    async fn txn_once(
+        &self,
+        caller: Option<String>,
+        req: &PbTxnRequest,
+        leased: &Sessions,
+        leases: &LeasesCompared,
+        map_revision: i64,
+    ) -> Result<Option<PbTxnResponse>, Status> {
+        let client_txn = inward_txn(req, leased, leases)?;
         // Every put of either branch counts against the cell's small-key bound: which
         // branch runs is etcd's to decide.
-        let puts = txn_puts(&req);
+        let puts = txn_puts(req);
         let keys: Vec<String> = puts
             .iter()
             .map(|p| String::from_utf8_lossy(&p.key).into_owned())
@@ -326,10 +393,18 @@ impl EtcdApi {
                 return Err(Status::not_found(LEASE_NOT_FOUND));
             }
         }
+        // Each key a lease compare read is still as read: its client lease is.
+        let pins: Vec<Compare> = leases
+            .iter()
+            .map(|(key, (_, modified))| {
+                Compare::mod_revision(inner(key), CompareOp::Equal, *modified)
+            })
+            .collect();
         let sent = self
-            .guarded(
+            .guarded_by(
                 vec![TxnOp::txn(client_txn)],
                 map_revision,
+                pins,
                 &self.writer(caller, None),
             )
             .await;
@@ -341,7 +416,10 @@ impl EtcdApi {
                 _ => state.sessions.forget(&session.id, &grant),
             }
         }
-        let outcome = sent.map_err(super::etcd_error)?;
+        let Some(outcome) = sent.map_err(super::etcd_error)? else {
+            admitted.landed(None);
+            return Ok(None);
+        };
         let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
         admitted.landed(Some(revision));
         let mut reply = outcome
@@ -352,10 +430,11 @@ impl EtcdApi {
                 _ => None,
             })
             .unwrap_or_default();
-        self.settle_txn(&req, &mut reply, &leased, revision)?;
+        self.settle_txn(req, &mut reply, leased, revision)?;
+        self.caught_up(revision).await;
         self.outward_txn(&mut reply);
         reply.header = Some(self.header(revision));
-        Ok(reply)
+        Ok(Some(reply))
     }
 
     /// Checks `right` on a client range: one key, a prefix (the key's successor as
@@ -435,10 +514,28 @@ impl EtcdApi {
         map_revision: i64,
         writer: &Writer,
     ) -> Result<etcd_client::proto::PbTxnResponse, lockcell_cell::CellError> {
+        let done = self
+            .guarded_by(ops, map_revision, Vec::new(), writer)
+            .await?;
+        // With no pins, only the map guard fails, and `guarded_by` says so.
+        done.ok_or(lockcell_cell::CellError::MapChanged { now: map_revision })
+    }
+
+    /// [`guarded`](EtcdApi::guarded), with `pins` besides the map guard: `None` when one
+    /// of them failed (and the map did not), so nothing was written.
+    async fn guarded_by(
+        &self,
+        ops: Vec<TxnOp>,
+        map_revision: i64,
+        pins: Vec<Compare>,
+        writer: &Writer,
+    ) -> Result<Option<etcd_client::proto::PbTxnResponse>, lockcell_cell::CellError> {
         let mut then = ops;
         then.push(writer.op(&keyspace::writer_key(&self.state.proxy_id)));
+        let mut when = vec![map_guard(map_revision)];
+        when.extend(pins);
         let txn = Txn::new()
-            .when([map_guard(map_revision)])
+            .when(when)
             .and_then(then)
             .or_else([TxnOp::get(keyspace::shardmap_key(), None)]);
         let state = &self.state;
@@ -450,8 +547,19 @@ impl EtcdApi {
         .await?;
         if !resp.succeeded() {
             check_map(resp.op_responses().as_slice(), map_revision)?;
+            return Ok(None);
         }
-        Ok(resp.0)
+        Ok(Some(resp.0))
+    }
+
+    /// Waits (a moment at most) until the proxy's copy of the small keys has applied
+    /// `revision`, so the client leases it knows cover what etcd answered at it.
+    pub(super) async fn caught_up(&self, revision: i64) {
+        let feed = &self.state.reads.feed;
+        if feed.is_live() {
+            feed.applied_through(revision, self.state.config.etcd_timeout)
+                .await;
+        }
     }
 
     /// The session of every lease a Txn's puts name, each the caller's own.
@@ -470,8 +578,10 @@ impl EtcdApi {
         Ok(sessions)
     }
 
-    /// After a Txn: records each leased put of the branch that ran in its session, and
-    /// takes out the previous values the client did not ask for.
+    /// After a Txn: answers each write of the branch that ran as etcd would (each went
+    /// with its client lease record, [`record_op`]), the client's keys and leases in
+    /// the previous values; records each leased put in its session; takes out the
+    /// previous values the client did not ask for.
     fn settle_txn(
         &self,
         req: &PbTxnRequest,
@@ -485,17 +595,36 @@ impl EtcdApi {
             &req.failure
         };
         for (op, response) in ran.iter().zip(reply.responses.iter_mut()) {
+            let writes = matches!(
+                op.request,
+                Some(PbTxnOpRequest::RequestPut(_) | PbTxnOpRequest::RequestDeleteRange(_))
+            );
+            if writes {
+                if let Some(PbTxnOpResponse::ResponseTxn(pair)) = response.response.take() {
+                    let mut pair = pair.responses.into_iter();
+                    let (write, record) = (pair.next(), pair.next());
+                    let before = records_before(record.as_ref());
+                    response.response = write.and_then(|w| w.response);
+                    match response.response.as_mut() {
+                        Some(PbTxnOpResponse::ResponsePut(r)) => {
+                            if let Some(kv) = r.prev_kv.as_mut() {
+                                outward_prev(kv, &before);
+                            }
+                        }
+                        Some(PbTxnOpResponse::ResponseDeleteRange(d)) => {
+                            for kv in &mut d.prev_kvs {
+                                outward_prev(kv, &before);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
             match (&op.request, response.response.as_mut()) {
                 (Some(PbTxnOpRequest::RequestPut(p)), Some(PbTxnOpResponse::ResponsePut(r))) => {
                     if let Some(session) = leased.get(&p.lease) {
                         let created = r.prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
-                        self.record_leased(
-                            session,
-                            leased_key(&p.key)?,
-                            p.lease,
-                            created,
-                            revision,
-                        );
+                        self.record_leased(session, leased_key(&p.key)?, created, revision);
                     }
                     if !p.prev_kv {
                         r.prev_kv = None;
@@ -550,14 +679,7 @@ impl EtcdApi {
 
     /// Records a leased put in its session, for the session's clean-up, and remembers
     /// the client's lease for the key.
-    fn record_leased(
-        &self,
-        session: &Session,
-        key: String,
-        lease: i64,
-        created: i64,
-        revision: i64,
-    ) {
+    fn record_leased(&self, session: &Session, key: String, created: i64, revision: i64) {
         let grant = Grant::etcd_api_key(key.clone(), created, revision);
         let state = &self.state;
         if !state
@@ -568,57 +690,34 @@ impl EtcdApi {
             // the key goes with the lease, as in etcd when a revoke follows a put. The
             // put is not refused: a refusal would say nothing was written.
             state.cleanup.push(session.lease, vec![grant]);
-            return;
-        }
-        self.leased.insert(
-            key.into_bytes(),
-            super::Leased {
-                lease,
-                proxy_lease: session.lease,
-                revision,
-            },
-        );
-    }
-
-    /// A key as the client sees it: its client key, and its client lease (0 when the
-    /// key's lease is not one this proxy knows the client lease of).
-    /// Waits, when one of `kvs` (etcd key, lease, mod revision) is on one of this
-    /// proxy's etcd leases with no leased write of this proxy recorded for it, until the
-    /// leased writes on their way are recorded: etcd can deliver a put's watch event
-    /// before the put's answer reaches the proxy, and the event must show the client's
-    /// lease as a read after the answer does.
-    pub(super) async fn settle_leased(&self, kvs: &[(&[u8], i64, i64)]) {
-        let unrecorded: Vec<i64> = kvs
-            .iter()
-            .filter(|(key, lease, revision)| {
-                *lease != 0
-                    && !self
-                        .leased
-                        .get(*key)
-                        .is_some_and(|l| l.proxy_lease == *lease && l.revision == *revision)
-            })
-            .map(|(_, lease, _)| *lease)
-            .collect();
-        if unrecorded.is_empty() {
-            return;
-        }
-        let own = self.state.leases.leases();
-        if unrecorded.iter().any(|lease| own.contains(lease)) {
-            drop(self.writes.write().await);
         }
     }
 
+    /// A key etcd answered with as the client sees it: its client key, and its client
+    /// lease ([`EtcdApi::client_lease`]).
     pub(super) fn outward_kv(&self, kv: &mut PbKeyValue) {
-        if kv.lease != 0 {
-            kv.lease = self
-                .leased
-                .get(&kv.key)
-                .filter(|l| l.proxy_lease == kv.lease && l.revision == kv.mod_revision)
-                .map_or(0, |l| l.lease);
-        }
-        if let Some(outer) = keys::outer(&kv.key) {
-            kv.key = outer.to_vec();
-        }
+        kv.lease = self.client_lease(kv);
+        outward_key(kv);
+    }
+
+    /// The client lease of a key etcd answered with: the one the proxy's copy of the
+    /// small keys shows for that write of the key (its mod revision and proxy lease),
+    /// which every proxy reads from the key's record. 0 for a key on no lease, and for
+    /// one written again since that the copy no longer knows; callers wait for the copy
+    /// to catch up with etcd's answer first ([`EtcdApi::caught_up`]).
+    pub(super) fn client_lease(&self, kv: &PbKeyValue) -> i64 {
+        let Some(name) = (kv.lease != 0)
+            .then(|| keyspace::kv_name(&kv.key))
+            .flatten()
+        else {
+            return 0;
+        };
+        self.state.reads.feed.with_mirror(|mirror| {
+            mirror
+                .get(name)
+                .filter(|e| e.mod_revision == kv.mod_revision && e.lease == kv.lease)
+                .map_or(0, |e| e.client_lease)
+        })
     }
 
     fn outward_range(&self, reply: &mut PbRangeResponse) {
@@ -640,19 +739,14 @@ impl EtcdApi {
     fn outward_op(&self, op: &mut PbResponseOp) {
         match op.response.as_mut() {
             Some(PbTxnOpResponse::ResponseRange(r)) => self.outward_range(r),
+            // Their previous values are the client's already (`settle_txn`).
             Some(PbTxnOpResponse::ResponsePut(p)) => {
                 let revision = p.header.as_ref().map_or(0, |h| h.revision);
                 p.header = Some(self.header(revision));
-                if let Some(kv) = p.prev_kv.as_mut() {
-                    self.outward_kv(kv);
-                }
             }
             Some(PbTxnOpResponse::ResponseDeleteRange(d)) => {
                 let revision = d.header.as_ref().map_or(0, |h| h.revision);
                 d.header = Some(self.header(revision));
-                for kv in &mut d.prev_kvs {
-                    self.outward_kv(kv);
-                }
             }
             Some(PbTxnOpResponse::ResponseTxn(t)) => self.outward_txn(t),
             None => {}
@@ -664,7 +758,7 @@ impl EtcdApi {
 /// the client's range, then etcd's own steps (its `Range` apply) — the count of every key
 /// in the range, the revision filters, the sort (ascending by default when the target is
 /// not the key), the limit and `more`, `keys_only`, `count_only`. Keys are etcd's (under
-/// `/k/`) and leases the proxy's, as etcd would answer. `None` when a bound is not text.
+/// `/k/`) and leases the client's. `None` when a bound is not text.
 fn mirror_range(mirror: &Mirror, req: &PbRangeRequest) -> Option<PbRangeResponse> {
     let key = if req.key == [0] {
         ""
@@ -740,7 +834,7 @@ fn mirror_range(mirror: &Mirror, req: &PbRangeRequest) -> Option<PbRangeResponse
             } else {
                 e.value.clone()
             },
-            lease: e.lease,
+            lease: e.client_lease,
         })
         .collect();
     Some(PbRangeResponse {
@@ -749,6 +843,97 @@ fn mirror_range(mirror: &Mirror, req: &PbRangeRequest) -> Option<PbRangeResponse
         more,
         count,
     })
+}
+
+/// A key's etcd key as the client's.
+fn outward_key(kv: &mut PbKeyValue) {
+    if let Some(outer) = keys::outer(&kv.key) {
+        kv.key = outer.to_vec();
+    }
+}
+
+/// By etcd key, the client lease records a write replaced or deleted (its lease, its
+/// mod revision): from the response of the record op that went with the write.
+type RecordsBefore = std::collections::HashMap<Vec<u8>, (i64, i64)>;
+
+fn records_before(record: Option<&PbResponseOp>) -> RecordsBefore {
+    let prev: Vec<&PbKeyValue> = match record.and_then(|r| r.response.as_ref()) {
+        Some(PbTxnOpResponse::ResponsePut(p)) => p.prev_kv.iter().collect(),
+        Some(PbTxnOpResponse::ResponseDeleteRange(d)) => d.prev_kvs.iter().collect(),
+        _ => Vec::new(),
+    };
+    prev.into_iter()
+        .filter_map(|kv| {
+            let name = keyspace::etcd_leased_name(&kv.key)?;
+            let lease = crate::feed::record_lease(&kv.value);
+            Some((inner(name.as_bytes()), (lease, kv.mod_revision)))
+        })
+        .collect()
+}
+
+/// A key as it was before a write, as the client sees it: its client key, and the
+/// client lease its record (replaced or deleted by the same write) gave that write of it.
+fn outward_prev(kv: &mut PbKeyValue, before: &RecordsBefore) {
+    kv.lease = match before.get(&kv.key) {
+        Some((lease, written)) if kv.lease != 0 && *written == kv.mod_revision => *lease,
+        _ => 0,
+    };
+    outward_key(kv);
+}
+
+/// The op that keeps the client lease record of client key `key` with a put of it: the
+/// client lease written with, on the same proxy lease (`leased`: both), or no record.
+/// Each reads the record as it was, for the previous key's lease.
+fn record_op(key: &[u8], leased: Option<(i64, i64)>) -> TxnOp {
+    let record = keyspace::etcd_leased_key(&inner(key)).expect("a small key has a record");
+    match leased {
+        Some((lease, proxy_lease)) => TxnOp::put(
+            record,
+            lease.to_string(),
+            Some(PutOptions::new().with_lease(proxy_lease).with_prev_key()),
+        ),
+        None => TxnOp::delete(record, Some(DeleteOptions::new().with_prev_key())),
+    }
+}
+
+/// The ops that delete client key `key` and its client lease record.
+pub(super) fn deleted_with_record(key: &[u8]) -> [TxnOp; 2] {
+    let record = keyspace::etcd_leased_key(&inner(key)).expect("a small key has a record");
+    [TxnOp::delete(inner(key), None), TxnOp::delete(record, None)]
+}
+
+/// The op that deletes the client lease records of the small keys a delete of `range`
+/// (etcd keys) deletes, reading them as they were.
+fn records_deleted(range: &keys::Range) -> TxnOp {
+    let record = |key: &[u8]| keyspace::etcd_leased_key(key).expect("a small-key range");
+    let mut options = DeleteOptions::new().with_prev_key();
+    if !range.end.is_empty() {
+        options = options.with_range(record(&range.end));
+    }
+    TxnOp::delete(record(&range.key), Some(options))
+}
+
+/// Tries of a Txn whose lease compares keep finding their keys written meanwhile.
+const LEASE_COMPARE_TRIES: usize = 5;
+
+/// By client key, the client lease and mod revision each key a lease compare names had
+/// when read (0 and 0: no such key).
+type LeasesCompared = std::collections::HashMap<Vec<u8>, (i64, i64)>;
+
+/// The keys the LEASE compares of `txn` name, nested ones too.
+fn lease_compares(txn: &PbTxnRequest, keys: &mut Vec<Vec<u8>>) {
+    let lease = etcd_client::proto::PbCompareTarget::Lease as i32;
+    keys.extend(
+        txn.compare
+            .iter()
+            .filter(|c| c.target == lease)
+            .map(|c| c.key.clone()),
+    );
+    for op in txn.success.iter().chain(&txn.failure) {
+        if let Some(PbTxnOpRequest::RequestTxn(t)) = &op.request {
+            lease_compares(t, keys);
+        }
+    }
 }
 
 /// The etcd key of a key put with a lease, as text: a session keeps its keys' names as
@@ -803,7 +988,7 @@ fn get_options(req: &PbRangeRequest) -> Result<(Vec<u8>, GetOptions), Status> {
     Ok((range.key, options))
 }
 
-/// Refuses what the etcd API does not take in a Txn (a compare on a lease, a leased key
+/// Refuses what the etcd API does not take in a Txn (a compare on the leases of a range, a leased key
 /// that is not UTF-8, a value over the limit), counting operations as it goes.
 fn check_txn(txn: &PbTxnRequest, max_value: usize, ops: &mut usize) -> Result<(), Status> {
     let mut bytes = 0;
@@ -852,10 +1037,17 @@ fn check_txn_part(
         if c.key.is_empty() {
             return Err(Status::invalid_argument("etcdserver: key is not provided"));
         }
-        if c.target == etcd_client::proto::PbCompareTarget::Lease as i32 {
+        let lease = c.target == etcd_client::proto::PbCompareTarget::Lease as i32;
+        // A lease compare is also a compare of the key's mod revision in the proxy's
+        // guard, one level up, which etcd counts against the levels below it.
+        if lease {
+            *ops += 1;
+        }
+        if lease && !c.range_end.is_empty() {
             return Err(Status::invalid_argument(format!(
-                "the compare on the lease of key {:?} is not supported through lockcell yet",
-                String::from_utf8_lossy(&c.key)
+                "the compare on the leases of the keys from {:?} to {:?}: a lease compare through lockcell names one key",
+                String::from_utf8_lossy(&c.key),
+                String::from_utf8_lossy(&c.range_end)
             )));
         }
     }
@@ -916,16 +1108,21 @@ fn txn_puts(txn: &PbTxnRequest) -> Vec<&PbPutRequest> {
     puts
 }
 
-/// The client's Txn with every key in the small-key space.
-fn inward_txn(req: &PbTxnRequest, leased: &Sessions) -> Result<Txn, Status> {
+/// The client's Txn with every key in the small-key space, each write with the op that
+/// keeps its keys' client lease records, and each lease compare decided by `leases`.
+fn inward_txn(
+    req: &PbTxnRequest,
+    leased: &Sessions,
+    leases: &LeasesCompared,
+) -> Result<Txn, Status> {
     let compares = req
         .compare
         .iter()
-        .map(inward_compare)
+        .map(|c| inward_compare(c, leases))
         .collect::<Result<Vec<_>, _>>()?;
     let ops = |ops: &[PbTxnRequestOp]| {
         ops.iter()
-            .map(|op| inward_op(op, leased))
+            .map(|op| inward_op(op, leased, leases))
             .collect::<Result<Vec<_>, _>>()
     };
     Ok(Txn::new()
@@ -934,13 +1131,43 @@ fn inward_txn(req: &PbTxnRequest, leased: &Sessions) -> Result<Txn, Status> {
         .or_else(ops(&req.failure)?))
 }
 
-fn inward_compare(c: &PbCompare) -> Result<Compare, Status> {
+/// A client's compare in the small-key space. A compare on a key's lease compares the
+/// client lease the key was written with, never the proxy lease it is on (which every
+/// key of a proxy's sessions shares): it is decided by the lease the proxy read for the
+/// key (`leases`), and stands as a compare that is always true or always false; the
+/// transaction's guard checks the key is still as read.
+fn inward_compare(c: &PbCompare, leases: &LeasesCompared) -> Result<Compare, Status> {
     use etcd_client::proto::{PbCompareTarget as Target, PbTargetUnion as Union};
     let op = CompareOp::try_from(c.result).map_err(|_| {
         Status::invalid_argument(format!("compare result {} is not one of etcd's", c.result))
     })?;
     let range = inner_range(&c.key, &c.range_end);
     let key = range.key;
+    if c.target == Target::Lease as i32 {
+        let wanted = match &c.target_union {
+            Some(Union::Lease(l)) => *l,
+            None => 0,
+            Some(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "the compare on key {:?} has a target ({}) that does not match its value",
+                    String::from_utf8_lossy(&c.key),
+                    c.target
+                )))
+            }
+        };
+        let (lease, _) = leases.get(&c.key).copied().unwrap_or_default();
+        let holds = match op {
+            CompareOp::Equal => lease == wanted,
+            CompareOp::NotEqual => lease != wanted,
+            CompareOp::Greater => lease > wanted,
+            CompareOp::Less => lease < wanted,
+        };
+        // A mod revision is never negative: an absent key's is 0.
+        return Ok(match holds {
+            true => Compare::mod_revision(key, CompareOp::Greater, -1),
+            false => Compare::mod_revision(key, CompareOp::Less, 0),
+        });
+    }
     let compare = match (Target::try_from(c.target), &c.target_union) {
         (Ok(Target::Version), Some(Union::Version(v))) => Compare::version(key, op, *v),
         (Ok(Target::Create), Some(Union::CreateRevision(r))) => {
@@ -968,7 +1195,16 @@ fn inward_compare(c: &PbCompare) -> Result<Compare, Status> {
     })
 }
 
-fn inward_op(op: &PbTxnRequestOp, leased: &Sessions) -> Result<TxnOp, Status> {
+/// A client's Txn operation in the small-key space. A write goes with the op that keeps
+/// its keys' client lease records, in a transaction of its own with no compares (which
+/// `settle_txn` answers as the write alone).
+fn inward_op(
+    op: &PbTxnRequestOp,
+    leased: &Sessions,
+    leases: &LeasesCompared,
+) -> Result<TxnOp, Status> {
+    let with_record =
+        |write: TxnOp, record: TxnOp| TxnOp::txn(Txn::new().and_then([write, record]));
     Ok(match &op.request {
         Some(PbTxnOpRequest::RequestRange(r)) => {
             let (key, options) = get_options(r)?;
@@ -977,15 +1213,18 @@ fn inward_op(op: &PbTxnRequestOp, leased: &Sessions) -> Result<TxnOp, Status> {
         Some(PbTxnOpRequest::RequestPut(p)) => {
             // A leased put goes on its session's proxy lease, and always reads the key
             // as it was, whose create revision its session's record needs.
-            let options = match leased.get(&p.lease) {
+            let session = leased.get(&p.lease);
+            let options = match session {
                 Some(session) => Some(PutOptions::new().with_prev_key().with_lease(session.lease)),
                 None if p.prev_kv => Some(PutOptions::new().with_prev_key()),
                 None => None,
             };
-            TxnOp::put(inner(&p.key), p.value.clone(), options)
+            let record = record_op(&p.key, session.map(|s| (p.lease, s.lease)));
+            with_record(TxnOp::put(inner(&p.key), p.value.clone(), options), record)
         }
         Some(PbTxnOpRequest::RequestDeleteRange(d)) => {
             let range = inner_range(&d.key, &d.range_end);
+            let records = records_deleted(&range);
             let mut options = DeleteOptions::new();
             if !range.end.is_empty() {
                 options = options.with_range(range.end);
@@ -993,9 +1232,9 @@ fn inward_op(op: &PbTxnRequestOp, leased: &Sessions) -> Result<TxnOp, Status> {
             if d.prev_kv {
                 options = options.with_prev_key();
             }
-            TxnOp::delete(range.key, Some(options))
+            with_record(TxnOp::delete(range.key, Some(options)), records)
         }
-        Some(PbTxnOpRequest::RequestTxn(t)) => TxnOp::txn(inward_txn(t, leased)?),
+        Some(PbTxnOpRequest::RequestTxn(t)) => TxnOp::txn(inward_txn(t, leased, leases)?),
         None => {
             return Err(Status::invalid_argument(
                 "etcdserver: a Txn operation has no request",
@@ -1016,6 +1255,7 @@ mod tests {
             mod_revision: modified,
             version,
             lease: 0,
+            client_lease: 0,
         };
         Mirror::new(
             [
@@ -1114,13 +1354,74 @@ mod tests {
         assert!(mirror_range(&m, &range(b"b/", &[0xff, 0xfe])).is_none());
     }
 
+    fn lease_compare(key: &str, result: CompareOp, lease: i64) -> PbCompare {
+        PbCompare {
+            result: result as i32,
+            target: etcd_client::proto::PbCompareTarget::Lease as i32,
+            key: key.as_bytes().to_vec(),
+            target_union: Some(etcd_client::proto::PbTargetUnion::Lease(lease)),
+            range_end: Vec::new(),
+        }
+    }
+
     #[test]
-    fn a_compare_on_an_empty_key_is_refused_as_etcd_refuses_it() {
-        let txn = PbTxnRequest {
-            compare: vec![PbCompare::default()],
+    fn a_lease_compare_is_decided_on_the_client_lease_read() {
+        let leases: LeasesCompared = [
+            (b"held".to_vec(), (7, 20)),
+            (b"plain".to_vec(), (0, 21)),
+            (b"absent".to_vec(), (0, 0)),
+        ]
+        .into();
+        // Always true: a mod revision above -1; always false: one below 0.
+        let always = |holds: bool| match holds {
+            true => (CompareOp::Greater as i32, -1),
+            false => (CompareOp::Less as i32, 0),
+        };
+        for (key, op, lease, holds) in [
+            ("held", CompareOp::Equal, 7, true),
+            ("held", CompareOp::Equal, 8, false),
+            ("held", CompareOp::NotEqual, 7, false),
+            ("held", CompareOp::Greater, 6, true),
+            ("held", CompareOp::Less, 7, false),
+            ("plain", CompareOp::Equal, 0, true),
+            ("absent", CompareOp::Equal, 0, true),
+            ("absent", CompareOp::NotEqual, 7, true),
+            ("absent", CompareOp::Less, 7, true),
+        ] {
+            let inward = inward_compare(&lease_compare(key, op, lease), &leases).unwrap();
+            let pb: PbTxnRequest = Txn::new().when([inward]).into();
+            let pb = pb.compare[0].clone();
+            let got = match pb.target_union {
+                Some(etcd_client::proto::PbTargetUnion::ModRevision(r)) => (pb.result, r),
+                other => panic!("{key} {op:?} {lease}: {other:?}"),
+            };
+            assert_eq!(got, always(holds), "{key} {op:?} {lease}");
+            assert_eq!(pb.key, inner(key.as_bytes()));
+        }
+    }
+
+    #[test]
+    fn a_lease_compare_names_one_key_and_counts_twice() {
+        let txn = |compare: Vec<PbCompare>| PbTxnRequest {
+            compare,
             ..PbTxnRequest::default()
         };
-        let refused = check_txn(&txn, 10, &mut 0).unwrap_err();
+        let mut ops = 0;
+        check_txn(
+            &txn(vec![lease_compare("k", CompareOp::Equal, 1)]),
+            10,
+            &mut ops,
+        )
+        .unwrap();
+        assert_eq!(ops, 2);
+        let ranged = PbCompare {
+            range_end: b"l".to_vec(),
+            ..lease_compare("k", CompareOp::Equal, 1)
+        };
+        let refused = check_txn(&txn(vec![ranged]), 10, &mut 0).unwrap_err();
+        assert!(refused.message().contains("names one key"), "{refused:?}");
+        let empty = lease_compare("", CompareOp::Equal, 1);
+        let refused = check_txn(&txn(vec![empty]), 10, &mut 0).unwrap_err();
         assert_eq!(refused.message(), "etcdserver: key is not provided");
     }
 }

@@ -118,7 +118,7 @@ impl Lock for EtcdApi {
         let map_revision = self.map_revision(&key, &[])?;
         let outcome = self
             .guarded(
-                vec![TxnOp::delete(inner(&key), None)],
+                super::kv::deleted_with_record(&key).to_vec(),
                 map_revision,
                 &self.writer(caller, None),
             )
@@ -343,16 +343,15 @@ impl EtcdApi {
     /// key this call created at `created`, unless someone wrote it since.
     pub(super) async fn withdraw(&self, key: &[u8], created: i64) {
         let state = &self.state;
-        let etcd_key = inner(key);
         let Ok(map_revision) = self.map_revision(key, &[]) else {
             return;
         };
         let txn = Txn::new()
             .when([
                 map_guard(map_revision),
-                Compare::create_revision(etcd_key.clone(), CompareOp::Equal, created),
+                Compare::create_revision(inner(key), CompareOp::Equal, created),
             ])
-            .and_then([TxnOp::delete(etcd_key, None)]);
+            .and_then(super::kv::deleted_with_record(key));
         if let Err(error) = with_timeout(
             "withdraw a lock wait",
             state.config.etcd_timeout,

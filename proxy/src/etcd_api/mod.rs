@@ -38,15 +38,6 @@ use tonic::{Request, Response, Status};
 
 use crate::state::ProxyState;
 
-/// The client lease of a key this proxy wrote with one, and what the key must still
-/// show (its proxy lease, its mod revision) for the record to be about this write.
-#[derive(Debug, Clone, Copy)]
-pub struct Leased {
-    pub lease: i64,
-    pub proxy_lease: i64,
-    pub revision: i64,
-}
-
 /// The etcd API of one proxy, on the one cell it serves.
 #[derive(Clone)]
 pub struct EtcdApi {
@@ -56,8 +47,6 @@ pub struct EtcdApi {
     cluster_id: u64,
     /// This proxy's member id: stable for its proxy id.
     member_id: u64,
-    /// By etcd key: the client lease of each key written here with one.
-    leased: Arc<DashMap<Vec<u8>, Leased>>,
     /// Held shared by each leased write from its session's lookup until its key is
     /// recorded; a hand-off takes it alone, so its records name every key.
     writes: Arc<tokio::sync::RwLock<()>>,
@@ -85,7 +74,6 @@ impl EtcdApi {
             ids: Arc::default(),
             cluster_id,
             member_id,
-            leased: Arc::default(),
             writes: Arc::default(),
             fences: Arc::default(),
             taking: Arc::default(),
@@ -105,13 +93,9 @@ impl EtcdApi {
         }
     }
 
-    /// Forgets the client leases of keys whose session is gone. A record left until then
-    /// is harmless: it names the proxy lease and mod revision of its write, which no
-    /// later write of the key shows again.
+    /// Forgets the session fences of leases whose session is gone.
     pub fn prune(&self) {
         let sessions = &self.state.sessions;
-        self.leased
-            .retain(|_, l| sessions.peek(&lease::session_of(l.lease)).is_some());
         self.fences
             .retain(|id, _| sessions.peek(&lease::session_of(*id)).is_some());
     }

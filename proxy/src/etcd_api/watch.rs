@@ -27,7 +27,6 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt, StreamMap};
 use tonic::{Request, Response, Status, Streaming};
 
-use super::keys::inner;
 use super::EtcdApi;
 use crate::catchup::{Before, CatchUpError, CaughtUp};
 use crate::fanout::{in_chunks, Subscription, RESPONSE_BYTES};
@@ -401,7 +400,7 @@ impl WatchStream<'_> {
                 if events.is_empty() {
                     return Ok(());
                 }
-                let events = client_events(self.api, &events, watching.prev_kv).await;
+                let events = client_events(&events, watching.prev_kv);
                 ::metrics::counter!(metrics::WATCH_EVENTS_SENT).increment(events.len() as u64);
                 let reply = PbWatchResponse {
                     events,
@@ -428,16 +427,16 @@ impl WatchStream<'_> {
 }
 
 /// The events as etcd shows them to the client: its keys, and its leases.
-async fn client_events(api: &EtcdApi, events: &[KeyEvent], prev_kv: bool) -> Vec<PbEvent> {
+fn client_events(events: &[KeyEvent], prev_kv: bool) -> Vec<PbEvent> {
     let kv = |e: &lockcell_cell::kv::Entry| PbKeyValue {
-        key: inner(e.name.as_bytes()),
+        key: e.name.as_bytes().to_vec(),
         create_revision: e.create_revision,
         mod_revision: e.mod_revision,
         version: e.version,
         value: e.value.clone(),
-        lease: e.lease,
+        lease: e.client_lease,
     };
-    let mut out: Vec<PbEvent> = events
+    events
         .iter()
         .map(|e| PbEvent {
             r#type: match e.kind {
@@ -451,19 +450,7 @@ async fn client_events(api: &EtcdApi, events: &[KeyEvent], prev_kv: bool) -> Vec
                 None
             },
         })
-        .collect();
-    let leased: Vec<(&[u8], i64, i64)> = out
-        .iter()
-        .flat_map(|e| e.kv.iter().chain(&e.prev_kv))
-        .map(|kv| (kv.key.as_slice(), kv.lease, kv.mod_revision))
-        .collect();
-    api.settle_leased(&leased).await;
-    for event in &mut out {
-        for kv in event.kv.iter_mut().chain(event.prev_kv.iter_mut()) {
-            api.outward_kv(kv);
-        }
-    }
-    out
+        .collect()
 }
 
 impl WatchStream<'_> {

@@ -2590,3 +2590,238 @@ pub async fn a_watch_cancelled_during_its_catch_up_leaves_nothing_behind() -> an
     );
     Ok(())
 }
+
+/// The client lease a key was written with shows wherever etcd shows a lease, whichever
+/// proxy wrote the key and whichever proxy answers: ranges of now and of the past, Txn
+/// ranges, previous values, watch events (from the fan-out and from a catch-up); and a
+/// Txn's compare on a key's lease compares that client lease, never the proxy's. The
+/// key's record goes with the key: deleted, or revoked with its lease.
+pub async fn a_keys_client_lease_shows_at_every_proxy_and_in_lease_compares() -> anyhow::Result<()>
+{
+    use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+    let etcd = EtcdCluster::start(1).await?;
+    let (_a, api_a) = proxy_with_etcd_api(&etcd).await?;
+    // b keeps no history of events: a watch from the past catches up on etcd's.
+    let api_b = format!("127.0.0.1:{}", free_port());
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--etcd-listen".into(),
+        api_b.clone(),
+        "--watch-history-bytes".into(),
+        "0".into(),
+    ];
+    let _b = ProxyProcess::start(&options, &etcd.dir).await?;
+    let on_a = etcd_client::Client::connect([api_a.as_str()], None).await?;
+    let on_b = etcd_client::Client::connect([api_b.as_str()], None).await?;
+    let mut raw = etcd.client().await?;
+
+    let lease = on_a.lease_client().grant(30, None).await?.id();
+    let leased = || Some(PutOptions::new().with_lease(lease));
+    let put = on_a.kv_client().put("cfg/x", "1", leased()).await?;
+    let written = put.header().context("a header")?.revision();
+    on_a.kv_client().put("cfg/plain", "p", None).await?;
+
+    // Reads at b, of now and of the past.
+    let lease_at = |got: &etcd_client::GetResponse| got.kvs().first().map(|kv| kv.lease());
+    let now = on_b.kv_client().get("cfg/x", None).await?;
+    ensure!(
+        lease_at(&now) == Some(lease),
+        "a range at b shows {:?}",
+        now.kvs()
+    );
+    let past = on_b
+        .kv_client()
+        .get("cfg/x", Some(GetOptions::new().with_revision(written)))
+        .await?;
+    ensure!(
+        lease_at(&past) == Some(lease),
+        "a past range at b shows {:?}",
+        past.kvs()
+    );
+    let plain = on_b.kv_client().get("cfg/plain", None).await?;
+    ensure!(
+        lease_at(&plain) == Some(0),
+        "a key on no lease shows {:?}",
+        plain.kvs()
+    );
+
+    // Lease compares at b, and a Txn range.
+    let compare = |op, wanted| Compare::lease("cfg/x", op, wanted);
+    for (what, compares, holds) in [
+        ("lease = L", vec![compare(CompareOp::Equal, lease)], true),
+        (
+            "lease != L",
+            vec![compare(CompareOp::NotEqual, lease)],
+            false,
+        ),
+        ("lease > 0", vec![compare(CompareOp::Greater, 0)], true),
+        ("lease = 0", vec![compare(CompareOp::Equal, 0)], false),
+        (
+            "plain: lease = 0",
+            vec![Compare::lease("cfg/plain", CompareOp::Equal, 0)],
+            true,
+        ),
+        (
+            "absent: lease = L",
+            vec![Compare::lease("cfg/none", CompareOp::Equal, lease)],
+            false,
+        ),
+        (
+            "absent: lease = 0, and lease = L",
+            vec![
+                Compare::lease("cfg/none", CompareOp::Equal, 0),
+                compare(CompareOp::Equal, lease),
+            ],
+            true,
+        ),
+    ] {
+        let done = on_b
+            .kv_client()
+            .txn(
+                Txn::new()
+                    .when(compares)
+                    .and_then([TxnOp::get("cfg/x", None)])
+                    .or_else([TxnOp::get("cfg/plain", None)]),
+            )
+            .await?;
+        ensure!(
+            done.succeeded() == holds,
+            "{what}: succeeded {}",
+            done.succeeded()
+        );
+        if holds {
+            let read = done.op_responses().into_iter().find_map(|op| match op {
+                etcd_client::TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.lease()),
+                _ => None,
+            });
+            ensure!(read == Some(lease), "{what}: the Txn range shows {read:?}");
+        }
+    }
+    let ranged = on_b
+        .kv_client()
+        .txn(Txn::new().when([Compare::lease("cfg/", CompareOp::Equal, lease).with_range("cfg0")]))
+        .await;
+    match ranged {
+        Err(etcd_client::Error::GRpcStatus(s)) if s.code() == tonic::Code::InvalidArgument => {}
+        other => anyhow::bail!("a lease compare over a range: {other:?}"),
+    }
+
+    // Written again at b with no lease: the put's previous value and the watch events
+    // (the fan-out's at a, a catch-up's at b) show each write's own lease.
+    let again = on_b
+        .kv_client()
+        .put("cfg/x", "2", Some(PutOptions::new().with_prev_key()))
+        .await?;
+    let prev = again.prev_key().map(|kv| kv.lease());
+    ensure!(
+        prev == Some(lease),
+        "the put's previous value shows lease {prev:?}"
+    );
+    for (at, client) in [("a", &on_a), ("b", &on_b)] {
+        let options = WatchOptions::new()
+            .with_start_revision(written)
+            .with_prev_key();
+        let mut stream = client.watch_client().watch("cfg/x", Some(options)).await?;
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
+            let reply = next_reply(&mut stream, |r| !r.events().is_empty()).await?;
+            for event in reply.events() {
+                let kv = event.kv().context("an event's key")?;
+                seen.push((kv.lease(), event.prev_kv().map(|p| p.lease())));
+            }
+        }
+        ensure!(
+            seen == [(lease, None), (0, Some(lease))],
+            "the watch at {at} saw (lease, previous lease) {seen:?}"
+        );
+    }
+    let compared = on_b
+        .kv_client()
+        .txn(Txn::new().when([compare(CompareOp::Equal, 0)]))
+        .await?;
+    ensure!(
+        compared.succeeded(),
+        "a key written again with no lease still compares as leased"
+    );
+
+    // A record goes with its key: deleted, or revoked with the lease.
+    let record = |key: &str| format!("/s/!etcd-leased/{key}");
+    on_a.kv_client().put("cfg/x", "3", leased()).await?;
+    on_a.kv_client().put("cfg/y", "3", leased()).await?;
+    ensure!(
+        raw.get(record("cfg/x"), None).await?.count() == 1,
+        "a leased put left no record"
+    );
+    let deleted = on_b
+        .kv_client()
+        .delete(
+            "cfg/x",
+            Some(etcd_client::DeleteOptions::new().with_prev_key()),
+        )
+        .await?;
+    let prev: Vec<i64> = deleted.prev_kvs().iter().map(|kv| kv.lease()).collect();
+    ensure!(
+        prev == [lease],
+        "the delete's previous values show leases {prev:?}"
+    );
+    ensure!(
+        raw.get(record("cfg/x"), None).await?.count() == 0,
+        "a deleted key's record is still there"
+    );
+    on_b.lease_client().revoke(lease).await?;
+    ensure!(
+        raw.get(record("cfg/y"), None).await?.count() == 0
+            && raw.get("/k/cfg/y", None).await?.count() == 0,
+        "a revoked lease's key or its record is still there"
+    );
+
+    // The Lock and Election services' keys take their records along: an unlock, a
+    // lock wait given up, a resignation.
+    let records_under = |prefix: &str| {
+        let (mut raw, key) = (raw.clone(), record(prefix));
+        async move {
+            let options = etcd_client::GetOptions::new()
+                .with_prefix()
+                .with_keys_only();
+            anyhow::Ok(raw.get(key, Some(options)).await?.count())
+        }
+    };
+    let holder = on_a.lease_client().grant(30, None).await?.id();
+    let waiter = on_b.lease_client().grant(30, None).await?.id();
+    let on = |lease| Some(etcd_client::LockOptions::new().with_lease(lease));
+    let held = on_a
+        .lock_client()
+        .lock("m", on(holder))
+        .await?
+        .key()
+        .to_vec();
+    let mut waiting = on_b.lock_client();
+    let gave_up = tokio::time::timeout(Duration::from_millis(800), waiting.lock("m", on(waiter)));
+    ensure!(gave_up.await.is_err(), "a held lock was granted");
+    eventually(
+        "a given-up lock wait's record goes",
+        Duration::from_secs(10),
+        || async { Ok((records_under("m/").await? == 1).then_some(())) },
+    )
+    .await?;
+    on_a.lock_client().unlock(held).await?;
+    ensure!(
+        records_under("m/").await? == 0,
+        "an unlocked key's record is still there"
+    );
+    let mut elections = on_b.election_client();
+    let won = elections.campaign("e", "v", holder).await?;
+    let leader = won.leader().context("a leader key")?.clone();
+    ensure!(
+        records_under("e/").await? == 1,
+        "a candidate's key has no record"
+    );
+    elections
+        .resign(Some(etcd_client::ResignOptions::new().with_leader(leader)))
+        .await?;
+    ensure!(
+        records_under("e/").await? == 0,
+        "a resigned leader's record is still there"
+    );
+    Ok(())
+}
