@@ -10,7 +10,7 @@
 //! | `/s/!proxy/<proxy id>` | a running proxy: its zone, addresses and version | one of that proxy's leases |
 //! | `/q/<lock>/!x/<session>`, `/q/<lock>/!s/<session>` | a waiter of a fair class, in line by create revision | the waiter's proxy lease |
 //! | `/k/<key>` | a small key | none, or its writer session's proxy lease |
-//! | `/s/!etcd-leased/<key>` | the etcd API client lease small key `<key>` was written with, written in the key's own transaction | the same proxy lease as the key |
+//! | `/s/!etcd-leased/<key>` | the etcd API client lease small key `<key>` was written with, written in the key's own transaction | none: swept once its key is gone |
 //!
 //! Lock names are `/`-separated paths (`billing/nightly`), so one lock's name may be a
 //! prefix of another's. The keys of a lock therefore sit under a marker segment that
@@ -336,10 +336,11 @@ pub fn etcd_lease_handoff_key(id: i64) -> String {
 
 /// Where the etcd API records the client lease a small key was written with:
 /// `/s/!etcd-leased/<key>`, its value the lease ID in decimal. Written in the same
-/// transaction as the key (so its mod revision is the key's as long as the record is
-/// about that write) and on the same proxy lease, so it goes when the key's lease does.
-/// Every proxy of the cell reads it, so an etcd client sees its own lease on a key
-/// whichever proxy wrote it.
+/// transaction as the key, so its mod revision is the key's as long as the record is
+/// about that write; readers take it only then, so a record left behind never lies.
+/// On no lease: a proxy lease that ends deletes its keys alone (a lost zone costs etcd
+/// no more), and records no key shows are swept later. Every proxy of the cell reads
+/// them, so an etcd client sees its own lease on a key whichever proxy wrote it.
 pub fn etcd_leased_root() -> &'static str {
     ETCD_LEASED_ROOT
 }

@@ -1160,9 +1160,9 @@ fn guarded_move(grant: &Grant, from: i64, to: i64) -> Txn {
         Vec::new(),
         Some(PutOptions::new().with_lease(to).with_ignore_value()),
     )];
-    // A key of the etcd API takes its client lease record along, in the same revision,
-    // when the record is about the session's write of the key (it is, unless the key was
-    // written before proxies kept records).
+    // A key of the etcd API takes its client lease record along (rewritten in the same
+    // revision, on no lease as ever), when the record is about the session's write of
+    // the key (it is, unless the key was written before proxies kept records).
     if let Some(record) = grant.lease_record().filter(|_| grant.written != 0) {
         let along = Txn::new()
             .when([Compare::mod_revision(
@@ -1173,7 +1173,7 @@ fn guarded_move(grant: &Grant, from: i64, to: i64) -> Txn {
             .and_then([TxnOp::put(
                 record.as_slice(),
                 Vec::new(),
-                Some(PutOptions::new().with_lease(to).with_ignore_value()),
+                Some(PutOptions::new().with_ignore_value()),
             )]);
         then.push(TxnOp::txn(along));
     }

@@ -190,11 +190,14 @@ impl Feed {
         }
         let leased = leased_in(events);
         let changes = events.iter().filter_map(|e| change(e, &leased));
-        let events = self
-            .mirror
-            .write()
-            .expect("mirror lock")
-            .apply(revision, changes);
+        let mut mirror = self.mirror.write().expect("mirror lock");
+        let events = mirror.apply(revision, changes);
+        let mut records: Vec<(&(String, i64), &LeaseRecord)> = leased.iter().collect();
+        records.sort_by_key(|((_, revision), _)| *revision);
+        mirror.records_changed(records.into_iter().map(|((name, revision), record)| {
+            (name.clone(), (record.lease != 0).then_some(*revision))
+        }));
+        drop(mirror);
         let done = self.fanout.publish(revision, &events);
         self.applied.send_replace(revision);
         ::metrics::counter!(metrics::WATCH_BATCHES_SENT).increment(done.delivered);
@@ -452,7 +455,8 @@ async fn load(
     .await?;
     // Each key's client lease, from its record when the record is about the key's
     // last write.
-    let mut records = std::collections::HashMap::new();
+    let mut records: std::collections::HashMap<String, (i64, i64)> =
+        std::collections::HashMap::new();
     let root = keyspace::etcd_leased_root().as_bytes();
     load_range(kv, root, revision, timeout, |kv| {
         if let Some(name) = keyspace::etcd_leased_name(kv.key()) {
@@ -480,7 +484,10 @@ async fn load(
     )
     .await?;
     let map = map.kvs().first().cloned();
-    Ok((Mirror::new(entries, revision), map))
+    let records = records
+        .into_iter()
+        .map(|(name, (_, written))| (name, written));
+    Ok((Mirror::new(entries, revision).with_records(records), map))
 }
 
 /// Reads every key under `root` at `revision` (0: now) in pages, handing each to `take`;

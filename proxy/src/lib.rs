@@ -41,6 +41,7 @@ pub mod service;
 pub mod sessions;
 pub mod settings;
 pub mod state;
+pub mod sweep;
 pub mod tls;
 pub mod unsettled;
 
@@ -530,6 +531,7 @@ impl Engine {
             state.config.etcd_timeout,
             shared.stop.clone(),
         ));
+        tasks.spawn(sweep::run(state.clone(), shared.stop.clone()));
         let follow = vec![
             tokio::spawn(feed::run(
                 feed,

@@ -82,6 +82,9 @@ pub const PER_KEY_BYTES: usize = 128;
 #[derive(Debug, Default)]
 pub struct Mirror {
     entries: BTreeMap<String, Entry>,
+    /// The mod revision of each client lease record (`keyspace::etcd_leased_root`), by
+    /// its key's name: those no key shows any more are swept.
+    records: std::collections::HashMap<String, i64>,
     /// The cell revision the mirror reflects: every change at or before it is applied.
     revision: i64,
     /// The sum of [`key_bytes`] over every key.
@@ -96,9 +99,41 @@ impl Mirror {
         let bytes = entries.values().map(Self::bytes_of).sum();
         Mirror {
             entries,
+            records: Default::default(),
             revision,
             bytes,
         }
+    }
+
+    /// With the client lease records read with the keys: each one's mod revision, by
+    /// its key's name.
+    pub fn with_records(mut self, records: impl IntoIterator<Item = (String, i64)>) -> Mirror {
+        self.records = records.into_iter().collect();
+        self
+    }
+
+    /// Takes in the client lease records written or deleted in revisions up to the
+    /// mirror's (`Some` mod revision, `None` deleted).
+    pub fn records_changed(&mut self, changes: impl IntoIterator<Item = (String, Option<i64>)>) {
+        for (name, written) in changes {
+            match written {
+                Some(revision) => self.records.insert(name, revision),
+                None => self.records.remove(&name),
+            };
+        }
+    }
+
+    /// Up to `limit` client lease records no key shows any more (its key is gone, or
+    /// written since by a write that left the record alone), with their mod revisions.
+    pub fn orphan_records(&self, limit: usize) -> Vec<(String, i64)> {
+        self.records
+            .iter()
+            .filter(|(name, written)| {
+                self.entries.get(*name).map(|e| e.mod_revision) != Some(**written)
+            })
+            .take(limit)
+            .map(|(name, written)| (name.clone(), *written))
+            .collect()
     }
 
     fn bytes_of(entry: &Entry) -> usize {
@@ -319,5 +354,25 @@ mod tests {
         assert_eq!(mirror.net_growth(&[("bb", None), ("a", Some(1))]), freed);
         mirror.apply(13, [("a".into(), 13, None), ("zz".into(), 13, None)]);
         assert_eq!(mirror.bytes(), key_bytes("bb", 3));
+    }
+
+    #[test]
+    fn records_no_key_shows_are_orphans() {
+        let records = [
+            ("a".to_owned(), 5),
+            ("b".to_owned(), 4),
+            ("c".to_owned(), 3),
+        ];
+        let mut mirror =
+            Mirror::new([entry("a", "1", 5), entry("b", "1", 6)], 10).with_records(records);
+        let mut orphans = mirror.orphan_records(10);
+        orphans.sort();
+        // b was written since without its record; c is gone.
+        assert_eq!(orphans, [("b".to_owned(), 4), ("c".to_owned(), 3)]);
+        mirror.records_changed([("b".to_owned(), None), ("a".to_owned(), Some(11))]);
+        let mut orphans = mirror.orphan_records(10);
+        orphans.sort();
+        assert_eq!(orphans, [("a".to_owned(), 11), ("c".to_owned(), 3)]);
+        assert_eq!(mirror.orphan_records(1).len(), 1);
     }
 }

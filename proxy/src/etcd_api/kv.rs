@@ -136,7 +136,7 @@ impl PbKvService for EtcdApi {
             None => options,
         };
         let op = TxnOp::put(inner(&req.key), req.value.clone(), Some(options));
-        let record = record_op(&req.key, session.as_ref().map(|s| (req.lease, s.lease)));
+        let record = record_op(&req.key, session.as_ref().map(|_| req.lease));
         let write = self.guarded(vec![op, record], map_revision, &writer);
         let outcome = match (&session, &key) {
             (Some(s), Some(key)) => {
@@ -882,15 +882,17 @@ fn outward_prev(kv: &mut PbKeyValue, before: &RecordsBefore) {
 }
 
 /// The op that keeps the client lease record of client key `key` with a put of it: the
-/// client lease written with, on the same proxy lease (`leased`: both), or no record.
-/// Each reads the record as it was, for the previous key's lease.
-fn record_op(key: &[u8], leased: Option<(i64, i64)>) -> TxnOp {
+/// client lease written with, or no record. Each reads the record as it was, for the
+/// previous key's lease. A record is on no lease: when its key's lease ends, etcd
+/// deletes the key alone, and the record, about a write no key shows any more, is
+/// swept later ([`crate::sweep`]).
+fn record_op(key: &[u8], lease: Option<i64>) -> TxnOp {
     let record = keyspace::etcd_leased_key(&inner(key)).expect("a small key has a record");
-    match leased {
-        Some((lease, proxy_lease)) => TxnOp::put(
+    match lease {
+        Some(lease) => TxnOp::put(
             record,
             lease.to_string(),
-            Some(PutOptions::new().with_lease(proxy_lease).with_prev_key()),
+            Some(PutOptions::new().with_prev_key()),
         ),
         None => TxnOp::delete(record, Some(DeleteOptions::new().with_prev_key())),
     }
@@ -1219,7 +1221,7 @@ fn inward_op(
                 None if p.prev_kv => Some(PutOptions::new().with_prev_key()),
                 None => None,
             };
-            let record = record_op(&p.key, session.map(|s| (p.lease, s.lease)));
+            let record = record_op(&p.key, session.map(|_| p.lease));
             with_record(TxnOp::put(inner(&p.key), p.value.clone(), options), record)
         }
         Some(PbTxnOpRequest::RequestDeleteRange(d)) => {

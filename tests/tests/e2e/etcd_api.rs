@@ -2825,3 +2825,55 @@ pub async fn a_keys_client_lease_shows_at_every_proxy_and_in_lease_compares() ->
     );
     Ok(())
 }
+
+/// How many keys etcd holds under `prefix`.
+async fn keys_under(etcd: &etcd_client::Client, prefix: &str) -> anyhow::Result<i64> {
+    let options = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_count_only();
+    Ok(etcd.kv_client().get(prefix, Some(options)).await?.count())
+}
+
+/// A client lease record is on no lease: when a dead proxy's lease ends, etcd deletes
+/// the leased key alone, and a surviving proxy sweeps the record soon after.
+pub async fn a_dead_proxys_lease_records_are_swept() -> anyhow::Result<()> {
+    use etcd_client::PutOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let (a, api_a) = proxy_with_etcd_api(&etcd).await?;
+    let (_b, _api_b) = proxy_with_etcd_api(&etcd).await?;
+    let on_a = etcd_client::Client::connect([api_a.as_str()], None).await?;
+    let raw = etcd.client().await?;
+    let lease = on_a.lease_client().grant(30, None).await?.id();
+    for i in 0..10 {
+        let leased = Some(PutOptions::new().with_lease(lease));
+        on_a.kv_client()
+            .put(format!("gone/{i}"), "v", leased)
+            .await?;
+    }
+    let records = "/s/!etcd-leased/gone/";
+    ensure!(
+        keys_under(&raw, records).await? == 10,
+        "the leased puts wrote no records"
+    );
+    a.process.signal(nix::sys::signal::Signal::SIGKILL)?;
+    let gone = |prefix: &'static str| {
+        let raw = raw.clone();
+        move || {
+            let raw = raw.clone();
+            async move { Ok((keys_under(&raw, prefix).await? == 0).then_some(())) }
+        }
+    };
+    eventually(
+        "the dead proxy's leased keys go with its etcd lease",
+        Duration::from_secs(30),
+        gone("/k/gone/"),
+    )
+    .await?;
+    eventually(
+        "the survivor sweeps their records",
+        Duration::from_secs(30),
+        gone(records),
+    )
+    .await?;
+    Ok(())
+}
