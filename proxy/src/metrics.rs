@@ -39,6 +39,7 @@ pub const TLS_RELOAD_FAILURES: &str = "lockcell_tls_reload_failures_total";
 pub const SESSIONS_RESUMED: &str = "lockcell_sessions_resumed_total";
 pub const KEYS_MOVED: &str = "lockcell_keys_moved_total";
 pub const ETCD_API_LEASES_HANDED_OFF: &str = "lockcell_etcd_api_leases_handed_off_total";
+pub const ETCD_API_LEASES_GATHERED: &str = "lockcell_etcd_api_leases_gathered_total";
 pub const ETCD_API_FORWARDED: &str = "lockcell_etcd_api_forwarded_total";
 pub const ETCD_API_GATEWAY_CALLS: &str = "lockcell_etcd_api_gateway_calls_total";
 pub const KEYS_LOST_ON_RESUME: &str = "lockcell_keys_lost_on_resume_total";
@@ -113,7 +114,11 @@ pub fn describe() {
     );
     counter(
         ETCD_API_LEASES_HANDED_OFF,
-        "etcd API leases this proxy handed over, draining, to the next proxy their clients reach.",
+        "etcd API leases this proxy handed over: draining, to the next proxy their clients reach, or to a proxy that asked for one to run a Txn writing with leases of several proxies.",
+    );
+    counter(
+        ETCD_API_LEASES_GATHERED,
+        "etcd API leases this proxy asked another proxy for and took over, to run a Txn writing with leases of several proxies as one transaction.",
     );
     counter(
         KEYS_MOVED,

@@ -298,6 +298,11 @@ impl SessionTable {
         marked
     }
 
+    /// Whether session `id` is here and handed off.
+    pub fn is_handed_off(&self, id: &str) -> bool {
+        self.live.get(id).is_some_and(|s| s.handed_off)
+    }
+
     /// Takes back the hand-off of session `id` (its record could not be written): it is
     /// renewed here again.
     pub fn keep(&self, id: &str) {

@@ -37,15 +37,21 @@ use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Request, Response, Status, Streaming};
 
-use etcd_client::proto::{PbLeaseLeasesRequest, PbLeaseLeasesResponse, PbLeaseStatus};
+use etcd_client::proto::{
+    PbLeaseLeasesRequest, PbLeaseLeasesResponse, PbLeaseStatus, PbLeaseTimeToLiveRequest,
+    PbLeaseTimeToLiveResponse,
+};
 
-use super::lease::session_of;
+use super::lease::{session_of, TIME_TO_LIVE};
 use super::{ids, EtcdApi};
 use crate::errors::ProxyError;
 use crate::metrics as m;
 
 /// Metadata of a forwarded call: its caller's identity, in hex (empty for none).
 pub const FORWARDED_FOR: &str = "lockcell-forwarded-for";
+/// Metadata of a forwarded LeaseTimeToLive that asks the proxy holding the lease to
+/// hand it over to the asking proxy ([`EtcdApi::gather`]).
+pub const HAND_OVER: &str = "lockcell-hand-over";
 /// When the forwarding proxy signed it: Unix seconds.
 const FORWARDED_AT: &str = "lockcell-forwarded-at";
 /// The signature of the two, in hex.
@@ -204,8 +210,11 @@ impl EtcdApi {
         caller: Option<&str>,
         fresh: bool,
     ) -> Result<Option<Peer>, Status> {
-        if id == 0
-            || metadata.contains_key(FORWARDED_FOR)
+        if id == 0 {
+            return Ok(None);
+        }
+        self.hand_over_settled(id).await;
+        if metadata.contains_key(FORWARDED_FOR)
             || self.state.sessions.peek(&session_of(id)).is_some()
         {
             return Ok(None);
@@ -493,6 +502,58 @@ impl EtcdApi {
             return got.map(Some);
         }
         unreachable!("the second look returns")
+    }
+}
+
+impl EtcdApi {
+    /// Brings the leases a Txn writes with here when they live at several proxies, so
+    /// that it runs as one transaction where all of them are: each lease at another
+    /// proxy is handed over by it, on this proxy's signed request, and taken over here
+    /// as after a drain (its keys move onto this proxy's lease; its clients find it
+    /// here). Leases that all live at one other proxy stay there, and the Txn is
+    /// forwarded to it. A forwarded call gathers nothing.
+    pub(super) async fn gather(
+        &self,
+        leases: &[i64],
+        metadata: &MetadataMap,
+        caller: Option<&str>,
+    ) -> Result<(), Status> {
+        if leases.len() < 2 || metadata.contains_key(FORWARDED_FOR) {
+            return Ok(());
+        }
+        let mut away = Vec::new();
+        for &id in leases {
+            if let Some(peer) = self.route(id, metadata, caller, false).await? {
+                away.push((id, peer));
+            }
+        }
+        let one_proxy = away.len() == leases.len()
+            && away.iter().all(|(_, peer)| peer.proxy == away[0].1.proxy);
+        if away.is_empty() || one_proxy {
+            return Ok(());
+        }
+        for (id, peer) in away {
+            let ask = PbLeaseTimeToLiveRequest { id, keys: false };
+            let mut call = self.forwarded(metadata, ask, caller)?;
+            call.metadata_mut()
+                .insert(HAND_OVER, MetadataValue::from_static("1"));
+            let there: PbLeaseTimeToLiveResponse =
+                peer.unary(TIME_TO_LIVE, call).await?.into_inner();
+            self.peers.forget(id);
+            if there.ttl == -1 {
+                return Err(Status::not_found(super::lease::LEASE_NOT_FOUND));
+            }
+            metrics::counter!(m::ETCD_API_LEASES_GATHERED).increment(1);
+            match self.take_over(id, caller).await? {
+                super::handoff::TakeOver::Taken(_) => {}
+                super::handoff::TakeOver::NoRecord => {
+                    return Err(Status::unavailable(format!(
+                        "etcdserver: lease {id:x} moved between proxies while a transaction writing with it gathered its leases; try again"
+                    )))
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -20,6 +20,10 @@
 //! until then (at most the proxy lease TTL) to reach a proxy; each record also carries
 //! the wall-clock time its lease lapses, past which no proxy takes it.
 //!
+//! A running proxy hands one lease over the same way when another proxy asks for it,
+//! to run a Txn writing with leases of several proxies ([`EtcdApi::hand_over_one`]);
+//! the asking proxy takes it over at once.
+//!
 //! [`SessionTable::handed_off_leases`]: crate::sessions::SessionTable::handed_off_leases
 
 use std::collections::HashMap;
@@ -42,6 +46,10 @@ use crate::sessions::Session;
 /// How often a draining proxy looks for its records taken, and for leases about to
 /// lapse.
 const FOLLOW_EVERY: Duration = Duration::from_millis(200);
+
+/// How often a proxy that handed a lease to a proxy that asked for it looks for its
+/// record taken: calls on the lease wait for that.
+const FOLLOW_ASKED_EVERY: Duration = Duration::from_millis(20);
 
 /// A record not taken is deleted this long before its lease lapses here, so the delete
 /// lands before the session expires.
@@ -148,20 +156,66 @@ impl EtcdApi {
         if drain.wait_for(|d| *d).await.is_err() {
             return;
         }
-        let written = self.hand_off().await;
+        let written = self.hand_off(|_| true).await;
+        metrics::counter!(m::ETCD_API_LEASES_HANDED_OFF).increment(written.len() as u64);
+        tracing::info!(
+            leases = written.len(),
+            "etcd API leases handed over to the next proxy their clients reach"
+        );
         self.handed_off.send_replace(true);
-        self.follow(written).await;
+        self.follow(written, None).await;
     }
 
-    /// Marks every etcd API session handed off, once no leased write is on its way, and
-    /// writes their records. Returns each recorded session's record revision, by lease.
-    async fn hand_off(&self) -> HashMap<i64, (Session, i64)> {
+    /// Hands lease `id`, which lives here, over to the proxy that asked for it (a Txn
+    /// writing with leases of several proxies runs where all of them are, see
+    /// [`EtcdApi::gather`]), and follows its record until that proxy takes it.
+    ///
+    /// [`EtcdApi::gather`]: super::EtcdApi::gather
+    pub(super) async fn hand_over_one(&self, id: i64) -> Result<(), Status> {
+        let written = self.hand_off(|s| lease_of(&s.id) == Some(id)).await;
+        if !written.contains_key(&id) {
+            return Err(Status::unavailable(format!(
+                "etcdserver: lease {id:x} could not be handed to the proxy that asked for it; try again"
+            )));
+        }
+        metrics::counter!(m::ETCD_API_LEASES_HANDED_OFF).increment(1);
+        // The asking proxy takes it at once; a record it never took is withdrawn well
+        // before the lease lapses, and the lease renewed here again.
+        let until = Instant::now() + self.state.config.etcd_timeout * 2;
+        let api = self.clone();
+        tokio::spawn(async move { api.follow(written, Some(until)).await });
+        Ok(())
+    }
+
+    /// Waits while lease `id` is on its way from this proxy to one that asked for it
+    /// ([`Self::hand_over_one`]), until the asking proxy took it or its record was
+    /// withdrawn: a call on the lease then runs where the lease ended up. Returns at
+    /// once for a lease not handed over, or handed over by a draining proxy.
+    pub(super) async fn hand_over_settled(&self, id: i64) {
+        let state = &self.state;
+        let session = session_of(id);
+        if state.is_draining() || !state.sessions.is_handed_off(&session) {
+            return;
+        }
+        let until = Instant::now() + state.config.etcd_timeout * 3;
+        let mut look = tokio::time::interval(FOLLOW_ASKED_EVERY);
+        while state.sessions.is_handed_off(&session) && Instant::now() < until {
+            look.tick().await;
+        }
+    }
+
+    /// Marks the etcd API sessions `pick` chooses handed off, once no leased write is on
+    /// its way, and writes their records. Returns each recorded session's record
+    /// revision, by lease.
+    async fn hand_off(&self, pick: impl Fn(&Session) -> bool) -> HashMap<i64, (Session, i64)> {
         let state = &self.state;
         let sessions = {
             // Waits for the leased writes on their way: each records its key in its
             // session before letting go, so the records below name every key.
             let _no_writes = self.writes.write().await;
-            state.sessions.hand_off(|s| lease_of(&s.id).is_some())
+            state
+                .sessions
+                .hand_off(|s| lease_of(&s.id).is_some() && pick(s))
         };
         let mut written = HashMap::new();
         if sessions.is_empty() {
@@ -235,20 +289,18 @@ impl EtcdApi {
                 }
             }
         }
-        metrics::counter!(m::ETCD_API_LEASES_HANDED_OFF).increment(written.len() as u64);
-        tracing::info!(
-            leases = written.len(),
-            "etcd API leases handed over to the next proxy their clients reach"
-        );
         written
     }
 
     /// Until every record is taken or withdrawn: drops the sessions whose record another
-    /// proxy took, and deletes the record of each lease about to lapse here, so that it
-    /// expires here instead.
-    async fn follow(&self, mut written: HashMap<i64, (Session, i64)>) {
+    /// proxy took, and deletes the record of each lease about to lapse here (or still
+    /// not taken at `until`), so that it expires here instead.
+    async fn follow(&self, mut written: HashMap<i64, (Session, i64)>, until: Option<Instant>) {
         let state = &self.state;
-        let mut tick = tokio::time::interval(FOLLOW_EVERY);
+        let mut tick = tokio::time::interval(match until {
+            Some(_) => FOLLOW_ASKED_EVERY,
+            None => FOLLOW_EVERY,
+        });
         while !written.is_empty() {
             tick.tick().await;
             let present = match self.records_present().await {
@@ -264,10 +316,18 @@ impl EtcdApi {
                 if !present.contains_key(id) || present[id] != *revision {
                     self.taken_away(session);
                     done.push(*id);
-                } else if session.expires_at().saturating_duration_since(now) < LAPSE_MARGIN {
+                } else if session.expires_at().saturating_duration_since(now) < LAPSE_MARGIN
+                    || until.is_some_and(|until| now >= until)
+                {
                     match self.withdraw_record(*id, *revision).await {
-                        // Left here, where it expires as any session.
-                        Ok(true) => done.push(*id),
+                        // Left here, where it expires as any session; a proxy that
+                        // is not draining renews it again (no proxy can take it now).
+                        Ok(true) => {
+                            if !state.is_draining() {
+                                state.sessions.keep(&session.id);
+                            }
+                            done.push(*id)
+                        }
                         Ok(false) => {
                             self.taken_away(session);
                             done.push(*id);

@@ -230,13 +230,17 @@ impl PbKvService for EtcdApi {
             )));
         }
         self.authorize_txn(&request, request.get_ref())?;
-        // A Txn that puts with a lease living at another proxy runs there (one whose
-        // puts name leases of two proxies finds the second unknown there).
+        // A Txn that puts with leases living at another proxy runs there; one whose
+        // leases live at several proxies gathers them here first.
         let mut leases: Vec<i64> = txn_puts(request.get_ref())
             .iter()
             .map(|p| p.lease)
+            .filter(|lease| *lease != 0)
             .collect();
+        leases.sort_unstable();
         leases.dedup();
+        self.gather(&leases, request.metadata(), caller.as_deref())
+            .await?;
         for lease in leases {
             let txn = "/etcdserverpb.KV/Txn";
             if let Some(there) = self

@@ -24,7 +24,7 @@ use lockcell_cell::error::with_timeout;
 use lockcell_cell::keyspace;
 use lockcell_cell::locklog::Grant;
 
-use super::{ids, keys, EtcdApi};
+use super::{forward, ids, keys, EtcdApi};
 use crate::metrics as m;
 use crate::sessions::{Gone, Renewed, Session};
 use crate::state::ProxyState;
@@ -40,7 +40,7 @@ pub const LEASE_NOT_FOUND: &str = "etcdserver: requested lease not found";
 
 /// The Lease calls forwarded to the proxy a lease lives at.
 const REVOKE: &str = "/etcdserverpb.Lease/LeaseRevoke";
-const TIME_TO_LIVE: &str = "/etcdserverpb.Lease/LeaseTimeToLive";
+pub(super) const TIME_TO_LIVE: &str = "/etcdserverpb.Lease/LeaseTimeToLive";
 const KEEP_ALIVE: &str = "/etcdserverpb.Lease/LeaseKeepAlive";
 
 /// etcd's text for a lease ID that is taken (clients match it).
@@ -248,6 +248,17 @@ impl PbLeaseService for EtcdApi {
                         tokio::spawn(relays.clone().unknown(req.id, None));
                         continue;
                     }
+                    // On its way to a proxy that asked for it: answered once there.
+                    Renewal::HandedOff if !api.state.is_draining() => {
+                        tokio::spawn(answer_once_moved(
+                            api.clone(),
+                            relays.clone(),
+                            req.id,
+                            caller.clone(),
+                            tx.clone(),
+                        ));
+                        continue;
+                    }
                     // The client goes on with another proxy (its stream ends here).
                     Renewal::HandedOff => {
                         let _ = tx.send(Err(super::refused_handed_off())).await;
@@ -275,6 +286,10 @@ impl PbLeaseService for EtcdApi {
         {
             return Ok(there);
         }
+        // Another proxy asking for the lease, to run a Txn writing with it there
+        // (a signed call: `caller` checked its signature).
+        let hand_over = request.metadata().contains_key(forward::FORWARDED_FOR)
+            && request.metadata().contains_key(forward::HAND_OVER);
         let req = request.into_inner();
         let now = Instant::now();
         let header = Some(self.header(self.state.cell.seen()));
@@ -293,6 +308,9 @@ impl PbLeaseService for EtcdApi {
                 keys: Vec::new(),
             }));
         };
+        if hand_over {
+            self.hand_over_one(req.id).await?;
+        }
         let keys = if req.keys {
             session
                 .held
@@ -403,6 +421,28 @@ async fn answer_when_backed(
         let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
         return;
     }
+}
+
+/// Answers a renewal of lease `id`, which this proxy is handing to a proxy that asked
+/// for it: renewed where it ends up.
+async fn answer_once_moved(
+    api: EtcdApi,
+    relays: Arc<Relays>,
+    id: i64,
+    caller: Option<String>,
+    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
+) {
+    api.hand_over_settled(id).await;
+    let ttl = match renew(&api.state, id, caller.as_deref()) {
+        Renewal::Ttl(ttl) => ttl,
+        Renewal::Unbacked => return answer_when_backed(api, id, caller, tx).await,
+        Renewal::Unknown => return relays.unknown(id, None).await,
+        Renewal::HandedOff => {
+            let _ = tx.send(Err(super::refused_handed_off())).await;
+            return;
+        }
+    };
+    let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
 }
 
 /// Answers a renewal of lease `id`, unknown here: taken over first if a draining proxy

@@ -2877,3 +2877,94 @@ pub async fn a_dead_proxys_lease_records_are_swept() -> anyhow::Result<()> {
     .await?;
     Ok(())
 }
+
+/// A Txn writing with leases that live at two proxies, sent to a third, runs as one
+/// transaction: the proxy it reached asks for each lease and takes it over, and each
+/// key still goes with its own lease, which every proxy goes on serving.
+pub async fn a_txn_writing_with_leases_of_two_proxies_runs_as_one() -> anyhow::Result<()> {
+    use etcd_client::{Compare, CompareOp, LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp};
+    let etcd = EtcdCluster::start(1).await?;
+    let [(_a, _, on_a), (_b, _, on_b), (_c, _, on_c)] = three_proxies(&etcd).await?;
+    let first = on_a.lease_client().grant(10, None).await?.id();
+    let second = on_b.lease_client().grant(10, None).await?.id();
+    let leased = |lease: i64| Some(PutOptions::new().with_lease(lease));
+    on_b.kv_client()
+        .put("svc/before", "up", leased(second))
+        .await?;
+    let created = key_state(&on_a, "svc/before")
+        .await?
+        .map(|(created, _)| created);
+
+    let done = on_c
+        .kv_client()
+        .txn(
+            Txn::new()
+                .when([Compare::version("svc/one", CompareOp::Equal, 0)])
+                .and_then([
+                    TxnOp::put("svc/one", "1", leased(first)),
+                    TxnOp::put("svc/two", "2", leased(second)),
+                ]),
+        )
+        .await?;
+    ensure!(done.succeeded(), "the Txn's compare failed on a new key");
+    for (at, client) in [("a", &on_a), ("b", &on_b), ("c", &on_c)] {
+        for (key, lease) in [
+            ("svc/one", first),
+            ("svc/two", second),
+            ("svc/before", second),
+        ] {
+            let shown = key_state(client, key).await?.map(|(_, lease)| lease);
+            ensure!(
+                shown == Some(lease),
+                "{key} at {at} shows lease {shown:?}, written with {lease:x}"
+            );
+        }
+    }
+    let moved = key_state(&on_a, "svc/before")
+        .await?
+        .map(|(created, _)| created);
+    ensure!(
+        moved == created,
+        "svc/before was created anew when its lease moved: {created:?}, now {moved:?}"
+    );
+    // Both leases are renewed wherever the client asks, and know their keys.
+    for (lease, client) in [(first, &on_b), (second, &on_a), (second, &on_b)] {
+        ensure!(
+            renew_once(client, lease).await? > 0,
+            "lease {lease:x} was not renewed after the Txn"
+        );
+    }
+    let listed = on_a
+        .lease_client()
+        .time_to_live(second, Some(LeaseTimeToLiveOptions::new().with_keys()))
+        .await?;
+    let mut keys: Vec<String> = listed
+        .keys()
+        .iter()
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect();
+    keys.sort();
+    ensure!(
+        keys == ["svc/before", "svc/two"],
+        "the second lease's keys after the Txn: {keys:?}"
+    );
+
+    // Each key goes with its own lease.
+    on_a.lease_client().revoke(second).await?;
+    for key in ["svc/two", "svc/before"] {
+        ensure!(
+            key_state(&on_c, key).await?.is_none(),
+            "{key} outlived the revoke of its lease"
+        );
+    }
+    ensure!(
+        key_state(&on_c, "svc/one").await?.is_some(),
+        "svc/one went with the other lease's revoke"
+    );
+    on_b.lease_client().revoke(first).await?;
+    ensure!(
+        key_state(&on_c, "svc/one").await?.is_none(),
+        "svc/one outlived the revoke of its lease"
+    );
+    Ok(())
+}
