@@ -297,7 +297,9 @@ impl EtcdApi {
     /// A key as a client of the election sees it, its client lease as the proxy's copy
     /// of the small keys shows it once caught up with the key's write.
     async fn outward(&self, kv: &etcd_client::KeyValue) -> KeyValue {
-        self.caught_up(kv.mod_revision()).await;
+        if kv.lease() != 0 {
+            self.caught_up(kv.mod_revision()).await;
+        }
         let mut pb = etcd_client::proto::PbKeyValue {
             key: kv.key().to_vec(),
             create_revision: kv.create_revision(),

@@ -68,8 +68,10 @@ impl PbKvService for EtcdApi {
         .await
         .map_err(super::etcd_error)?;
         let mut reply = got.0;
-        self.caught_up(reply.header.as_ref().map_or(0, |h| h.revision))
-            .await;
+        if reply.kvs.iter().any(|kv| kv.lease != 0) {
+            self.caught_up(reply.header.as_ref().map_or(0, |h| h.revision))
+                .await;
+        }
         self.outward_range(&mut reply);
         Ok(Response::new(reply))
     }
@@ -435,7 +437,11 @@ impl EtcdApi {
             })
             .unwrap_or_default();
         self.settle_txn(req, &mut reply, leased, revision)?;
-        self.caught_up(revision).await;
+        // Only a range's leased keys take their client lease from the copy: a Txn
+        // with none (a lock recipe's put) is answered without waiting for it.
+        if ranges_leased_keys(&reply) {
+            self.caught_up(revision).await;
+        }
         self.outward_txn(&mut reply);
         reply.header = Some(self.header(revision));
         Ok(Some(reply))
@@ -1102,6 +1108,15 @@ fn check_txn_part(
 type Sessions = std::collections::HashMap<i64, Session>;
 
 /// Every put of `txn`, nested ones too, in either branch.
+/// Whether a Txn's answer ranges over a key on a lease, at any depth.
+fn ranges_leased_keys(reply: &PbTxnResponse) -> bool {
+    reply.responses.iter().any(|op| match &op.response {
+        Some(PbTxnOpResponse::ResponseRange(r)) => r.kvs.iter().any(|kv| kv.lease != 0),
+        Some(PbTxnOpResponse::ResponseTxn(t)) => ranges_leased_keys(t),
+        _ => false,
+    })
+}
+
 fn txn_puts(txn: &PbTxnRequest) -> Vec<&PbPutRequest> {
     let mut puts = Vec::new();
     for op in txn.success.iter().chain(&txn.failure) {
@@ -1252,6 +1267,33 @@ fn inward_op(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_range_over_a_leased_key_waits_for_the_copy() {
+        let op = |response: PbTxnOpResponse| PbResponseOp {
+            response: Some(response),
+        };
+        let range = |lease: i64| {
+            op(PbTxnOpResponse::ResponseRange(PbRangeResponse {
+                kvs: vec![PbKeyValue {
+                    key: b"/k/a".to_vec(),
+                    lease,
+                    ..PbKeyValue::default()
+                }],
+                ..PbRangeResponse::default()
+            }))
+        };
+        let txn = |responses: Vec<PbResponseOp>| PbTxnResponse {
+            responses,
+            ..PbTxnResponse::default()
+        };
+        let put = || op(PbTxnOpResponse::ResponsePut(PbPutResponse::default()));
+        assert!(!ranges_leased_keys(&txn(vec![put()])));
+        assert!(!ranges_leased_keys(&txn(vec![put(), range(0)])));
+        assert!(ranges_leased_keys(&txn(vec![put(), range(7)])));
+        let nested = op(PbTxnOpResponse::ResponseTxn(txn(vec![range(7)])));
+        assert!(ranges_leased_keys(&txn(vec![nested])));
+    }
 
     fn mirror() -> Mirror {
         let entry = |name: &str, value: &str, create: i64, modified: i64, version: i64| Entry {
