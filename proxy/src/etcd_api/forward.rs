@@ -52,6 +52,12 @@ pub const FORWARDED_FOR: &str = "lockcell-forwarded-for";
 /// Metadata of a forwarded LeaseTimeToLive that asks the proxy holding the lease to
 /// hand it over to the asking proxy ([`EtcdApi::gather`]).
 pub const HAND_OVER: &str = "lockcell-hand-over";
+/// How often, and how many times, a Txn gathering its leases looks again for one that
+/// was not where it was found.
+const GATHER_LOOK: Duration = Duration::from_millis(20);
+const GATHER_LOOKS: u32 = 5;
+/// How many times a Txn gathers its leases before it gives up.
+const GATHER_ROUNDS: u32 = 3;
 /// When the forwarding proxy signed it: Unix seconds.
 const FORWARDED_AT: &str = "lockcell-forwarded-at";
 /// The signature of the two, in hex.
@@ -506,54 +512,96 @@ impl EtcdApi {
 }
 
 impl EtcdApi {
-    /// Brings the leases a Txn writes with here when they live at several proxies, so
-    /// that it runs as one transaction where all of them are: each lease at another
-    /// proxy is handed over by it, on this proxy's signed request, and taken over here
-    /// as after a drain (its keys move onto this proxy's lease; its clients find it
-    /// here). Leases that all live at one other proxy stay there, and the Txn is
-    /// forwarded to it. A forwarded call gathers nothing.
+    /// Brings the leases a Txn writes with here, so that it runs as one transaction
+    /// where all of them are: each lease at another proxy is handed over by it, on
+    /// this proxy's signed request, and taken over here as after a drain (its keys move
+    /// onto this proxy's lease; its clients find it here). Returns, once every lease is
+    /// here (or nowhere: the Txn finds it unknown), the guard that holds off handing
+    /// any of them over again until the Txn is done; after a few rounds of leases
+    /// moving away meanwhile, UNAVAILABLE, having written nothing.
     pub(super) async fn gather(
         &self,
         leases: &[i64],
         metadata: &MetadataMap,
         caller: Option<&str>,
-    ) -> Result<(), Status> {
-        if leases.len() < 2 || metadata.contains_key(FORWARDED_FOR) {
-            return Ok(());
+    ) -> Result<Option<tokio::sync::RwLockReadGuard<'_, ()>>, Status> {
+        if leases.is_empty() {
+            return Ok(None);
         }
-        let mut away = Vec::new();
-        for &id in leases {
-            if let Some(peer) = self.route(id, metadata, caller, false).await? {
-                away.push((id, peer));
+        // Looks leases up even for a forwarded call, which runs here.
+        let lookup = MetadataMap::new();
+        for _ in 0..GATHER_ROUNDS {
+            let writes = self.writes.read().await;
+            let mut away = Vec::new();
+            for &id in leases {
+                if let Some(peer) = self.route(id, &lookup, caller, false).await? {
+                    away.push((id, peer));
+                }
+            }
+            if away.is_empty() {
+                return Ok(Some(writes));
+            }
+            drop(writes);
+            for (id, peer) in away {
+                self.gather_one(id, peer, metadata, caller).await?;
             }
         }
-        let one_proxy = away.len() == leases.len()
-            && away.iter().all(|(_, peer)| peer.proxy == away[0].1.proxy);
-        if away.is_empty() || one_proxy {
-            return Ok(());
-        }
-        for (id, peer) in away {
+        Err(Status::unavailable(
+            "etcdserver: the leases of this transaction kept moving between proxies while it gathered them; nothing was written, try again",
+        ))
+    }
+}
+
+impl EtcdApi {
+    /// Brings lease `id` here from `peer`, where it was found: asks that proxy to hand
+    /// it over and takes it over. A proxy that no longer has it (it moved on, or
+    /// another proxy took it first) sends the look to where it is now, a few times;
+    /// then the Txn fails UNAVAILABLE, having written nothing. A lease found nowhere is
+    /// left for the Txn to find unknown.
+    async fn gather_one(
+        &self,
+        id: i64,
+        mut peer: Peer,
+        metadata: &MetadataMap,
+        caller: Option<&str>,
+    ) -> Result<(), Status> {
+        let mut look = tokio::time::interval(GATHER_LOOK);
+        for _ in 0..GATHER_LOOKS {
+            look.tick().await;
             let ask = PbLeaseTimeToLiveRequest { id, keys: false };
             let mut call = self.forwarded(metadata, ask, caller)?;
             call.metadata_mut()
                 .insert(HAND_OVER, MetadataValue::from_static("1"));
-            let there: PbLeaseTimeToLiveResponse =
-                peer.unary(TIME_TO_LIVE, call).await?.into_inner();
+            let handed = match peer
+                .unary::<_, PbLeaseTimeToLiveResponse>(TIME_TO_LIVE, call)
+                .await
+            {
+                Ok(there) => there.get_ref().ttl != -1,
+                // Not handed over there: it is looked for again.
+                Err(status) if status.code() == tonic::Code::Unavailable => {
+                    if status.message().starts_with(UNREACHABLE) {
+                        self.peers.forget_proxy(&peer.proxy);
+                    }
+                    false
+                }
+                Err(status) => return Err(status),
+            };
             self.peers.forget(id);
-            if there.ttl == -1 {
-                return Err(Status::not_found(super::lease::LEASE_NOT_FOUND));
-            }
-            metrics::counter!(m::ETCD_API_LEASES_GATHERED).increment(1);
-            match self.take_over(id, caller).await? {
-                super::handoff::TakeOver::Taken(_) => {}
-                super::handoff::TakeOver::NoRecord => {
-                    return Err(Status::unavailable(format!(
-                        "etcdserver: lease {id:x} moved between proxies while a transaction writing with it gathered its leases; try again"
-                    )))
+            if handed {
+                metrics::counter!(m::ETCD_API_LEASES_GATHERED).increment(1);
+                if let super::handoff::TakeOver::Taken(_) = self.take_over(id, caller).await? {
+                    return Ok(());
                 }
             }
+            match self.route(id, &MetadataMap::new(), caller, true).await? {
+                Some(now) => peer = now,
+                // Here now, or nowhere (the Txn finds it unknown).
+                None => return Ok(()),
+            }
         }
-        Ok(())
+        Err(Status::unavailable(format!(
+            "etcdserver: lease {id:x} kept moving between proxies while a transaction writing with it gathered its leases; nothing was written, try again"
+        )))
     }
 }
 

@@ -232,8 +232,9 @@ impl PbKvService for EtcdApi {
             )));
         }
         self.authorize_txn(&request, request.get_ref())?;
-        // A Txn that puts with leases living at another proxy runs there; one whose
-        // leases live at several proxies gathers them here first.
+        // A Txn that puts with leases runs where the first of them (the lowest ID)
+        // lives, and brings the others there: so two Txns on the same leases gather
+        // them at one proxy, not each at its own.
         let mut leases: Vec<i64> = txn_puts(request.get_ref())
             .iter()
             .map(|p| p.lease)
@@ -241,18 +242,19 @@ impl PbKvService for EtcdApi {
             .collect();
         leases.sort_unstable();
         leases.dedup();
-        self.gather(&leases, request.metadata(), caller.as_deref())
-            .await?;
-        for lease in leases {
+        if let Some(&first) = leases.first() {
             let txn = "/etcdserverpb.KV/Txn";
             if let Some(there) = self
-                .forward_unary(lease, txn, &request, caller.as_deref(), |_| false)
+                .forward_unary(first, txn, &request, caller.as_deref(), |_| false)
                 .await?
             {
                 return Ok(there);
             }
         }
-        self.txn_as(caller, request.into_inner())
+        let writes = self
+            .gather(&leases, request.metadata(), caller.as_deref())
+            .await?;
+        self.txn_holding(caller, request.into_inner(), writes)
             .await
             .map(Response::new)
     }
@@ -291,12 +293,23 @@ impl EtcdApi {
         caller: Option<String>,
         req: PbTxnRequest,
     ) -> Result<PbTxnResponse, Status> {
-        let map_revision = self.map_revision(b"\0", b"\0")?;
         // A leased write holds off a hand-off until its keys are recorded.
-        let _writes = match txn_puts(&req).iter().any(|p| p.lease != 0) {
+        let writes = match txn_puts(&req).iter().any(|p| p.lease != 0) {
             true => Some(self.writes.read().await),
             false => None,
         };
+        self.txn_holding(caller, req, writes).await
+    }
+
+    /// Runs a checked and authorized Txn for `caller`, holding off hand-offs with
+    /// `_writes` when it writes with a lease.
+    async fn txn_holding(
+        &self,
+        caller: Option<String>,
+        req: PbTxnRequest,
+        _writes: Option<tokio::sync::RwLockReadGuard<'_, ()>>,
+    ) -> Result<PbTxnResponse, Status> {
+        let map_revision = self.map_revision(b"\0", b"\0")?;
         let leased = self.txn_sessions(&req, caller.as_deref()).await?;
         let mut tries = 0;
         loop {

@@ -40,6 +40,17 @@ pub const LEASE_NOT_FOUND: &str = "etcdserver: requested lease not found";
 
 /// The Lease calls forwarded to the proxy a lease lives at.
 const REVOKE: &str = "/etcdserverpb.Lease/LeaseRevoke";
+/// How often, and how many times, a renewal of a lease that moved is looked for again
+/// while it is still found at the proxy that said it moved.
+const MOVED_LOOK: Duration = Duration::from_millis(50);
+const MOVED_LOOKS: u32 = 3;
+
+/// What a proxy answers to a renewal forwarded by another proxy for a lease it does
+/// not have (it moved away, or was revoked, or is not the caller's), as against 0 for
+/// one that expired there: the forwarding proxy looks for it again. Never reaches a
+/// client.
+const MOVED_TTL: i64 = -1;
+
 pub(super) const TIME_TO_LIVE: &str = "/etcdserverpb.Lease/LeaseTimeToLive";
 const KEEP_ALIVE: &str = "/etcdserverpb.Lease/LeaseKeepAlive";
 
@@ -234,12 +245,7 @@ impl PbLeaseService for EtcdApi {
                 let ttl = match renew(&api.state, req.id, caller.as_deref()) {
                     Renewal::Ttl(ttl) => ttl,
                     Renewal::Unbacked => {
-                        tokio::spawn(answer_when_backed(
-                            api.clone(),
-                            req.id,
-                            caller.clone(),
-                            tx.clone(),
-                        ));
+                        tokio::spawn(answer_when_backed_here_or_there(relays.clone(), req.id));
                         continue;
                     }
                     // At another proxy (forwarded there), or handed over by a draining
@@ -250,13 +256,7 @@ impl PbLeaseService for EtcdApi {
                     }
                     // On its way to a proxy that asked for it: answered once there.
                     Renewal::HandedOff if !api.state.is_draining() => {
-                        tokio::spawn(answer_once_moved(
-                            api.clone(),
-                            relays.clone(),
-                            req.id,
-                            caller.clone(),
-                            tx.clone(),
-                        ));
+                        tokio::spawn(answer_once_moved(relays.clone(), req.id));
                         continue;
                     }
                     // The client goes on with another proxy (its stream ends here).
@@ -402,71 +402,76 @@ impl EtcdApi {
 
 /// Answers a renewal of lease `id` the proxy could not back when it came, once the
 /// proxy can (it renews its own etcd lease within a renew interval), or not at all.
-async fn answer_when_backed(
-    api: EtcdApi,
-    id: i64,
-    caller: Option<String>,
-    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
-) {
+/// Returns true, having answered nothing, when the lease moved away meanwhile.
+async fn answer_when_backed(relays: &Relays, id: i64) -> bool {
+    let api = &relays.api;
     let give_up = Instant::now() + api.state.config.renew_interval();
     let mut look = tokio::time::interval(UNBACKED_LOOK);
     while Instant::now() < give_up {
         look.tick().await;
-        let ttl = match renew(&api.state, id, caller.as_deref()) {
+        let ttl = match renew(&api.state, id, relays.caller.as_deref()) {
             Renewal::Ttl(ttl) => ttl,
             Renewal::Unbacked => continue,
-            Renewal::Unknown => 0,
-            Renewal::HandedOff => return,
+            Renewal::Unknown => return true,
+            Renewal::HandedOff => return false,
         };
-        let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
-        return;
+        let _ = relays.tx.send(Ok(api.kept_alive(id, ttl))).await;
+        return false;
+    }
+    false
+}
+
+/// Answers a renewal the proxy could not back when it came ([`answer_when_backed`]),
+/// or where the lease went if it moved away meanwhile.
+async fn answer_when_backed_here_or_there(relays: Arc<Relays>, id: i64) {
+    if answer_when_backed(&relays, id).await {
+        relays.unknown(id, None).await;
     }
 }
 
 /// Answers a renewal of lease `id`, which this proxy is handing to a proxy that asked
 /// for it: renewed where it ends up.
-async fn answer_once_moved(
-    api: EtcdApi,
-    relays: Arc<Relays>,
-    id: i64,
-    caller: Option<String>,
-    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
-) {
+async fn answer_once_moved(relays: Arc<Relays>, id: i64) {
+    let api = &relays.api;
     api.hand_over_settled(id).await;
-    let ttl = match renew(&api.state, id, caller.as_deref()) {
+    let ttl = match renew(&api.state, id, relays.caller.as_deref()) {
         Renewal::Ttl(ttl) => ttl,
-        Renewal::Unbacked => return answer_when_backed(api, id, caller, tx).await,
+        Renewal::Unbacked => return answer_when_backed_here_or_there(relays, id).await,
         Renewal::Unknown => return relays.unknown(id, None).await,
         Renewal::HandedOff => {
-            let _ = tx.send(Err(super::refused_handed_off())).await;
+            let _ = relays.tx.send(Err(super::refused_handed_off())).await;
             return;
         }
     };
-    let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
+    let _ = relays.tx.send(Ok(api.kept_alive(id, ttl))).await;
 }
 
 /// Answers a renewal of lease `id`, unknown here: taken over first if a draining proxy
-/// handed it over (see [`super::handoff`]), else TTL 0, as etcd answers.
-async fn take_over_and_answer(
-    api: EtcdApi,
-    id: i64,
-    caller: Option<String>,
-    tx: mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>,
-) {
+/// handed it over (see [`super::handoff`]), else TTL 0, as etcd answers (or
+/// [`MOVED_TTL`] to a proxy that forwarded it).
+async fn take_over_and_answer(relays: Arc<Relays>, id: i64) {
     use super::handoff::TakeOver;
-    let ttl = match api.take_over(id, caller.as_deref()).await {
-        Ok(TakeOver::Taken(_)) => match renew(&api.state, id, caller.as_deref()) {
+    let api = &relays.api;
+    let caller = relays.caller.as_deref();
+    let ttl = match api.take_over(id, caller).await {
+        Ok(TakeOver::Taken(_)) => match renew(&api.state, id, caller) {
             Renewal::Ttl(ttl) => ttl,
-            Renewal::Unbacked => return answer_when_backed(api, id, caller, tx).await,
-            Renewal::Unknown | Renewal::HandedOff => 0,
+            Renewal::Unbacked => {
+                if answer_when_backed(&relays, id).await {
+                    relays.not_here()
+                } else {
+                    return;
+                }
+            }
+            Renewal::Unknown | Renewal::HandedOff => relays.not_here(),
         },
-        Ok(TakeOver::NoRecord) => 0,
+        Ok(TakeOver::NoRecord) => relays.not_here(),
         Err(refused) => {
-            let _ = tx.send(Err(refused)).await;
+            let _ = relays.tx.send(Err(refused)).await;
             return;
         }
     };
-    let _ = tx.send(Ok(api.kept_alive(id, ttl))).await;
+    let _ = relays.tx.send(Ok(api.kept_alive(id, ttl))).await;
 }
 
 /// A client keepalive stream's streams to the other proxies, for its leases that live
@@ -499,31 +504,42 @@ struct Relayed {
 impl Relays {
     /// Answers a renewal of lease `id`, which this proxy does not have: forwarded to
     /// the proxy it lives at, or taken over here (or TTL 0, as etcd answers, when it is
-    /// nowhere). `denied` is the proxy that has just answered it is not there: it is
-    /// looked for again, and if it is still found there, the client is told TTL 0.
+    /// nowhere). `denied` is the proxy that has just answered it does not have the
+    /// lease: it is looked for again, a few times while it is still found there (it may
+    /// have moved away and back), and then the client is told TTL 0.
     async fn unknown(self: Arc<Self>, id: i64, denied: Option<String>) {
         let api = &self.api;
         let caller = self.caller.as_deref();
-        let peer = match api
-            .route(id, &self.metadata, caller, denied.is_some())
-            .await
-        {
-            Ok(Some(peer)) => peer,
-            Ok(None) => {
-                let (api, caller, tx) = (api.clone(), self.caller.clone(), self.tx.clone());
-                return take_over_and_answer(api, id, caller, tx).await;
+        let mut look = tokio::time::interval(MOVED_LOOK);
+        let mut looks = 0;
+        let peer = loop {
+            if denied.is_some() {
+                look.tick().await;
             }
-            // The client hears why (its stream ends; clients open another).
-            Err(refused) => {
-                tracing::warn!(error = %refused.message(), lease = format_args!("{id:x}"), "could not find where a lease lives");
-                let _ = self.tx.send(Err(refused)).await;
+            let peer = match api
+                .route(id, &self.metadata, caller, denied.is_some())
+                .await
+            {
+                Ok(Some(peer)) => peer,
+                Ok(None) => return take_over_and_answer(self.clone(), id).await,
+                // The client hears why (its stream ends; clients open another).
+                Err(refused) => {
+                    tracing::warn!(error = %refused.message(), lease = format_args!("{id:x}"), "could not find where a lease lives");
+                    let _ = self.tx.send(Err(refused)).await;
+                    return;
+                }
+            };
+            if denied.as_deref() != Some(peer.proxy.as_str()) {
+                break peer;
+            }
+            looks += 1;
+            if looks == MOVED_LOOKS {
+                // Still found only there: it has no such lease (ended, or not the
+                // caller's), as etcd answers.
+                let _ = self.tx.send(Ok(api.kept_alive(id, 0))).await;
                 return;
             }
         };
-        if denied.as_deref() == Some(peer.proxy.as_str()) {
-            let _ = self.tx.send(Ok(api.kept_alive(id, 0))).await;
-            return;
-        }
         let request = PbLeaseKeepAliveRequest { id };
         for _ in 0..2 {
             let Some(relayed) = self.stream_to(&peer) else {
@@ -540,6 +556,16 @@ impl Relays {
                 .expect("waiting lock")
                 .retain(|w| *w != id);
             self.open.lock().expect("relays lock").remove(&peer.proxy);
+        }
+    }
+
+    /// The TTL answered for a lease that is not here: 0 to a client, as etcd answers
+    /// for a lease it does not have; [`MOVED_TTL`] to a proxy that forwarded the
+    /// renewal, which then looks for the lease again.
+    fn not_here(&self) -> i64 {
+        match self.metadata.contains_key(forward::FORWARDED_FOR) {
+            true => MOVED_TTL,
+            false => 0,
         }
     }
 
@@ -616,11 +642,18 @@ async fn relay(
             }
         }
         match reply {
-            Ok(Some(reply)) if reply.ttl > 0 => {
+            // Renewed there, or expired there (a lease that expired never lives again).
+            Ok(Some(reply)) if reply.ttl >= 0 => {
+                if reply.ttl == 0 {
+                    if let Some(relays) = relays.upgrade() {
+                        relays.api.peers.forget(reply.id);
+                    }
+                }
                 if tx.send(Ok(reply)).await.is_err() {
                     return;
                 }
             }
+            // Not there: it moved.
             Ok(Some(reply)) => {
                 // The client may have half-closed its stream since: it still hears.
                 let relays = relays.upgrade().unwrap_or_else(|| detached.detached());

@@ -35,6 +35,7 @@ use super::keys::inner;
 use super::lease::{session_of, LEASE_NOT_FOUND};
 use super::EtcdApi;
 use crate::grants::Right;
+use crate::sessions::Gone;
 
 /// How often a waiting Lock looks whether its lease still lives.
 const LEASE_CHECK: Duration = Duration::from_millis(500);
@@ -332,6 +333,13 @@ impl EtcdApi {
                     match state.sessions.get(&session_of(lease), Instant::now()) {
                         Ok(s) if s.handed_off => return Err(super::refused_handed_off()),
                         Ok(_) => {}
+                        // Taken over by another proxy (an ended lease leaves a
+                        // tombstone): the lease lives on there.
+                        Err(Gone::Unknown) => {
+                            return Err(Status::unavailable(format!(
+                                "etcdserver: lease {lease:x} moved to another proxy while this call waited here; call again (the wait's place in line was given up)"
+                            )))
+                        }
                         Err(_) => return Err(Status::not_found(LEASE_NOT_FOUND)),
                     }
                 }

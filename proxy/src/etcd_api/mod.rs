@@ -279,7 +279,7 @@ pub(crate) const LEADER_LOOK: std::time::Duration = std::time::Duration::from_se
 /// The refusal of a call on a lease this proxy handed off while draining.
 pub(crate) fn refused_handed_off() -> Status {
     Status::unavailable(
-        "etcdserver: this proxy is shutting down and handed the lease over; use another endpoint (or this one once the proxy is back)",
+        "etcdserver: this proxy handed the lease over (it is shutting down, or another proxy asked for the lease); call again, at another endpoint if this one is going away",
     )
 }
 

@@ -2949,6 +2949,63 @@ pub async fn a_txn_writing_with_leases_of_two_proxies_runs_as_one() -> anyhow::R
         "the second lease's keys after the Txn: {keys:?}"
     );
 
+    // Txns racing to gather the same two leases at two proxies, while a client renews
+    // both at the third: every Txn is written, no renewal is answered TTL 0, and a
+    // proxy that knew a lease somewhere it no longer lives finds it.
+    let mut streams = Vec::new();
+    for lease in [first, second] {
+        streams.push(on_c.lease_client().keep_alive(lease).await?);
+    }
+    let renewing = async {
+        let mut every = tokio::time::interval(Duration::from_millis(50));
+        let mut answered = 0;
+        for _ in 0..20 {
+            every.tick().await;
+            for (keeper, replies) in &mut streams {
+                keeper.keep_alive().await?;
+                let reply = tokio::time::timeout(Duration::from_secs(5), replies.message())
+                    .await
+                    .context("a renewal was not answered within 5 s while Txns gathered")??
+                    .context("a keepalive stream ended while Txns gathered")?;
+                ensure!(
+                    reply.ttl() > 0,
+                    "lease {:x} was answered TTL {} while Txns gathered it",
+                    reply.id(),
+                    reply.ttl()
+                );
+                answered += 1;
+            }
+        }
+        anyhow::Ok(answered)
+    };
+    let racing = async {
+        for round in 0..5 {
+            let txn = |at: &str| {
+                Txn::new().and_then([
+                    TxnOp::put(format!("race/{round}/{at}/1"), "1", leased(first)),
+                    TxnOp::put(format!("race/{round}/{at}/2"), "2", leased(second)),
+                ])
+            };
+            let (mut kv_a, mut kv_b) = (on_a.kv_client(), on_b.kv_client());
+            let (at_a, at_b) = tokio::join!(kv_a.txn(txn("a")), kv_b.txn(txn("b")));
+            at_a.context("a racing Txn at a")?;
+            at_b.context("a racing Txn at b")?;
+        }
+        anyhow::Ok(())
+    };
+    let (answered, raced) = tokio::join!(renewing, racing);
+    raced?;
+    ensure!(answered? > 0, "no renewal was answered while Txns raced");
+    let raced = on_c
+        .kv_client()
+        .get("race/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await?;
+    ensure!(
+        raced.kvs().len() == 20,
+        "{} of the racing Txns' 20 keys were written",
+        raced.kvs().len()
+    );
+
     // Each key goes with its own lease.
     on_a.lease_client().revoke(second).await?;
     for key in ["svc/two", "svc/before"] {
