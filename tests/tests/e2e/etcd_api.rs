@@ -909,6 +909,27 @@ async fn renew_once(client: &etcd_client::Client, lease: i64) -> anyhow::Result<
 }
 
 /// The create revision and client lease of `key` as `client` reads it, if it is there.
+/// Lease `lease`'s time to live and its keys, sorted, as `client`'s proxy answers.
+async fn lease_keys(
+    client: &etcd_client::Client,
+    lease: i64,
+) -> anyhow::Result<(i64, Vec<String>)> {
+    let listed = client
+        .lease_client()
+        .time_to_live(
+            lease,
+            Some(etcd_client::LeaseTimeToLiveOptions::new().with_keys()),
+        )
+        .await?;
+    let mut keys: Vec<String> = listed
+        .keys()
+        .iter()
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect();
+    keys.sort();
+    Ok((listed.ttl(), keys))
+}
+
 async fn key_state(client: &etcd_client::Client, key: &str) -> anyhow::Result<Option<(i64, i64)>> {
     let got = client.kv_client().get(key, None).await?;
     Ok(got
@@ -922,7 +943,7 @@ async fn key_state(client: &etcd_client::Client, key: &str) -> anyhow::Result<Op
 /// on its lease) and its hold of a lock, past the first proxy's own etcd lease; and its
 /// keys still go with the lease when it is revoked there.
 pub async fn a_drained_proxys_leases_go_on_at_the_next_proxy() -> anyhow::Result<()> {
-    use etcd_client::{LeaseTimeToLiveOptions, LockOptions, PutOptions};
+    use etcd_client::{LockOptions, PutOptions};
     let etcd = EtcdCluster::start(1).await?;
     let (mut a, api_a) = proxy_with_etcd_api(&etcd).await?;
     let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
@@ -955,16 +976,7 @@ pub async fn a_drained_proxys_leases_go_on_at_the_next_proxy() -> anyhow::Result
     );
     let status = a.process.wait_exit(Duration::from_secs(20)).await?;
     ensure!(status.success(), "the drained proxy exited {status}");
-    let listed = on_b
-        .lease_client()
-        .time_to_live(lease, Some(LeaseTimeToLiveOptions::new().with_keys()))
-        .await?;
-    let mut keys: Vec<String> = listed
-        .keys()
-        .iter()
-        .map(|k| String::from_utf8_lossy(k).into_owned())
-        .collect();
-    keys.sort();
+    let (_, keys) = lease_keys(&on_b, lease).await?;
     ensure!(
         keys == ["held/k", lock_key.as_str()],
         "the lease taken over lists {keys:?}"
@@ -1328,20 +1340,7 @@ pub async fn a_lease_is_served_at_every_proxy() -> anyhow::Result<()> {
         .lock("jobs/y", Some(LockOptions::new().with_lease(lease)))
         .await?;
     let lock_key = String::from_utf8(lock.key().to_vec())?;
-    let keys_of = |client: etcd_client::Client| async move {
-        let listed = client
-            .lease_client()
-            .time_to_live(lease, Some(LeaseTimeToLiveOptions::new().with_keys()))
-            .await?;
-        let mut keys: Vec<String> = listed
-            .keys()
-            .iter()
-            .map(|k| String::from_utf8_lossy(k).into_owned())
-            .collect();
-        keys.sort();
-        anyhow::Ok((listed.ttl(), keys))
-    };
-    let (ttl, keys) = keys_of(on_b.clone()).await?;
+    let (ttl, keys) = lease_keys(&on_b, lease).await?;
     ensure!(
         ttl > 0 && keys == [lock_key.as_str(), "svc/b", "svc/c"],
         "the lease's time to live at b: {ttl}, keys {keys:?}"
@@ -1396,7 +1395,7 @@ pub async fn a_lease_is_served_at_every_proxy() -> anyhow::Result<()> {
         "a revoked lease was renewed at b: {renewed:?}"
     );
     ensure!(
-        keys_of(on_c.clone()).await?.0 == -1,
+        lease_keys(&on_c, lease).await?.0 == -1,
         "a revoked lease has a time to live at c"
     );
 
@@ -2882,7 +2881,7 @@ pub async fn a_dead_proxys_lease_records_are_swept() -> anyhow::Result<()> {
 /// transaction: the proxy it reached asks for each lease and takes it over, and each
 /// key still goes with its own lease, which every proxy goes on serving.
 pub async fn a_txn_writing_with_leases_of_two_proxies_runs_as_one() -> anyhow::Result<()> {
-    use etcd_client::{Compare, CompareOp, LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp};
+    use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
     let etcd = EtcdCluster::start(1).await?;
     let [(_a, _, on_a), (_b, _, on_b), (_c, _, on_c)] = three_proxies(&etcd).await?;
     let first = on_a.lease_client().grant(10, None).await?.id();
@@ -2934,16 +2933,7 @@ pub async fn a_txn_writing_with_leases_of_two_proxies_runs_as_one() -> anyhow::R
             "lease {lease:x} was not renewed after the Txn"
         );
     }
-    let listed = on_a
-        .lease_client()
-        .time_to_live(second, Some(LeaseTimeToLiveOptions::new().with_keys()))
-        .await?;
-    let mut keys: Vec<String> = listed
-        .keys()
-        .iter()
-        .map(|k| String::from_utf8_lossy(k).into_owned())
-        .collect();
-    keys.sort();
+    let (_, keys) = lease_keys(&on_a, second).await?;
     ensure!(
         keys == ["svc/before", "svc/two"],
         "the second lease's keys after the Txn: {keys:?}"
