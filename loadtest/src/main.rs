@@ -132,6 +132,7 @@ async fn run(
     plan: &[Scenario],
 ) -> anyhow::Result<()> {
     let mut tables = Vec::new();
+    let mut failed = Vec::new();
     for scenario in plan {
         let mut reports = Vec::new();
         for &target in targets {
@@ -153,8 +154,19 @@ async fn run(
                 }
                 Scenario::Bench { .. } => unreachable!("bench expands into scenarios"),
             }
-            .with_context(|| format!("{} against {}", name(scenario), target.name()))?;
-            let mut report = report;
+            .with_context(|| format!("{} against {}", name(scenario), target.name()));
+            // A target that fails a scenario (bare etcd timing out under the seed's
+            // sizes, say) is reported as failed, and the run goes on with the others.
+            let mut report = match report {
+                Ok(report) => report,
+                Err(error) => {
+                    eprintln!("lockcell-loadtest: {error:#}");
+                    failed.push(format!("{error:#}"));
+                    let mut report = Report::new(&name(scenario), target.name());
+                    report.param("failed", format!("{error:#}"));
+                    report
+                }
+            };
             report.scenario = name(scenario);
             let path = report.write(out)?;
             eprintln!("lockcell-loadtest: wrote {}", path.display());
@@ -169,15 +181,19 @@ async fn run(
             }
             reports.push(report);
         }
-        // A target the scenario does not apply to says why, under the table rather than
-        // as a column of dashes.
+        // A target the scenario does not apply to, or that failed it, says why under
+        // the table rather than as a column of dashes.
         let (skipped, measured): (Vec<Report>, Vec<Report>) = reports
             .into_iter()
-            .partition(|r| r.params.contains_key("skipped"));
+            .partition(|r| r.params.contains_key("skipped") || r.params.contains_key("failed"));
         let mut table = markdown_table(&name(scenario), &measured);
         for r in &skipped {
-            let why = r.params["skipped"].as_str().unwrap_or_default();
-            table.push_str(&format!("\n_{} not measured: {why}._\n", r.target));
+            let (what, why) = match r.params.get("failed") {
+                Some(why) => ("failed", why),
+                None => ("not measured", &r.params["skipped"]),
+            };
+            let why = why.as_str().unwrap_or_default();
+            table.push_str(&format!("\n_{} {what}: {why}._\n", r.target));
         }
         std::fs::write(out.join(format!("{}.md", name(scenario))), &table)?;
         plots(out, &name(scenario), &measured)?;
@@ -187,6 +203,13 @@ async fn run(
     }
     if plan.len() > 1 {
         std::fs::write(out.join("summary.md"), tables.join("\n"))?;
+    }
+    if !failed.is_empty() {
+        anyhow::bail!(
+            "{} of the runs failed (their tables say so):\n{}",
+            failed.len(),
+            failed.join("\n")
+        );
     }
     Ok(())
 }
