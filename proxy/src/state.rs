@@ -82,6 +82,24 @@ impl ProxyState {
         }
     }
 
+    /// The keys (no values) under `root` in etcd, as `what` names the read in errors.
+    pub async fn keys_under(
+        &self,
+        what: &'static str,
+        root: &str,
+    ) -> Result<Vec<etcd_client::KeyValue>, lockcell_cell::CellError> {
+        let options = etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_keys_only();
+        let got = lockcell_cell::error::with_timeout(
+            what,
+            self.config.etcd_timeout,
+            self.etcd.kv_client().get(root, Some(options)),
+        )
+        .await?;
+        Ok(got.kvs().to_vec())
+    }
+
     pub fn is_draining(&self) -> bool {
         *self.drain.borrow()
     }

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use lockcell_cell::error::with_timeout;
 use lockcell_cell::keyspace;
 use lockcell_cell::CellError;
@@ -95,17 +95,8 @@ async fn sweep_once(state: &ProxyState) -> Result<usize, CellError> {
 /// Whether this proxy's id comes first among the running proxies' presence records.
 async fn first_proxy(state: &ProxyState) -> Result<bool, CellError> {
     let root = keyspace::proxy_presence_root();
-    let got = with_timeout(
-        "read the running proxies",
-        state.config.etcd_timeout,
-        state
-            .etcd
-            .kv_client()
-            .get(root, Some(GetOptions::new().with_prefix().with_keys_only())),
-    )
-    .await?;
-    let first = got
-        .kvs()
+    let running = state.keys_under("read the running proxies", root).await?;
+    let first = running
         .iter()
         .filter_map(|kv| kv.key().strip_prefix(root.as_bytes()))
         .min();

@@ -543,7 +543,15 @@ impl EtcdApi {
             }
             drop(writes);
             for (id, peer) in away {
-                self.gather_one(id, peer, metadata, caller).await?;
+                // Runs to its end even if the client hangs up: a lease asked for and
+                // not taken would wait on its record, its calls held, until withdrawn.
+                let (api, metadata) = (self.clone(), metadata.clone());
+                let caller = caller.map(str::to_owned);
+                tokio::spawn(async move {
+                    api.gather_one(id, peer, &metadata, caller.as_deref()).await
+                })
+                .await
+                .map_err(|e| Status::internal(format!("gathering lease {id:x} failed: {e}")))??;
             }
         }
         Err(Status::unavailable(

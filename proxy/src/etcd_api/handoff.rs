@@ -29,7 +29,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use lockcell_cell::error::with_timeout;
 use lockcell_cell::keyspace;
 use lockcell_cell::locklog::{Grant, Resume};
@@ -347,19 +347,9 @@ impl EtcdApi {
 
     /// The hand-off records in etcd: their mod revision, by lease.
     async fn records_present(&self) -> Result<HashMap<i64, i64>, lockcell_cell::CellError> {
-        let state = &self.state;
         let root = keyspace::etcd_lease_handoff_root();
-        let got = with_timeout(
-            "read hand-off records",
-            state.config.etcd_timeout,
-            state
-                .etcd
-                .kv_client()
-                .get(root, Some(GetOptions::new().with_prefix().with_keys_only())),
-        )
-        .await?;
-        Ok(got
-            .kvs()
+        let records = self.state.keys_under("read hand-off records", root).await?;
+        Ok(records
             .iter()
             .filter_map(|kv| {
                 let hex = kv.key().strip_prefix(root.as_bytes())?;

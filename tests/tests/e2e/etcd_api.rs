@@ -2996,6 +2996,35 @@ pub async fn a_txn_writing_with_leases_of_two_proxies_runs_as_one() -> anyhow::R
         raced.kvs().len()
     );
 
+    // A client that hangs up while its Txn gathers: the Txn wrote all or nothing, and
+    // both leases are renewed at once wherever the client asks next.
+    for wait_ms in [0, 2, 5, 10, 20] {
+        let key = |n: u8| format!("gone/{wait_ms}/{n}");
+        let txn = Txn::new().and_then([
+            TxnOp::put(key(1), "1", leased(first)),
+            TxnOp::put(key(2), "2", leased(second)),
+        ]);
+        let mut kv = on_a.kv_client();
+        let _ = tokio::time::timeout(Duration::from_millis(wait_ms), kv.txn(txn)).await;
+        for (lease, client) in [(first, &on_a), (second, &on_b), (first, &on_c)] {
+            let renewed = tokio::time::timeout(Duration::from_secs(2), renew_once(client, lease))
+                .await
+                .context("a renewal waited over 2 s after a client hung up mid-gather")??;
+            ensure!(
+                renewed > 0,
+                "lease {lease:x} renewed TTL {renewed} after a client hung up mid-gather"
+            );
+        }
+        let (one, two) = (
+            key_state(&on_c, &key(1)).await?,
+            key_state(&on_c, &key(2)).await?,
+        );
+        ensure!(
+            one.is_some() == two.is_some(),
+            "a Txn cut off after {wait_ms} ms wrote one key of two: {one:?} {two:?}"
+        );
+    }
+
     // Each key goes with its own lease.
     on_a.lease_client().revoke(second).await?;
     for key in ["svc/two", "svc/before"] {
