@@ -25,6 +25,8 @@ pub struct Relay {
     pumps: Pumps,
     /// While set, connections are closed as soon as they are made.
     refusing: Arc<AtomicBool>,
+    /// Counts heals: a connection made before the last heal passes nothing more.
+    heals: Arc<AtomicU64>,
     accept: JoinHandle<()>,
 }
 
@@ -58,6 +60,8 @@ impl Relay {
         let running = pumps.clone();
         let refusing = Arc::new(AtomicBool::new(false));
         let refused = refusing.clone();
+        let heals = Arc::new(AtomicU64::new(0));
+        let healed = heals.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if refused.load(Ordering::SeqCst) {
@@ -69,15 +73,18 @@ impl Relay {
                 };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
+                let born = healed.load(Ordering::SeqCst);
                 let requests = Pump {
                     cut: qc.clone(),
                     delay_ms: delay.clone(),
                     trap: Some((traps.clone(), rc.clone())),
+                    heals: (healed.clone(), born),
                 };
                 let replies = Pump {
                     cut: rc.clone(),
                     delay_ms: delay.clone(),
                     trap: None,
+                    heals: (healed.clone(), born),
                 };
                 let mut running = running.lock().expect("pumps");
                 running.retain(|p| !p.is_finished());
@@ -93,6 +100,7 @@ impl Relay {
             trap,
             pumps,
             refusing,
+            heals,
             accept,
         })
     }
@@ -146,7 +154,12 @@ impl Relay {
     /// connection that went through the cut is closed (its peers would have given up on
     /// it; and the bytes the cut dropped leave its streams unusable, or worse, missing
     /// whole messages that a gRPC peer would read past).
+    ///
+    /// The connections are marked before the cut is lifted: a chunk one of them reads
+    /// in between (say, the frame of a message written as the cut ends) must not pass,
+    /// or its peer would read that message after the ones the cut dropped.
     pub fn heal(&self) {
+        self.heals.fetch_add(1, Ordering::SeqCst);
         self.cut(false);
         self.reset();
     }
@@ -191,6 +204,8 @@ struct Pump {
     delay_ms: Arc<AtomicU64>,
     /// Requests only: the one-shot trap to look out for, and the replies' cut switch.
     trap: Option<(TrapSlot, Arc<AtomicBool>)>,
+    /// The relay's heal count, and what it was when the connection was made.
+    heals: (Arc<AtomicU64>, u64),
 }
 
 impl Pump {
@@ -207,6 +222,10 @@ impl Pump {
             };
             if self.cut.load(Ordering::SeqCst) {
                 continue;
+            }
+            // Healed since the connection was made: it went through the cut.
+            if self.heals.0.load(Ordering::SeqCst) != self.heals.1 {
+                return;
             }
             self.spring(&buf[..n]);
             let delay = self.delay_ms.load(Ordering::SeqCst);
