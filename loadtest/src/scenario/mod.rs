@@ -36,10 +36,12 @@ pub async fn open_fleet(cell: &Cell, spec: FleetSpec) -> anyhow::Result<Fleet> {
     Ok(fleet)
 }
 
-/// CPU and memory of the processes under test (and of the load generator itself).
+/// CPU and memory of the processes under test (and of the load generator itself), and
+/// the longest the load generator's own runtime went without running a task.
 pub struct Resources {
     trackers: Vec<(&'static str, ProcTracker)>,
     own: ProcTracker,
+    stalls: StallWatch,
 }
 
 impl Resources {
@@ -47,6 +49,7 @@ impl Resources {
         Resources {
             trackers: cell.trackers(),
             own: ProcTracker::start(std::process::id()),
+            stalls: StallWatch::start(),
         }
     }
 
@@ -60,7 +63,12 @@ impl Resources {
     /// Adds cpu and memory figures per process kind; `sessions` sizes the per-session
     /// memory figures.
     pub fn finish(self, report: &mut Report, sessions: usize) {
-        let Resources { trackers, own } = self;
+        let Resources {
+            trackers,
+            own,
+            stalls,
+        } = self;
+        report.metric("loadgen_max_stall_s", stalls.finish().as_secs_f64());
         let finished: Vec<(&str, ProcSample)> =
             trackers.into_iter().map(|(k, t)| (k, t.finish())).collect();
         for kind in ["etcd", "proxy"] {
@@ -85,5 +93,38 @@ impl Resources {
             }
         }
         report.metric("loadgen_cpu_s", own.finish().cpu_seconds);
+    }
+}
+
+/// How late a task of the load generator's runtime that wakes every [`StallWatch::EVERY`]
+/// ran, at worst: when it is seconds, replies sat unread in the generator for that
+/// long, and round trips and unanswered renewals measured then are the generator's.
+struct StallWatch {
+    worst_us: Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StallWatch {
+    const EVERY: Duration = Duration::from_millis(20);
+
+    fn start() -> Self {
+        let worst_us = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let worst = worst_us.clone();
+        let task = tokio::spawn(async move {
+            let mut last = tokio::time::Instant::now();
+            loop {
+                tokio::time::sleep(Self::EVERY).await;
+                let now = tokio::time::Instant::now();
+                let late = (now - last).saturating_sub(Self::EVERY);
+                worst.fetch_max(late.as_micros() as u64, Ordering::Relaxed);
+                last = now;
+            }
+        });
+        StallWatch { worst_us, task }
+    }
+
+    fn finish(self) -> Duration {
+        self.task.abort();
+        Duration::from_micros(self.worst_us.load(Ordering::Relaxed))
     }
 }
