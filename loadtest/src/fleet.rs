@@ -308,17 +308,6 @@ impl Fleet {
             .enumerate()
             .map(move |(i, (_, channel))| (channel, share(n, c, i)))
     }
-
-    /// A channel of `zone` for lock calls (lockcell).
-    pub fn channel(&self, zone: usize, hint: usize) -> Channel {
-        let in_zone: Vec<&Channel> = self
-            .connections
-            .iter()
-            .filter(|(z, _)| *z == zone)
-            .map(|(_, c)| c)
-            .collect();
-        in_zone[hint % in_zone.len()].clone()
-    }
 }
 
 async fn open_one(target: Target, channel: &Channel, ttl: Duration) -> anyhow::Result<SessionKey> {

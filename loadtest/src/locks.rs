@@ -26,6 +26,16 @@ pub enum Locker {
 pub struct Grant {
     pub epoch: u64,
     pub revision: i64,
+    /// The etcd recipe's two steps, when the grant came after a wait: when the waiter
+    /// saw the holder's key deleted, and how long the granting transaction then took.
+    pub stages: Option<Stages>,
+}
+
+/// Where a wait's time went, in the etcd recipe (lockcell's Acquire is one call).
+#[derive(Debug, Clone, Copy)]
+pub struct Stages {
+    pub heard_free: tokio::time::Instant,
+    pub write: Duration,
 }
 
 impl Locker {
@@ -61,6 +71,7 @@ impl Locker {
                 Ok(reply.token.filter(|_| reply.granted).map(|t| Grant {
                     epoch: t.epoch,
                     revision: t.revision,
+                    stages: None,
                 }))
             }
             (Locker::Etcd(client), SessionKey::Etcd(lease)) => {
@@ -124,6 +135,7 @@ async fn etcd_acquire(
 ) -> anyhow::Result<Option<Grant>> {
     let key = etcd_key(lock);
     let give_up = tokio::time::Instant::now() + wait;
+    let mut heard_free = None;
     loop {
         let txn = Txn::new()
             .when([Compare::create_revision(
@@ -136,10 +148,19 @@ async fn etcd_acquire(
                 lease.to_string(),
                 Some(PutOptions::new().with_lease(lease)),
             )]);
+        let sent = tokio::time::Instant::now();
         let resp = client.kv_client().txn(txn).await?;
         let revision = resp.header().context("txn without header")?.revision();
         if resp.succeeded() {
-            return Ok(Some(Grant { epoch: 0, revision }));
+            let stages = heard_free.map(|heard_free| Stages {
+                heard_free,
+                write: sent.elapsed(),
+            });
+            return Ok(Some(Grant {
+                epoch: 0,
+                revision,
+                stages,
+            }));
         }
         let left = give_up.saturating_duration_since(tokio::time::Instant::now());
         if left.is_zero() {
@@ -165,7 +186,10 @@ async fn etcd_acquire(
             bail!("watch on {key} ended")
         };
         match tokio::time::timeout(left, deleted).await {
-            Ok(result) => result?,
+            Ok(result) => {
+                result?;
+                heard_free = Some(tokio::time::Instant::now());
+            }
             Err(_) => return Ok(None),
         }
     }

@@ -18,10 +18,11 @@ use lockcell_proto::v1::lock_client::LockClient;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tonic::transport::Endpoint;
 
 use super::{open_fleet, Resources};
 use crate::cluster::{Cell, CellOptions, Target};
-use crate::fleet::{report_expiries, Fleet, FleetSpec};
+use crate::fleet::{report_expiries, FleetSpec};
 use crate::locks::Locker;
 use crate::members::{Membership, Setup};
 use crate::progress;
@@ -78,7 +79,8 @@ pub async fn run(
     report.param("connections", spec.connections);
 
     let fleet = open_fleet(&cell, spec).await?;
-    let lockers = lockers(&cell, &fleet).await?;
+    let lock_runtime = LockRuntime::start()?;
+    let lockers = lockers(&cell, &lock_runtime).await?;
     let by_zone: Vec<Vec<usize>> = (0..cell.zones.len())
         .map(|z| {
             (0..fleet.members.len())
@@ -164,11 +166,12 @@ pub async fn run(
             fleet.members[member].key.clone(),
             regranted.clone(),
         );
-        waiting.spawn(async move {
+        let wait = async move {
             let grant = locker.acquire(&key, &lock_name(j), patience).await;
             regranted.fetch_add(1, Ordering::Relaxed);
-            (grant.map(|g| g.is_some()), Instant::now())
-        });
+            (grant.map(|g| g.map(|g| g.stages)), Instant::now())
+        };
+        waiting.spawn_on(wait, lock_runtime.handle());
     }
     // Every waiter's first attempt is one transaction that finds its lock held: the
     // storm starts once etcd has seen them all.
@@ -196,6 +199,8 @@ pub async fn run(
     // survivor has seen its group's departures (or the same patience ran out).
     let bar = progress::count("locks re-granted", doomed.len() as u64);
     let mut regrants = Samples::new();
+    // The etcd recipe's two steps: the holder's key seen deleted, the granting write.
+    let (mut heard_free, mut writes) = (Samples::new(), Samples::new());
     let mut offsets = Vec::new();
     let mut failed = 0;
     let mut watch_load = WatchLoad::default();
@@ -204,12 +209,16 @@ pub async fn run(
     while !(locks_done && members_done) {
         tokio::select! {
             done = waiting.join_next(), if !locks_done => match done {
-                Some(Ok((Ok(true), at))) => {
+                Some(Ok((Ok(Some(stages)), at))) => {
                     regrants.record(at - killed);
+                    if let Some(stages) = stages {
+                        heard_free.record(stages.heard_free.saturating_duration_since(killed));
+                        writes.record(stages.write);
+                    }
                     offsets.push((at - killed).as_secs_f64());
                     bar.inc(1);
                 }
-                Some(Ok((Ok(false), _))) => {
+                Some(Ok((Ok(None), _))) => {
                     failed += 1;
                     bar.inc(1);
                     tracing::warn!("a lock of the dead zone was still held when its wait ran out");
@@ -267,6 +276,19 @@ pub async fn run(
     if let Some(d) = regrants.max() {
         report.metric("regrant_max_s", d.as_secs_f64());
     }
+    for (name, samples) in [
+        ("regrant_heard_free", &mut heard_free),
+        ("regrant_write", &mut writes),
+    ] {
+        for (stat, p) in [("p50", 50.0), ("p99", 99.0)] {
+            if let Some(d) = samples.percentile(p) {
+                report.metric(&format!("{name}_{stat}_s"), d.as_secs_f64());
+            }
+        }
+        if let Some(d) = samples.max() {
+            report.metric(&format!("{name}_max_s"), d.as_secs_f64());
+        }
+    }
     report.metric(
         "etcd_proposals_during_storm",
         delta.get("proposals_committed"),
@@ -316,18 +338,63 @@ fn lock_name(j: usize) -> String {
     format!("zf/lock-{j}")
 }
 
-/// Lock clients per zone.
-async fn lockers(cell: &Cell, fleet: &Fleet) -> anyhow::Result<Vec<Vec<Locker>>> {
-    let mut out = Vec::new();
-    for (z, zone) in cell.zones.iter().enumerate() {
-        let mut pool = Vec::new();
-        for i in 0..LOCKERS_PER_ZONE {
-            pool.push(match cell.target {
-                Target::Lockcell => Locker::Lockcell(LockClient::new(fleet.channel(z, i))),
-                _ => Locker::connect_etcd(&zone.endpoint).await?,
-            });
-        }
-        out.push(pool);
+/// The lock clients' own runtime: one thread, apart from the fleet's.
+///
+/// The generator plays 120,000 processes in one process. On one runtime a lock
+/// waiter's wake-up would queue behind the 80,000 survivors' membership watches, which
+/// no real lock client waits behind (each is a process of its own); on a thread of
+/// their own the lock clients get their share of the CPU from the kernel as they need
+/// it, whatever the target.
+struct LockRuntime(Option<tokio::runtime::Runtime>);
+
+impl LockRuntime {
+    fn start() -> anyhow::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("lock-clients")
+            .enable_all()
+            .build()?;
+        Ok(LockRuntime(Some(runtime)))
     }
-    Ok(out)
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        self.0.as_ref().expect("running until dropped").handle()
+    }
+}
+
+impl Drop for LockRuntime {
+    fn drop(&mut self) {
+        // Dropped from async code: a blocking shutdown would panic there.
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// Lock clients per zone, each with connections of its own on `runtime` (their tasks
+/// run there).
+async fn lockers(cell: &Cell, runtime: &LockRuntime) -> anyhow::Result<Vec<Vec<Locker>>> {
+    let target = cell.target;
+    let endpoints: Vec<String> = cell.zones.iter().map(|z| z.endpoint.clone()).collect();
+    let connect = async move {
+        let mut out = Vec::new();
+        for endpoint in endpoints {
+            let mut pool = Vec::new();
+            for _ in 0..LOCKERS_PER_ZONE {
+                pool.push(match target {
+                    Target::Lockcell => {
+                        let channel = Endpoint::from_shared(format!("http://{endpoint}"))?
+                            .tcp_nodelay(true)
+                            .connect_timeout(Duration::from_secs(10))
+                            .connect_lazy();
+                        Locker::Lockcell(LockClient::new(channel))
+                    }
+                    _ => Locker::connect_etcd(&endpoint).await?,
+                });
+            }
+            out.push(pool);
+        }
+        anyhow::Ok(out)
+    };
+    runtime.handle().spawn(connect).await?
 }
