@@ -27,6 +27,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::keys::inner;
+use super::lock::Unplaced;
 use super::EtcdApi;
 use crate::grants::Right;
 
@@ -89,18 +90,15 @@ impl Election for EtcdApi {
             }
             let outcome = tokio::select! {
                 outcome = api.wait_first(&key, placed.revision, lease) => outcome,
-                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
+                _ = done.closed() => Err(Unplaced::Failed(Status::cancelled("the caller hung up"))),
             };
-            let answered = match outcome {
+            let stays = match outcome {
                 Ok(revision) => done
                     .send(Ok((key.clone(), placed.revision, revision)))
                     .is_ok(),
-                Err(refused) => {
-                    let _ = done.send(Err(refused));
-                    false
-                }
+                Err(ended) => ended.tell(done),
             };
-            if !answered && placed.created {
+            if !stays && placed.created {
                 api.withdraw(&key, placed.revision).await;
             }
         });
