@@ -27,7 +27,6 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::keys::inner;
-use super::lock::Unplaced;
 use super::EtcdApi;
 use crate::grants::Right;
 
@@ -90,15 +89,18 @@ impl Election for EtcdApi {
             }
             let outcome = tokio::select! {
                 outcome = api.wait_first(&key, placed.revision, lease) => outcome,
-                _ = done.closed() => Err(Unplaced::Failed(Status::cancelled("the caller hung up"))),
+                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
             };
-            let stays = match outcome {
+            let answered = match outcome {
                 Ok(revision) => done
                     .send(Ok((key.clone(), placed.revision, revision)))
                     .is_ok(),
-                Err(ended) => ended.tell(done),
+                Err(refused) => {
+                    let _ = done.send(Err(refused));
+                    false
+                }
             };
-            if !stays && placed.created {
+            if !answered && placed.created {
                 api.withdraw(&key, placed.revision).await;
             }
         });

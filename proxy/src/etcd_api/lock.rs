@@ -77,13 +77,16 @@ impl Lock for EtcdApi {
             };
             let outcome = tokio::select! {
                 outcome = api.wait_first(&key, placed.revision, req.lease) => outcome,
-                _ = done.closed() => Err(Unplaced::Failed(Status::cancelled("the caller hung up"))),
+                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
             };
-            let stays = match outcome {
+            let answered = match outcome {
                 Ok(revision) => done.send(Ok((key.clone(), revision))).is_ok(),
-                Err(ended) => ended.tell(done),
+                Err(refused) => {
+                    let _ = done.send(Err(refused));
+                    false
+                }
             };
-            if !stays && placed.created {
+            if !answered && placed.created {
                 api.withdraw(&key, placed.revision).await;
             }
         });
@@ -246,19 +249,21 @@ impl EtcdApi {
         key: &[u8],
         mine: i64,
         lease: i64,
-    ) -> Result<i64, Unplaced> {
+    ) -> Result<i64, Status> {
         let slash = key.iter().rposition(|b| *b == b'/').unwrap_or(0);
         let prefix = &key[..=slash];
         loop {
             let line = self.line(key, prefix, mine).await?;
             if line.mine != Some(mine) {
-                return Err(Unplaced::Failed(key_gone(key)));
+                return Err(Status::not_found(format!(
+                    "{LEASE_NOT_FOUND}: the lock's key {:?} is gone (deleted, or its lease ended)",
+                    String::from_utf8_lossy(key)
+                )));
             }
             let Some(ahead) = line.ahead else {
                 return Ok(line.revision);
             };
-            self.wait_gone(&ahead, line.revision, (key, mine), lease)
-                .await?;
+            self.wait_gone(&ahead, line.revision, lease).await?;
         }
     }
 
@@ -296,20 +301,8 @@ impl EtcdApi {
     }
 
     /// Waits until etcd key `ahead` is deleted after `revision`, while lease `lease`
-    /// lives and the caller's key `mine` (its name and create revision) is in line.
-    ///
-    /// A lease that leaves this proxy while its call waits here (another proxy's Txn
-    /// gathered it) lives on there, and its keys moved with it, each keeping its create
-    /// revision, so its place in line: the wait goes on here for as long as the key
-    /// does. Only a draining proxy ends the wait, and leaves the key in line for the
-    /// client's next call, which finds it where the lease went.
-    async fn wait_gone(
-        &self,
-        ahead: &[u8],
-        revision: i64,
-        mine: (&[u8], i64),
-        lease: i64,
-    ) -> Result<(), Unplaced> {
+    /// lives.
+    async fn wait_gone(&self, ahead: &[u8], revision: i64, lease: i64) -> Result<(), Status> {
         let state = &self.state;
         let options = WatchOptions::new().with_start_revision(revision + 1);
         let (_watcher, mut events) = state
@@ -333,48 +326,25 @@ impl EtcdApi {
                         return Err(Status::unavailable(format!(
                             "etcd cancelled the lock's watch: {}",
                             told.cancel_reason()
-                        ))
-                        .into());
+                        )));
                     }
                 }
                 _ = check.tick() => {
                     match state.sessions.get(&session_of(lease), Instant::now()) {
-                        Ok(s) if !s.handed_off => {}
-                        Err(Gone::Expired(_)) => {
-                            return Err(Status::not_found(LEASE_NOT_FOUND).into())
+                        Ok(s) if s.handed_off => return Err(super::refused_handed_off()),
+                        Ok(_) => {}
+                        // Taken over by another proxy (an ended lease leaves a
+                        // tombstone): the lease lives on there.
+                        Err(Gone::Unknown) => {
+                            return Err(Status::unavailable(format!(
+                                "etcdserver: lease {lease:x} moved to another proxy while this call waited here; call again (the wait's place in line was given up)"
+                            )))
                         }
-                        // Handed over, or on its way to another proxy (a completed
-                        // move leaves nothing here; an ended lease leaves a tombstone).
-                        _ if state.is_draining() => {
-                            return Err(Unplaced::Moved(super::refused_handed_off()))
-                        }
-                        _ => {
-                            if !self.in_line(mine).await? {
-                                return Err(key_gone(mine.0).into());
-                            }
-                        }
+                        Err(_) => return Err(Status::not_found(LEASE_NOT_FOUND)),
                     }
                 }
             }
         }
-    }
-
-    /// Whether the caller's key (name, create revision) is still the one in line.
-    async fn in_line(&self, (key, created): (&[u8], i64)) -> Result<bool, Status> {
-        let read = with_timeout(
-            "api lock wait",
-            self.state.config.etcd_timeout,
-            self.state
-                .etcd
-                .kv_client()
-                .get(inner(key), Some(GetOptions::new().with_keys_only())),
-        )
-        .await
-        .map_err(super::etcd_error)?;
-        Ok(read
-            .kvs()
-            .first()
-            .is_some_and(|kv| kv.create_revision() == created))
     }
 
     /// Takes a wait's key out of line (a caller who hung up, a wait that failed): the
@@ -400,43 +370,6 @@ impl EtcdApi {
             tracing::warn!(%error, key = %String::from_utf8_lossy(key), "could not take a cancelled lock wait's key out of line; it goes with its lease");
         }
     }
-}
-
-/// Why a wait in line ended without its turn.
-pub(super) enum Unplaced {
-    /// The wait failed, or its caller hung up: a key this call made leaves the line.
-    Failed(Status),
-    /// The lease was handed over as this proxy drains: its key moved with it and keeps
-    /// its place for the client's next call, at the proxy the lease went to.
-    Moved(Status),
-}
-
-impl Unplaced {
-    /// Tells the caller why; returns whether its key stays in line: only after a move,
-    /// to a caller still there to call again.
-    pub(super) fn tell<T>(self, done: oneshot::Sender<Result<T, Status>>) -> bool {
-        match self {
-            Unplaced::Failed(refused) => {
-                let _ = done.send(Err(refused));
-                false
-            }
-            Unplaced::Moved(refused) => done.send(Err(refused)).is_ok(),
-        }
-    }
-}
-
-impl From<Status> for Unplaced {
-    fn from(refused: Status) -> Self {
-        Unplaced::Failed(refused)
-    }
-}
-
-/// The refusal of a wait whose own key left the line.
-fn key_gone(key: &[u8]) -> Status {
-    Status::not_found(format!(
-        "{LEASE_NOT_FOUND}: the lock's key {:?} is gone (deleted, or its lease ended)",
-        String::from_utf8_lossy(key)
-    ))
 }
 
 /// What one read of a lock's line found.
