@@ -9,7 +9,7 @@
 //! send one ahead of events it has not delivered yet.) The cost is the cell's write
 //! traffic to each proxy, which is small: session renewals write nothing.
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use etcd_client::{
@@ -23,7 +23,7 @@ use tokio::sync::{watch, Notify};
 
 use crate::fanout::{End, Fanout};
 use crate::metrics;
-use crate::mirror::Mirror;
+use crate::mirror::{EventKind, KeyEvent, Mirror};
 use crate::routes::Routes;
 
 /// Largest watch response the proxy accepts: a proxy lease revoked with tens of
@@ -90,6 +90,42 @@ pub struct Feed {
     /// The cell's copy of the shard map, kept as of the applied revision at least: a
     /// read that waited for the feed to reach its barrier checks its name against it.
     routes: Arc<Routes>,
+    /// Told of the keys that etcd API leases lost in each revision ([`Feed::on_detached`]).
+    detach: OnceLock<DetachHook>,
+}
+
+/// What the feed calls with the keys client leases lost in a revision.
+pub type DetachHook = Box<dyn Fn(&[Detached]) + Send + Sync>;
+
+/// A small key that an etcd API client's lease held until a revision deleted it or
+/// wrote it without that lease: as in etcd, the key is no longer the lease's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Detached {
+    pub name: String,
+    /// The key's create revision while the lease held it.
+    pub created: i64,
+    pub client_lease: i64,
+}
+
+/// The key `event` took from the client lease that held it, if it took one.
+pub fn detached(event: &KeyEvent) -> Option<Detached> {
+    let prev = event.prev.as_ref().filter(|p| p.client_lease != 0)?;
+    let now = &event.entry;
+    let lost = match event.kind {
+        EventKind::Delete => true,
+        // Written again on no lease, or with another client's: a rewrite that keeps
+        // the key on a proxy lease with no client lease read is not taken for one.
+        EventKind::Put => {
+            now.lease == 0
+                || (now.client_lease != 0 && now.client_lease != prev.client_lease)
+                || now.create_revision != prev.create_revision
+        }
+    };
+    lost.then(|| Detached {
+        name: prev.name.clone(),
+        created: prev.create_revision,
+        client_lease: prev.client_lease,
+    })
 }
 
 impl Feed {
@@ -105,7 +141,14 @@ impl Feed {
             fanout: Arc::new(Fanout::with_history(history_bytes)),
             backlog,
             catch_ups: Arc::new(tokio::sync::Semaphore::new(MAX_CATCH_UPS)),
+            detach: OnceLock::new(),
         }
+    }
+
+    /// Calls `hook` with the keys etcd API client leases lose, revision by revision,
+    /// once the copy shows the change (the first hook set is the one kept).
+    pub fn on_detached(&self, hook: DetachHook) {
+        let _ = self.detach.set(hook);
     }
 
     /// Backlog of each watcher, in batches.
@@ -198,6 +241,12 @@ impl Feed {
             (name.clone(), (record.lease != 0).then_some(*revision))
         }));
         drop(mirror);
+        if let Some(hook) = self.detach.get() {
+            let lost: Vec<Detached> = events.iter().filter_map(detached).collect();
+            if !lost.is_empty() {
+                hook(&lost);
+            }
+        }
         let done = self.fanout.publish(revision, &events);
         self.applied.send_replace(revision);
         ::metrics::counter!(metrics::WATCH_BATCHES_SENT).increment(done.delivered);
@@ -546,6 +595,71 @@ mod tests {
             contiguous(0, [2, 3]),
             Ok(3),
             "an empty store is at revision 1, which changed nothing"
+        );
+    }
+
+    fn entry(created: i64, lease: i64, client_lease: i64) -> Entry {
+        Entry {
+            name: "svc/a".into(),
+            value: Vec::new(),
+            create_revision: created,
+            mod_revision: created,
+            version: 1,
+            lease,
+            client_lease,
+        }
+    }
+
+    fn event(kind: EventKind, now: Entry, prev: Option<Entry>) -> KeyEvent {
+        KeyEvent {
+            kind,
+            entry: now,
+            prev,
+        }
+    }
+
+    #[test]
+    fn a_key_leaves_its_client_lease_when_deleted_or_written_without_it() {
+        let held = entry(5, 100, 7);
+        let lost = Some(Detached {
+            name: "svc/a".into(),
+            created: 5,
+            client_lease: 7,
+        });
+        let (put, delete) = (EventKind::Put, EventKind::Delete);
+        assert_eq!(
+            detached(&event(delete, entry(0, 0, 0), Some(held.clone()))),
+            lost
+        );
+        assert_eq!(
+            detached(&event(put, entry(5, 0, 0), Some(held.clone()))),
+            lost,
+            "no lease"
+        );
+        assert_eq!(
+            detached(&event(put, entry(5, 100, 8), Some(held.clone()))),
+            lost,
+            "another"
+        );
+        assert_eq!(
+            detached(&event(put, entry(5, 100, 7), Some(held.clone()))),
+            None,
+            "again"
+        );
+        assert_eq!(
+            detached(&event(put, entry(5, 200, 0), Some(held.clone()))),
+            None,
+            "moved to another proxy's lease: still the client's until shown otherwise"
+        );
+        assert_eq!(
+            detached(&event(put, entry(9, 100, 7), None)),
+            None,
+            "created"
+        );
+        assert_eq!(
+            detached(&event(delete, entry(0, 0, 0), Some(entry(5, 100, 0)))),
+            None,
+            "no client lease held it"
         );
     }
 }

@@ -713,6 +713,23 @@ impl EtcdApi {
             // the key goes with the lease, as in etcd when a revoke follows a put. The
             // put is not refused: a refusal would say nothing was written.
             state.cleanup.push(session.lease, vec![grant]);
+            return;
+        }
+        // Deleted or rewritten by someone already, and the copy has applied it (so the
+        // feed's [`crate::feed::Detached`] came before the record): forgotten here.
+        let name = keys::outer(key.as_bytes()).and_then(|k| std::str::from_utf8(k).ok());
+        let lost = state.reads.feed.with_mirror(|mirror| {
+            mirror.revision() >= revision
+                && name
+                    .and_then(|n| mirror.get(n))
+                    .map(|e| (e.create_revision, e.client_lease))
+                    != Some((
+                        created,
+                        super::lease::lease_of(&session.id).unwrap_or_default(),
+                    ))
+        });
+        if lost {
+            state.sessions.forget_grant(&session.id, &key, created);
         }
     }
 

@@ -69,6 +69,22 @@ impl EtcdApi {
         let member_id = member_id(&state.proxy_id);
         let handed_off = tokio::sync::watch::Sender::new(false);
         let _ = state.handed_off.set(handed_off.subscribe());
+        // A key deleted, or written without its lease, is no longer the lease's: its
+        // session forgets it (as etcd detaches it), so that the session's records hold
+        // only what its end must delete.
+        let weak = Arc::downgrade(&state);
+        state.reads.feed.on_detached(Box::new(move |lost| {
+            let Some(state) = weak.upgrade() else {
+                return;
+            };
+            for key in lost {
+                state.sessions.forget_grant(
+                    &lease::session_of(key.client_lease),
+                    &format!("{}{}", lockcell_cell::keyspace::kv_root(), key.name),
+                    key.created,
+                );
+            }
+        }));
         EtcdApi {
             state,
             ids: Arc::default(),

@@ -1057,6 +1057,73 @@ pub async fn a_lease_outlives_a_restart_of_its_only_proxy() -> anyhow::Result<()
     Ok(())
 }
 
+/// A key deleted, or written again without its lease, is no longer the lease's, as in
+/// etcd: TimeToLive no longer lists it, and the lease's revoke leaves it alone. A client
+/// that writes many keys on one lease and deletes each (a lock recipe under load) leaves
+/// its lease holding only the key it has now.
+pub async fn a_key_deleted_or_rewritten_leaves_its_lease() -> anyhow::Result<()> {
+    use etcd_client::PutOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let (_proxy, listen) = proxy_with_etcd_api(&etcd).await?;
+    let client = etcd_client::Client::connect([listen.as_str()], None).await?;
+    let (lease, other) = (
+        client.lease_client().grant(30, None).await?.id(),
+        client.lease_client().grant(30, None).await?.id(),
+    );
+    let leased = |lease: i64| Some(PutOptions::new().with_lease(lease));
+    let mut kv = client.kv_client();
+    for i in 0..50 {
+        let key = format!("acq/{i}");
+        kv.put(key.as_str(), "held", leased(lease)).await?;
+        kv.delete(key.as_str(), None).await?;
+    }
+    for key in ["k/kept", "k/plain", "k/other"] {
+        kv.put(key, "v", leased(lease)).await?;
+    }
+    kv.put("k/plain", "mine now", None).await?;
+    kv.put("k/other", "theirs now", leased(other)).await?;
+
+    let want = vec!["k/kept".to_owned()];
+    let keys = eventually(
+        "the lease lists only the key it still holds",
+        Duration::from_secs(10),
+        || {
+            let (client, want) = (client.clone(), want.clone());
+            async move {
+                let (_, keys) = lease_keys(&client, lease).await?;
+                Ok((keys == want).then_some(keys))
+            }
+        },
+    )
+    .await;
+    let keys = match keys {
+        Ok(keys) => keys,
+        Err(_) => {
+            let (_, keys) = lease_keys(&client, lease).await?;
+            anyhow::bail!("the lease lists {keys:?}, where etcd would list {want:?}");
+        }
+    };
+    ensure!(keys == want);
+    let (_, theirs) = lease_keys(&client, other).await?;
+    ensure!(
+        theirs == ["k/other"],
+        "the other lease lists {theirs:?} after k/other was written with it"
+    );
+
+    client.lease_client().revoke(lease).await?;
+    ensure!(
+        key_state(&client, "k/kept").await?.is_none(),
+        "the revoked lease's own key is still there"
+    );
+    for key in ["k/plain", "k/other"] {
+        ensure!(
+            key_state(&client, key).await?.is_some(),
+            "{key}, written again without the revoked lease, went with it"
+        );
+    }
+    Ok(())
+}
+
 /// etcd's Election service through a proxy, called by the Rust etcd-client crate: the
 /// first campaign leads and the second waits; Leader and Observe show the leader's
 /// key, value and lease; a proclamation changes the value, a stale leader key's is

@@ -147,6 +147,7 @@ fn main() {
         etcd_api::etcdctl_logs_in_with_a_grants_token_and_is_held_to_its_grants,
         etcd_api::etcdctl_watches_from_a_revision_with_previous_values,
         etcd_api::lease_ids_are_unique_across_the_proxies_of_a_cell,
+        etcd_api::a_key_deleted_or_rewritten_leaves_its_lease,
         etcd_api::two_etcdctl_locks_at_once_never_overlap,
         etcd_api::a_lock_wait_given_up_leaves_only_what_it_made,
         etcd_api::a_lock_call_standing_on_a_withdrawn_key_is_refused,
