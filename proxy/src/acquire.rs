@@ -155,9 +155,22 @@ async fn arbitrated(
             Some(s) => s,
             None => {
                 let session = live(state, &call.session_id)?;
-                if let Some(granted) = decided_by_own_hold(state, call, &session).await? {
-                    ticket.granted();
-                    return Ok(Some(granted));
+                // After an attempt whose outcome is unknown, the session holds a record
+                // of it: the next attempt (after this waiter's turn) finds out, and etcd
+                // failing it again is ridden out as any attempt's failure is.
+                if !unsettled {
+                    match decided_by_own_hold(state, call, &session).await {
+                        Ok(Some(granted)) => {
+                            ticket.granted();
+                            return Ok(Some(granted));
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            trouble = Some(ride_out(e, &call.lock)?);
+                            unsettled = true;
+                            tried = true;
+                        }
+                    }
                 }
                 session
             }

@@ -62,6 +62,7 @@ fn main() {
         safety::a_dropped_guard_and_the_next_acquire_never_share_a_grant,
         safety::a_second_acquire_of_a_held_lock_is_refused_by_name,
         safety::a_grant_etcd_applied_after_the_deadline_is_still_the_sessions,
+        safety::a_waiter_rides_out_grant_attempts_etcd_does_not_answer,
         safety::an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line,
         safety::an_ephemeral_write_etcd_applied_after_the_deadline_is_still_the_sessions,
         safety::a_waiter_whose_call_ended_while_etcd_was_away_leaves_the_line_when_it_is_back,

@@ -299,6 +299,81 @@ pub async fn a_grant_etcd_applied_after_the_deadline_is_still_the_sessions() -> 
     Ok(())
 }
 
+/// A waiter whose grant attempt goes unanswered (etcd slow, as in a lost zone's storm)
+/// and whose next attempt goes unanswered too rides both out: its wait ends granted once
+/// etcd answers again, with its own grant, not with an error while it has time left.
+pub async fn a_waiter_rides_out_grant_attempts_etcd_does_not_answer() -> anyhow::Result<()> {
+    let (etcd, link, proxy) = proxy_through_link("a", None).await?;
+    let mut store = etcd.client().await?;
+    let (sessions, locks) = raw(&proxy).await?;
+    let lock = "ride/x";
+    let open = |who: &str| {
+        let request = OpenRequest {
+            ttl_ms: 60_000,
+            identity: who.into(),
+        };
+        let mut sessions = sessions.clone();
+        async move { sessions.open(request).await.map(|r| r.into_inner()) }
+    };
+    let (holder, waiter) = (open("holder").await?, open("waiter").await?);
+    let acquire = |session_id: &str, secret: &str, wait_ms: u64| AcquireRequest {
+        session_id: session_id.into(),
+        session_secret: secret.into(),
+        lock: lock.into(),
+        wait_timeout_ms: Some(wait_ms),
+        mode: 0,
+        call_id: "c1".into(),
+    };
+    let held = locks
+        .clone()
+        .acquire(acquire(&holder.session_id, &holder.session_secret, 0))
+        .await?
+        .into_inner();
+    ensure!(held.granted, "the holder was not granted a free lock");
+    let waiting = tokio::spawn({
+        let mut locks = locks.clone();
+        let request = acquire(&waiter.session_id, &waiter.session_secret, 60_000);
+        async move { locks.acquire(request).await }
+    });
+    eventually(
+        "the second session waits",
+        Duration::from_secs(10),
+        || async { Ok((proxy.metric("lockcell_waiters").await? >= 1.0).then_some(())) },
+    )
+    .await?;
+
+    // The waiter's grant carries its session's id; etcd's answers to it, and to
+    // everything else, are lost for longer than two attempts take (2 s apiece).
+    link.cut_replies_after(waiter.session_id.as_bytes(), Duration::from_secs(6));
+    locks
+        .clone()
+        .release(ReleaseRequest {
+            session_id: holder.session_id.clone(),
+            session_secret: holder.session_secret.clone(),
+            lock: lock.into(),
+            token: held.token,
+            mode: 0,
+        })
+        .await?;
+    let granted = tokio::time::timeout(Duration::from_secs(40), waiting)
+        .await
+        .context("the waiter was not answered within 40 s")??
+        .context("the waiter's wait ended in an error while it had time left")?
+        .into_inner();
+    ensure!(
+        !link.trap_pending(),
+        "the waiter's grant never crossed the link"
+    );
+    ensure!(granted.granted, "the waiter was not granted: {granted:?}");
+    let made = holder_revision(&mut store, lock).await?;
+    ensure!(
+        granted.token.map(|t| t.revision) == made,
+        "the waiter was answered {:?}, but the lock's holder key is at {made:?}",
+        granted.token
+    );
+    Ok(())
+}
+
 /// A fair waiter whose call ends (its wait ran out) while its proxy cannot reach etcd:
 /// its waiter key could not be deleted then, and it must leave the line as soon as etcd
 /// answers again, not when its session ends (which may be days away), or every waiter
