@@ -105,6 +105,8 @@ pub struct Detached {
     /// The key's create revision while the lease held it.
     pub created: i64,
     pub client_lease: i64,
+    /// The revision that took it from the lease.
+    pub at: i64,
 }
 
 /// The key `event` took from the client lease that held it, if it took one.
@@ -125,6 +127,7 @@ pub fn detached(event: &KeyEvent) -> Option<Detached> {
         name: prev.name.clone(),
         created: prev.create_revision,
         client_lease: prev.client_lease,
+        at: event.revision(),
     })
 }
 
@@ -610,10 +613,14 @@ mod tests {
         }
     }
 
+    /// A change at revision 6.
     fn event(kind: EventKind, now: Entry, prev: Option<Entry>) -> KeyEvent {
         KeyEvent {
             kind,
-            entry: now,
+            entry: Entry {
+                mod_revision: 6,
+                ..now
+            },
             prev,
         }
     }
@@ -621,24 +628,27 @@ mod tests {
     #[test]
     fn a_key_leaves_its_client_lease_when_deleted_or_written_without_it() {
         let held = entry(5, 100, 7);
-        let lost = Some(Detached {
-            name: "svc/a".into(),
-            created: 5,
-            client_lease: 7,
-        });
+        let lost = |at| {
+            Some(Detached {
+                name: "svc/a".into(),
+                created: 5,
+                client_lease: 7,
+                at,
+            })
+        };
         let (put, delete) = (EventKind::Put, EventKind::Delete);
         assert_eq!(
             detached(&event(delete, entry(0, 0, 0), Some(held.clone()))),
-            lost
+            lost(6)
         );
         assert_eq!(
             detached(&event(put, entry(5, 0, 0), Some(held.clone()))),
-            lost,
+            lost(6),
             "no lease"
         );
         assert_eq!(
             detached(&event(put, entry(5, 100, 8), Some(held.clone()))),
-            lost,
+            lost(6),
             "another"
         );
         assert_eq!(

@@ -411,6 +411,18 @@ impl SessionTable {
         }
     }
 
+    /// Forgets the records of `id`'s writes of `key` (created at `created`) made before
+    /// revision `at`, which took the key from the session (an etcd API lease's key
+    /// deleted or written without it). A write of the key at `at` or later is the
+    /// session's again and stays, whatever order the two are learnt in.
+    pub fn forget_detached(&self, id: &str, key: &str, created: i64, at: i64) {
+        if let Some(mut s) = self.live.get_mut(id) {
+            s.held.retain(|g| {
+                !(g.key == key && g.revision == created && g.written != 0 && g.written < at)
+            });
+        }
+    }
+
     /// Whether `id` has a record of `key` other than `except` (another attempt's, or a
     /// settled one).
     pub fn has_other_record(&self, id: &str, key: &str, except: &Grant) -> bool {
@@ -650,6 +662,19 @@ mod tests {
             Some(t0 + S + S / 2),
             "renewals extend it"
         );
+        // A key written at 7, taken from the session at 8 and written again at 9: the
+        // write at 9 stays, whichever is learnt first.
+        let early = Grant::etcd_api_key("/k/e".into(), 7, 7);
+        let again = Grant::etcd_api_key("/k/e".into(), 7, 9);
+        assert!(table.record_grant("a", 1, early.clone(), None));
+        assert!(table.record_grant("a", 1, again.clone(), None));
+        table.forget_detached("a", "/k/e", 7, 8);
+        assert!(
+            table.holds("a", "/k/e", 7),
+            "the write after the detach was forgotten"
+        );
+        table.forget_detached("a", "/k/e", 7, 10);
+        assert!(!table.holds("a", "/k/e", 7));
         table.forget_grant("a", &hold.key, 5);
         table.forget_grant("a", &waiter.key, 4);
         assert!(table.get("a", t0).unwrap().held.is_empty());

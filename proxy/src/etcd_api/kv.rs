@@ -728,8 +728,10 @@ impl EtcdApi {
                         super::lease::lease_of(&session.id).unwrap_or_default(),
                     ))
         });
+        // Only this write's record: a later write of the key with the lease, recorded
+        // meanwhile, is the session's.
         if lost {
-            state.sessions.forget_grant(&session.id, &key, created);
+            state.sessions.forget(&session.id, &grant);
         }
     }
 

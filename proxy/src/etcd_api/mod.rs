@@ -78,10 +78,11 @@ impl EtcdApi {
                 return;
             };
             for key in lost {
-                state.sessions.forget_grant(
+                state.sessions.forget_detached(
                     &lease::session_of(key.client_lease),
                     &format!("{}{}", lockcell_cell::keyspace::kv_root(), key.name),
                     key.created,
+                    key.at,
                 );
             }
         }));
