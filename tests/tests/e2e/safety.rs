@@ -371,6 +371,79 @@ pub async fn a_waiter_rides_out_grant_attempts_etcd_does_not_answer() -> anyhow:
         "the waiter was answered {:?}, but the lock's holder key is at {made:?}",
         granted.token
     );
+
+    // A third session waits, and hangs up while etcd is not answering its grant: the
+    // grant may have been applied, and is its session's all the same; the session's
+    // close frees the lock for the next caller.
+    let quitter = open("quitter").await?;
+    let quitting = tokio::spawn({
+        let mut locks = locks.clone();
+        let request = acquire(&quitter.session_id, &quitter.session_secret, 60_000);
+        async move { locks.acquire(request).await }
+    });
+    eventually(
+        "the third session waits",
+        Duration::from_secs(10),
+        || async { Ok((proxy.metric("lockcell_waiters").await? >= 1.0).then_some(())) },
+    )
+    .await?;
+    link.cut_replies_after(quitter.session_id.as_bytes(), Duration::from_secs(6));
+    locks
+        .clone()
+        .release(ReleaseRequest {
+            session_id: waiter.session_id.clone(),
+            session_secret: waiter.session_secret.clone(),
+            lock: lock.into(),
+            token: granted.token,
+            mode: 0,
+        })
+        .await?;
+    eventually(
+        "the third session's grant crosses the link",
+        Duration::from_secs(10),
+        || async { Ok((!link.trap_pending()).then_some(())) },
+    )
+    .await?;
+    quitting.abort();
+    let _ = quitting.await;
+    eventually(
+        "the third session closes once etcd answers again",
+        Duration::from_secs(30),
+        || {
+            let mut sessions = sessions.clone();
+            let close = CloseRequest {
+                session_id: quitter.session_id.clone(),
+                session_secret: quitter.session_secret.clone(),
+                ..Default::default()
+            };
+            async move {
+                // A close that failed while etcd was away may have closed it already.
+                match sessions.close(close).await {
+                    Ok(_) => Ok(Some(())),
+                    Err(e) if e.code() == tonic::Code::NotFound => Ok(Some(())),
+                    Err(e) => Err(anyhow::anyhow!("close: {e}")),
+                }
+            }
+        },
+    )
+    .await?;
+    let next = eventually(
+        "the lock is free after the close",
+        Duration::from_secs(15),
+        || {
+            let mut locks = locks.clone();
+            let request = acquire(&holder.session_id, &holder.session_secret, 0);
+            async move {
+                let reply = locks.acquire(request).await?.into_inner();
+                Ok(reply.granted.then_some(reply))
+            }
+        },
+    )
+    .await?;
+    ensure!(
+        next.token.map(|t| t.revision) == holder_revision(&mut store, lock).await?,
+        "the next holder's token is not the lock's holder key"
+    );
     Ok(())
 }
 
