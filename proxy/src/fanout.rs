@@ -7,15 +7,26 @@
 //! backlog, and a watcher whose backlog is full is cut off (told the revision to resume
 //! from) instead of slowing the others.
 //!
+//! Watchers of a single key (a lock recipe waiting for its predecessor's delete) are
+//! handed their events as the revision is published. Watchers of prefixes (membership
+//! groups, configuration trees) are handed theirs by a paced lane ([`Fanout::pace`]),
+//! a few at a time with the runtime's other work in between: when a zone's sessions
+//! end, the survivors' membership events (millions at the seed's sizes) would otherwise
+//! fill the proxy's run queue for seconds, and every lock waiter's wake-up, reply and
+//! next transaction would queue behind them. The revision through which every watcher
+//! has been handed its events is [`Fanout::delivered`]; a progress claim never goes past
+//! it.
+//!
 //! The fan-out also keeps the events of its last revisions (up to [`HISTORY_BYTES`]), so
 //! a watcher that starts a little in the past — the usual case: it read at a revision
 //! and watches from the one after — joins with those events in hand and costs etcd
 //! nothing.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch, Notify};
 
 use crate::mirror::{key_bytes, KeyEvent, Topic};
 
@@ -31,6 +42,10 @@ pub const HISTORY_START_BYTES: usize = 4 << 20;
 /// About the most event bytes one watch response carries (whole revisions; a revision
 /// bigger than this goes alone): clients refuse messages over 4 MiB by default.
 pub const RESPONSE_BYTES: usize = 1 << 20;
+
+/// How many prefix watchers the paced lane hands a batch to before it lets the
+/// runtime's other tasks run.
+const LANE_STEP: usize = 64;
 
 /// What an event weighs in a response: its name, its values and a share for the rest.
 pub fn event_bytes(event: &KeyEvent) -> usize {
@@ -91,7 +106,7 @@ pub enum End {
 
 /// A watcher's end of the fan-out. Dropping it leaves the topic.
 pub struct Subscription {
-    /// The revision the fan-out had delivered when the watcher joined: it receives every
+    /// The revision the fan-out had published when the watcher joined: it receives every
     /// batch after it.
     pub joined_at: i64,
     pub batches: mpsc::Receiver<Arc<Batch>>,
@@ -110,6 +125,9 @@ impl Drop for Subscription {
 
 struct Watcher {
     id: u64,
+    /// The revision published when it joined: batches through it came from the
+    /// history or etcd.
+    joined_at: i64,
     tx: mpsc::Sender<Arc<Batch>>,
     end: Arc<OnceLock<End>>,
 }
@@ -126,6 +144,16 @@ struct Topics {
     next_id: u64,
     watchers: usize,
     history: History,
+    /// Prefix batches published but not yet handed to their watchers, in order.
+    lane: VecDeque<Queued>,
+}
+
+/// One step of the paced lane.
+enum Queued {
+    /// A prefix topic's batch.
+    Batch(String, Arc<Batch>),
+    /// Every batch of the revisions through this one has been handed over.
+    Through(i64),
 }
 
 /// The events of the last revisions published, oldest first.
@@ -209,6 +237,42 @@ impl Topics {
             &mut self.exact
         }
     }
+
+    /// Hands `batch` to every watcher of a topic that joined before its revision; cuts
+    /// off those whose backlog is full.
+    fn hand(&mut self, prefix: bool, name: &str, batch: &Arc<Batch>, done: &mut Published) {
+        let Some(watchers) = self.of(prefix).get_mut(name) else {
+            return;
+        };
+        let mut gone = 0;
+        watchers.retain(|w| {
+            if w.joined_at >= batch.revision {
+                return true;
+            }
+            match w.tx.try_send(batch.clone()) {
+                Ok(()) => {
+                    done.delivered += 1;
+                    true
+                }
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    let _ = w.end.set(End::CutOff {
+                        resume: batch.first_revision(),
+                    });
+                    done.cut_off += 1;
+                    gone += 1;
+                    false
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    gone += 1;
+                    false
+                }
+            }
+        });
+        if watchers.is_empty() {
+            self.of(prefix).remove(name);
+        }
+        self.watchers -= gone;
+    }
 }
 
 /// What a publish did, for metrics.
@@ -224,6 +288,11 @@ pub struct Published {
 pub struct Fanout {
     topics: Mutex<Topics>,
     history_bytes: usize,
+    /// The revision through which every watcher has been handed its batches.
+    delivered: watch::Sender<i64>,
+    /// True once [`Fanout::pace`] runs: prefix batches wait for it in the lane.
+    paced: AtomicBool,
+    lane_ready: Notify,
 }
 
 impl Default for Fanout {
@@ -238,6 +307,9 @@ impl Fanout {
         Fanout {
             topics: Mutex::default(),
             history_bytes,
+            delivered: watch::channel(0).0,
+            paced: AtomicBool::new(false),
+            lane_ready: Notify::new(),
         }
     }
 
@@ -247,6 +319,18 @@ impl Fanout {
         topics.open = true;
         topics.revision = revision;
         topics.history.restart(revision);
+        topics.lane.clear();
+        self.delivered.send_replace(revision);
+    }
+
+    /// The revision through which every watcher has been handed its batches: a watcher
+    /// that has taken everything queued for it has every event through it.
+    pub fn delivered(&self) -> i64 {
+        *self.delivered.borrow()
+    }
+
+    pub fn subscribe_delivered(&self) -> watch::Receiver<i64> {
+        self.delivered.subscribe()
     }
 
     /// Joins `topic` with a backlog of `backlog` batches. While the fan-out is not open
@@ -292,6 +376,7 @@ impl Fanout {
             .or_default()
             .push(Watcher {
                 id,
+                joined_at,
                 tx,
                 end: end.clone(),
             });
@@ -317,7 +402,9 @@ impl Fanout {
         (topics.watchers, topics.exact.len() + topics.prefixes.len())
     }
 
-    /// Hands the events of the revisions up to `revision` to every watcher they match.
+    /// Hands the events of the revisions up to `revision` to every watcher they match:
+    /// single-key watchers at once, prefix watchers through the lane (at once too while
+    /// [`Fanout::pace`] does not run).
     pub fn publish(&self, revision: i64, events: &[KeyEvent]) -> Published {
         let mut topics = self.topics.lock().expect("fan-out lock");
         topics.revision = topics.revision.max(revision);
@@ -325,6 +412,7 @@ impl Fanout {
         topics.history.push(events, limit);
         let mut done = Published::default();
         if events.is_empty() || topics.watchers == 0 {
+            self.through(&mut topics, revision);
             return done;
         }
         let mut matched: HashMap<(bool, &str), Vec<KeyEvent>> = HashMap::new();
@@ -356,35 +444,80 @@ impl Fanout {
                 )
             })
             .collect();
-        let mut gone = 0;
+        // Single keys now; prefixes through the lane, after what it holds already.
+        let mut queued = false;
         for (prefix, name, batch) in matched {
-            let Some(watchers) = topics.of(prefix).get_mut(&name) else {
-                continue;
-            };
-            watchers.retain(|w| match w.tx.try_send(batch.clone()) {
-                Ok(()) => {
-                    done.delivered += 1;
-                    true
-                }
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    let _ = w.end.set(End::CutOff {
-                        resume: batch.first_revision(),
-                    });
-                    done.cut_off += 1;
-                    gone += 1;
-                    false
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => {
-                    gone += 1;
-                    false
-                }
-            });
-            if watchers.is_empty() {
-                topics.of(prefix).remove(&name);
+            if prefix {
+                topics.lane.push_back(Queued::Batch(name, batch));
+                queued = true;
+            } else {
+                topics.hand(false, &name, &batch, &mut done);
             }
         }
-        topics.watchers -= gone;
+        self.through(&mut topics, revision);
+        drop(topics);
+        if !queued {
+            return done;
+        }
+        if self.paced.load(Ordering::Acquire) {
+            self.lane_ready.notify_one();
+        } else {
+            let handed = self.hand_queued(usize::MAX).0;
+            done.delivered += handed.delivered;
+            done.cut_off += handed.cut_off;
+        }
         done
+    }
+
+    /// Marks `revision` delivered once the lane has handed over what it holds.
+    fn through(&self, topics: &mut Topics, revision: i64) {
+        if topics.lane.is_empty() {
+            self.delivered.send_replace(revision);
+        } else {
+            topics.lane.push_back(Queued::Through(revision));
+        }
+    }
+
+    /// Hands up to `most` queued prefix batches to their topics' watchers; true when
+    /// more are queued.
+    fn hand_queued(&self, most: usize) -> (Published, bool) {
+        let mut topics = self.topics.lock().expect("fan-out lock");
+        let mut done = Published::default();
+        let mut handed = 0;
+        while handed < most {
+            match topics.lane.pop_front() {
+                Some(Queued::Batch(name, batch)) => {
+                    handed += topics.prefixes.get(&name).map_or(0, Vec::len);
+                    topics.hand(true, &name, &batch, &mut done);
+                }
+                Some(Queued::Through(revision)) => {
+                    self.delivered.send_replace(revision);
+                }
+                None => break,
+            }
+        }
+        let more = !topics.lane.is_empty();
+        (done, more)
+    }
+
+    /// Hands the prefix watchers their batches, [`LANE_STEP`] watchers at a time with
+    /// the runtime's other tasks run in between, for as long as the proxy runs.
+    pub async fn pace(self: Arc<Self>) {
+        self.paced.store(true, Ordering::Release);
+        // Anything published before the lane ran.
+        self.lane_ready.notify_one();
+        loop {
+            self.lane_ready.notified().await;
+            loop {
+                let (done, more) = self.hand_queued(LANE_STEP);
+                ::metrics::counter!(crate::metrics::WATCH_BATCHES_SENT).increment(done.delivered);
+                ::metrics::counter!(crate::metrics::WATCHERS_CUT_OFF).increment(done.cut_off);
+                if !more {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        }
     }
 
     /// Ends every watcher: the proxy can no longer promise them every event.
@@ -401,6 +534,7 @@ impl Fanout {
         }
         topics.exact.clear();
         topics.prefixes.clear();
+        topics.lane.clear();
         topics.watchers = 0;
     }
 
@@ -472,6 +606,52 @@ mod tests {
         assert_eq!(all.batches.try_recv().unwrap().revision, 10);
         assert!(other.batches.try_recv().is_err());
         assert_eq!(fanout.revision(), 10);
+    }
+
+    #[test]
+    fn prefix_watchers_wait_for_the_lane_and_joiners_meanwhile_skip_what_it_holds() {
+        let fanout = Arc::new(Fanout::default());
+        fanout.paced.store(true, Ordering::Release);
+        fanout.open(0);
+        let mut key = fanout.subscribe(topic("locks/a", false), 8);
+        let mut group = fanout.subscribe(topic("members/", true), 8);
+        fanout.publish(1, &[put("locks/a", 1), put("members/x", 1)]);
+        assert_eq!(
+            key.batches.try_recv().unwrap().revision,
+            1,
+            "a single key at once"
+        );
+        assert!(
+            group.batches.try_recv().is_err(),
+            "a prefix waits for the lane"
+        );
+        assert_eq!(
+            fanout.delivered(),
+            0,
+            "no progress past what the lane holds"
+        );
+        // Joined after revision 1 was published: it has it from the history.
+        let (mut late, past) = fanout.subscribe_from(topic("members/", true), 8, 1);
+        assert_eq!(past.map(|p| p.len()), Some(1));
+        fanout.publish(2, &[put("members/y", 2)]);
+        assert!(fanout.hand_queued(1).1, "one watcher a step");
+        assert!(!fanout.hand_queued(usize::MAX).1);
+        assert_eq!(fanout.delivered(), 2);
+        let revisions = |sub: &mut Subscription| -> Vec<i64> {
+            std::iter::from_fn(|| sub.batches.try_recv().ok())
+                .map(|b| b.revision)
+                .collect()
+        };
+        assert_eq!(revisions(&mut group), [1, 2]);
+        assert_eq!(revisions(&mut late), [2], "revision 1 only once");
+        // Nothing queued: delivered moves with the publish.
+        fanout.publish(3, &[put("locks/a", 3)]);
+        assert_eq!(fanout.delivered(), 3);
+        fanout.publish(4, &[put("members/z", 4)]);
+        fanout.end_all(End::FeedLost);
+        fanout.open(9);
+        assert!(!fanout.hand_queued(usize::MAX).1, "a reload drops the lane");
+        assert_eq!(fanout.delivered(), 9);
     }
 
     #[test]

@@ -533,6 +533,8 @@ impl Engine {
         ));
         tasks.spawn(sweep::run(state.clone(), shared.stop.clone()));
         let follow = vec![
+            // Prefix watchers' batches, handed over a few at a time.
+            tokio::spawn(feed.fanout.clone().pace()),
             tokio::spawn(feed::run(
                 feed,
                 etcd.kv_client(),

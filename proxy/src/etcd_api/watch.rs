@@ -262,7 +262,7 @@ impl WatchStream<'_> {
     /// fan-out, the revision through which every event of every watch was sent.
     async fn caught_up(&mut self) -> Result<Option<i64>, Status> {
         // Read first: every batch through it is queued already.
-        let applied = self.api.state.reads.feed.applied();
+        let applied = self.api.state.reads.feed.fanout.delivered();
         while let Some((id, arrival)) = ready(&mut self.sources).await {
             self.arrived(id, arrival).await?;
         }

@@ -148,7 +148,7 @@ impl WatchApi for WatchService {
             progress: (req.progress_interval_ms > 0).then(|| {
                 Duration::from_millis(req.progress_interval_ms.into()).max(MIN_PROGRESS_INTERVAL)
             }),
-            applied: feed.subscribe_applied(),
+            applied: feed.fanout.subscribe_delivered(),
             shutdown: state.shutdown.clone(),
             backlog: feed.backlog(),
         };
@@ -288,7 +288,7 @@ impl Pump {
                     }
                 }
                 _ = quiet => {
-                    // Everything published up to `applied` is in the queue already.
+                    // Everything delivered up to `applied` is in the queue already.
                     // Read before draining: a batch this watcher was cut off at was
                     // dropped before `applied` reached it, so the drain then finds the
                     // queue closed and no progress past it is claimed.
