@@ -125,6 +125,15 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_ETCD_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub etcd_timeout: Duration,
 
+    /// Most client writes through the etcd API this proxy has in etcd at once; more
+    /// wait their turn here, within their deadline. etcd answers the proxy's own lease
+    /// renewals only once it has applied what it committed, so a burst of client writes
+    /// queued inside etcd (every waiter of a dead zone's locks writing at once) would
+    /// delay those renewals, and a lease renewed too late ends every session on it.
+    #[arg(long, env = "LOCKCELL_ETCD_WRITES_IN_FLIGHT", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub etcd_writes_in_flight: u32,
+
     /// Largest value a small key (Kv Put) may hold, in bytes.
     #[arg(long, env = "LOCKCELL_MAX_VALUE_BYTES", default_value_t = 64 * 1024)]
     pub max_value_bytes: usize,

@@ -42,6 +42,8 @@ pub const ETCD_API_LEASES_HANDED_OFF: &str = "lockcell_etcd_api_leases_handed_of
 pub const ETCD_API_LEASES_GATHERED: &str = "lockcell_etcd_api_leases_gathered_total";
 pub const ETCD_API_FORWARDED: &str = "lockcell_etcd_api_forwarded_total";
 pub const ETCD_API_GATEWAY_CALLS: &str = "lockcell_etcd_api_gateway_calls_total";
+pub const ETCD_API_WRITES_WAITING: &str = "lockcell_etcd_api_writes_waiting";
+pub const ETCD_API_WRITES_QUEUED: &str = "lockcell_etcd_api_writes_queued_total";
 pub const KEYS_LOST_ON_RESUME: &str = "lockcell_keys_lost_on_resume_total";
 pub const DRAINING: &str = "lockcell_draining";
 pub const LEASE_REMAINING: &str = "lockcell_etcd_lease_remaining_seconds";
@@ -64,7 +66,7 @@ pub const VALIDITY_BUCKETS: &[f64] = &[0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0
 
 /// One of something counted in a gauge while it lives (an etcd watch stream of the
 /// proxy's own in [`ETCD_WATCHES`], a client watch in [`WATCHERS`], an acquire in line
-/// in [`WAITERS`]): counted down when dropped, also when its task is cancelled.
+/// in [`WAITERS`], a write waiting for etcd in [`ETCD_API_WRITES_WAITING`]): counted down when dropped, also when its task is cancelled.
 pub struct Counted(&'static str);
 
 impl Counted {
@@ -107,6 +109,14 @@ pub fn describe() {
         "etcd watch streams the proxy holds (its cell watch, lock-log watches, record watches, catch-ups of watchers that started in the past), whatever the number of client watchers."
     );
     describe_gauge!(SESSIONS_OPEN, "Client sessions held by this proxy now.");
+    counter(
+        ETCD_API_WRITES_QUEUED,
+        "Client writes through the etcd API that waited for their turn to go to etcd.",
+    );
+    describe_gauge!(
+        ETCD_API_WRITES_WAITING,
+        "Client writes through the etcd API waiting for their turn to go to etcd (--etcd-writes-in-flight are in etcd at once)."
+    );
     counter(SESSIONS_OPENED, "Client sessions opened.");
     counter(
         SESSIONS_RESUMED,

@@ -562,10 +562,15 @@ impl EtcdApi {
             .and_then(then)
             .or_else([TxnOp::get(keyspace::shardmap_key(), None)]);
         let state = &self.state;
+        // Its turn to go to etcd is part of its deadline: a write that times out waiting
+        // was never sent, but reads as any other timeout (an outcome not known).
         let resp = with_timeout(
             "api write",
             super::write_timeout(state.config.etcd_timeout),
-            state.etcd.kv_client().txn(txn),
+            async {
+                let _turn = self.turn_in_etcd().await;
+                state.etcd.kv_client().txn(txn).await
+            },
         )
         .await?;
         if !resp.succeeded() {
@@ -573,6 +578,21 @@ impl EtcdApi {
             return Ok(None);
         }
         Ok(Some(resp.0))
+    }
+
+    /// Waits for a turn to have a client write in etcd: no more than
+    /// `--etcd-writes-in-flight` at once, so a burst of them cannot queue in etcd ahead
+    /// of the proxy's own lease renewals.
+    async fn turn_in_etcd(&self) -> tokio::sync::SemaphorePermit<'_> {
+        if let Ok(turn) = self.in_etcd.try_acquire() {
+            return turn;
+        }
+        ::metrics::counter!(crate::metrics::ETCD_API_WRITES_QUEUED).increment(1);
+        let _waiting = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_API_WRITES_WAITING);
+        self.in_etcd
+            .acquire()
+            .await
+            .expect("the write turns are never closed")
     }
 
     /// Waits (a moment at most) until the proxy's copy of the small keys has applied

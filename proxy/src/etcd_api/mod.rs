@@ -61,6 +61,9 @@ pub struct EtcdApi {
     handed_off: Arc<tokio::sync::watch::Sender<bool>>,
     /// The other proxies, for calls on leases that live there.
     peers: Arc<forward::Peers>,
+    /// Turns to have a client write in etcd (`--etcd-writes-in-flight`), first come
+    /// first served.
+    in_etcd: Arc<tokio::sync::Semaphore>,
 }
 
 impl EtcdApi {
@@ -86,6 +89,9 @@ impl EtcdApi {
                 );
             }
         }));
+        let in_etcd = Arc::new(tokio::sync::Semaphore::new(
+            state.config.etcd_writes_in_flight as usize,
+        ));
         EtcdApi {
             state,
             ids: Arc::default(),
@@ -97,6 +103,7 @@ impl EtcdApi {
             placing: Arc::default(),
             handed_off: Arc::new(handed_off),
             peers: Arc::default(),
+            in_etcd,
         }
     }
 

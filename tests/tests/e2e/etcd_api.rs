@@ -3111,3 +3111,113 @@ pub async fn a_txn_writing_with_leases_of_two_proxies_runs_as_one() -> anyhow::R
     );
     Ok(())
 }
+
+/// A proxy has at most `--etcd-writes-in-flight` client writes in etcd at once; the
+/// rest wait their turn (in the order they came) and land, whatever each one's
+/// outcome: puts with and without a lease, deletes, and Txns whose compare fails.
+pub async fn writes_past_the_proxys_bound_wait_their_turn_and_land() -> anyhow::Result<()> {
+    use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+    let etcd = EtcdCluster::start(1).await?;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--etcd-listen".into(),
+        listen.clone(),
+        "--etcd-writes-in-flight".into(),
+        "2".into(),
+    ];
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    let client = etcd_client::Client::connect([listen.as_str()], None).await?;
+    let lease = client.lease_client().grant(30, None).await?.id();
+
+    const WRITES: usize = 200;
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..WRITES {
+        let mut kv = client.kv_client();
+        calls.spawn(async move {
+            let key = format!("burst/{i:03}");
+            match i % 4 {
+                0 => {
+                    kv.put(key, "leased", Some(PutOptions::new().with_lease(lease)))
+                        .await?;
+                }
+                1 => {
+                    kv.put(key, "plain", None).await?;
+                }
+                2 => {
+                    kv.put(key.as_str(), "gone", None).await?;
+                    kv.delete(key, None).await?;
+                }
+                _ => {
+                    // Put only if absent: the compare holds, then fails.
+                    for _ in 0..2 {
+                        let txn = Txn::new()
+                            .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+                            .and_then([TxnOp::put(key.as_str(), "once", None)]);
+                        kv.txn(txn).await?;
+                    }
+                }
+            }
+            anyhow::Ok(())
+        });
+    }
+    let finished = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(call) = calls.join_next().await {
+            call??;
+        }
+        anyhow::Ok(())
+    })
+    .await;
+    finished.context("the burst of writes did not finish within 60 s")??;
+
+    let queued = proxy
+        .metric("lockcell_etcd_api_writes_queued_total")
+        .await?;
+    ensure!(
+        queued > 0.0,
+        "{WRITES} writes at once with two turns, yet none waited for a turn"
+    );
+    ensure!(
+        proxy.metric("lockcell_etcd_api_writes_waiting").await? == 0.0,
+        "writes still count as waiting once every one has been answered"
+    );
+    let got = client
+        .kv_client()
+        .get("burst/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await?;
+    let mut have: Vec<String> = got
+        .kvs()
+        .iter()
+        .map(|kv| {
+            format!(
+                "{}={}",
+                kv.key_str().unwrap_or("?"),
+                kv.value_str().unwrap_or("?")
+            )
+        })
+        .collect();
+    have.sort();
+    let mut want: Vec<String> = (0..WRITES)
+        .filter_map(|i| match i % 4 {
+            0 => Some(format!("burst/{i:03}=leased")),
+            1 => Some(format!("burst/{i:03}=plain")),
+            2 => None,
+            _ => Some(format!("burst/{i:03}=once")),
+        })
+        .collect();
+    want.sort();
+    ensure!(
+        have == want,
+        "after the burst the keys are {have:?}, not {want:?}"
+    );
+    // Every turn came back: the next writes go through at once.
+    for i in 0..10 {
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            client.kv_client().put(format!("after/{i}"), "v", None),
+        )
+        .await
+        .context("a write after the burst did not get its turn")??;
+    }
+    Ok(())
+}
