@@ -29,6 +29,10 @@ pub enum CellError {
     /// Granting on would hand out tokens out of order; the proxy stops instead.
     #[error("the cell changed under this proxy: {reason}")]
     CellChanged { reason: String },
+    /// The call waited its whole deadline for its turn to go to etcd, behind the other
+    /// writes the proxy had in etcd: it was never sent, so nothing of it happened.
+    #[error("{op} waited {waited:?} for its turn behind this proxy's other writes in etcd (--etcd-writes-in-flight) and was not sent; nothing was written")]
+    Queued { op: &'static str, waited: Duration },
     /// The cell's copy of the shard map changed while the call was in flight (a prefix
     /// began to move, or moved): nothing was written. The call is tried again under the
     /// new map, which may route it elsewhere or refuse it while its prefix moves.
@@ -50,7 +54,10 @@ impl CellError {
     pub fn is_retriable(&self) -> bool {
         matches!(
             self,
-            CellError::Etcd { .. } | CellError::Timeout { .. } | CellError::MapChanged { .. }
+            CellError::Etcd { .. }
+                | CellError::Timeout { .. }
+                | CellError::MapChanged { .. }
+                | CellError::Queued { .. }
         )
     }
 

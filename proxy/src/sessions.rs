@@ -261,6 +261,14 @@ impl SessionTable {
             .collect()
     }
 
+    /// Whether session `id` is here in its stay `incarnation`: not closed, expired or
+    /// taken over since.
+    pub fn is_open(&self, id: &str, incarnation: u64) -> bool {
+        self.live
+            .get(id)
+            .is_some_and(|s| s.incarnation == incarnation)
+    }
+
     /// A copy of session `id` as it is, ended or not.
     pub fn peek(&self, id: &str) -> Option<Session> {
         self.live.get(id).map(|s| s.clone())

@@ -139,7 +139,8 @@ impl PbKvService for EtcdApi {
         };
         let op = TxnOp::put(inner(&req.key), req.value.clone(), Some(options));
         let record = record_op(&req.key, session.as_ref().map(|_| req.lease));
-        let write = self.guarded(vec![op, record], map_revision, &writer);
+        let owners: Vec<&Session> = session.iter().collect();
+        let write = self.guarded_for(&owners, vec![op, record], map_revision, &writer);
         let outcome = match (&session, &key) {
             (Some(s), Some(key)) => {
                 let pending = Grant::unsettled_etcd_api_key(key.clone(), &s.id, &req.value);
@@ -419,8 +420,10 @@ impl EtcdApi {
                 Compare::mod_revision(inner(key), CompareOp::Equal, *modified)
             })
             .collect();
+        let owners: Vec<&Session> = pending.iter().map(|(session, _)| session).collect();
         let sent = self
             .guarded_by(
+                &owners,
                 vec![TxnOp::txn(client_txn)],
                 map_revision,
                 pins,
@@ -537,8 +540,20 @@ impl EtcdApi {
         map_revision: i64,
         writer: &Writer,
     ) -> Result<etcd_client::proto::PbTxnResponse, lockcell_cell::CellError> {
+        self.guarded_for(&[], ops, map_revision, writer).await
+    }
+
+    /// [`guarded`](EtcdApi::guarded), for a write that puts keys on the leases of
+    /// `owners`: sent only if each is still open when its turn comes.
+    async fn guarded_for(
+        &self,
+        owners: &[&Session],
+        ops: Vec<TxnOp>,
+        map_revision: i64,
+        writer: &Writer,
+    ) -> Result<etcd_client::proto::PbTxnResponse, lockcell_cell::CellError> {
         let done = self
-            .guarded_by(ops, map_revision, Vec::new(), writer)
+            .guarded_by(owners, ops, map_revision, Vec::new(), writer)
             .await?;
         // With no pins, only the map guard fails, and `guarded_by` says so.
         done.ok_or(lockcell_cell::CellError::MapChanged { now: map_revision })
@@ -548,6 +563,7 @@ impl EtcdApi {
     /// of them failed (and the map did not), so nothing was written.
     async fn guarded_by(
         &self,
+        owners: &[&Session],
         ops: Vec<TxnOp>,
         map_revision: i64,
         pins: Vec<Compare>,
@@ -562,15 +578,24 @@ impl EtcdApi {
             .and_then(then)
             .or_else([TxnOp::get(keyspace::shardmap_key(), None)]);
         let state = &self.state;
-        // Its turn to go to etcd is part of its deadline: a write that times out waiting
-        // was never sent, but reads as any other timeout (an outcome not known).
+        let deadline = super::write_timeout(state.config.etcd_timeout);
+        let (_turn, waited) = self.turn_in_etcd("api write", deadline).await?;
+        // A lease revoked while the write waited has had its keys deleted and its
+        // revoke answered: as in etcd, a put on it now is refused, and nothing is sent.
+        if let Some(gone) = owners
+            .iter()
+            .find(|s| !state.sessions.is_open(&s.id, s.incarnation))
+        {
+            tracing::debug!(session.id = %gone.id, "a leased write's lease ended while it waited for its turn");
+            return Err(lockcell_cell::CellError::Etcd {
+                op: "api write",
+                source: etcd_client::Error::GRpcStatus(Status::not_found(LEASE_NOT_FOUND)),
+            });
+        }
         let resp = with_timeout(
             "api write",
-            super::write_timeout(state.config.etcd_timeout),
-            async {
-                let _turn = self.turn_in_etcd().await;
-                state.etcd.kv_client().txn(txn).await
-            },
+            deadline.saturating_sub(waited),
+            state.etcd.kv_client().txn(txn),
         )
         .await?;
         if !resp.succeeded() {
@@ -580,19 +605,32 @@ impl EtcdApi {
         Ok(Some(resp.0))
     }
 
-    /// Waits for a turn to have a client write in etcd: no more than
-    /// `--etcd-writes-in-flight` at once, so a burst of them cannot queue in etcd ahead
-    /// of the proxy's own lease renewals.
-    async fn turn_in_etcd(&self) -> tokio::sync::SemaphorePermit<'_> {
+    /// Waits, up to `deadline`, for a turn to have a client write (`op`) in etcd: no
+    /// more than `--etcd-writes-in-flight` at once, so a burst of them cannot queue in
+    /// etcd ahead of the proxy's own lease renewals. Returns the turn (hold it while the
+    /// write is in etcd) and how long it took.
+    pub(super) async fn turn_in_etcd(
+        &self,
+        op: &'static str,
+        deadline: std::time::Duration,
+    ) -> Result<(tokio::sync::SemaphorePermit<'_>, std::time::Duration), lockcell_cell::CellError>
+    {
         if let Ok(turn) = self.in_etcd.try_acquire() {
-            return turn;
+            return Ok((turn, std::time::Duration::ZERO));
         }
         ::metrics::counter!(crate::metrics::ETCD_API_WRITES_QUEUED).increment(1);
         let _waiting = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_API_WRITES_WAITING);
-        self.in_etcd
-            .acquire()
-            .await
-            .expect("the write turns are never closed")
+        let started = tokio::time::Instant::now();
+        match tokio::time::timeout(deadline, self.in_etcd.acquire()).await {
+            Ok(turn) => Ok((
+                turn.expect("the write turns are never closed"),
+                started.elapsed(),
+            )),
+            Err(_) => Err(lockcell_cell::CellError::Queued {
+                op,
+                waited: deadline,
+            }),
+        }
     }
 
     /// Waits (a moment at most) until the proxy's copy of the small keys has applied

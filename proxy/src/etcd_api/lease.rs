@@ -375,12 +375,21 @@ impl EtcdApi {
                 value.clone(),
                 Some(PutOptions::new().with_lease(lease)),
             )]);
-        let sent = with_timeout(
-            "claim a lease ID",
-            state.config.etcd_timeout,
-            state.etcd.kv_client().txn(txn),
-        )
-        .await;
+        // A client's write like any other: it waits its turn to go to etcd.
+        let sent = match self
+            .turn_in_etcd("claim a lease ID", state.config.etcd_timeout)
+            .await
+        {
+            Ok((_turn, waited)) => {
+                with_timeout(
+                    "claim a lease ID",
+                    state.config.etcd_timeout.saturating_sub(waited),
+                    state.etcd.kv_client().txn(txn),
+                )
+                .await
+            }
+            Err(queued) => Err(queued),
+        };
         match sent {
             Ok(done) if done.succeeded() => {
                 let revision = done.header().map_or(0, |h| h.revision());

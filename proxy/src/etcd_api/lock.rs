@@ -360,13 +360,19 @@ impl EtcdApi {
                 Compare::create_revision(inner(key), CompareOp::Equal, created),
             ])
             .and_then(super::kv::deleted_with_record(key));
-        if let Err(error) = with_timeout(
-            "withdraw a lock wait",
-            state.config.etcd_timeout,
-            state.etcd.kv_client().txn(txn),
-        )
-        .await
-        {
+        let timeout = state.config.etcd_timeout;
+        let withdrawn = match self.turn_in_etcd("withdraw a lock wait", timeout).await {
+            Ok((_turn, waited)) => {
+                with_timeout(
+                    "withdraw a lock wait",
+                    timeout.saturating_sub(waited),
+                    state.etcd.kv_client().txn(txn),
+                )
+                .await
+            }
+            Err(queued) => Err(queued),
+        };
+        if let Err(error) = withdrawn {
             tracing::warn!(%error, key = %String::from_utf8_lossy(key), "could not take a cancelled lock wait's key out of line; it goes with its lease");
         }
     }

@@ -3221,3 +3221,82 @@ pub async fn writes_past_the_proxys_bound_wait_their_turn_and_land() -> anyhow::
     }
     Ok(())
 }
+
+/// A leased put still waiting for its turn when its lease is revoked is refused as
+/// etcd refuses a put on a revoked lease, and writes nothing: once the revoke has
+/// answered, the lease's key never appears.
+pub async fn a_leased_put_queued_past_its_revoke_is_refused() -> anyhow::Result<()> {
+    use etcd_client::PutOptions;
+    let etcd = EtcdCluster::start(1).await?;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--etcd-listen".into(),
+        listen.clone(),
+        "--etcd-writes-in-flight".into(),
+        "1".into(),
+    ];
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    let client = etcd_client::Client::connect([listen.as_str()], None).await?;
+    let lease = client.lease_client().grant(30, None).await?.id();
+
+    // A queue of plain writes ahead of it, one in etcd at a time.
+    let mut flood = tokio::task::JoinSet::new();
+    for i in 0..600 {
+        let mut kv = client.kv_client();
+        flood.spawn(async move { kv.put(format!("flood/{i}"), "x", None).await });
+    }
+    eventually(
+        "the proxy queues the flood",
+        Duration::from_secs(20),
+        || async {
+            let waiting = proxy.metric("lockcell_etcd_api_writes_waiting").await?;
+            Ok((waiting >= 200.0).then_some(()))
+        },
+    )
+    .await?;
+    let queued_before = proxy
+        .metric("lockcell_etcd_api_writes_queued_total")
+        .await?;
+    let mut kv = client.kv_client();
+    let put = tokio::spawn(async move {
+        kv.put(
+            "queued/leased",
+            "v",
+            Some(PutOptions::new().with_lease(lease)),
+        )
+        .await
+    });
+    // Most likely behind some 200 writes when the revoke comes. (A revoke that
+    // overtakes it on the way must see it refused too.)
+    eventually(
+        "the leased put joins the queue",
+        Duration::from_secs(10),
+        || async {
+            let queued = proxy
+                .metric("lockcell_etcd_api_writes_queued_total")
+                .await?;
+            Ok((queued > queued_before || put.is_finished()).then_some(()))
+        },
+    )
+    .await?;
+    client.lease_client().revoke(lease).await?;
+    let answer = put.await?;
+    match answer {
+        Err(etcd_client::Error::GRpcStatus(status))
+            if status.code() == tonic::Code::NotFound
+                && status.message() == "etcdserver: requested lease not found" => {}
+        other => anyhow::bail!(
+            "a put queued behind 200 writes when its lease was revoked was answered {other:?}, \
+             not etcd's \"requested lease not found\""
+        ),
+    }
+    while let Some(done) = flood.join_next().await {
+        done??;
+    }
+    ensure!(
+        key_state(&client, "queued/leased").await?.is_none(),
+        "the refused put's key is in the store"
+    );
+    Ok(())
+}

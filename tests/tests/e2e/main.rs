@@ -150,6 +150,7 @@ fn main() {
         etcd_api::lease_ids_are_unique_across_the_proxies_of_a_cell,
         etcd_api::a_key_deleted_or_rewritten_leaves_its_lease,
         etcd_api::writes_past_the_proxys_bound_wait_their_turn_and_land,
+        etcd_api::a_leased_put_queued_past_its_revoke_is_refused,
         etcd_api::two_etcdctl_locks_at_once_never_overlap,
         etcd_api::a_lock_wait_given_up_leaves_only_what_it_made,
         etcd_api::a_lock_call_standing_on_a_withdrawn_key_is_refused,
