@@ -592,12 +592,20 @@ impl EtcdApi {
                 source: etcd_client::Error::GRpcStatus(Status::not_found(LEASE_NOT_FOUND)),
             });
         }
+        // Out of time in etcd: said as the whole deadline, the wait for the turn in it.
         let resp = with_timeout(
             "api write",
             deadline.saturating_sub(waited),
             state.etcd.kv_client().txn(txn),
         )
-        .await?;
+        .await
+        .map_err(|e| match e {
+            lockcell_cell::CellError::Timeout { op, .. } => lockcell_cell::CellError::Timeout {
+                op,
+                after: deadline,
+            },
+            other => other,
+        })?;
         if !resp.succeeded() {
             check_map(resp.op_responses().as_slice(), map_revision)?;
             return Ok(None);
