@@ -62,6 +62,23 @@ async fn proxy_with_etcd_api(etcd: &EtcdCluster) -> anyhow::Result<(ProxyProcess
     Ok((proxy, listen))
 }
 
+/// A proxy with its etcd API, letting at most `turns` client writes be in etcd at once.
+async fn proxy_with_write_turns(
+    etcd: &EtcdCluster,
+    turns: u32,
+) -> anyhow::Result<(ProxyProcess, String)> {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--etcd-listen".into(),
+        listen.clone(),
+        "--etcd-writes-in-flight".into(),
+        turns.to_string(),
+    ];
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    Ok((proxy, listen))
+}
+
 /// A grants file at `path` giving each `(identity, token)` read and write on `prefix`,
 /// with that bearer token.
 fn token_grants(path: &std::path::Path, prefix: &str, who: &[(&str, &str)]) -> anyhow::Result<()> {
@@ -3118,15 +3135,7 @@ pub async fn a_txn_writing_with_leases_of_two_proxies_runs_as_one() -> anyhow::R
 pub async fn writes_past_the_proxys_bound_wait_their_turn_and_land() -> anyhow::Result<()> {
     use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
     let etcd = EtcdCluster::start(1).await?;
-    let listen = format!("127.0.0.1:{}", free_port());
-    let mut options = ProxyOptions::new("a", etcd.endpoints());
-    options.extra_args = vec![
-        "--etcd-listen".into(),
-        listen.clone(),
-        "--etcd-writes-in-flight".into(),
-        "2".into(),
-    ];
-    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    let (proxy, listen) = proxy_with_write_turns(&etcd, 2).await?;
     let client = etcd_client::Client::connect([listen.as_str()], None).await?;
     let lease = client.lease_client().grant(30, None).await?.id();
 
@@ -3228,15 +3237,7 @@ pub async fn writes_past_the_proxys_bound_wait_their_turn_and_land() -> anyhow::
 pub async fn a_leased_put_queued_past_its_revoke_is_refused() -> anyhow::Result<()> {
     use etcd_client::PutOptions;
     let etcd = EtcdCluster::start(1).await?;
-    let listen = format!("127.0.0.1:{}", free_port());
-    let mut options = ProxyOptions::new("a", etcd.endpoints());
-    options.extra_args = vec![
-        "--etcd-listen".into(),
-        listen.clone(),
-        "--etcd-writes-in-flight".into(),
-        "1".into(),
-    ];
-    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    let (proxy, listen) = proxy_with_write_turns(&etcd, 1).await?;
     let client = etcd_client::Client::connect([listen.as_str()], None).await?;
     let lease = client.lease_client().grant(30, None).await?.id();
 
