@@ -82,6 +82,119 @@ struct File {
     grant: Vec<Grant>,
     #[serde(default)]
     token: Vec<Token>,
+    #[serde(default)]
+    limit: Vec<LimitEntry>,
+}
+
+/// One `[[limit]]`: what one identity (or `*`: every identity without an entry of its
+/// own) may have on each proxy at once, and how fast it may call. A field left out
+/// takes the `*` entry's value, then [`Quota::DEFAULT`]'s.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LimitEntry {
+    identity: String,
+    sessions: Option<u64>,
+    keys: Option<u64>,
+    watches: Option<u64>,
+    waiting: Option<u64>,
+    requests_per_second: Option<u64>,
+}
+
+/// What one identity may have on one proxy at once, and how fast it may call it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    /// Open sessions (lockcell sessions and etcd API leases).
+    pub sessions: u64,
+    /// Keys its sessions hold: lock holder and waiter keys, ephemeral keys.
+    pub keys: u64,
+    /// Open watches (each watch of an etcd API Watch stream counts).
+    pub watches: u64,
+    /// Acquires and campaigns in progress (waiting for their turn, or trying).
+    pub waiting: u64,
+    /// Calls a second, with a burst of as many; keepalives and the calls that end
+    /// something (release, close, resign, revoke) are never counted nor refused.
+    pub requests_per_second: u64,
+}
+
+impl Quota {
+    /// The limits of an identity the file says nothing about: sized so that one
+    /// identity may be a whole zone's fleet on one proxy, and no more.
+    pub const DEFAULT: Quota = Quota {
+        sessions: 50_000,
+        keys: 250_000,
+        watches: 100_000,
+        waiting: 50_000,
+        requests_per_second: 20_000,
+    };
+
+    /// The limit named `limit`.
+    pub fn of(&self, limit: Limit) -> u64 {
+        match limit {
+            Limit::Sessions => self.sessions,
+            Limit::Keys => self.keys,
+            Limit::Watches => self.watches,
+            Limit::Waiting => self.waiting,
+            Limit::Rate => self.requests_per_second,
+        }
+    }
+
+    /// This quota with the fields `entry` sets.
+    fn with(mut self, entry: &LimitEntry) -> Quota {
+        let set = |field: &mut u64, value: Option<u64>| {
+            if let Some(v) = value {
+                *field = v;
+            }
+        };
+        set(&mut self.sessions, entry.sessions);
+        set(&mut self.keys, entry.keys);
+        set(&mut self.watches, entry.watches);
+        set(&mut self.waiting, entry.waiting);
+        set(&mut self.requests_per_second, entry.requests_per_second);
+        self
+    }
+}
+
+/// One of the limits of a [`Quota`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Limit {
+    Sessions,
+    Keys,
+    Watches,
+    Waiting,
+    Rate,
+}
+
+impl Limit {
+    pub const ALL: [Limit; 5] = [
+        Limit::Sessions,
+        Limit::Keys,
+        Limit::Watches,
+        Limit::Waiting,
+        Limit::Rate,
+    ];
+
+    /// Its name in the grants file (and in metrics).
+    pub fn field(self) -> &'static str {
+        match self {
+            Limit::Sessions => "sessions",
+            Limit::Keys => "keys",
+            Limit::Watches => "watches",
+            Limit::Waiting => "waiting",
+            Limit::Rate => "requests_per_second",
+        }
+    }
+}
+
+impl fmt::Display for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Limit::Sessions => "open sessions",
+            Limit::Keys => "keys held",
+            Limit::Watches => "open watches",
+            Limit::Waiting => "acquires in progress",
+            Limit::Rate => "calls a second",
+        })
+    }
 }
 
 /// Why a grants file was refused: the rule it broke, and the line when known.
@@ -97,6 +210,10 @@ pub struct Rules {
     grants: Vec<Grant>,
     /// Token hash (lowercase hex) → identity.
     tokens: HashMap<String, String>,
+    /// The quota of every identity without a `[[limit]]` of its own.
+    default_quota: Option<Quota>,
+    /// The identities with a `[[limit]]` of their own, and their quotas.
+    quotas: HashMap<String, Quota>,
 }
 
 impl Rules {
@@ -158,10 +275,30 @@ impl Rules {
                 ));
             }
         }
+        let (default_quota, quotas) = quotas(&file.limit).map_err(|m| error(None, m))?;
         Ok(Rules {
             grants: file.grant,
             tokens,
+            default_quota: Some(default_quota),
+            quotas,
         })
+    }
+
+    /// What `identity` may have on each proxy at once (`[[limit]]`).
+    pub fn quota(&self, identity: &str) -> Quota {
+        self.quotas
+            .get(identity)
+            .copied()
+            .or(self.default_quota)
+            .unwrap_or(Quota::DEFAULT)
+    }
+
+    /// Whether the file names `identity` (a grant, a token or a limit of its own): its
+    /// name may label metrics. Any other caller is counted as `*`.
+    pub fn names(&self, identity: &str) -> bool {
+        self.quotas.contains_key(identity)
+            || self.grants.iter().any(|g| g.identity == identity)
+            || self.tokens.values().any(|i| i == identity)
     }
 
     /// How many grants and tokens the file lists.
@@ -250,6 +387,49 @@ fn check_prefix(prefix: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// The `*` quota and each identity's own, from the `[[limit]]` entries.
+fn quotas(entries: &[LimitEntry]) -> Result<(Quota, HashMap<String, Quota>), String> {
+    let mut seen = std::collections::HashSet::new();
+    for entry in entries {
+        let who = &entry.identity;
+        if who.is_empty() {
+            return Err(
+                "a [[limit]] has an empty identity (use \"*\" for the defaults of every identity)"
+                    .into(),
+            );
+        }
+        if !seen.insert(who.clone()) {
+            return Err(format!(
+                "identity {who:?} has two [[limit]] entries; merge them"
+            ));
+        }
+        let fields = [
+            ("sessions", entry.sessions),
+            ("keys", entry.keys),
+            ("watches", entry.watches),
+            ("waiting", entry.waiting),
+            ("requests_per_second", entry.requests_per_second),
+        ];
+        for (field, value) in fields {
+            if value == Some(0) {
+                return Err(format!(
+                    "limit of {who:?}: {field} = 0 would refuse every call; to keep an identity out, give it no grant"
+                ));
+            }
+        }
+    }
+    let default = entries
+        .iter()
+        .find(|e| e.identity == "*")
+        .map_or(Quota::DEFAULT, |e| Quota::DEFAULT.with(e));
+    let own = entries
+        .iter()
+        .filter(|e| e.identity != "*")
+        .map(|e| (e.identity.clone(), default.with(e)))
+        .collect();
+    Ok((default, own))
+}
+
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -273,6 +453,45 @@ mod tests {
         assert!(covers_prefix("", "cfg"));
         assert!(!covers_prefix("cfg/db", "cfg/db"));
         assert!(!covers_prefix("cfg/", "cf"));
+    }
+
+    #[test]
+    fn an_identitys_limits_override_the_defaults_field_by_field() {
+        let file = "[[grant]]\nidentity = \"*\"\nlock = [\"\"]\n\
+                    [[limit]]\nidentity = \"*\"\nsessions = 100\nwatches = 7\n\
+                    [[limit]]\nidentity = \"batch\"\nsessions = 3\n";
+        let rules = Rules::parse(file).unwrap();
+        let batch = rules.quota("batch");
+        assert_eq!(batch.sessions, 3);
+        assert_eq!(batch.watches, 7, "a field batch leaves out comes from *");
+        assert_eq!(
+            batch.keys,
+            Quota::DEFAULT.keys,
+            "then from the built-in default"
+        );
+        assert_eq!(rules.quota("other").sessions, 100);
+        assert!(rules.names("batch"));
+        assert!(!rules.names("other"));
+        let none = Rules::parse("[[grant]]\nidentity = \"a\"\nlock = [\"\"]\n").unwrap();
+        assert_eq!(none.quota("a"), Quota::DEFAULT);
+    }
+
+    #[test]
+    fn a_limit_that_refuses_everything_or_twice_given_is_refused() {
+        let grant = "[[grant]]\nidentity = \"a\"\nlock = [\"\"]\n";
+        let zero = format!("{grant}[[limit]]\nidentity = \"a\"\nkeys = 0\n");
+        let e = Rules::parse(&zero).unwrap_err();
+        assert!(e.message.contains("keys = 0"), "{}", e.message);
+        let twice = format!("{grant}[[limit]]\nidentity = \"a\"\n[[limit]]\nidentity = \"a\"\n");
+        assert!(Rules::parse(&twice)
+            .unwrap_err()
+            .message
+            .contains("two [[limit]]"));
+        let unknown = format!("{grant}[[limit]]\nidentity = \"a\"\nsesions = 1\n");
+        assert!(
+            Rules::parse(&unknown).is_err(),
+            "a misspelt limit is an error, not ignored"
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use lockcell_cell::grants::Limit;
 use lockcell_cell::locklog::{Acquired, Grant, HolderRecord, Place};
 use lockcell_cell::{CellError, LockName, Mode};
 use tokio::time::Instant;
@@ -109,9 +110,15 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
         .check_ttl(call.lock.as_str(), session.ttl)
         .map_err(ProxyError::Refused)?;
     let give_up = call.wait.map(|d| started + d);
+    let principal = session.principal.clone();
+    state.pace(principal.as_deref())?;
     if let Some(granted) = decided_by_own_hold(state, &call, &session).await? {
         return Ok(Some(granted));
     }
+    // A new key (the hold, or a waiter key on a fair class) counts against the
+    // identity's keys; the call itself is one of its acquires in progress.
+    state.admit_key(&call.session_id)?;
+    let _in_progress = state.take(principal.as_deref(), Limit::Waiting)?;
     let result = if class.fair {
         fair(state, &call, &class, give_up, session).await
     } else {

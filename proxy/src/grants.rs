@@ -61,6 +61,16 @@ impl Grants {
         self.enforced
     }
 
+    /// What `identity` may have on this proxy at once (the file's `[[limit]]`s).
+    pub fn quota(&self, identity: &str) -> lockcell_cell::grants::Quota {
+        self.rules.quota(identity)
+    }
+
+    /// Whether the file names `identity` (its name may then label metrics).
+    pub fn names(&self, identity: &str) -> bool {
+        self.rules.names(identity)
+    }
+
     /// Who is calling: the TLS client certificate's common name, else the identity of
     /// a known bearer token.
     pub fn identify<T>(&self, request: &Request<T>) -> Result<String, Status> {

@@ -29,6 +29,7 @@ pub mod handover;
 pub mod kvbudget;
 pub mod lease_keeper;
 pub mod leases;
+pub mod limits;
 pub mod members;
 pub mod metrics;
 pub mod mirror;
@@ -126,6 +127,7 @@ pub async fn run(
             config.grants.clone(),
             grants::Grants::open(),
         )?),
+        limits: Default::default(),
         stop: stop_rx.clone(),
         drain: drain.clone(),
     };
@@ -371,6 +373,7 @@ struct Shared {
     proxy_id: String,
     classes: Arc<classes::ClassBook>,
     grants: Arc<grants::GrantBook>,
+    limits: Arc<limits::Limits>,
     stop: watch::Receiver<bool>,
     drain: Arc<watch::Sender<bool>>,
 }
@@ -499,6 +502,7 @@ impl Engine {
             events,
             classes: shared.classes.clone(),
             grants: shared.grants.clone(),
+            limits: shared.limits.clone(),
             cleanup: Default::default(),
             renewing: (0..config.leases).map(|_| Default::default()).collect(),
             etcd: etcd.clone(),

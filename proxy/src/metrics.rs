@@ -19,6 +19,7 @@ pub const CLASSES_RELOADS: &str = "lockcell_classes_reloads_total";
 pub const CLASSES_RELOAD_FAILURES: &str = "lockcell_classes_reload_failures_total";
 pub const GRANTS_RELOADS: &str = "lockcell_grants_reloads_total";
 pub const GRANTS_RELOAD_FAILURES: &str = "lockcell_grants_reload_failures_total";
+pub const LIMIT_REFUSALS: &str = "lockcell_limit_refusals_total";
 pub const WAITERS: &str = "lockcell_waiters";
 pub const GRANT_ATTEMPTS: &str = "lockcell_grant_attempts_total";
 pub const WATCHERS: &str = "lockcell_watchers";
@@ -218,6 +219,10 @@ pub fn describe() {
     counter(
         GRANTS_RELOAD_FAILURES,
         "Prefix grants files refused (the last good one stays in force).",
+    );
+    counter(
+        LIMIT_REFUSALS,
+        "Calls refused because the caller's identity was at one of its limits (grants file `[[limit]]`), by identity (`*`: one the file does not name) and limit.",
     );
     counter(
         WAIT_RETRIES,

@@ -252,6 +252,7 @@ impl SessionApi for Router {
             .await;
         }
         let principal = self.engines[0].grants.current().caller(&request)?;
+        self.engines[0].pace(principal.as_deref())?;
         let req = request.into_inner();
         let (id, secret) = crate::credential::new_session(principal.as_deref());
         let id: std::sync::Arc<str> = id.into();

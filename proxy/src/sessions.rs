@@ -160,6 +160,16 @@ pub struct SessionTable {
     /// key the new stay holds.
     departed: DashMap<SessionId, Vec<(i64, Instant)>>,
     tombstone_order: Mutex<VecDeque<(Instant, SessionId)>>,
+    /// The live sessions and the keys they hold, by the identity that opened them (see
+    /// [`Session::principal`]), for that identity's limits ([`crate::limits`]).
+    tally: DashMap<Arc<str>, Tally>,
+}
+
+/// One identity's live sessions and the keys they hold.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub sessions: i64,
+    pub keys: i64,
 }
 
 impl SessionTable {
@@ -174,8 +184,38 @@ impl SessionTable {
     pub fn insert(&self, session: Session) {
         let due = session.expires_at();
         let id = session.id.clone();
-        self.live.insert(id.clone(), session);
+        self.count(&session, 1);
+        if let Some(old) = self.live.insert(id.clone(), session) {
+            self.count(&old, -1);
+        }
         self.due.lock().expect("due heap").push(Reverse((due, id)));
+    }
+
+    /// What the sessions `principal` opened have here: how many, and how many keys.
+    pub fn usage(&self, principal: &str) -> Tally {
+        self.tally.get(principal).map(|t| *t).unwrap_or_default()
+    }
+
+    /// Counts `s` in (`sign` 1) or out (-1) of its principal's tally.
+    fn count(&self, s: &Session, sign: i64) {
+        self.count_keys(s.principal.as_ref(), sign, sign * s.held.len() as i64);
+    }
+
+    fn count_keys(&self, principal: Option<&Arc<str>>, sessions: i64, keys: i64) {
+        let Some(principal) = principal else {
+            return;
+        };
+        if sessions == 0 && keys == 0 {
+            return;
+        }
+        let mut tally = self.tally.entry(principal.clone()).or_default();
+        tally.sessions += sessions;
+        tally.keys += keys;
+        if *tally == Tally::default() {
+            drop(tally);
+            self.tally
+                .remove_if(principal, |_, t| *t == Tally::default());
+        }
     }
 
     /// Records `session`, replacing (and returning) an entry with the same id: a session
@@ -183,9 +223,11 @@ impl SessionTable {
     pub fn replace(&self, session: Session) -> Option<Session> {
         let due = session.expires_at();
         let id = session.id.clone();
+        self.count(&session, 1);
         let old = self.live.insert(id.clone(), session);
         self.tombstones.remove(&id);
         if let Some(old) = &old {
+            self.count(old, -1);
             self.depart(old, Instant::now());
         }
         self.due.lock().expect("due heap").push(Reverse((due, id)));
@@ -207,9 +249,11 @@ impl SessionTable {
     /// Takes back a stay that never held anything (a resume refused before any key
     /// moved): unlike a close, it leaves nothing to avoid.
     pub fn withdraw(&self, id: &str, incarnation: u64) -> Option<Session> {
-        self.live
-            .remove_if(id, |_, s| s.incarnation == incarnation)
-            .map(|(_, s)| s)
+        let (_, s) = self
+            .live
+            .remove_if(id, |_, s| s.incarnation == incarnation)?;
+        self.count(&s, -1);
+        Some(s)
     }
 
     fn depart(&self, stay: &Session, now: Instant) {
@@ -372,6 +416,7 @@ impl SessionTable {
         if s.incarnation != incarnation {
             return false;
         }
+        let before = s.held.len() as i64;
         if grant.written != 0 {
             // An ephemeral key: the session's last write of it is what guards it. Two
             // writes of one key may be answered out of order; the later one stands.
@@ -390,6 +435,10 @@ impl SessionTable {
         if let Some(until) = valid_until {
             s.valid_until = s.valid_until.max(until);
         }
+        let grew = s.held.len() as i64 - before;
+        let principal = s.principal.clone();
+        drop(s);
+        self.count_keys(principal.as_ref(), 0, grew);
         true
     }
 
@@ -414,9 +463,20 @@ impl SessionTable {
 
     /// Forgets a key after it left the log (released, or a waiter key dequeued).
     pub fn forget_grant(&self, id: &str, key: &str, revision: i64) {
-        if let Some(mut s) = self.live.get_mut(id) {
-            s.held.retain(|g| !(g.key == key && g.revision == revision));
-        }
+        self.forget_where(id, |g| g.key == key && g.revision == revision);
+    }
+
+    /// Forgets the records of `id` that `drop` picks.
+    fn forget_where(&self, id: &str, drop: impl Fn(&Grant) -> bool) {
+        let Some(mut s) = self.live.get_mut(id) else {
+            return;
+        };
+        let before = s.held.len() as i64;
+        s.held.retain(|g| !drop(g));
+        let gone = before - s.held.len() as i64;
+        let principal = s.principal.clone();
+        std::mem::drop(s);
+        self.count_keys(principal.as_ref(), 0, -gone);
     }
 
     /// Forgets the records of `id`'s writes of `key` (created at `created`) made before
@@ -424,11 +484,9 @@ impl SessionTable {
     /// deleted or written without it). A write of the key at `at` or later is the
     /// session's again and stays, whatever order the two are learnt in.
     pub fn forget_detached(&self, id: &str, key: &str, created: i64, at: i64) {
-        if let Some(mut s) = self.live.get_mut(id) {
-            s.held.retain(|g| {
-                !(g.key == key && g.revision == created && g.written != 0 && g.written < at)
-            });
-        }
+        self.forget_where(id, |g| {
+            g.key == key && g.revision == created && g.written != 0 && g.written < at
+        });
     }
 
     /// Whether `id` has a record of `key` other than `except` (another attempt's, or a
@@ -441,9 +499,7 @@ impl SessionTable {
 
     /// Forgets exactly `grant` (an unsettled record once its outcome is known).
     pub fn forget(&self, id: &str, grant: &Grant) {
-        if let Some(mut s) = self.live.get_mut(id) {
-            s.held.retain(|g| g != grant);
-        }
+        self.forget_where(id, |g| g == grant);
     }
 
     /// Removes a session that its client closed; with `incarnation`, only that stay of
@@ -457,6 +513,7 @@ impl SessionTable {
             .remove_if(id, |_, s| incarnation.is_none_or(|i| i == s.incarnation))
             .map(|(_, s)| s);
         if let Some(stay) = &closed {
+            self.count(stay, -1);
             self.depart(stay, Instant::now());
         }
         Ok(closed)
@@ -484,6 +541,7 @@ impl SessionTable {
         }
         drop(due);
         for s in &expired {
+            self.count(s, -1);
             let reason = s.ended.clone().unwrap_or_else(|| NOT_RENEWED.into());
             self.bury(s, reason, now);
         }
@@ -503,6 +561,7 @@ impl SessionTable {
             .filter_map(|id| self.live.remove(id).map(|(_, s)| s))
             .collect();
         for s in &taken {
+            self.count(s, -1);
             self.bury(s, reason.clone(), now);
         }
         taken
@@ -587,6 +646,49 @@ mod tests {
         let gone = table.take_expired(t0 + 3 * S);
         assert_eq!(gone.len(), 1);
         assert_eq!(table.gone("a"), Gone::Expired("stuck".into()));
+    }
+
+    #[test]
+    fn an_identitys_sessions_and_keys_are_counted_in_and_out_on_every_path() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        let owned = |id: &str, lease: i64| {
+            let mut s = session(id, lease, S, t0);
+            s.principal = Some("batch".into());
+            s
+        };
+        let name = |n: &str| lockcell_cell::LockName::parse(n).unwrap();
+        table.insert(owned("a", 1));
+        table.insert(owned("b", 2));
+        table.insert(owned("c", 3));
+        table.insert(session("anonymous", 1, S, t0));
+        let usage = |sessions, keys| Tally { sessions, keys };
+        assert_eq!(table.usage("batch"), usage(3, 0));
+        let hold = Grant::hold(&name("jobs/x"), lockcell_cell::Mode::Exclusive, "a", 7);
+        assert!(table.record_grant("a", 1, hold.clone(), None));
+        assert!(table.record_grant("a", 1, hold, None), "recorded twice");
+        let key = Grant::ephemeral(&name("members/a"), 8, 8);
+        assert!(table.record_grant("b", 1, key, None));
+        // A later write of the same ephemeral key replaces the record.
+        assert!(table.record_grant("b", 1, Grant::ephemeral(&name("members/a"), 8, 9), None));
+        assert_eq!(table.usage("batch"), usage(3, 2));
+        let held_key = name("jobs/x").holder_key(lockcell_cell::Mode::Exclusive, "a");
+        table.forget_grant("a", &held_key, 7);
+        assert_eq!(table.usage("batch"), usage(3, 1), "a release");
+        table.close("c", None).unwrap();
+        assert_eq!(table.usage("batch"), usage(2, 1), "a close");
+        assert_eq!(table.take_on_lease(2, "lost".into(), t0).len(), 1);
+        assert_eq!(
+            table.usage("batch"),
+            usage(1, 0),
+            "a lost lease, with its key"
+        );
+        assert_eq!(table.take_expired(t0 + 2 * S).len(), 2);
+        assert_eq!(table.usage("batch"), usage(0, 0), "an expiry");
+        assert!(
+            table.tally.is_empty(),
+            "nothing kept for an identity with nothing"
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use lockcell_cell::grants::Limit;
 use lockcell_cell::locklog::LockLog;
 use tokio::sync::watch;
 
@@ -10,6 +11,7 @@ use lockcell_proto::FencingToken;
 use crate::classes::ClassBook;
 use crate::cleanup::CleanupQueue;
 use crate::config::ProxyConfig;
+use crate::errors::ProxyError;
 use crate::events::LockEvents;
 use crate::leases::LeaseBook;
 use crate::queues::Queues;
@@ -49,6 +51,8 @@ pub struct ProxyState {
     pub classes: Arc<ClassBook>,
     /// The prefix grants in force (everything allowed without `--grants`).
     pub grants: Arc<crate::grants::GrantBook>,
+    /// What each identity has in hand on this proxy (shared by its cells' engines).
+    pub limits: Arc<crate::limits::Limits>,
     pub cleanup: CleanupQueue,
     /// One out-of-rhythm lease renewal at a time per bucket (resumes that need a later
     /// lower bound share it).
@@ -146,6 +150,73 @@ impl ProxyState {
             grants.check(caller, right, name)?;
         }
         crate::credential::check(id, secret, caller.as_deref())
+    }
+
+    /// Refuses a new session of `principal` when the sessions it opened here are at
+    /// its limit (`sessions` in the grants file's `[[limit]]`).
+    pub fn admit_session(&self, principal: Option<&str>) -> Result<(), ProxyError> {
+        let Some(principal) = principal else {
+            return Ok(());
+        };
+        let grants = self.grants.current();
+        let max = grants.quota(principal).sessions;
+        let now = self.sessions.usage(principal).sessions.max(0) as u64;
+        if now >= max {
+            return Err(crate::limits::refusal(
+                &grants,
+                principal,
+                Limit::Sessions,
+                now,
+                max,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a new key for session `id` when its identity's sessions here hold
+    /// their limit of keys (`keys`). Acquires in progress may pass it by one each.
+    pub fn admit_key(&self, id: &str) -> Result<(), ProxyError> {
+        let Some(principal) = self.sessions.principal(id) else {
+            return Ok(());
+        };
+        let grants = self.grants.current();
+        let max = grants.quota(&principal).keys;
+        let now = self.sessions.usage(&principal).keys.max(0) as u64;
+        if now >= max {
+            return Err(crate::limits::refusal(
+                &grants,
+                &principal,
+                Limit::Keys,
+                now,
+                max,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Takes a place of `principal` under `limit` (a watch, an acquire in progress).
+    pub fn take(
+        &self,
+        principal: Option<&str>,
+        limit: Limit,
+    ) -> Result<crate::limits::Taken, ProxyError> {
+        self.limits.take(&self.grants.current(), principal, limit)
+    }
+
+    /// Lets one call of `principal` through, unless it calls faster than its
+    /// `requests_per_second`.
+    pub fn pace(&self, principal: Option<&str>) -> Result<(), ProxyError> {
+        self.limits.pace(&self.grants.current(), principal)
+    }
+
+    /// As [`Self::pace`], for the caller of `request`.
+    pub fn pace_caller<T>(&self, request: &tonic::Request<T>) -> Result<(), tonic::Status> {
+        let grants = self.grants.current();
+        if !grants.enforced() {
+            return Ok(());
+        }
+        let caller = grants.caller(request)?;
+        Ok(self.limits.pace(&grants, caller.as_deref())?)
     }
 
     /// The epoch the proxy mints tokens in.

@@ -51,6 +51,7 @@ impl PbKvService for EtcdApi {
             return Err(Status::invalid_argument("etcdserver: key is not provided"));
         }
         self.authorize_range(&request, Right::Read, &req.key, &req.range_end)?;
+        self.state.pace_caller(&request)?;
         let req = request.into_inner();
         if let Some(mut reply) = self.range_from_mirror(&req).await? {
             // Leases are the client's already (`mirror_range`).
@@ -90,6 +91,7 @@ impl PbKvService for EtcdApi {
         {
             return Ok(there);
         }
+        self.state.pace(caller.as_deref())?;
         let req = request.into_inner();
         if req.ignore_value || req.ignore_lease {
             return Err(Status::invalid_argument(format!(
@@ -122,6 +124,12 @@ impl PbKvService for EtcdApi {
             Some(_) => Some(leased_key(&req.key)?),
             None => None,
         };
+        // A key new to the lease counts against its identity's keys.
+        if let (Some(s), Some(key)) = (&session, &key) {
+            if !s.held.iter().any(|g| g.key == *key) {
+                state.admit_key(&s.id)?;
+            }
+        }
         let admitted = state
             .kv_budget
             .admit(
@@ -185,6 +193,7 @@ impl PbKvService for EtcdApi {
         let caller = self.caller(&request)?;
         let req = request.get_ref();
         self.authorize_range(&request, Right::Write, &req.key, &req.range_end)?;
+        self.state.pace(caller.as_deref())?;
         let req = request.into_inner();
         if req.key.is_empty() {
             return Err(Status::invalid_argument("etcdserver: key is not provided"));
@@ -252,6 +261,7 @@ impl PbKvService for EtcdApi {
                 return Ok(there);
             }
         }
+        self.state.pace(caller.as_deref())?;
         let writes = self
             .gather(&leases, request.metadata(), caller.as_deref())
             .await?;

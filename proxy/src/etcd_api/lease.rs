@@ -111,6 +111,8 @@ impl PbLeaseService for EtcdApi {
                 "etcdserver: this proxy is shutting down; use another endpoint",
             ));
         }
+        state.pace(principal.as_deref())?;
+        state.admit_session(principal.as_deref())?;
         let id = if chosen {
             if state.sessions.peek(&session_of(req.id)).is_some() {
                 return Err(Status::failed_precondition(LEASE_EXISTS));

@@ -36,6 +36,7 @@ use super::lease::{session_of, LEASE_NOT_FOUND};
 use super::EtcdApi;
 use crate::grants::Right;
 use crate::sessions::Gone;
+use lockcell_cell::grants::Limit;
 
 /// How often a waiting Lock looks whether its lease still lives.
 const LEASE_CHECK: Duration = Duration::from_millis(500);
@@ -58,6 +59,8 @@ impl Lock for EtcdApi {
                 "a lock on {name:?} needs a lease: grant one and name it"
             )));
         }
+        self.state.pace(caller.as_deref())?;
+        let in_progress = self.state.take(caller.as_deref(), Limit::Waiting)?;
         let mut key = req.name.clone();
         key.push(b'/');
         key.extend_from_slice(format!("{:x}", req.lease).as_bytes());
@@ -67,6 +70,7 @@ impl Lock for EtcdApi {
         let (done, answer) = oneshot::channel();
         let api = self.clone();
         tokio::spawn(async move {
+            let _in_progress = in_progress;
             let mut done = done;
             let placed = match api.place(caller, &key, req.lease, b"").await {
                 Ok(placed) => placed,

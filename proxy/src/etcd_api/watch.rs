@@ -31,9 +31,11 @@ use super::EtcdApi;
 use crate::catchup::{Before, CatchUpError, CaughtUp};
 use crate::fanout::{in_chunks, Subscription, RESPONSE_BYTES};
 use crate::grants::Right;
+use crate::limits::Taken;
 use crate::metrics;
 use crate::mirror::{EventKind, KeyEvent, Topic};
 use crate::state::ProxyState;
+use lockcell_cell::grants::Limit;
 
 /// Replies buffered per client stream before its sources wait (each at most about
 /// [`RESPONSE_BYTES`] of events).
@@ -103,6 +105,8 @@ struct Watching {
     /// True while its source follows the fan-out: every event through the revision
     /// the feed applied is then queued for it.
     synced: Arc<AtomicBool>,
+    /// Its place among the watches its identity may have open.
+    _place: Taken,
 }
 
 /// Which events of its topic a watch delivers: those in its range, less the kinds its
@@ -289,6 +293,7 @@ impl WatchStream<'_> {
                     },
                     progress_notify: create.progress_notify,
                     synced: Arc::new(AtomicBool::new(false)),
+                    _place: Taken::none(),
                 };
                 self.create(create.watch_id, create.start_revision, watching)
                     .await
@@ -339,6 +344,25 @@ impl WatchStream<'_> {
             ))
         } else {
             None
+        };
+        // Past its identity's rate or open watches: refused under the ID asked for, as
+        // a watch outside the grants is.
+        let identity = self.identity.as_deref();
+        let (refusal, watching) = match refusal {
+            Some(refused) => (Some(refused), watching),
+            None => match state
+                .pace(identity)
+                .and_then(|()| state.take(identity, Limit::Watches))
+            {
+                Ok(place) => (
+                    None,
+                    Watching {
+                        _place: place,
+                        ..watching
+                    },
+                ),
+                Err(refused) => (Some((asked_id, refused.to_string())), watching),
+            },
         };
         if let Some((id, reason)) = refusal {
             let revision = state.reads.feed.applied();

@@ -61,6 +61,7 @@ fn unread(kv: KeyValue) -> KeyValue {
 impl KvApi for KvService {
     #[tracing::instrument(skip_all, fields(kv.key = %request.get_ref().key))]
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<GetResponse>, Status> {
+        self.state.pace_caller(&request)?;
         self.state.grants.current().authorize_key(
             &request,
             Right::Read,
@@ -111,6 +112,7 @@ impl KvApi for KvService {
         if !put.session_id.is_empty() {
             crate::credential::check(&put.session_id, &put.session_secret, caller.as_deref())?;
         }
+        self.state.pace(caller.as_deref())?;
         let req = request.into_inner();
         let state = &self.state;
         let name = key_name(&req.key)?;
@@ -131,6 +133,11 @@ impl KvApi for KvService {
                 .sessions
                 .get(&req.session_id, Instant::now())
                 .map_err(|gone| ProxyError::session(&req.session_id, gone))?;
+            // A new ephemeral key counts against the identity's keys; writing one the
+            // session has already does not.
+            if !s.held.iter().any(|g| g.written != 0 && g.lock == name) {
+                state.admit_key(&s.id)?;
+            }
             Some(s)
         };
         let served = state.routes.serve(name.as_str())?;
@@ -202,6 +209,7 @@ impl KvApi for KvService {
     ) -> Result<Response<DeleteResponse>, Status> {
         let grants = self.state.grants.current();
         grants.authorize(&request, Right::Write, &[&request.get_ref().key])?;
+        self.state.pace_caller(&request)?;
         let writer = self.writer(grants.caller(&request)?);
         let req = request.into_inner();
         let name = key_name(&req.key)?;
@@ -233,6 +241,7 @@ impl KvApi for KvService {
             grants.authorize(&request, Right::Read, &compared)?;
             grants.authorize(&request, Right::Write, &written)?;
         }
+        self.state.pace_caller(&request)?;
         let writer = self.writer(self.state.grants.current().caller(&request)?);
         let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;
         let sizes: Vec<(&str, Option<usize>)> = checked

@@ -36,6 +36,7 @@ impl SessionApi for SessionService {
     #[tracing::instrument(skip_all, fields(session.id))]
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
         let principal = self.state.grants.current().caller(&request)?;
+        self.state.pace(principal.as_deref())?;
         let (id, secret) = credential::new_session(principal.as_deref());
         tracing::Span::current().record("session.id", &*id);
         let mut reply = open_stay(&self.state, principal, &request.into_inner(), id.into())?;
@@ -97,6 +98,7 @@ pub fn open_stay(
         return Err(ProxyError::ShuttingDown);
     }
     check_label(&req.identity)?;
+    state.admit_session(principal.as_deref())?;
     let ttl = state
         .config
         .session_ttl_for(Duration::from_millis(req.ttl_ms));

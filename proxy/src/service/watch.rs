@@ -21,10 +21,12 @@ use crate::catchup::{Before, CatchUp, CatchUpError, CaughtUp};
 use crate::errors::ProxyError;
 use crate::fanout::{in_chunks, Batch, End, Subscription, RESPONSE_BYTES};
 use crate::grants::Right;
+use crate::limits::Taken;
 use crate::metrics;
 use crate::mirror::{EventKind, KeyEvent, Topic};
 use crate::service::kv::wire;
 use crate::state::ProxyState;
+use lockcell_cell::grants::Limit;
 
 /// Responses a watcher's stream holds before the fan-out backlog takes over.
 const STREAM_BUFFER: usize = 8;
@@ -52,6 +54,9 @@ impl WatchApi for WatchService {
             &request.get_ref().key,
             request.get_ref().prefix,
         )?;
+        let caller = self.state.grants.current().caller(&request)?;
+        self.state.pace(caller.as_deref())?;
+        let place = self.state.take(caller.as_deref(), Limit::Watches)?;
         let req = request.into_inner();
         let state = &self.state;
         if req.start_revision < 0 {
@@ -137,6 +142,7 @@ impl WatchApi for WatchService {
         };
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let pump = Pump {
+            _place: place,
             cell,
             checked_copy,
             routes: state.routes.clone(),
@@ -171,6 +177,8 @@ fn describe(req: &WatchRequest) -> String {
 
 /// One watcher's delivery: catch-up, then the fan-out's queue.
 struct Pump {
+    /// Its place among the watches its identity may have open.
+    _place: Taken,
     /// The cell whose revisions these are (in the created response).
     cell: String,
     /// The cell's copy of the shard map, as of what the feed applied: once it moves

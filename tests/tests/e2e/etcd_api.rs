@@ -100,7 +100,7 @@ fn token_grants(path: &std::path::Path, prefix: &str, who: &[(&str, &str)]) -> a
 }
 
 /// A proxy with its etcd API and the grants file at `grants`, over plain HTTP/2.
-async fn proxy_with_grants(
+pub(crate) async fn proxy_with_grants(
     etcd: &EtcdCluster,
     grants: &std::path::Path,
 ) -> anyhow::Result<(ProxyProcess, String)> {

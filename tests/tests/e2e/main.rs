@@ -22,6 +22,7 @@ mod grants;
 mod guide;
 mod handover;
 mod kv;
+mod limits;
 mod locks;
 mod members;
 mod modes;
@@ -76,6 +77,9 @@ fn main() {
         security::a_write_only_identity_never_reads_a_value_through_a_failed_write,
         security::the_admin_drain_answers_only_a_trusted_caller,
         security::one_client_cannot_send_without_bounds,
+        limits::one_identity_in_a_loop_is_refused_at_each_limit_and_another_keeps_going,
+        limits::calls_past_an_identitys_rate_are_refused_until_it_slows_down,
+        limits::etcd_clients_are_refused_at_their_identitys_limits,
         security::one_writer_cannot_grow_every_proxy_past_the_cells_bound,
         security::the_audit_history_answers_only_who_may_read_it,
         security::a_renewed_certificate_applies_without_a_restart,

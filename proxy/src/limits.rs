@@ -1,0 +1,216 @@
+//! Per-identity limits (docs/operations.md, "Limits"): what one identity may have on
+//! this proxy at once, and how fast it may call it, from the grants file's
+//! `[[limit]]` entries ([`lockcell_cell::grants::Quota`]).
+//!
+//! Sessions and the keys they hold are counted by each cell's session table (they
+//! live there); watches and acquires in progress are counted here, each by a
+//! [`Taken`] that gives its place back when dropped; calls are paced by a token
+//! bucket per identity. A proxy without `--grants` knows no identities and limits
+//! no one this way.
+//!
+//! Every refusal is RESOURCE_EXHAUSTED naming the identity, the limit and the count
+//! (`identity "batch" has 100 of its 100 open sessions on this proxy`), counted in
+//! `lockcell_limit_refusals_total` by identity and limit, and writes nothing.
+
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use dashmap::DashMap;
+use governor::{DefaultDirectRateLimiter, Quota as RateQuota, RateLimiter};
+use lockcell_cell::grants::Limit;
+
+use crate::errors::ProxyError;
+use crate::grants::Grants;
+use crate::metrics as m;
+
+/// What every identity has in hand on this proxy, beyond its sessions and keys.
+#[derive(Default)]
+pub struct Limits {
+    by_identity: DashMap<Arc<str>, Arc<Usage>>,
+}
+
+#[derive(Default)]
+struct Usage {
+    watches: AtomicU64,
+    waiting: AtomicU64,
+    /// The identity's bucket, and the rate it was built for (a reload may change it).
+    bucket: Mutex<Option<(u64, Arc<DefaultDirectRateLimiter>)>>,
+}
+
+impl Usage {
+    fn count(&self, limit: Limit) -> &AtomicU64 {
+        match limit {
+            Limit::Watches => &self.watches,
+            Limit::Waiting => &self.waiting,
+            other => unreachable!("{other:?} is counted by the session table"),
+        }
+    }
+}
+
+/// A place taken under a limit (a watch open, an acquire in progress); given back
+/// when dropped. A proxy that limits no one hands out empty ones.
+#[must_use = "the place is given back when this is dropped"]
+pub struct Taken {
+    held: Option<(Arc<Usage>, Limit)>,
+}
+
+impl Taken {
+    /// A place no limit counts.
+    pub fn none() -> Taken {
+        Taken { held: None }
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        if let Some((usage, limit)) = self.held.take() {
+            usage.count(limit).fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Limits {
+    fn usage(&self, identity: &str) -> Arc<Usage> {
+        if let Some(u) = self.by_identity.get(identity) {
+            return u.clone();
+        }
+        self.by_identity.entry(identity.into()).or_default().clone()
+    }
+
+    /// Takes one place of `identity` under `limit` (watches or acquires in progress),
+    /// or refuses when its quota is full.
+    pub fn take(
+        &self,
+        grants: &Grants,
+        identity: Option<&str>,
+        limit: Limit,
+    ) -> Result<Taken, ProxyError> {
+        let Some(identity) = identity else {
+            return Ok(Taken::none());
+        };
+        let max = grants.quota(identity).of(limit);
+        let usage = self.usage(identity);
+        let count = usage.count(limit);
+        let mut now = count.load(Ordering::Acquire);
+        loop {
+            if now >= max {
+                return Err(refusal(grants, identity, limit, now, max));
+            }
+            match count.compare_exchange_weak(now, now + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(actual) => now = actual,
+            }
+        }
+        Ok(Taken {
+            held: Some((usage, limit)),
+        })
+    }
+
+    /// Lets one call of `identity` through, or refuses it when the identity calls
+    /// faster than its `requests_per_second` (a burst of one second's worth passes).
+    pub fn pace(&self, grants: &Grants, identity: Option<&str>) -> Result<(), ProxyError> {
+        let Some(identity) = identity else {
+            return Ok(());
+        };
+        let rate = grants.quota(identity).requests_per_second;
+        let usage = self.usage(identity);
+        let bucket = {
+            let mut slot = usage.bucket.lock().expect("rate bucket");
+            match &*slot {
+                Some((built_for, bucket)) if *built_for == rate => bucket.clone(),
+                _ => {
+                    let per_second = NonZeroU32::new(rate.min(u32::MAX as u64) as u32)
+                        .unwrap_or(NonZeroU32::MIN);
+                    let bucket = Arc::new(RateLimiter::direct(RateQuota::per_second(per_second)));
+                    *slot = Some((rate, bucket.clone()));
+                    bucket
+                }
+            }
+        };
+        bucket.check().map_err(|_| {
+            refused(grants, identity, Limit::Rate);
+            ProxyError::Exhausted(format!(
+                "identity {identity:?} calls this proxy faster than its {rate} calls a second \
+                 (limit `requests_per_second` in the grants file): slow down and try again"
+            ))
+        })
+    }
+}
+
+/// Refuses a call of `identity` that would pass `limit`, which it has `now` of `max`.
+pub fn refusal(grants: &Grants, identity: &str, limit: Limit, now: u64, max: u64) -> ProxyError {
+    refused(grants, identity, limit);
+    ProxyError::Exhausted(format!(
+        "identity {identity:?} has {now} of its {max} {limit} on this proxy (limit `{}` in \
+         the grants file): end some, or raise the limit",
+        limit.field()
+    ))
+}
+
+/// Counts a refusal, labelled with the identity when the grants file names it.
+fn refused(grants: &Grants, identity: &str, limit: Limit) {
+    let label = if grants.names(identity) {
+        identity.to_owned()
+    } else {
+        "*".to_owned()
+    };
+    metrics::counter!(m::LIMIT_REFUSALS, "identity" => label, "limit" => limit.field())
+        .increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::declared::Declared;
+
+    fn grants(text: &str) -> Grants {
+        Grants::parse(text, std::path::Path::new("grants.toml")).unwrap()
+    }
+
+    const FILE: &str = "[[grant]]\nidentity = \"*\"\nlock = [\"\"]\n\
+                        [[limit]]\nidentity = \"batch\"\nwatches = 2\nrequests_per_second = 3\n";
+
+    #[test]
+    fn a_place_is_refused_at_the_limit_and_given_back_when_dropped() {
+        let grants = grants(FILE);
+        let limits = Limits::default();
+        let first = limits.take(&grants, Some("batch"), Limit::Watches).unwrap();
+        let _second = limits.take(&grants, Some("batch"), Limit::Watches).unwrap();
+        let refused = limits
+            .take(&grants, Some("batch"), Limit::Watches)
+            .err()
+            .expect("the third watch passes the limit");
+        let text = refused.to_string();
+        assert!(
+            text.contains("\"batch\" has 2 of its 2 open watches"),
+            "{text}"
+        );
+        assert!(text.contains("`watches`"), "{text}");
+        // Another identity is not counted with it.
+        let _other = limits.take(&grants, Some("web"), Limit::Watches).unwrap();
+        drop(first);
+        let _again = limits
+            .take(&grants, Some("batch"), Limit::Watches)
+            .expect("a watch that ended gives its place back");
+    }
+
+    #[test]
+    fn calls_past_the_rate_are_refused_and_unidentified_callers_are_not_limited() {
+        let grants = grants(FILE);
+        let limits = Limits::default();
+        let passed = (0..10)
+            .filter(|_| limits.pace(&grants, Some("batch")).is_ok())
+            .count();
+        assert!(
+            (3..10).contains(&passed),
+            "a burst of about one second's worth passes, then calls are refused: {passed}"
+        );
+        let refused = limits.pace(&grants, Some("batch")).unwrap_err().to_string();
+        assert!(refused.contains("3 calls a second"), "{refused}");
+        for _ in 0..100 {
+            limits.pace(&grants, None).unwrap();
+            std::mem::forget(limits.take(&grants, None, Limit::Waiting).unwrap());
+        }
+    }
+}

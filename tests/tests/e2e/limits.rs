@@ -1,0 +1,442 @@
+//! Per-identity limits (the grants file's `[[limit]]`): one identity misbehaving in a
+//! loop is refused at each of its limits, by name, while another identity on the same
+//! proxy keeps its sessions and its grants. Real etcd, a real proxy checking grants
+//! over bearer tokens, the SDK as each identity.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use lockcell_client::{Client, ClientOptions, Condition, Error, Session, Wait, WatchOptions};
+use lockcell_tests::certs::token_sha256;
+use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess};
+
+use crate::support::short_session;
+
+const SESSIONS: usize = 12;
+const KEYS: usize = 6;
+const WATCHES: usize = 5;
+const WAITING: usize = 3;
+
+/// `noisy` has small limits; `quiet` has the defaults; `paced` may call 5 times a second.
+fn grants_file() -> String {
+    let mut file = format!(
+        r#"
+[[grant]]
+identity = "*"
+lock = [""]
+read = [""]
+write = [""]
+watch = [""]
+
+[[limit]]
+identity = "noisy"
+sessions = {SESSIONS}
+keys = {KEYS}
+watches = {WATCHES}
+waiting = {WAITING}
+
+[[limit]]
+identity = "paced"
+requests_per_second = 5
+"#
+    );
+    for who in ["noisy", "quiet", "paced"] {
+        file.push_str(&format!(
+            "\n[[token]]\nidentity = \"{who}\"\nsha256 = \"{}\"\n",
+            token_sha256(&token_of(who))
+        ));
+    }
+    file
+}
+
+fn token_of(who: &str) -> String {
+    format!("{who}-token-0123456789abcdef0123456789")
+}
+
+async fn guarded_proxy() -> anyhow::Result<(EtcdCluster, ProxyProcess, tempfile::TempDir)> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let grants = dir.path().join("grants.toml");
+    std::fs::write(&grants, grants_file())?;
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--grants".into(),
+        grants.display().to_string(),
+        "--grants-without-tls".into(),
+    ];
+    let proxy = ProxyProcess::start(&options, dir.path()).await?;
+    Ok((etcd, proxy, dir))
+}
+
+async fn client_as(proxy: &ProxyProcess, who: &str) -> anyhow::Result<Client> {
+    Ok(Client::connect_with(ClientOptions::new([proxy.addr.clone()]).token(token_of(who))).await?)
+}
+
+/// `result` failed at a limit: RESOURCE_EXHAUSTED (as the SDK reports it) with a
+/// message that contains each of `names`.
+fn exhausted<T>(result: Result<T, Error>, what: &str, names: &[&str]) -> anyhow::Result<()> {
+    let error = match result {
+        Ok(_) => anyhow::bail!("{what} went through; it should have been refused at its limit"),
+        Err(e) => e,
+    };
+    let message = match &error {
+        Error::ResourceExhausted(message) => message.clone(),
+        Error::Status(status) if status.code() == tonic::Code::ResourceExhausted => {
+            status.message().to_owned()
+        }
+        other => anyhow::bail!("{what} failed, but not as RESOURCE_EXHAUSTED: {other:?}"),
+    };
+    for name in names {
+        ensure!(
+            message.contains(name),
+            "{what}: the refusal does not name {name:?}: {message}"
+        );
+    }
+    Ok(())
+}
+
+/// `noisy` opens sessions, watches, waiting acquires and 64 KiB ephemeral keys in
+/// loops, and is refused at each limit with a message naming it and the count;
+/// nothing refused is written. Meanwhile `quiet` on the same proxy holds a lock on a
+/// 3 s session that never expires, and is granted new locks throughout.
+pub async fn one_identity_in_a_loop_is_refused_at_each_limit_and_another_keeps_going(
+) -> anyhow::Result<()> {
+    let (etcd, proxy, _dir) = guarded_proxy().await?;
+    let quiet = client_as(&proxy, "quiet").await?;
+    let quiet_session = quiet
+        .open_session(short_session(Duration::from_secs(3)))
+        .await?;
+    let quiet_hold = quiet_session
+        .acquire("quiet/held", Wait::Try)
+        .await?
+        .context("quiet's lock is free")?;
+    let mut quiet_locks = 0;
+    let quiet_grant = async |quiet_locks: &mut usize| -> anyhow::Result<()> {
+        let name = format!("quiet/lock-{quiet_locks}");
+        let guard = quiet_session
+            .acquire(&name, Wait::Timeout(Duration::from_secs(5)))
+            .await?
+            .with_context(|| format!("quiet was not granted the free lock {name}"))?;
+        guard.release().await?;
+        *quiet_locks += 1;
+        Ok(())
+    };
+
+    // Sessions, in a loop until refused.
+    let noisy = client_as(&proxy, "noisy").await?;
+    let mut sessions: Vec<Session> = Vec::new();
+    let refused = loop {
+        match noisy
+            .open_session(short_session(Duration::from_secs(10)))
+            .await
+        {
+            Ok(s) => sessions.push(s),
+            Err(e) => break e,
+        }
+        ensure!(
+            sessions.len() <= SESSIONS,
+            "noisy opened more than {SESSIONS} sessions"
+        );
+    };
+    ensure!(
+        sessions.len() == SESSIONS,
+        "noisy was refused after {} sessions, not at its limit of {SESSIONS}",
+        sessions.len()
+    );
+    exhausted(
+        Err::<(), _>(refused),
+        "the session past the limit",
+        &[
+            "\"noisy\"",
+            &format!("{SESSIONS} of its {SESSIONS} open sessions"),
+            "`sessions`",
+        ],
+    )?;
+    quiet_grant(&mut quiet_locks).await?;
+
+    // Watches, in a loop until refused; the open ones keep working.
+    let mut watchers = Vec::new();
+    let refused = loop {
+        match noisy.watch("noise/", WatchOptions::prefix()).await {
+            Ok(w) => watchers.push(w),
+            Err(e) => break e,
+        }
+        ensure!(
+            watchers.len() <= WATCHES,
+            "noisy opened more than {WATCHES} watches"
+        );
+    };
+    ensure!(
+        watchers.len() == WATCHES,
+        "noisy was refused after {} watches",
+        watchers.len()
+    );
+    exhausted(
+        Err::<(), _>(refused),
+        "the watch past the limit",
+        &[
+            "\"noisy\"",
+            &format!("{WATCHES} of its {WATCHES} open watches"),
+            "`watches`",
+        ],
+    )?;
+    drop(watchers.pop());
+    let again = eventually(
+        "a watch that ended gives its place back",
+        Duration::from_secs(5),
+        || async { Ok(noisy.watch("noise/", WatchOptions::prefix()).await.ok()) },
+    )
+    .await?;
+    watchers.push(again);
+    quiet_grant(&mut quiet_locks).await?;
+
+    // Acquires flooding one held lock: WAITING wait, the next is refused at once.
+    let _held = sessions[0]
+        .acquire("noise/contended", Wait::Try)
+        .await?
+        .context("the contended lock is free at first")?;
+    let mut waits = Vec::new();
+    for s in &sessions[1..=WAITING] {
+        let s = s.clone();
+        waits.push(tokio::spawn(async move {
+            s.acquire("noise/contended", Wait::Timeout(Duration::from_secs(30)))
+                .await
+                .map(|g| g.is_some())
+        }));
+    }
+    let in_progress = async || -> anyhow::Result<f64> {
+        let page = proxy.metrics().await?;
+        Ok(page
+            .lines()
+            .find(|l| l.starts_with("lockcell_waiters "))
+            .and_then(|l| l.split_once(' ')?.1.trim().parse().ok())
+            .unwrap_or(0.0))
+    };
+    eventually(
+        "the waiting acquires all wait",
+        Duration::from_secs(10),
+        || async { Ok((in_progress().await? >= WAITING as f64).then_some(())) },
+    )
+    .await?;
+    let flood = sessions[WAITING + 1]
+        .acquire("noise/contended", Wait::Timeout(Duration::from_secs(30)))
+        .await;
+    exhausted(
+        flood,
+        "the acquire past the limit",
+        &[
+            "\"noisy\"",
+            &format!("{WAITING} of its {WAITING} acquires in progress"),
+            "`waiting`",
+        ],
+    )?;
+    quiet_grant(&mut quiet_locks).await?;
+    for w in &waits {
+        w.abort();
+    }
+
+    // 64 KiB ephemeral keys, one session, in a loop until refused; the keys held by
+    // now are the one lock above and whatever waits left none behind.
+    let value = vec![b'x'; 64 * 1024];
+    let writer = &sessions[SESSIONS - 1];
+    let mut written = 0;
+    let refused = loop {
+        let key = format!("noise/big-{written}");
+        match writer.put_ephemeral(&key, &value, Condition::Always).await {
+            Ok(w) => {
+                ensure!(w.succeeded, "the put of {key} did not succeed");
+                written += 1;
+            }
+            Err(e) => break e,
+        }
+        ensure!(written <= KEYS, "noisy wrote more than {KEYS} keys");
+    };
+    ensure!(
+        written < KEYS,
+        "noisy wrote {written} ephemeral keys beside its held lock: its limit is {KEYS} keys in all"
+    );
+    exhausted(
+        Err::<(), _>(refused),
+        "the ephemeral key past the limit",
+        &["\"noisy\"", &format!("of its {KEYS} keys held"), "`keys`"],
+    )?;
+    let mut store = etcd.client().await?;
+    let stored = store
+        .get(
+            "/k/noise/big-",
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only(),
+            ),
+        )
+        .await?
+        .kvs()
+        .len();
+    ensure!(
+        stored == written,
+        "etcd has {stored} of the big keys; {written} were accepted"
+    );
+    quiet_grant(&mut quiet_locks).await?;
+
+    // quiet's session renewed throughout and its first lock is still valid.
+    ensure!(
+        quiet_hold.is_valid(),
+        "quiet's lock lost its validity during the noise"
+    );
+    ensure!(
+        quiet_locks == 4,
+        "quiet was granted {quiet_locks} locks of 4"
+    );
+    let page = proxy.metrics().await?;
+    for limit in ["sessions", "watches", "waiting", "keys"] {
+        let line = format!("lockcell_limit_refusals_total{{identity=\"noisy\",limit=\"{limit}\"}}");
+        ensure!(
+            page.lines().any(|l| l.starts_with(&line)),
+            "no refusal counted as {line}"
+        );
+    }
+    ensure!(
+        proxy.metric("lockcell_sessions_expired_total").await? == 0.0,
+        "a session expired while the proxy was being flooded"
+    );
+    Ok(())
+}
+
+/// An identity calling faster than its `requests_per_second` is refused, naming the
+/// rate; once it slows down its calls go through again.
+pub async fn calls_past_an_identitys_rate_are_refused_until_it_slows_down() -> anyhow::Result<()> {
+    let (_etcd, proxy, _dir) = guarded_proxy().await?;
+    let paced = client_as(&proxy, "paced").await?;
+    let session = paced
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let mut refusal = None;
+    for i in 0..50 {
+        if let Err(e) = session
+            .put_ephemeral(&format!("paced/k{i}"), b"v", Condition::Always)
+            .await
+        {
+            refusal = Some(e);
+            break;
+        }
+    }
+    let refusal = refusal.context("50 calls in a burst all went through at 5 a second")?;
+    exhausted(
+        Err::<(), _>(refusal),
+        "the call past the rate",
+        &["\"paced\"", "5 calls a second", "`requests_per_second`"],
+    )?;
+    eventually(
+        "calls go through once the identity slows down",
+        Duration::from_secs(5),
+        || async {
+            Ok(session
+                .put_ephemeral("paced/later", b"v", Condition::Always)
+                .await
+                .ok())
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+/// The same limits through the etcd API: `noisy` logged in as itself grants leases
+/// until refused, and opens watches on one stream until one is created cancelled with
+/// the limit as its reason; the open watches still deliver, and `quiet` is not limited.
+pub async fn etcd_clients_are_refused_at_their_identitys_limits() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let grants = etcd.dir.join("grants.toml");
+    std::fs::write(&grants, grants_file())?;
+    let (_proxy, listen) = crate::etcd_api::proxy_with_grants(&etcd, &grants).await?;
+    let login = |who: &str| etcd_client::ConnectOptions::new().with_user(who, token_of(who));
+    let noisy = etcd_client::Client::connect([listen.as_str()], Some(login("noisy"))).await?;
+    let quiet = etcd_client::Client::connect([listen.as_str()], Some(login("quiet"))).await?;
+
+    let mut granted = 0;
+    let refused = loop {
+        match noisy.lease_client().grant(10, None).await {
+            Ok(_) => granted += 1,
+            Err(e) => break e,
+        }
+        ensure!(
+            granted <= SESSIONS,
+            "noisy was granted more than {SESSIONS} leases"
+        );
+    };
+    ensure!(
+        granted == SESSIONS,
+        "noisy was refused after {granted} leases"
+    );
+    match &refused {
+        etcd_client::Error::GRpcStatus(status) => {
+            ensure!(
+                status.code() == tonic::Code::ResourceExhausted
+                    && status.message().contains("\"noisy\"")
+                    && status
+                        .message()
+                        .contains(&format!("{SESSIONS} of its {SESSIONS} open sessions")),
+                "the lease past the limit was refused as {status:?}"
+            );
+        }
+        other => anyhow::bail!("the lease past the limit failed as {other:?}"),
+    }
+    quiet
+        .lease_client()
+        .grant(10, None)
+        .await
+        .context("quiet could not grant a lease beside noisy")?;
+
+    let mut stream = noisy
+        .watch_client()
+        .watch(
+            "noise/",
+            Some(etcd_client::WatchOptions::new().with_prefix()),
+        )
+        .await?;
+    let first = stream
+        .message()
+        .await?
+        .context("the first watch's creation")?;
+    ensure!(
+        first.created() && !first.canceled(),
+        "the first watch was not created: {first:?}"
+    );
+    let mut open = 1;
+    let cancelled = loop {
+        stream
+            .watch(
+                "noise/",
+                Some(etcd_client::WatchOptions::new().with_prefix()),
+            )
+            .await?;
+        let reply = stream.message().await?.context("a watch's creation")?;
+        ensure!(
+            reply.created(),
+            "a create was answered without `created`: {reply:?}"
+        );
+        if reply.canceled() {
+            break reply;
+        }
+        open += 1;
+        ensure!(open <= WATCHES, "noisy opened more than {WATCHES} watches");
+    };
+    ensure!(open == WATCHES, "noisy was refused after {open} watches");
+    ensure!(
+        cancelled
+            .cancel_reason()
+            .contains(&format!("{WATCHES} of its {WATCHES} open watches")),
+        "the watch past the limit was cancelled for {:?}",
+        cancelled.cancel_reason()
+    );
+    quiet.kv_client().put("noise/k", "v", None).await?;
+    let event = stream.message().await?.context("the open watches' event")?;
+    ensure!(
+        event
+            .events()
+            .iter()
+            .any(|e| e.kv().is_some_and(|kv| kv.key() == b"noise/k")),
+        "the open watches did not deliver the put: {event:?}"
+    );
+    Ok(())
+}
