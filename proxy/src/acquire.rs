@@ -118,6 +118,10 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
     // A new key (the hold, or a waiter key on a fair class) counts against the
     // identity's keys; the call itself is one of its acquires in progress.
     state.admit_key(&call.session_id)?;
+    state.space.admit(
+        &format!("acquiring {:?}", call.lock.as_str()),
+        (call.lock.as_str().len() + call.value.len()) as u64,
+    )?;
     let _in_progress = state.take(principal.as_deref(), Limit::Waiting)?;
     let result = if class.fair {
         fair(state, &call, &class, give_up, session).await

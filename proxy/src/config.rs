@@ -147,6 +147,20 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_MAX_KV_TOTAL_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub max_kv_total_bytes: usize,
 
+    /// etcd's space quota, in bytes: what its members run with as
+    /// `--quota-backend-bytes` (etcd's default is 2 GiB). At its quota etcd refuses every
+    /// write with a put in it, releases and clean-ups included; see
+    /// --etcd-space-limit-percent.
+    #[arg(long, env = "LOCKCELL_ETCD_QUOTA_BYTES", default_value_t = 2 * 1024 * 1024 * 1024)]
+    pub etcd_quota_bytes: u64,
+
+    /// From this share of --etcd-quota-bytes on (etcd's database size, read every 2 s),
+    /// the proxy refuses new keys and values (RESOURCE_EXHAUSTED), keeping the rest of the
+    /// quota for releases, deletes, session clean-ups and lease renewals.
+    #[arg(long, env = "LOCKCELL_ETCD_SPACE_LIMIT_PERCENT", default_value_t = 90,
+          value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub etcd_space_limit_percent: u8,
+
     /// Most calls one client connection may have open at once (HTTP/2 streams: each
     /// waiting acquire, watch and keep-alive stream is one). A client's further calls
     /// wait for one to end; one connection cannot hold unbounded proxy memory.

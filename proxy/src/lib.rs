@@ -41,6 +41,7 @@ pub mod routes;
 pub mod service;
 pub mod sessions;
 pub mod settings;
+pub mod space;
 pub mod state;
 pub mod sweep;
 pub mod tls;
@@ -498,6 +499,7 @@ impl Engine {
                 .with_writer_key(lockcell_cell::keyspace::writer_key(&shared.proxy_id)),
             reads,
             kv_budget: Default::default(),
+            space: space::Space::new(config.etcd_quota_bytes, config.etcd_space_limit_percent),
             queues: events.queues().clone(),
             events,
             classes: shared.classes.clone(),
@@ -536,6 +538,7 @@ impl Engine {
             shared.stop.clone(),
         ));
         tasks.spawn(sweep::run(state.clone(), shared.stop.clone()));
+        tasks.spawn(space::keep_reading(state.clone(), shared.stop.clone()));
         let follow = vec![
             // Prefix watchers' batches, handed over a few at a time.
             tokio::spawn(feed.fanout.clone().pace()),

@@ -20,6 +20,9 @@ pub const CLASSES_RELOAD_FAILURES: &str = "lockcell_classes_reload_failures_tota
 pub const GRANTS_RELOADS: &str = "lockcell_grants_reloads_total";
 pub const GRANTS_RELOAD_FAILURES: &str = "lockcell_grants_reload_failures_total";
 pub const LIMIT_REFUSALS: &str = "lockcell_limit_refusals_total";
+pub const ETCD_DB_BYTES: &str = "lockcell_etcd_db_bytes";
+pub const ETCD_SPACE_LIMIT_BYTES: &str = "lockcell_etcd_space_limit_bytes";
+pub const ETCD_SPACE_REFUSALS: &str = "lockcell_etcd_space_refusals_total";
 pub const WAITERS: &str = "lockcell_waiters";
 pub const GRANT_ATTEMPTS: &str = "lockcell_grant_attempts_total";
 pub const WATCHERS: &str = "lockcell_watchers";
@@ -219,6 +222,20 @@ pub fn describe() {
     counter(
         GRANTS_RELOAD_FAILURES,
         "Prefix grants files refused (the last good one stays in force).",
+    );
+    describe_gauge!(
+        ETCD_DB_BYTES,
+        Unit::Bytes,
+        "etcd's database size as the proxy last read it (Status, every 2 s)."
+    );
+    describe_gauge!(
+        ETCD_SPACE_LIMIT_BYTES,
+        Unit::Bytes,
+        "The database size from which the proxy refuses new keys and values (--etcd-space-limit-percent of --etcd-quota-bytes)."
+    );
+    counter(
+        ETCD_SPACE_REFUSALS,
+        "Writes of new keys or values refused because etcd's database was at the proxy's space line.",
     );
     counter(
         LIMIT_REFUSALS,

@@ -43,6 +43,8 @@ pub struct ProxyState {
     /// Small-key writes let through that the mirror does not show yet
     /// (`--max-kv-total-bytes`).
     pub kv_budget: crate::kvbudget::KvBudget,
+    /// etcd's database size against its quota: new keys and values stop short of it.
+    pub space: crate::space::Space,
     /// What the proxy's watch over the lock log tells waiters and observers.
     pub events: Arc<LockEvents>,
     /// Local wait queues of classes that are not fair.
@@ -217,6 +219,28 @@ impl ProxyState {
         }
         let caller = grants.caller(request)?;
         Ok(self.limits.pace(&grants, caller.as_deref())?)
+    }
+
+    /// Lets small-key `writes` (each a key and its new value's length, or `None` for a
+    /// delete) through: those that add keys or values only while etcd's database is
+    /// below the space line ([`crate::space`]), and all within `--max-kv-total-bytes`
+    /// ([`crate::kvbudget`]).
+    pub async fn admit_writes<'a>(
+        &'a self,
+        writes: &[(&str, Option<usize>)],
+    ) -> Result<crate::kvbudget::Admitted<'a>, ProxyError> {
+        let adds: usize = writes
+            .iter()
+            .filter_map(|(name, value)| value.map(|v| name.len() + v))
+            .sum();
+        if adds > 0 {
+            let names: Vec<&str> = writes.iter().map(|(name, _)| *name).collect();
+            self.space
+                .admit(&format!("writing {names:?}"), adds as u64)?;
+        }
+        self.kv_budget
+            .admit(&self.reads.feed, self.config.max_kv_total_bytes, writes)
+            .await
     }
 
     /// The epoch the proxy mints tokens in.

@@ -131,12 +131,7 @@ impl PbKvService for EtcdApi {
             }
         }
         let admitted = state
-            .kv_budget
-            .admit(
-                &state.reads.feed,
-                state.config.max_kv_total_bytes,
-                &[(shown.as_str(), Some(req.value.len()))],
-            )
+            .admit_writes(&[(shown.as_str(), Some(req.value.len()))])
             .await?;
         let map_revision = state.routes.serve_all([shown.as_str()])?;
         let writer = self.writer(caller, session.as_ref());
@@ -400,10 +395,7 @@ impl EtcdApi {
             .map(|(k, p)| (k.as_str(), Some(p.value.len())))
             .collect();
         let state = &self.state;
-        let admitted = state
-            .kv_budget
-            .admit(&state.reads.feed, state.config.max_kv_total_bytes, &sizes)
-            .await?;
+        let admitted = state.admit_writes(&sizes).await?;
         // A leased put is its session's even if no answer comes: recorded as unsettled
         // first, as a put on its own is.
         let pending: Vec<(Session, Grant)> = puts

@@ -61,6 +61,10 @@ impl Lock for EtcdApi {
         }
         self.state.pace(caller.as_deref())?;
         let in_progress = self.state.take(caller.as_deref(), Limit::Waiting)?;
+        self.state.space.admit(
+            &format!("locking {:?}", String::from_utf8_lossy(&req.name)),
+            req.name.len() as u64 + 16,
+        )?;
         let mut key = req.name.clone();
         key.push(b'/');
         key.extend_from_slice(format!("{:x}", req.lease).as_bytes());

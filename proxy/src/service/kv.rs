@@ -118,12 +118,7 @@ impl KvApi for KvService {
         let name = key_name(&req.key)?;
         value_within(&req.key, &req.value, state.config.max_value_bytes)?;
         let admitted = state
-            .kv_budget
-            .admit(
-                &state.reads.feed,
-                state.config.max_kv_total_bytes,
-                &[(name.as_str(), Some(req.value.len()))],
-            )
+            .admit_writes(&[(name.as_str(), Some(req.value.len()))])
             .await?;
         let condition = condition(&req.key, req.condition)?;
         let session = if req.session_id.is_empty() {
@@ -252,15 +247,7 @@ impl KvApi for KvService {
                 Write::Delete(name) => (name.as_str(), None),
             })
             .collect();
-        let admitted = self
-            .state
-            .kv_budget
-            .admit(
-                &self.state.reads.feed,
-                self.state.config.max_kv_total_bytes,
-                &sizes,
-            )
-            .await?;
+        let admitted = self.state.admit_writes(&sizes).await?;
         let names = checked.when.iter().map(|(n, _)| n.as_str());
         let map_revision = self
             .state

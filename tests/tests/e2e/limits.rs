@@ -440,3 +440,174 @@ pub async fn etcd_clients_are_refused_at_their_identitys_limits() -> anyhow::Res
     );
     Ok(())
 }
+
+/// etcd started with an 8 MiB space quota, the proxy told so: writes of 60 KiB values
+/// are refused by the proxy, naming the quota, before etcd raises its NOSPACE alarm;
+/// then new keys and acquires stay refused, while a held lock is still released, a
+/// session that stopped renewing still expires with its ephemeral key deleted, and a
+/// key is still deleted.
+pub async fn a_cell_near_its_etcd_quota_refuses_new_keys_but_releases_and_expires(
+) -> anyhow::Result<()> {
+    use lockcell_proto::v1::kv_client::KvClient;
+    use lockcell_proto::v1::session_client::SessionClient;
+    use lockcell_proto::v1::{KeepAliveRequest, OpenRequest, PutRequest};
+
+    const QUOTA: u64 = 8 * 1024 * 1024;
+    let options = lockcell_tests::etcd::EtcdOptions {
+        extra_args: vec!["--quota-backend-bytes".into(), QUOTA.to_string()],
+        ..Default::default()
+    };
+    let etcd = EtcdCluster::start_with(1, &options).await?;
+    let mut proxy_options = ProxyOptions::new("a", etcd.endpoints());
+    proxy_options.extra_args = vec!["--etcd-quota-bytes".into(), QUOTA.to_string()];
+    let proxy = ProxyProcess::start(&proxy_options, &etcd.dir).await?;
+    let client = Client::connect_with(ClientOptions::new([proxy.addr.clone()])).await?;
+    let holder = client
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let held = holder
+        .acquire("space/held", Wait::Try)
+        .await?
+        .context("the lock is free")?;
+
+    // A session renewed by hand, with an ephemeral key: its renewals stop later.
+    let channel = tonic::transport::Channel::from_shared(proxy.url())?
+        .connect()
+        .await?;
+    let opened = SessionClient::new(channel.clone())
+        .open(OpenRequest {
+            ttl_ms: 3_000,
+            identity: "e2e-space".into(),
+        })
+        .await?
+        .into_inner();
+    KvClient::new(channel.clone())
+        .put(PutRequest {
+            key: "space/member".into(),
+            value: b"here".to_vec(),
+            session_id: opened.session_id.clone(),
+            session_secret: opened.session_secret.clone(),
+            ..Default::default()
+        })
+        .await?;
+    let (beats, beat_rx) = tokio::sync::mpsc::channel(4);
+    let mut renewals = SessionClient::new(channel.clone())
+        .keep_alive(tokio_stream::wrappers::ReceiverStream::new(beat_rx))
+        .await?
+        .into_inner();
+    let renewing = tokio::spawn({
+        let (id, secret) = (opened.session_id.clone(), opened.session_secret.clone());
+        async move {
+            for seq in 0.. {
+                let beat = KeepAliveRequest {
+                    session_id: id.clone(),
+                    seq,
+                    session_secret: secret.clone(),
+                };
+                if beats.send(beat).await.is_err() || renewals.message().await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    });
+
+    // Fill etcd through the proxy until it refuses.
+    let value = vec![b'v'; 60 * 1024];
+    let mut written = 0;
+    let refusal = loop {
+        match client
+            .put(&format!("space/fill-{written}"), &value, Condition::Always)
+            .await
+        {
+            Ok(_) => written += 1,
+            Err(e) => break e,
+        }
+        ensure!(
+            written as u64 * 60 * 1024 < 2 * QUOTA,
+            "{written} values of 60 KiB went through an 8 MiB quota"
+        );
+    };
+    exhausted(
+        Err::<(), _>(refusal),
+        "the write past the space line",
+        &["--etcd-quota-bytes", "8.0 MiB", "90%"],
+    )?;
+    let mut store = etcd.client().await?;
+    let alarms = store
+        .alarm(
+            etcd_client::AlarmAction::Get,
+            etcd_client::AlarmType::None,
+            None,
+        )
+        .await?;
+    ensure!(
+        alarms.alarms().is_empty(),
+        "etcd raised {} alarms: the proxy let writes reach etcd's quota",
+        alarms.alarms().len()
+    );
+    // Up to the line with empty values under names shorter than the lock's, then an
+    // acquire no longer fits either. (A new reading of etcd's size between the two
+    // may free a little room: then fill again.)
+    let lock = "space/a-lock-with-a-long-name";
+    let mut small = 0;
+    let refused = loop {
+        while client
+            .put(&format!("space/f{small}"), b"", Condition::Always)
+            .await
+            .is_ok()
+        {
+            small += 1;
+            ensure!(
+                small < 10_000,
+                "{small} empty values went through past the line"
+            );
+        }
+        match holder.acquire(lock, Wait::Try).await {
+            Ok(Some(granted)) => {
+                granted.release().await?;
+            }
+            other => break other,
+        }
+    };
+    exhausted(
+        refused,
+        "an acquire past the space line",
+        &[&format!("acquiring {lock:?}"), "--etcd-quota-bytes"],
+    )?;
+
+    // What frees room or ends things still goes through.
+    held.release().await.context("a release near the quota")?;
+    ensure!(
+        store
+            .get(
+                lockcell_cell::LockName::parse("space/held")?.exclusive_key(),
+                None
+            )
+            .await?
+            .kvs()
+            .is_empty(),
+        "the released lock's key is still in etcd"
+    );
+    renewing.abort();
+    eventually(
+        "the session that stopped renewing expires and its key goes",
+        Duration::from_secs(15),
+        || async {
+            let left = etcd.client().await?.get("/k/space/member", None).await?;
+            Ok(left.kvs().is_empty().then_some(()))
+        },
+    )
+    .await?;
+    ensure!(
+        client.delete("space/fill-0", Condition::Always).await?,
+        "a delete near the quota did not delete"
+    );
+    // The line was etcd's own reading, not only the proxy's estimate of its writes.
+    let read = proxy.metric("lockcell_etcd_db_bytes").await?;
+    ensure!(
+        read > QUOTA as f64 * 0.8,
+        "the proxy read etcd's database as {read} bytes, near an 8 MiB quota"
+    );
+    Ok(())
+}
