@@ -171,6 +171,13 @@ pub struct ProxyConfig {
     )]
     pub max_streams_per_connection: u32,
 
+    /// Past this resident size, in bytes, the proxy takes no new sessions and no new
+    /// watches (RESOURCE_EXHAUSTED: use another proxy), while existing sessions keep
+    /// renewing, resuming and releasing. 0: no bound. Set it below the memory limit
+    /// the proxy runs under (the DaemonSet's 1 GiB: 900 MiB).
+    #[arg(long, env = "LOCKCELL_MAX_MEMORY_BYTES", default_value_t = 0)]
+    pub max_memory_bytes: u64,
+
     /// Lock classes file (TOML; see deploy/config/classes.toml). Reloaded on SIGHUP and
     /// when it changes; a bad file is refused and the last good one stays in force.
     /// Without it every lock has one built-in class: both modes, fenced, not fair.

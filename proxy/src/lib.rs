@@ -31,6 +31,7 @@ pub mod lease_keeper;
 pub mod leases;
 pub mod limits;
 pub mod members;
+pub mod memory;
 pub mod metrics;
 pub mod mirror;
 pub mod queues;
@@ -129,9 +130,11 @@ pub async fn run(
             grants::Grants::open(),
         )?),
         limits: Default::default(),
+        memory: Arc::new(memory::Memory::new(config.max_memory_bytes)),
         stop: stop_rx.clone(),
         drain: drain.clone(),
     };
+    tokio::spawn(memory::keep_reading(shared.memory.clone(), stop_rx.clone()));
     let tls = tls_files(&config)
         .map(tls::ReloadingTls::load)
         .transpose()?
@@ -375,6 +378,7 @@ struct Shared {
     classes: Arc<classes::ClassBook>,
     grants: Arc<grants::GrantBook>,
     limits: Arc<limits::Limits>,
+    memory: Arc<memory::Memory>,
     stop: watch::Receiver<bool>,
     drain: Arc<watch::Sender<bool>>,
 }
@@ -505,6 +509,7 @@ impl Engine {
             classes: shared.classes.clone(),
             grants: shared.grants.clone(),
             limits: shared.limits.clone(),
+            memory: shared.memory.clone(),
             cleanup: Default::default(),
             renewing: (0..config.leases).map(|_| Default::default()).collect(),
             etcd: etcd.clone(),

@@ -21,6 +21,8 @@ pub const GRANTS_RELOADS: &str = "lockcell_grants_reloads_total";
 pub const GRANTS_RELOAD_FAILURES: &str = "lockcell_grants_reload_failures_total";
 pub const LIMIT_REFUSALS: &str = "lockcell_limit_refusals_total";
 pub const ETCD_DB_BYTES: &str = "lockcell_etcd_db_bytes";
+pub const RESIDENT_BYTES: &str = "lockcell_proxy_resident_bytes";
+pub const MEMORY_REFUSALS: &str = "lockcell_memory_refusals_total";
 pub const ETCD_SPACE_LIMIT_BYTES: &str = "lockcell_etcd_space_limit_bytes";
 pub const ETCD_SPACE_REFUSALS: &str = "lockcell_etcd_space_refusals_total";
 pub const WAITERS: &str = "lockcell_waiters";
@@ -232,6 +234,15 @@ pub fn describe() {
         ETCD_SPACE_LIMIT_BYTES,
         Unit::Bytes,
         "The database size from which the proxy refuses new keys and values (--etcd-space-limit-percent of --etcd-quota-bytes)."
+    );
+    describe_gauge!(
+        RESIDENT_BYTES,
+        Unit::Bytes,
+        "The proxy's resident size as it last read it (every second), against --max-memory-bytes."
+    );
+    counter(
+        MEMORY_REFUSALS,
+        "New sessions and watches refused because the proxy was past --max-memory-bytes.",
     );
     counter(
         ETCD_SPACE_REFUSALS,

@@ -55,6 +55,8 @@ pub struct ProxyState {
     pub grants: Arc<crate::grants::GrantBook>,
     /// What each identity has in hand on this proxy (shared by its cells' engines).
     pub limits: Arc<crate::limits::Limits>,
+    /// The proxy's resident size against `--max-memory-bytes` (shared likewise).
+    pub memory: Arc<crate::memory::Memory>,
     pub cleanup: CleanupQueue,
     /// One out-of-rhythm lease renewal at a time per bucket (resumes that need a later
     /// lower bound share it).
@@ -157,6 +159,7 @@ impl ProxyState {
     /// Refuses a new session of `principal` when the sessions it opened here are at
     /// its limit (`sessions` in the grants file's `[[limit]]`).
     pub fn admit_session(&self, principal: Option<&str>) -> Result<(), ProxyError> {
+        self.memory.admit("sessions")?;
         let Some(principal) = principal else {
             return Ok(());
         };
@@ -202,6 +205,9 @@ impl ProxyState {
         principal: Option<&str>,
         limit: Limit,
     ) -> Result<crate::limits::Taken, ProxyError> {
+        if limit == Limit::Watches {
+            self.memory.admit("watches")?;
+        }
         self.limits.take(&self.grants.current(), principal, limit)
     }
 

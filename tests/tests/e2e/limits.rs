@@ -611,3 +611,89 @@ pub async fn a_cell_near_its_etcd_quota_refuses_new_keys_but_releases_and_expire
     );
     Ok(())
 }
+
+/// A proxy past `--max-memory-bytes` takes no new sessions and no new watches, naming
+/// the bound, while a session opened before keeps renewing and holding its lock. The
+/// proxy's memory grows here as a real one's does: every proxy keeps a copy of every
+/// small key, and 64 KiB values are written until it is past its bound.
+pub async fn a_proxy_past_its_memory_bound_sheds_new_sessions_and_watches_only(
+) -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let writer = ProxyProcess::start(&ProxyOptions::new("a", etcd.endpoints()), &etcd.dir).await?;
+    let baseline = eventually(
+        "the proxy reads its own size",
+        Duration::from_secs(10),
+        || async {
+            let bytes = writer.metric("lockcell_proxy_resident_bytes").await?;
+            Ok((bytes > 0.0).then_some(bytes as u64))
+        },
+    )
+    .await?;
+    let bound = baseline + 32 * 1024 * 1024;
+    let mut options = ProxyOptions::new("b", etcd.endpoints());
+    options.extra_args = vec!["--max-memory-bytes".into(), bound.to_string()];
+    let bounded = ProxyProcess::start(&options, &etcd.dir).await?;
+    let on_bounded = Client::connect_with(ClientOptions::new([bounded.addr.clone()])).await?;
+    let kept = on_bounded
+        .open_session(short_session(Duration::from_secs(3)))
+        .await?;
+    let hold = kept
+        .acquire("memory/held", Wait::Try)
+        .await?
+        .context("the lock is free")?;
+
+    let through_writer = Client::connect_with(ClientOptions::new([writer.addr.clone()])).await?;
+    let value = vec![b'm'; 64 * 1024];
+    let mut written = 0;
+    let refused = loop {
+        for _ in 0..16 {
+            through_writer
+                .put(&format!("memory/k{written}"), &value, Condition::Always)
+                .await?;
+            written += 1;
+        }
+        ensure!(
+            written < 4096,
+            "256 MiB of values written and the proxy still opens sessions (bound {bound} bytes)"
+        );
+        // Each reading comes every second: let it see the copies grow.
+        let resident = bounded.metric("lockcell_proxy_resident_bytes").await?;
+        if resident < bound as f64 {
+            continue;
+        }
+        match on_bounded
+            .open_session(short_session(Duration::from_secs(3)))
+            .await
+        {
+            Ok(_) => continue,
+            Err(e) => break e,
+        }
+    };
+    exhausted(
+        Err::<(), _>(refused),
+        "a session past the memory bound",
+        &["--max-memory-bytes", "new sessions"],
+    )?;
+    exhausted(
+        on_bounded.watch("memory/", WatchOptions::prefix()).await,
+        "a watch past the memory bound",
+        &["--max-memory-bytes", "new watches"],
+    )?;
+    // The session opened before renews through a few of its TTLs and keeps its lock.
+    let later = tokio::time::Instant::now() + Duration::from_secs(7);
+    while tokio::time::Instant::now() < later {
+        ensure!(
+            hold.is_valid(),
+            "the lock opened before the bound lost its validity"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    ensure!(
+        bounded.metric("lockcell_sessions_expired_total").await? == 0.0,
+        "a session expired on the proxy past its memory bound"
+    );
+    hold.release()
+        .await
+        .context("a release past the memory bound")?;
+    Ok(())
+}
