@@ -178,6 +178,16 @@ pub struct ProxyConfig {
     #[arg(long, env = "LOCKCELL_MAX_MEMORY_BYTES", default_value_t = 0)]
     pub max_memory_bytes: u64,
 
+    /// Most keepalive messages a second one keepalive stream is read at (lockcell's
+    /// Session.KeepAlive and etcd's LeaseKeepAlive), with a burst of as many: a stream
+    /// sent faster is read more slowly, never refused. 0: no pace.
+    #[arg(
+        long,
+        env = "LOCKCELL_MAX_KEEPALIVES_PER_STREAM",
+        default_value_t = 1000
+    )]
+    pub max_keepalives_per_stream: u32,
+
     /// Lock classes file (TOML; see deploy/config/classes.toml). Reloaded on SIGHUP and
     /// when it changes; a bad file is refused and the last good one stays in force.
     /// Without it every lock has one built-in class: both modes, fenced, not fair.

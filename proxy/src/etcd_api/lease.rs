@@ -219,7 +219,12 @@ impl PbLeaseService for EtcdApi {
         // dropped, or the proxy shuts down.
         tokio::spawn(async move {
             let mut shutdown = api.state.shutdown.clone();
+            let pace = crate::limits::StreamPace::new(api.state.config.max_keepalives_per_stream);
             loop {
+                tokio::select! {
+                    () = pace.turn() => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                }
                 let msg = tokio::select! {
                     msg = input.message() => msg,
                     _ = shutdown.wait_for(|stop| *stop) => return,

@@ -199,7 +199,12 @@ pub fn keep_alive_stream(
         // This stream's turn in a drain (see `handover::move_hint`).
         let turn = rand::random::<f64>();
         let mut proven = credential::Proven::default();
+        let pace = crate::limits::StreamPace::new(states[0].config.max_keepalives_per_stream);
         loop {
+            tokio::select! {
+                () = pace.turn() => {}
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            }
             let req = tokio::select! {
                 msg = input.message() => match msg {
                     Ok(Some(req)) => req,
