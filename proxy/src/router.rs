@@ -298,6 +298,10 @@ impl SessionApi for Router {
             .await;
         }
         let principal = self.engines[0].grants.current().caller(&request)?;
+        let first = &self.engines[0];
+        if first.sessions.peek(&request.get_ref().session_id).is_none() {
+            first.admit_session(principal.as_deref())?;
+        }
         let req = request.into_inner();
         let started = tokio::time::Instant::now();
         // Each key moves in the cell that serves its name.

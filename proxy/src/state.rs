@@ -181,13 +181,18 @@ impl ProxyState {
     /// Refuses a new key for session `id` when its identity's sessions here hold
     /// their limit of keys (`keys`). Acquires in progress may pass it by one each.
     pub fn admit_key(&self, id: &str) -> Result<(), ProxyError> {
+        self.admit_keys(id, 1)
+    }
+
+    /// As [`Self::admit_key`], for `new` keys at once (a transaction's leased puts).
+    pub fn admit_keys(&self, id: &str, new: u64) -> Result<(), ProxyError> {
         let Some(principal) = self.sessions.principal(id) else {
             return Ok(());
         };
         let grants = self.grants.current();
         let max = grants.quota(&principal).keys;
         let now = self.sessions.usage(&principal).keys.max(0) as u64;
-        if now >= max {
+        if now + new > max {
             return Err(crate::limits::refusal(
                 &grants,
                 &principal,

@@ -61,6 +61,8 @@ impl Election for EtcdApi {
                 String::from_utf8_lossy(&req.name)
             )));
         }
+        let in_progress =
+            self.admit_wait(caller.as_deref(), &req.name, req.lease, req.value.len())?;
         let key = candidate_key(&req.name, req.lease);
         // As a Lock call: the wait runs on its own, and a caller who hangs up takes out
         // only a key this call made.
@@ -68,6 +70,7 @@ impl Election for EtcdApi {
         let api = self.clone();
         let (lease, value) = (req.lease, req.value);
         tokio::spawn(async move {
+            let _in_progress = in_progress;
             let mut done = done;
             let placed = match api.place(caller.clone(), &key, lease, &value).await {
                 Ok(placed) => placed,
@@ -198,6 +201,7 @@ impl Election for EtcdApi {
             .leader
             .ok_or_else(|| Status::invalid_argument("a resignation names its leader key"))?;
         self.may(caller.as_deref(), Right::Lock, &leader.name)?;
+        self.paced_unless_shown(caller.as_deref(), &leader.key)?;
         let key = inner(&leader.key);
         let map_revision = self.map_revision(&leader.key, &[])?;
         // As etcd's: a key that no longer leads with that revision is left alone.

@@ -51,7 +51,7 @@ impl PbKvService for EtcdApi {
             return Err(Status::invalid_argument("etcdserver: key is not provided"));
         }
         self.authorize_range(&request, Right::Read, &req.key, &req.range_end)?;
-        self.state.pace_caller(&request)?;
+        self.state.pace(self.caller(&request)?.as_deref())?;
         let req = request.into_inner();
         if let Some(mut reply) = self.range_from_mirror(&req).await? {
             // Leases are the client's already (`mirror_range`).
@@ -395,6 +395,24 @@ impl EtcdApi {
             .map(|(k, p)| (k.as_str(), Some(p.value.len())))
             .collect();
         let state = &self.state;
+        // Leased puts of keys new to their leases count against their identities' keys,
+        // those of both branches, as for the bound above.
+        let mut new_keys: std::collections::HashMap<&str, std::collections::HashSet<String>> =
+            Default::default();
+        for p in &puts {
+            let Some(session) = leased.get(&p.lease) else {
+                continue;
+            };
+            let Ok(key) = leased_key(&p.key) else {
+                continue;
+            };
+            if !session.held.iter().any(|g| g.key == key) {
+                new_keys.entry(&session.id).or_default().insert(key);
+            }
+        }
+        for (id, keys) in &new_keys {
+            state.admit_keys(id, keys.len() as u64)?;
+        }
         let admitted = state.admit_writes(&sizes).await?;
         // A leased put is its session's even if no answer comes: recorded as unsettled
         // first, as a put on its own is.

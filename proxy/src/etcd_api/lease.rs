@@ -117,6 +117,10 @@ impl PbLeaseService for EtcdApi {
             if state.sessions.peek(&session_of(req.id)).is_some() {
                 return Err(Status::failed_precondition(LEASE_EXISTS));
             }
+            // A chosen ID is claimed with a key of its own.
+            state
+                .space
+                .admit(&format!("granting lease {:016x}", req.id), 64)?;
             req.id
         } else {
             self.ids.take(state).await?

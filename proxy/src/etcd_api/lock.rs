@@ -59,12 +59,7 @@ impl Lock for EtcdApi {
                 "a lock on {name:?} needs a lease: grant one and name it"
             )));
         }
-        self.state.pace(caller.as_deref())?;
-        let in_progress = self.state.take(caller.as_deref(), Limit::Waiting)?;
-        self.state.space.admit(
-            &format!("locking {:?}", String::from_utf8_lossy(&req.name)),
-            req.name.len() as u64 + 16,
-        )?;
+        let in_progress = self.admit_wait(caller.as_deref(), &req.name, req.lease, 0)?;
         let mut key = req.name.clone();
         key.push(b'/');
         key.extend_from_slice(format!("{:x}", req.lease).as_bytes());
@@ -124,6 +119,7 @@ impl Lock for EtcdApi {
                 ))
             })?;
         self.may(caller.as_deref(), Right::Lock, name)?;
+        self.paced_unless_shown(caller.as_deref(), &key)?;
         let map_revision = self.map_revision(&key, &[])?;
         let outcome = self
             .guarded(
@@ -169,6 +165,43 @@ impl EtcdApi {
     /// Puts the caller's key in line, with `value`: created on the lease unless the
     /// lease has it. Calls placing one key take turns: a call that reads the key
     /// another call of the lease is creating would not yet see it as the lease's.
+    /// An Unlock or Resign of a key this proxy's copy shows is never refused; one of a
+    /// key it does not show (gone already, or never there) still writes to etcd, and
+    /// takes a turn under the caller's call rate.
+    pub(super) fn paced_unless_shown(
+        &self,
+        caller: Option<&str>,
+        key: &[u8],
+    ) -> Result<(), Status> {
+        let shown = std::str::from_utf8(key)
+            .is_ok_and(|k| self.state.reads.feed.with_mirror(|m| m.get(k).is_some()));
+        if !shown {
+            self.state.pace(caller)?;
+        }
+        Ok(())
+    }
+
+    /// What a Lock or Campaign call takes before it places its key: a turn under its
+    /// identity's call rate, a place among its acquires in progress (held while it
+    /// waits), and room for one more key: its identity's keys, etcd's space.
+    pub(super) fn admit_wait(
+        &self,
+        caller: Option<&str>,
+        name: &[u8],
+        lease: i64,
+        value_bytes: usize,
+    ) -> Result<crate::limits::Taken, Status> {
+        let state = &self.state;
+        state.pace(caller)?;
+        let in_progress = state.take(caller, Limit::Waiting)?;
+        state.admit_key(&session_of(lease))?;
+        state.space.admit(
+            &format!("placing a key under {:?}", String::from_utf8_lossy(name)),
+            (name.len() + value_bytes + 16) as u64,
+        )?;
+        Ok(in_progress)
+    }
+
     pub(super) async fn place(
         &self,
         caller: Option<String>,

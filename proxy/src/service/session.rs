@@ -51,6 +51,16 @@ impl SessionApi for SessionService {
         request: Request<ResumeRequest>,
     ) -> Result<Response<ResumeResponse>, Status> {
         let principal = self.state.grants.current().caller(&request)?;
+        // A session arriving here counts against its identity's sessions like a new
+        // one (else closing and resuming would pass the limit).
+        if self
+            .state
+            .sessions
+            .peek(&request.get_ref().session_id)
+            .is_none()
+        {
+            self.state.admit_session(principal.as_deref())?;
+        }
         let reply = crate::handover::resume(&self.state, request.into_inner(), principal).await?;
         Ok(Response::new(reply))
     }

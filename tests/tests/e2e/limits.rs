@@ -341,6 +341,24 @@ pub async fn calls_past_an_identitys_rate_are_refused_until_it_slows_down() -> a
     Ok(())
 }
 
+/// `result` failed RESOURCE_EXHAUSTED through the etcd API, naming `noisy` and `what`.
+fn refused_as<T: std::fmt::Debug>(
+    result: Result<T, etcd_client::Error>,
+    call: &str,
+    what: &str,
+) -> anyhow::Result<()> {
+    match result {
+        Err(etcd_client::Error::GRpcStatus(status))
+            if status.code() == tonic::Code::ResourceExhausted
+                && status.message().contains("\"noisy\"")
+                && status.message().contains(what) =>
+        {
+            Ok(())
+        }
+        other => anyhow::bail!("{call} was not refused at its limit naming {what:?}: {other:?}"),
+    }
+}
+
 /// The same limits through the etcd API: `noisy` logged in as itself grants leases
 /// until refused, and opens watches on one stream until one is created cancelled with
 /// the limit as its reason; the open watches still deliver, and `quiet` is not limited.
@@ -354,9 +372,13 @@ pub async fn etcd_clients_are_refused_at_their_identitys_limits() -> anyhow::Res
     let quiet = etcd_client::Client::connect([listen.as_str()], Some(login("quiet"))).await?;
 
     let mut granted = 0;
+    let mut first_lease = None;
     let refused = loop {
         match noisy.lease_client().grant(10, None).await {
-            Ok(_) => granted += 1,
+            Ok(lease) => {
+                granted += 1;
+                first_lease.get_or_insert(lease.id());
+            }
             Err(e) => break e,
         }
         ensure!(
@@ -386,6 +408,56 @@ pub async fn etcd_clients_are_refused_at_their_identitys_limits() -> anyhow::Res
         .grant(10, None)
         .await
         .context("quiet could not grant a lease beside noisy")?;
+
+    // Keys: a Txn putting more leased keys than the limit is refused whole; then the
+    // keys one by one up to it, and a Lock or a Campaign on the lease past it.
+    let lease = first_lease.context("noisy was granted no lease")?;
+    let leased = || Some(etcd_client::PutOptions::new().with_lease(lease));
+    let too_many: Vec<etcd_client::TxnOp> = (0..=KEYS)
+        .map(|i| etcd_client::TxnOp::put(format!("noise/t{i}"), "v", leased()))
+        .collect();
+    let txn = noisy
+        .kv_client()
+        .txn(etcd_client::Txn::new().and_then(too_many))
+        .await;
+    refused_as(txn, "a Txn of leased puts past the keys limit", "keys held")?;
+    let mut store = etcd.client().await?;
+    let written = store
+        .get(
+            "/k/noise/t",
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await?;
+    ensure!(
+        written.kvs().is_empty(),
+        "a refused Txn wrote {} keys",
+        written.kvs().len()
+    );
+    for i in 0..KEYS {
+        noisy
+            .kv_client()
+            .put(format!("noise/k{i}"), "v", leased())
+            .await?;
+    }
+    let lock = noisy
+        .lock_client()
+        .lock(
+            "noise/lock",
+            Some(etcd_client::LockOptions::new().with_lease(lease)),
+        )
+        .await;
+    refused_as(lock, "a Lock past the keys limit", "keys held")?;
+    let campaign = noisy
+        .election_client()
+        .campaign("noise/election", "v", lease)
+        .await;
+    refused_as(campaign, "a Campaign past the keys limit", "keys held")?;
+    // Reads through the etcd API need only the etcd login.
+    noisy
+        .kv_client()
+        .get("noise/k0", None)
+        .await
+        .context("a Range as noisy")?;
 
     let mut stream = noisy
         .watch_client()
