@@ -57,6 +57,31 @@ pub struct CellOptions {
     pub lease_ttl: Duration,
     /// The lockcell proxies' `--drain-timeout` (the test harness's default when unset).
     pub drain_timeout: Option<Duration>,
+    /// The lockcell proxies check prefix grants ([`GRANTS`]): the fleet calls as
+    /// [`FLEET_TOKEN`]'s identity, a noisy client as [`NOISY_TOKEN`]'s, with limits.
+    pub guarded: bool,
+}
+
+/// The fleet's bearer token on a guarded cell.
+pub const FLEET_TOKEN: &str = "fleet-token-0123456789abcdef0123456789";
+/// The noisy neighbour's bearer token on a guarded cell.
+pub const NOISY_TOKEN: &str = "noisy-token-0123456789abcdef0123456789";
+/// What the noisy identity may have on each proxy of a guarded cell.
+pub const NOISY_LIMITS: &str =
+    "sessions = 2000\nkeys = 2000\nwatches = 1000\nwaiting = 100\nrequests_per_second = 500";
+
+/// A guarded cell's grants file: every identified caller may do anything; `noisy`
+/// has [`NOISY_LIMITS`], the fleet the defaults.
+fn grants_file() -> String {
+    use lockcell_tests::certs::token_sha256;
+    format!(
+        "[[grant]]\nidentity = \"*\"\nlock = [\"\"]\nread = [\"\"]\nwrite = [\"\"]\nwatch = [\"\"]\n\n\
+         [[limit]]\nidentity = \"noisy\"\n{NOISY_LIMITS}\n\n\
+         [[token]]\nidentity = \"fleet\"\nsha256 = \"{}\"\n\n\
+         [[token]]\nidentity = \"noisy\"\nsha256 = \"{}\"\n",
+        token_sha256(FLEET_TOKEN),
+        token_sha256(NOISY_TOKEN)
+    )
 }
 
 /// One zone's way in for clients.
@@ -75,6 +100,8 @@ pub struct Cell {
     /// Member client addresses, zone by zone.
     pub etcd_endpoints: Vec<String>,
     pub zones: Vec<Zone>,
+    /// Whether the proxies check grants (see [`CellOptions::guarded`]).
+    pub guarded: bool,
     etcd: Option<EtcdCluster>,
     /// Data and logs of what the cell started; removed with the cell.
     dir: tempfile::TempDir,
@@ -106,6 +133,11 @@ impl Cell {
                 (Some(etcd), endpoints)
             }
         };
+        let guarded = options.guarded && matches!(target, Target::Lockcell);
+        let grants = dir.path().join("grants.toml");
+        if guarded {
+            std::fs::write(&grants, grants_file())?;
+        }
         let mut zones = Vec::new();
         for (i, member) in endpoints.iter().enumerate() {
             let name = ((b'a' + i as u8) as char).to_string();
@@ -121,6 +153,13 @@ impl Cell {
                     opts.etcd_auth = None;
                     opts.lease_ttl = options.lease_ttl;
                     opts.extra_args = vec!["--session-ttl-max".into(), "600s".into()];
+                    if guarded {
+                        opts.extra_args.extend([
+                            "--grants".into(),
+                            grants.display().to_string(),
+                            "--grants-without-tls".into(),
+                        ]);
+                    }
                     // The etcd API's address, the same across restarts.
                     let etcd_api = format!("127.0.0.1:{}", free_port());
                     if target == Target::LockcellEtcdApi {
@@ -161,9 +200,18 @@ impl Cell {
             target,
             etcd_endpoints: endpoints,
             zones,
+            guarded,
             etcd,
             dir,
         })
+    }
+
+    /// What the fleet's calls carry: its bearer token on a guarded cell.
+    pub fn bearer(&self) -> crate::fleet::Bearer {
+        match self.guarded {
+            true => crate::fleet::Bearer::token(FLEET_TOKEN).expect("a valid token"),
+            false => crate::fleet::Bearer::default(),
+        }
     }
 
     /// Zone `zone`'s lockcell proxy, if the target has one.

@@ -36,11 +36,47 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
+use tonic::service::Interceptor;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::cluster::{Cell, Target};
 use crate::etcdpb::lease_client::LeaseClient;
 use crate::etcdpb::{LeaseGrantRequest, LeaseKeepAliveRequest};
+
+/// A fleet connection as its calls use it: the channel, with the cell's bearer token on
+/// every call when its proxies check grants.
+pub type Conn = InterceptedService<Channel, Bearer>;
+
+/// The `authorization` metadata a guarded cell's callers send (none for the others).
+#[derive(Clone, Default)]
+pub struct Bearer(pub Option<MetadataValue<Ascii>>);
+
+impl Bearer {
+    pub fn token(token: &str) -> anyhow::Result<Bearer> {
+        Ok(Bearer(Some(format!("Bearer {token}").parse()?)))
+    }
+
+    /// `channel` with this token on every call.
+    pub fn on(&self, channel: Channel) -> Conn {
+        InterceptedService::new(channel, self.clone())
+    }
+}
+
+impl Interceptor for Bearer {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.0 {
+            request
+                .metadata_mut()
+                .insert("authorization", token.clone());
+        }
+        Ok(request)
+    }
+}
 
 /// A session's handle for lock calls.
 #[derive(Debug, Clone)]
@@ -231,7 +267,7 @@ impl Fleet {
             opened.push((range.start, ready_rx));
             let worker = Worker {
                 target: cell.target,
-                channel: channel.clone(),
+                channel: cell.bearer().on(channel.clone()),
                 zone: *zone,
                 connection: c,
                 range,
@@ -310,7 +346,7 @@ impl Fleet {
     }
 }
 
-async fn open_one(target: Target, channel: &Channel, ttl: Duration) -> anyhow::Result<SessionKey> {
+async fn open_one(target: Target, channel: &Conn, ttl: Duration) -> anyhow::Result<SessionKey> {
     if target.is_lockcell() {
         let reply = SessionClient::new(channel.clone())
             .open(OpenRequest {
@@ -345,7 +381,7 @@ async fn open_one(target: Target, channel: &Channel, ttl: Duration) -> anyhow::R
 /// every period from the moment it was opened, while the rest are still opening.
 struct Worker {
     target: Target,
-    channel: Channel,
+    channel: Conn,
     zone: usize,
     /// This connection's place among the fleet's.
     connection: usize,
@@ -564,7 +600,7 @@ enum Opened {
 /// the fleet's gate lets it.
 struct Opening {
     target: Target,
-    channel: Channel,
+    channel: Conn,
     ttl: Duration,
     gate: Arc<Semaphore>,
     live: Arc<Live>,
@@ -611,7 +647,7 @@ impl Outbox {
     /// ended as the last, from a task spawned on `io`.
     fn open(
         target: Target,
-        channel: Channel,
+        channel: Conn,
         replies: mpsc::Sender<Result<Reply, String>>,
         io: &mut JoinSet<()>,
     ) -> Outbox {
@@ -661,7 +697,7 @@ impl Outbox {
 
 /// Reads a lockcell keepalive stream's replies until it ends; returns why it ended.
 async fn lockcell_replies(
-    channel: Channel,
+    channel: Conn,
     requests: mpsc::Receiver<KeepAliveRequest>,
     replies: mpsc::Sender<Result<Reply, String>>,
 ) -> String {
@@ -686,7 +722,7 @@ async fn lockcell_replies(
 /// Reads an etcd lease keepalive stream's replies until it ends; returns why it ended.
 /// etcd answers each renewal in order and echoes no number.
 async fn etcd_replies(
-    channel: Channel,
+    channel: Conn,
     requests: mpsc::Receiver<LeaseKeepAliveRequest>,
     replies: mpsc::Sender<Result<Reply, String>>,
 ) -> String {

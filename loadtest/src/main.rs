@@ -77,6 +77,10 @@ enum Scenario {
     /// at a time (drain, exit, start, healthy); what the sessions kept, and keepalive
     /// round trips before and during the restarts.
     RollingRestart(scenario::rolling_restart::Args),
+    /// The keepalive fleet alone, then with one client opening sessions and writing
+    /// 64 KiB keys on them at full speed beside it (limited on lockcell, not on etcd):
+    /// the fleet's keepalive round trips and false expiries side by side.
+    NoisyNeighbour(scenario::noisy_neighbour::Args),
     /// Every scenario against every target: small sizes (a few minutes), or --full.
     Bench {
         /// The seed's sizes: 120,000 sessions for 60 s, zone failure at scale 1.0.
@@ -104,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
         endpoints,
         lease_ttl: Duration::from_secs(12),
         drain_timeout: None,
+        guarded: false,
     };
     let plan: Vec<Scenario> = match scenario {
         Scenario::Bench { full } => bench_plan(full),
@@ -151,6 +156,9 @@ async fn run(
                 Scenario::Reads(args) => scenario::reads::run(target, cell, args).await,
                 Scenario::RollingRestart(args) => {
                     scenario::rolling_restart::run(target, cell, args).await
+                }
+                Scenario::NoisyNeighbour(args) => {
+                    scenario::noisy_neighbour::run(target, cell, args).await
                 }
                 Scenario::Bench { .. } => unreachable!("bench expands into scenarios"),
             }
@@ -228,6 +236,7 @@ fn name(scenario: &Scenario) -> String {
         Scenario::Reads(a) if a.clients == 64 => "reads".into(),
         Scenario::Reads(a) => format!("reads-c{}", a.clients),
         Scenario::RollingRestart(_) => "rolling-restart".into(),
+        Scenario::NoisyNeighbour(_) => "noisy-neighbour".into(),
         Scenario::Bench { .. } => "bench".into(),
     }
 }

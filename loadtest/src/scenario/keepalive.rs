@@ -37,6 +37,17 @@ pub struct Args {
 }
 
 pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Result<Report> {
+    measure(target, cell, args, None).await
+}
+
+/// The keepalive run, with `noise` (when given) misbehaving beside the fleet for the
+/// whole measured window; its calls are counted in the report.
+pub async fn measure(
+    target: Target,
+    cell: &CellOptions,
+    args: &Args,
+    noise: Option<&super::noisy_neighbour::NoiseArgs>,
+) -> anyhow::Result<Report> {
     let spec = FleetSpec {
         sessions: args.sessions,
         ttl: args.ttl,
@@ -66,6 +77,10 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
     fleet.measure(start, start + args.duration);
     tokio::time::sleep_until(start).await;
     let before = cell.etcd_counters().await?;
+    let noisy = match noise {
+        Some(n) => Some(super::noisy_neighbour::Noise::start(&cell, n).await?),
+        None => None,
+    };
     let mut resources = Resources::start(&cell);
     let bar = progress::timed(&format!("keepalive {}", target.name()), args.duration);
     let live = fleet.live.clone();
@@ -84,6 +99,9 @@ pub async fn run(target: Target, cell: &CellOptions, args: &Args) -> anyhow::Res
     }
     let after = cell.etcd_counters().await?;
     resources.sample();
+    if let Some(noisy) = noisy {
+        noisy.finish(&mut report).await;
+    }
     let workers = fleet.finish().await;
     bar.finish_and_clear();
 

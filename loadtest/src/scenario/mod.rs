@@ -3,6 +3,7 @@
 pub mod acquire;
 pub mod contention;
 pub mod keepalive;
+pub mod noisy_neighbour;
 pub mod reads;
 pub mod rolling_restart;
 pub mod rolling_restart_etcd;
