@@ -248,8 +248,7 @@ pub fn describe() {
         ETCD_SPACE_REFUSALS,
         "Writes of new keys or values refused because etcd's database was at the proxy's space line.",
     );
-    // Labelled: no unlabelled zero beside its series.
-    describe_counter!(
+    counter(
         LIMIT_REFUSALS,
         "Calls refused because the caller's identity was at one of its limits (grants file `[[limit]]`), by identity (`*`: one the file does not name) and limit.",
     );
