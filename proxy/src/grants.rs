@@ -134,16 +134,17 @@ impl Grants {
         right: Right,
         key: &str,
         prefix: bool,
-    ) -> Result<(), Status> {
+    ) -> Result<Option<String>, Status> {
         if !self.enforced {
-            return Ok(());
+            return Ok(None);
         }
         let identity = self.identify(request)?;
         if prefix {
-            self.check_prefix(&identity, right, key)
+            self.check_prefix(&identity, right, key)?;
         } else {
-            self.check(&identity, right, key)
+            self.check(&identity, right, key)?;
         }
+        Ok(Some(identity))
     }
 
     /// Identifies the caller and checks `right` on every name in `names`.

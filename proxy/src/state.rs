@@ -222,16 +222,6 @@ impl ProxyState {
         self.limits.pace(&self.grants.current(), principal)
     }
 
-    /// As [`Self::pace`], for the caller of `request`.
-    pub fn pace_caller<T>(&self, request: &tonic::Request<T>) -> Result<(), tonic::Status> {
-        let grants = self.grants.current();
-        if !grants.enforced() {
-            return Ok(());
-        }
-        let caller = grants.caller(request)?;
-        Ok(self.limits.pace(&grants, caller.as_deref())?)
-    }
-
     /// Lets small-key `writes` (each a key and its new value's length, or `None` for a
     /// delete) through: those that add keys or values only while etcd's database is
     /// below the space line ([`crate::space`]), and all within `--max-kv-total-bytes`

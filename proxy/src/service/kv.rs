@@ -61,13 +61,13 @@ fn unread(kv: KeyValue) -> KeyValue {
 impl KvApi for KvService {
     #[tracing::instrument(skip_all, fields(kv.key = %request.get_ref().key))]
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<GetResponse>, Status> {
-        self.state.pace_caller(&request)?;
-        self.state.grants.current().authorize_key(
+        let caller = self.state.grants.current().authorize_key(
             &request,
             Right::Read,
             &request.get_ref().key,
             request.get_ref().prefix,
         )?;
+        self.state.pace(caller.as_deref())?;
         let req = request.into_inner();
         if req.limit < 0 || req.revision < 0 {
             return Err(ProxyError::BadArgument(format!(
@@ -204,8 +204,9 @@ impl KvApi for KvService {
     ) -> Result<Response<DeleteResponse>, Status> {
         let grants = self.state.grants.current();
         grants.authorize(&request, Right::Write, &[&request.get_ref().key])?;
-        self.state.pace_caller(&request)?;
-        let writer = self.writer(grants.caller(&request)?);
+        let caller = grants.caller(&request)?;
+        self.state.pace(caller.as_deref())?;
+        let writer = self.writer(caller);
         let req = request.into_inner();
         let name = key_name(&req.key)?;
         let condition = condition(&req.key, req.condition)?;
@@ -236,8 +237,9 @@ impl KvApi for KvService {
             grants.authorize(&request, Right::Read, &compared)?;
             grants.authorize(&request, Right::Write, &written)?;
         }
-        self.state.pace_caller(&request)?;
-        let writer = self.writer(self.state.grants.current().caller(&request)?);
+        let caller = self.state.grants.current().caller(&request)?;
+        self.state.pace(caller.as_deref())?;
+        let writer = self.writer(caller);
         let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;
         let sizes: Vec<(&str, Option<usize>)> = checked
             .writes

@@ -48,13 +48,12 @@ impl WatchApi for WatchService {
         &self,
         request: Request<WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        self.state.grants.current().authorize_key(
+        let caller = self.state.grants.current().authorize_key(
             &request,
             Right::Watch,
             &request.get_ref().key,
             request.get_ref().prefix,
         )?;
-        let caller = self.state.grants.current().caller(&request)?;
         self.state.pace(caller.as_deref())?;
         let place = self.state.take(caller.as_deref(), Limit::Watches)?;
         let req = request.into_inner();

@@ -570,7 +570,10 @@ pub async fn a_cell_near_its_etcd_quota_refuses_new_keys_but_releases_and_expire
     let renewing = tokio::spawn({
         let (id, secret) = (opened.session_id.clone(), opened.session_secret.clone());
         async move {
+            // A client's renewal cadence: every 500 ms, a sixth of the TTL.
+            let mut cadence = tokio::time::interval(Duration::from_millis(500));
             for seq in 0.. {
+                cadence.tick().await;
                 let beat = KeepAliveRequest {
                     session_id: id.clone(),
                     seq,
@@ -579,7 +582,6 @@ pub async fn a_cell_near_its_etcd_quota_refuses_new_keys_but_releases_and_expire
                 if beats.send(beat).await.is_err() || renewals.message().await.is_err() {
                     return;
                 }
-                tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
     });
@@ -751,15 +753,22 @@ pub async fn a_proxy_past_its_memory_bound_sheds_new_sessions_and_watches_only(
         "a watch past the memory bound",
         &["--max-memory-bytes", "new watches"],
     )?;
-    // The session opened before renews through a few of its TTLs and keeps its lock.
-    let later = tokio::time::Instant::now() + Duration::from_secs(7);
-    while tokio::time::Instant::now() < later {
-        ensure!(
-            hold.is_valid(),
-            "the lock opened before the bound lost its validity"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    // The session opened before renews through two of its TTLs (six renewals at
+    // TTL / 3) past the bound and keeps its lock.
+    let renewed = bounded.metric("lockcell_keepalives_received_total").await?;
+    eventually(
+        "six more renewals past the bound",
+        Duration::from_secs(20),
+        || async {
+            let now = bounded.metric("lockcell_keepalives_received_total").await?;
+            Ok((now >= renewed + 6.0).then_some(()))
+        },
+    )
+    .await?;
+    ensure!(
+        hold.is_valid(),
+        "the lock opened before the bound lost its validity"
+    );
     ensure!(
         bounded.metric("lockcell_sessions_expired_total").await? == 0.0,
         "a session expired on the proxy past its memory bound"
