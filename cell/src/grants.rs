@@ -95,6 +95,7 @@ struct LimitEntry {
     identity: String,
     sessions: Option<u64>,
     keys: Option<u64>,
+    bytes: Option<u64>,
     watches: Option<u64>,
     waiting: Option<u64>,
     requests_per_second: Option<u64>,
@@ -107,6 +108,9 @@ pub struct Quota {
     pub sessions: u64,
     /// Keys its sessions hold: lock holder and waiter keys, ephemeral keys.
     pub keys: u64,
+    /// What those keys take in etcd, in bytes: each key's name and the value its
+    /// session wrote.
+    pub bytes: u64,
     /// Open watches (each watch of an etcd API Watch stream counts).
     pub watches: u64,
     /// Acquires and campaigns in progress (waiting for their turn, or trying).
@@ -122,6 +126,7 @@ impl Quota {
     pub const DEFAULT: Quota = Quota {
         sessions: 50_000,
         keys: 250_000,
+        bytes: 64 * 1024 * 1024,
         watches: 100_000,
         waiting: 50_000,
         requests_per_second: 20_000,
@@ -132,6 +137,7 @@ impl Quota {
         match limit {
             Limit::Sessions => self.sessions,
             Limit::Keys => self.keys,
+            Limit::Bytes => self.bytes,
             Limit::Watches => self.watches,
             Limit::Waiting => self.waiting,
             Limit::Rate => self.requests_per_second,
@@ -147,6 +153,7 @@ impl Quota {
         };
         set(&mut self.sessions, entry.sessions);
         set(&mut self.keys, entry.keys);
+        set(&mut self.bytes, entry.bytes);
         set(&mut self.watches, entry.watches);
         set(&mut self.waiting, entry.waiting);
         set(&mut self.requests_per_second, entry.requests_per_second);
@@ -159,15 +166,17 @@ impl Quota {
 pub enum Limit {
     Sessions,
     Keys,
+    Bytes,
     Watches,
     Waiting,
     Rate,
 }
 
 impl Limit {
-    pub const ALL: [Limit; 5] = [
+    pub const ALL: [Limit; 6] = [
         Limit::Sessions,
         Limit::Keys,
+        Limit::Bytes,
         Limit::Watches,
         Limit::Waiting,
         Limit::Rate,
@@ -178,6 +187,7 @@ impl Limit {
         match self {
             Limit::Sessions => "sessions",
             Limit::Keys => "keys",
+            Limit::Bytes => "bytes",
             Limit::Watches => "watches",
             Limit::Waiting => "waiting",
             Limit::Rate => "requests_per_second",
@@ -190,6 +200,7 @@ impl fmt::Display for Limit {
         f.write_str(match self {
             Limit::Sessions => "open sessions",
             Limit::Keys => "keys held",
+            Limit::Bytes => "bytes of keys held",
             Limit::Watches => "open watches",
             Limit::Waiting => "acquires in progress",
             Limit::Rate => "calls a second",
@@ -406,6 +417,7 @@ fn quotas(entries: &[LimitEntry]) -> Result<(Quota, HashMap<String, Quota>), Str
         let fields = [
             ("sessions", entry.sessions),
             ("keys", entry.keys),
+            ("bytes", entry.bytes),
             ("watches", entry.watches),
             ("waiting", entry.waiting),
             ("requests_per_second", entry.requests_per_second),
@@ -459,10 +471,11 @@ mod tests {
     fn an_identitys_limits_override_the_defaults_field_by_field() {
         let file = "[[grant]]\nidentity = \"*\"\nlock = [\"\"]\n\
                     [[limit]]\nidentity = \"*\"\nsessions = 100\nwatches = 7\n\
-                    [[limit]]\nidentity = \"batch\"\nsessions = 3\n";
+                    [[limit]]\nidentity = \"batch\"\nsessions = 3\nbytes = 4096\n";
         let rules = Rules::parse(file).unwrap();
         let batch = rules.quota("batch");
         assert_eq!(batch.sessions, 3);
+        assert_eq!(batch.of(Limit::Bytes), 4096);
         assert_eq!(batch.watches, 7, "a field batch leaves out comes from *");
         assert_eq!(
             batch.keys,

@@ -790,6 +790,10 @@ pub struct Grant {
     /// not answered in time): the call it belongs to, so that reading the key tells
     /// whether it is this call's. Such a key is still the session's to delete.
     pub made_by: Option<MadeBy>,
+    /// The length of the key's value as the session wrote it, for its identity's
+    /// `bytes` limit; 0 where the session never wrote it here (a fence, a waiter key,
+    /// a key a resume brought along).
+    pub value_bytes: u64,
 }
 
 /// The name the keys etcd's own API writes with a lease are reported under in their
@@ -887,6 +891,7 @@ impl Grant {
             waiter: true,
             written: 0,
             made_by: None,
+            value_bytes: 0,
         }
     }
 
@@ -900,6 +905,7 @@ impl Grant {
             waiter: true,
             written,
             made_by: None,
+            value_bytes: 0,
         }
     }
 }
@@ -913,6 +919,7 @@ impl Grant {
             waiter: false,
             written: 0,
             made_by: None,
+            value_bytes: 0,
         }
     }
 
@@ -924,6 +931,7 @@ impl Grant {
             waiter: true,
             written: 0,
             made_by: None,
+            value_bytes: 0,
         }
     }
 
@@ -957,6 +965,7 @@ impl Grant {
             waiter: true,
             written,
             made_by: None,
+            value_bytes: 0,
         }
     }
 
@@ -965,6 +974,7 @@ impl Grant {
     pub fn unsettled_etcd_api_key(key: String, session: &str, value: &[u8]) -> Grant {
         Grant {
             made_by: Some(MadeBy::new(session, Proof::Value(value_digest(value)))),
+            value_bytes: value.len() as u64,
             ..Grant::etcd_api_key(key, 0, 0)
         }
     }
@@ -974,6 +984,7 @@ impl Grant {
     pub fn unsettled_ephemeral(name: &LockName, session: &str, value: &[u8]) -> Grant {
         Grant {
             made_by: Some(MadeBy::new(session, Proof::Value(value_digest(value)))),
+            value_bytes: value.len() as u64,
             ..Grant::ephemeral(name, 0, 0)
         }
     }
@@ -985,6 +996,19 @@ impl Grant {
             return None;
         }
         crate::keyspace::etcd_leased_key(self.key.as_bytes())
+    }
+
+    /// This record, of a key whose value is `value_bytes` long.
+    pub fn with_value_bytes(self, value_bytes: usize) -> Grant {
+        Grant {
+            value_bytes: value_bytes as u64,
+            ..self
+        }
+    }
+
+    /// What the key takes in etcd, as far as its session knows: its name and value.
+    pub fn bytes(&self) -> u64 {
+        self.key.len() as u64 + self.value_bytes
     }
 
     /// Whether the key's outcome is still unknown.

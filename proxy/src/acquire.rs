@@ -117,7 +117,8 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
     }
     // A new key (the hold, or a waiter key on a fair class) counts against the
     // identity's keys; the call itself is one of its acquires in progress.
-    state.admit_key(&call.session_id)?;
+    let key = call.lock.holder_key(call.mode, &call.session_id);
+    state.admit_keys(&call.session_id, 1, (key.len() + call.value.len()) as u64)?;
     state.space.admit(
         &format!("acquiring {:?}", call.lock.as_str()),
         (call.lock.as_str().len() + call.value.len()) as u64,
@@ -585,7 +586,8 @@ async fn grant(
     let queued = queued.map(|(id, rev)| (id.to_owned(), rev));
     let attempt = tokio::spawn(async move {
         metrics::counter!(m::GRANT_ATTEMPTS).increment(1);
-        let pending = Grant::unsettled_hold(&lock, mode, &session.id, &record.call);
+        let pending = Grant::unsettled_hold(&lock, mode, &session.id, &record.call)
+            .with_value_bytes(record.value.len());
         let queued = queued.as_ref().map(|(id, rev)| (id.as_str(), *rev));
         let attempt = attempt_grant(&state, &lock, mode, &session, &record, queued);
         let unknown =
@@ -687,7 +689,7 @@ async fn attempt_grant(
         session.lapses_at().saturating_duration_since(now),
         now,
     );
-    let hold = Grant::hold(lock, mode, &session.id, revision);
+    let hold = Grant::hold(lock, mode, &session.id, revision).with_value_bytes(record.value.len());
     if !state.sessions.record_grant(
         &session.id,
         session.incarnation,

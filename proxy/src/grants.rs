@@ -147,20 +147,22 @@ impl Grants {
         Ok(Some(identity))
     }
 
-    /// Identifies the caller and checks `right` on every name in `names`.
+    /// Identifies the caller and checks `right` on every name in `names`; returns who
+    /// it is, as [`Self::caller`].
     pub fn authorize<T>(
         &self,
         request: &Request<T>,
         right: Right,
         names: &[&str],
-    ) -> Result<(), Status> {
+    ) -> Result<Option<String>, Status> {
         if !self.enforced {
-            return Ok(());
+            return Ok(None);
         }
         let identity = self.identify(request)?;
         names
             .iter()
-            .try_for_each(|name| self.check(&identity, right, name))
+            .try_for_each(|name| self.check(&identity, right, name))?;
+        Ok(Some(identity))
     }
 
     /// The caller's identity when the proxy checks grants, `None` when it does not.
@@ -171,21 +173,22 @@ impl Grants {
         self.identify(request).map(Some)
     }
 
-    /// Identifies the caller and checks that it has one of `rights` on `name`.
+    /// Identifies the caller and checks that it has one of `rights` on `name`; returns
+    /// who it is, as [`Self::caller`].
     pub fn authorize_any<T>(
         &self,
         request: &Request<T>,
         rights: &[Right],
         name: &str,
-    ) -> Result<(), Status> {
+    ) -> Result<Option<String>, Status> {
         if !self.enforced {
-            return Ok(());
+            return Ok(None);
         }
         let identity = self.identify(request)?;
         let mut refusal = None;
         for right in rights {
             match self.check(&identity, *right, name) {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(Some(identity)),
                 Err(e) => refusal = Some(e),
             }
         }

@@ -171,6 +171,23 @@ pub fn refusal(grants: &Grants, identity: &str, limit: Limit, now: u64, max: u64
     ))
 }
 
+/// The refusal of a write of `adding` bytes by `identity`, whose keys here take `held`
+/// of its `max` bytes.
+pub fn refusal_of_bytes(
+    grants: &Grants,
+    identity: &str,
+    held: u64,
+    adding: u64,
+    max: u64,
+) -> ProxyError {
+    refused(grants, identity, Limit::Bytes);
+    ProxyError::Exhausted(format!(
+        "identity {identity:?} has keys of {held} of its {max} bytes on this proxy, and this \
+         write would add {adding} (limit `bytes` in the grants file): delete some, write \
+         smaller values, or raise the limit"
+    ))
+}
+
 /// Counts a refusal, labelled with the identity when the grants file names it.
 fn refused(grants: &Grants, identity: &str, limit: Limit) {
     let label = if grants.names(identity) {

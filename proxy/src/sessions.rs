@@ -97,6 +97,22 @@ impl Session {
         }
     }
 
+    /// What writing `key` with a value, `bytes` in all with its name, adds to the
+    /// session's keys: a key, unless the session has a record of it already, and the
+    /// bytes past that record's.
+    pub fn adds(&self, key: &str, bytes: u64) -> (u64, u64) {
+        let recorded = self
+            .held
+            .iter()
+            .filter(|g| g.key == key)
+            .map(Grant::bytes)
+            .max();
+        match recorded {
+            None => (1, bytes),
+            Some(before) => (0, bytes.saturating_sub(before)),
+        }
+    }
+
     /// A TTL after the last renewal: no validity may be granted past it.
     pub fn lapses_at(&self) -> Instant {
         self.renewed_at + self.ttl
@@ -165,11 +181,31 @@ pub struct SessionTable {
     tally: DashMap<Arc<str>, Tally>,
 }
 
-/// One identity's live sessions and the keys they hold.
+/// One identity's live sessions, the keys they hold, and what those keys take
+/// ([`Grant::bytes`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Tally {
     pub sessions: i64,
     pub keys: i64,
+    pub bytes: i64,
+}
+
+impl Tally {
+    /// What `held` counts for: `sessions` sessions (1, 0 or -1) and, `sign` 1 or -1,
+    /// its keys and their bytes.
+    fn of(sessions: i64, held: &[Grant], sign: i64) -> Tally {
+        Tally {
+            sessions,
+            keys: sign * held.len() as i64,
+            bytes: sign * held.iter().map(|g| g.bytes() as i64).sum::<i64>(),
+        }
+    }
+
+    fn add(&mut self, other: Tally) {
+        self.sessions += other.sessions;
+        self.keys += other.keys;
+        self.bytes += other.bytes;
+    }
 }
 
 impl SessionTable {
@@ -198,19 +234,18 @@ impl SessionTable {
 
     /// Counts `s` in (`sign` 1) or out (-1) of its principal's tally.
     fn count(&self, s: &Session, sign: i64) {
-        self.count_keys(s.principal.as_ref(), sign, sign * s.held.len() as i64);
+        self.count_keys(s.principal.as_ref(), Tally::of(sign, &s.held, sign));
     }
 
-    fn count_keys(&self, principal: Option<&Arc<str>>, sessions: i64, keys: i64) {
+    fn count_keys(&self, principal: Option<&Arc<str>>, change: Tally) {
         let Some(principal) = principal else {
             return;
         };
-        if sessions == 0 && keys == 0 {
+        if change == Tally::default() {
             return;
         }
         let mut tally = self.tally.entry(principal.clone()).or_default();
-        tally.sessions += sessions;
-        tally.keys += keys;
+        tally.add(change);
         if *tally == Tally::default() {
             drop(tally);
             self.tally
@@ -416,7 +451,7 @@ impl SessionTable {
         if s.incarnation != incarnation {
             return false;
         }
-        let before = s.held.len() as i64;
+        let before = Tally::of(0, &s.held, -1);
         if grant.written != 0 {
             // An ephemeral key: the session's last write of it is what guards it. Two
             // writes of one key may be answered out of order; the later one stands.
@@ -435,10 +470,11 @@ impl SessionTable {
         if let Some(until) = valid_until {
             s.valid_until = s.valid_until.max(until);
         }
-        let grew = s.held.len() as i64 - before;
+        let mut change = Tally::of(0, &s.held, 1);
+        change.add(before);
         let principal = s.principal.clone();
         drop(s);
-        self.count_keys(principal.as_ref(), 0, grew);
+        self.count_keys(principal.as_ref(), change);
         true
     }
 
@@ -471,12 +507,12 @@ impl SessionTable {
         let Some(mut s) = self.live.get_mut(id) else {
             return;
         };
-        let before = s.held.len() as i64;
+        let mut change = Tally::of(0, &s.held, -1);
         s.held.retain(|g| !drop(g));
-        let gone = before - s.held.len() as i64;
+        change.add(Tally::of(0, &s.held, 1));
         let principal = s.principal.clone();
         std::mem::drop(s);
-        self.count_keys(principal.as_ref(), 0, -gone);
+        self.count_keys(principal.as_ref(), change);
     }
 
     /// Forgets the records of `id`'s writes of `key` (created at `created`) made before
@@ -662,29 +698,58 @@ mod tests {
         table.insert(owned("b", 2));
         table.insert(owned("c", 3));
         table.insert(session("anonymous", 1, S, t0));
-        let usage = |sessions, keys| Tally { sessions, keys };
-        assert_eq!(table.usage("batch"), usage(3, 0));
-        let hold = Grant::hold(&name("jobs/x"), lockcell_cell::Mode::Exclusive, "a", 7);
+        let usage = |sessions, keys, bytes| Tally {
+            sessions,
+            keys,
+            bytes,
+        };
+        assert_eq!(table.usage("batch"), usage(3, 0, 0));
+        let hold = Grant::hold(&name("jobs/x"), lockcell_cell::Mode::Exclusive, "a", 7)
+            .with_value_bytes(10);
+        let hold_bytes = hold.bytes() as i64;
+        assert_eq!(hold_bytes, hold.key.len() as i64 + 10);
         assert!(table.record_grant("a", 1, hold.clone(), None));
         assert!(table.record_grant("a", 1, hold, None), "recorded twice");
-        let key = Grant::ephemeral(&name("members/a"), 8, 8);
-        assert!(table.record_grant("b", 1, key, None));
-        // A later write of the same ephemeral key replaces the record.
-        assert!(table.record_grant("b", 1, Grant::ephemeral(&name("members/a"), 8, 9), None));
-        assert_eq!(table.usage("batch"), usage(3, 2));
+        let member = |written, value| {
+            Grant::ephemeral(&name("members/a"), 8, written).with_value_bytes(value)
+        };
+        assert!(table.record_grant("b", 1, member(8, 1000), None));
+        let member_key = member(8, 0).key.len() as i64;
+        assert_eq!(
+            table.usage("batch"),
+            usage(3, 2, hold_bytes + member_key + 1000)
+        );
+        // A later write of the same ephemeral key replaces the record, and its bytes.
+        assert!(table.record_grant("b", 1, member(9, 3), None));
+        assert_eq!(
+            table.usage("batch"),
+            usage(3, 2, hold_bytes + member_key + 3)
+        );
+        assert_eq!(
+            table
+                .get("b", t0)
+                .unwrap()
+                .adds(&member(9, 3).key, member_key as u64 + 50),
+            (0, 47),
+            "a rewrite adds only the bytes past the record's"
+        );
         let held_key = name("jobs/x").holder_key(lockcell_cell::Mode::Exclusive, "a");
         table.forget_grant("a", &held_key, 7);
-        assert_eq!(table.usage("batch"), usage(3, 1), "a release");
+        assert_eq!(
+            table.usage("batch"),
+            usage(3, 1, member_key + 3),
+            "a release"
+        );
         table.close("c", None).unwrap();
-        assert_eq!(table.usage("batch"), usage(2, 1), "a close");
+        assert_eq!(table.usage("batch"), usage(2, 1, member_key + 3), "a close");
         assert_eq!(table.take_on_lease(2, "lost".into(), t0).len(), 1);
         assert_eq!(
             table.usage("batch"),
-            usage(1, 0),
+            usage(1, 0, 0),
             "a lost lease, with its key"
         );
         assert_eq!(table.take_expired(t0 + 2 * S).len(), 2);
-        assert_eq!(table.usage("batch"), usage(0, 0), "an expiry");
+        assert_eq!(table.usage("batch"), usage(0, 0, 0), "an expiry");
         assert!(
             table.tally.is_empty(),
             "nothing kept for an identity with nothing"

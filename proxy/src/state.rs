@@ -178,27 +178,35 @@ impl ProxyState {
         Ok(())
     }
 
-    /// Refuses a new key for session `id` when its identity's sessions here hold
-    /// their limit of keys (`keys`). Acquires in progress may pass it by one each.
-    pub fn admit_key(&self, id: &str) -> Result<(), ProxyError> {
-        self.admit_keys(id, 1)
-    }
-
-    /// As [`Self::admit_key`], for `new` keys at once (a transaction's leased puts).
-    pub fn admit_keys(&self, id: &str, new: u64) -> Result<(), ProxyError> {
+    /// Refuses a write that would give session `id` `new` more keys taking `bytes`
+    /// more (a key's name and value, less what the session's record of it counts
+    /// already) when its identity's sessions here would pass their `keys` or `bytes`
+    /// limit. Acquires in progress may pass them by one key each.
+    pub fn admit_keys(&self, id: &str, new: u64, bytes: u64) -> Result<(), ProxyError> {
         let Some(principal) = self.sessions.principal(id) else {
             return Ok(());
         };
         let grants = self.grants.current();
-        let max = grants.quota(&principal).keys;
-        let now = self.sessions.usage(&principal).keys.max(0) as u64;
-        if now + new > max {
+        let quota = grants.quota(&principal);
+        let usage = self.sessions.usage(&principal);
+        let keys = usage.keys.max(0) as u64;
+        if new > 0 && keys + new > quota.keys {
             return Err(crate::limits::refusal(
                 &grants,
                 &principal,
                 Limit::Keys,
-                now,
-                max,
+                keys,
+                quota.keys,
+            ));
+        }
+        let held = usage.bytes.max(0) as u64;
+        if bytes > 0 && held + bytes > quota.bytes {
+            return Err(crate::limits::refusal_of_bytes(
+                &grants,
+                &principal,
+                held,
+                bytes,
+                quota.bytes,
             ));
         }
         Ok(())

@@ -154,6 +154,7 @@ impl Election for EtcdApi {
         let caller = self.caller(&request)?;
         let name = request.into_inner().name;
         self.may(caller.as_deref(), Right::Read, &name)?;
+        self.state.pace(caller.as_deref())?;
         let (revision, kv) = self.first_candidate(&name).await?;
         let kv = kv.ok_or_else(|| Status::unknown(NO_LEADER))?;
         Ok(Response::new(LeaderResponse {
@@ -173,9 +174,15 @@ impl Election for EtcdApi {
         // Each value proclaimed, as it changes: a read over time, as Observe is on the
         // lockcell API (docs/security.md).
         self.may(caller.as_deref(), Right::Watch, &name)?;
+        self.state.pace(caller.as_deref())?;
+        // An observer is a watch: it counts as one of its identity's while it lasts.
+        let place = self
+            .state
+            .take(caller.as_deref(), lockcell_cell::grants::Limit::Watches)?;
         let (tx, rx) = mpsc::channel(OBSERVE_BUFFER);
         let api = self.clone();
         tokio::spawn(async move {
+            let _place = place;
             let mut shutdown = api.state.shutdown.clone();
             let ended = tokio::select! {
                 ended = api.observe_leaders(&name, &tx) => ended,

@@ -124,11 +124,11 @@ impl PbKvService for EtcdApi {
             Some(_) => Some(leased_key(&req.key)?),
             None => None,
         };
-        // A key new to the lease counts against its identity's keys.
+        // A key new to the lease counts against its identity's keys, and its bytes
+        // past what the lease's record of it counts.
         if let (Some(s), Some(key)) = (&session, &key) {
-            if !s.held.iter().any(|g| g.key == *key) {
-                state.admit_key(&s.id)?;
-            }
+            let (keys, bytes) = s.adds(key, (key.len() + req.value.len()) as u64);
+            state.admit_keys(&s.id, keys, bytes)?;
         }
         let admitted = state
             .admit_writes(&[(shown.as_str(), Some(req.value.len()))])
@@ -170,7 +170,7 @@ impl PbKvService for EtcdApi {
         };
         if let (Some(session), Some(key)) = (&session, key) {
             let created = prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
-            self.record_leased(session, key, created, revision);
+            self.record_leased(session, key, created, revision, req.value.len());
         }
         if let Some(kv) = prev_kv.as_mut() {
             outward_prev(kv, &records_before(record.as_ref()));
@@ -395,10 +395,10 @@ impl EtcdApi {
             .map(|(k, p)| (k.as_str(), Some(p.value.len())))
             .collect();
         let state = &self.state;
-        // Leased puts of keys new to their leases count against their identities' keys,
-        // those of both branches, as for the bound above.
-        let mut new_keys: std::collections::HashMap<&str, std::collections::HashSet<String>> =
-            Default::default();
+        // Leased puts count against their identities' keys and bytes (keys new to
+        // their leases, bytes past what the leases' records count), those of both
+        // branches, as for the bound above; a key put in both counts once, at its most.
+        let mut adds: std::collections::HashMap<(&str, String), (u64, u64)> = Default::default();
         for p in &puts {
             let Some(session) = leased.get(&p.lease) else {
                 continue;
@@ -406,12 +406,17 @@ impl EtcdApi {
             let Ok(key) = leased_key(&p.key) else {
                 continue;
             };
-            if !session.held.iter().any(|g| g.key == key) {
-                new_keys.entry(&session.id).or_default().insert(key);
-            }
+            let (keys, bytes) = session.adds(&key, (key.len() + p.value.len()) as u64);
+            let most = adds.entry((session.id.as_ref(), key)).or_default();
+            *most = (most.0.max(keys), most.1.max(bytes));
         }
-        for (id, keys) in &new_keys {
-            state.admit_keys(id, keys.len() as u64)?;
+        let mut by_session: std::collections::HashMap<&str, (u64, u64)> = Default::default();
+        for ((id, _), (keys, bytes)) in adds {
+            let sum = by_session.entry(id).or_default();
+            *sum = (sum.0 + keys, sum.1 + bytes);
+        }
+        for (id, (keys, bytes)) in by_session {
+            state.admit_keys(id, keys, bytes)?;
         }
         let admitted = state.admit_writes(&sizes).await?;
         // A leased put is its session's even if no answer comes: recorded as unsettled
@@ -733,7 +738,8 @@ impl EtcdApi {
                 (Some(PbTxnOpRequest::RequestPut(p)), Some(PbTxnOpResponse::ResponsePut(r))) => {
                     if let Some(session) = leased.get(&p.lease) {
                         let created = r.prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
-                        self.record_leased(session, leased_key(&p.key)?, created, revision);
+                        let key = leased_key(&p.key)?;
+                        self.record_leased(session, key, created, revision, p.value.len());
                     }
                     if !p.prev_kv {
                         r.prev_kv = None;
@@ -788,8 +794,16 @@ impl EtcdApi {
 
     /// Records a leased put in its session, for the session's clean-up, and remembers
     /// the client's lease for the key.
-    fn record_leased(&self, session: &Session, key: String, created: i64, revision: i64) {
-        let grant = Grant::etcd_api_key(key.clone(), created, revision);
+    fn record_leased(
+        &self,
+        session: &Session,
+        key: String,
+        created: i64,
+        revision: i64,
+        value_bytes: usize,
+    ) {
+        let grant =
+            Grant::etcd_api_key(key.clone(), created, revision).with_value_bytes(value_bytes);
         let state = &self.state;
         if !state
             .sessions

@@ -289,6 +289,10 @@ impl PbLeaseService for EtcdApi {
         request: Request<PbLeaseTimeToLiveRequest>,
     ) -> Result<Response<PbLeaseTimeToLiveResponse>, Status> {
         let caller = self.caller(&request)?;
+        if !request.metadata().contains_key(forward::FORWARDED_FOR) {
+            // (A forwarded call was paced where it arrived.)
+            self.state.pace(caller.as_deref())?;
+        }
         let id = request.get_ref().id;
         let moved = |reply: &PbLeaseTimeToLiveResponse| reply.ttl == -1;
         if let Some(there) = self
@@ -346,6 +350,9 @@ impl PbLeaseService for EtcdApi {
         request: Request<PbLeaseLeasesRequest>,
     ) -> Result<Response<PbLeaseLeasesResponse>, Status> {
         let caller = self.caller(&request)?;
+        if !request.metadata().contains_key(forward::FORWARDED_FOR) {
+            self.state.pace(caller.as_deref())?;
+        }
         let mut leases: Vec<PbLeaseStatus> = self
             .state
             .sessions

@@ -194,7 +194,11 @@ impl EtcdApi {
         let state = &self.state;
         state.pace(caller)?;
         let in_progress = state.take(caller, Limit::Waiting)?;
-        state.admit_key(&session_of(lease))?;
+        state.admit_keys(
+            &session_of(lease),
+            1,
+            (name.len() + value_bytes + 16) as u64,
+        )?;
         state.space.admit(
             &format!("placing a key under {:?}", String::from_utf8_lossy(name)),
             (name.len() + value_bytes + 16) as u64,

@@ -138,11 +138,12 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<LeaderRequest>,
     ) -> Result<Response<LeaderResponse>, Status> {
-        self.state.grants.current().authorize(
+        let caller = self.state.grants.current().authorize(
             &request,
             Right::Read,
             &[&request.get_ref().election],
         )?;
+        self.state.pace(caller.as_deref())?;
         let election = LockName::parse(&request.into_inner().election).map_err(ProxyError::from)?;
         let (holder, revision) = self
             .state
@@ -163,11 +164,16 @@ impl ElectionApi for ElectionService {
         &self,
         request: Request<LeaderRequest>,
     ) -> Result<Response<Self::ObserveStream>, Status> {
-        self.state.grants.current().authorize(
+        let caller = self.state.grants.current().authorize(
             &request,
             Right::Watch,
             &[&request.get_ref().election],
         )?;
+        self.state.pace(caller.as_deref())?;
+        // An observer is a watch: it counts as one of its identity's while it lasts.
+        let place = self
+            .state
+            .take(caller.as_deref(), lockcell_cell::grants::Limit::Watches)?;
         let election = LockName::parse(&request.into_inner().election).map_err(ProxyError::from)?;
         let state = self.state.clone();
         // Subscribed before the first read, so no change between the two is missed.
@@ -187,6 +193,7 @@ impl ElectionApi for ElectionService {
             .map_err(|_| Status::cancelled("observer left"))?;
         // Owned by the stream: ends when the observer hangs up or the proxy stops.
         tokio::spawn(async move {
+            let _place = place;
             let mut shutdown = state.shutdown.clone();
             loop {
                 let next = tokio::select! {

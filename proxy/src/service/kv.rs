@@ -129,13 +129,14 @@ impl KvApi for KvService {
                 .get(&req.session_id, Instant::now())
                 .map_err(|gone| ProxyError::session(&req.session_id, gone))?;
             // A new ephemeral key counts against the identity's keys; writing one the
-            // session has already does not.
-            if !s.held.iter().any(|g| g.written != 0 && g.lock == name) {
-                state.admit_key(&s.id)?;
-            }
+            // session has already does not. Its bytes count past what they were.
+            let key = lockcell_cell::keyspace::kv_key(&name);
+            let (keys, bytes) = s.adds(&key, (key.len() + req.value.len()) as u64);
+            state.admit_keys(&s.id, keys, bytes)?;
             Some(s)
         };
         let served = state.routes.serve(name.as_str())?;
+        let value_bytes = req.value.len();
         let pending = session
             .as_ref()
             .map(|s| Grant::unsettled_ephemeral(&name, &s.id, &req.value));
@@ -176,7 +177,8 @@ impl KvApi for KvService {
             (written.succeeded, &session, &written.current)
         {
             // The key goes with the session: record it for the session's clean-up.
-            let grant = Grant::ephemeral(&name, current.create_revision, current.mod_revision);
+            let grant = Grant::ephemeral(&name, current.create_revision, current.mod_revision)
+                .with_value_bytes(value_bytes);
             if !state
                 .sessions
                 .record_grant(&session.id, session.incarnation, grant.clone(), None)
@@ -202,9 +204,11 @@ impl KvApi for KvService {
         &self,
         request: Request<DeleteRequest>,
     ) -> Result<Response<DeleteResponse>, Status> {
-        let grants = self.state.grants.current();
-        grants.authorize(&request, Right::Write, &[&request.get_ref().key])?;
-        let caller = grants.caller(&request)?;
+        let caller = self.state.grants.current().authorize(
+            &request,
+            Right::Write,
+            &[&request.get_ref().key],
+        )?;
         self.state.pace(caller.as_deref())?;
         let writer = self.writer(caller);
         let req = request.into_inner();
@@ -229,15 +233,19 @@ impl KvApi for KvService {
         kv.writes = request.get_ref().writes.len(),
     ))]
     async fn txn(&self, request: Request<TxnRequest>) -> Result<Response<TxnResponse>, Status> {
-        {
+        let caller = {
             let txn = request.get_ref();
             let grants = self.state.grants.current();
             let compared: Vec<&str> = txn.compares.iter().map(|c| c.key.as_str()).collect();
             let written: Vec<&str> = txn.writes.iter().map(|w| w.key.as_str()).collect();
-            grants.authorize(&request, Right::Read, &compared)?;
-            grants.authorize(&request, Right::Write, &written)?;
-        }
-        let caller = self.state.grants.current().caller(&request)?;
+            let caller = grants.authorize(&request, Right::Read, &compared)?;
+            if let Some(caller) = &caller {
+                written
+                    .iter()
+                    .try_for_each(|name| grants.check(caller, Right::Write, name))?;
+            }
+            caller
+        };
         self.state.pace(caller.as_deref())?;
         let writer = self.writer(caller);
         let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;

@@ -88,11 +88,12 @@ impl LockApi for LockService {
         &self,
         request: Request<CheckSequencerRequest>,
     ) -> Result<Response<CheckSequencerResponse>, Status> {
-        self.state.grants.current().authorize_any(
+        let caller = self.state.grants.current().authorize_any(
             &request,
             &[Right::Lock, Right::Read],
             &request.get_ref().lock,
         )?;
+        self.state.pace(caller.as_deref())?;
         let req = request.into_inner();
         let lock = LockName::parse(&req.lock).map_err(ProxyError::from)?;
         let token = token_of(&lock, req.token)?;
@@ -114,11 +115,12 @@ impl LockApi for LockService {
         &self,
         request: Request<DescribeRequest>,
     ) -> Result<Response<DescribeResponse>, Status> {
-        self.state.grants.current().authorize_any(
+        let caller = self.state.grants.current().authorize_any(
             &request,
             &[Right::Lock, Right::Read],
             &request.get_ref().lock,
         )?;
+        self.state.pace(caller.as_deref())?;
         let lock = LockName::parse(&request.get_ref().lock).map_err(ProxyError::from)?;
         let described = self
             .state

@@ -16,6 +16,8 @@ const SESSIONS: usize = 12;
 const KEYS: usize = 6;
 const WATCHES: usize = 5;
 const WAITING: usize = 3;
+/// Room for three 64 KiB values and their names, not four.
+const BYTES: usize = 200_000;
 
 /// `noisy` has small limits; `quiet` has the defaults; `paced` may call 5 times a second.
 fn grants_file() -> String {
@@ -32,6 +34,7 @@ watch = [""]
 identity = "noisy"
 sessions = {SESSIONS}
 keys = {KEYS}
+bytes = {BYTES}
 watches = {WATCHES}
 waiting = {WAITING}
 
@@ -180,6 +183,12 @@ pub async fn one_identity_in_a_loop_is_refused_at_each_limit_and_another_keeps_g
             "`watches`",
         ],
     )?;
+    // An observer of an election is a watch too.
+    exhausted(
+        noisy.observe("noise/election").await,
+        "an Observe past the watches limit",
+        &["\"noisy\"", "open watches", "`watches`"],
+    )?;
     drop(watchers.pop());
     let again = eventually(
         "a watch that ended gives its place back",
@@ -235,48 +244,68 @@ pub async fn one_identity_in_a_loop_is_refused_at_each_limit_and_another_keeps_g
         w.abort();
     }
 
-    // 64 KiB ephemeral keys, one session, in a loop until refused; the keys held by
-    // now are the one lock above and whatever waits left none behind.
-    let value = vec![b'x'; 64 * 1024];
+    // 64 KiB ephemeral keys, one session, in a loop until refused at `bytes`; then
+    // small ones until refused at `keys`. The keys held by then are the one lock above
+    // and whatever waits left none behind.
     let writer = &sessions[SESSIONS - 1];
-    let mut written = 0;
-    let refused = loop {
-        let key = format!("noise/big-{written}");
-        match writer.put_ephemeral(&key, &value, Condition::Always).await {
-            Ok(w) => {
-                ensure!(w.succeeded, "the put of {key} did not succeed");
-                written += 1;
+    let write_until_refused =
+        async |prefix: &str, value: &[u8]| -> anyhow::Result<(usize, Error)> {
+            let mut written = 0;
+            loop {
+                let key = format!("{prefix}{written}");
+                match writer.put_ephemeral(&key, value, Condition::Always).await {
+                    Ok(w) => {
+                        ensure!(w.succeeded, "the put of {key} did not succeed");
+                        written += 1;
+                    }
+                    Err(e) => return Ok((written, e)),
+                }
+                ensure!(written <= KEYS, "noisy wrote more than {KEYS} keys");
             }
-            Err(e) => break e,
-        }
-        ensure!(written <= KEYS, "noisy wrote more than {KEYS} keys");
-    };
+        };
+    let (big, refused) = write_until_refused("noise/big-", &[b'x'; 64 * 1024]).await?;
     ensure!(
-        written < KEYS,
-        "noisy wrote {written} ephemeral keys beside its held lock: its limit is {KEYS} keys in all"
+        big == BYTES / (64 * 1024),
+        "noisy wrote {big} keys of 64 KiB under its limit of {BYTES} bytes"
     );
     exhausted(
         Err::<(), _>(refused),
-        "the ephemeral key past the limit",
+        "the 64 KiB key past the bytes limit",
+        &["\"noisy\"", &format!("of its {BYTES} bytes"), "`bytes`"],
+    )?;
+    let (small, refused) = write_until_refused("noise/small-", b"v").await?;
+    ensure!(
+        big + small < KEYS,
+        "noisy wrote {big} + {small} ephemeral keys beside its held lock: its limit is {KEYS} keys in all"
+    );
+    exhausted(
+        Err::<(), _>(refused),
+        "the ephemeral key past the keys limit",
         &["\"noisy\"", &format!("of its {KEYS} keys held"), "`keys`"],
     )?;
+    // Rewriting a key it holds with a smaller value adds nothing: let through.
+    writer
+        .put_ephemeral("noise/big-0", b"small now", Condition::Always)
+        .await?;
     let mut store = etcd.client().await?;
-    let stored = store
-        .get(
-            "/k/noise/big-",
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_keys_only(),
-            ),
-        )
-        .await?
-        .kvs()
-        .len();
-    ensure!(
-        stored == written,
-        "etcd has {stored} of the big keys; {written} were accepted"
-    );
+    for (prefix, written) in [("/k/noise/big-", big), ("/k/noise/small-", small)] {
+        let stored = store
+            .get(
+                prefix,
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_keys_only(),
+                ),
+            )
+            .await?
+            .kvs()
+            .len();
+        ensure!(
+            stored == written,
+            "etcd has {stored} keys under {prefix}; {written} were accepted"
+        );
+    }
     quiet_grant(&mut quiet_locks).await?;
 
     // quiet's session renewed throughout and its first lock is still valid.
@@ -289,7 +318,7 @@ pub async fn one_identity_in_a_loop_is_refused_at_each_limit_and_another_keeps_g
         "quiet was granted {quiet_locks} locks of 4"
     );
     let page = proxy.metrics().await?;
-    for limit in ["sessions", "watches", "waiting", "keys"] {
+    for limit in ["sessions", "watches", "waiting", "keys", "bytes"] {
         let line = format!("lockcell_limit_refusals_total{{identity=\"noisy\",limit=\"{limit}\"}}");
         ensure!(
             page.lines().any(|l| l.starts_with(&line)),
@@ -372,12 +401,12 @@ pub async fn etcd_clients_are_refused_at_their_identitys_limits() -> anyhow::Res
     let quiet = etcd_client::Client::connect([listen.as_str()], Some(login("quiet"))).await?;
 
     let mut granted = 0;
-    let mut first_lease = None;
+    let mut leases = Vec::new();
     let refused = loop {
         match noisy.lease_client().grant(10, None).await {
             Ok(lease) => {
                 granted += 1;
-                first_lease.get_or_insert(lease.id());
+                leases.push(lease.id());
             }
             Err(e) => break e,
         }
@@ -409,9 +438,38 @@ pub async fn etcd_clients_are_refused_at_their_identitys_limits() -> anyhow::Res
         .await
         .context("quiet could not grant a lease beside noisy")?;
 
+    // Bytes: 64 KiB values on a lease until refused at `bytes`; the lease's revoke
+    // gives them back.
+    let (lease, big_lease) = (leases[0], leases[1]);
+    let mut big = 0;
+    let refused = loop {
+        let put = noisy
+            .kv_client()
+            .put(
+                format!("noise/big{big}"),
+                vec![b'x'; 64 * 1024],
+                Some(etcd_client::PutOptions::new().with_lease(big_lease)),
+            )
+            .await;
+        match put {
+            Ok(_) => big += 1,
+            Err(e) => break e,
+        }
+        ensure!(big <= KEYS, "noisy put more than {KEYS} keys");
+    };
+    ensure!(
+        big == BYTES / (64 * 1024),
+        "noisy put {big} leased keys of 64 KiB under its limit of {BYTES} bytes"
+    );
+    refused_as(
+        Err::<(), _>(refused),
+        "a leased put past the bytes limit",
+        &format!("of its {BYTES} bytes"),
+    )?;
+    noisy.lease_client().revoke(big_lease).await?;
+
     // Keys: a Txn putting more leased keys than the limit is refused whole; then the
     // keys one by one up to it, and a Lock or a Campaign on the lease past it.
-    let lease = first_lease.context("noisy was granted no lease")?;
     let leased = || Some(etcd_client::PutOptions::new().with_lease(lease));
     let too_many: Vec<etcd_client::TxnOp> = (0..=KEYS)
         .map(|i| etcd_client::TxnOp::put(format!("noise/t{i}"), "v", leased()))
