@@ -535,7 +535,7 @@ impl LockLog {
     /// Releases `session`'s `mode` hold of `lock` if it is still the grant made at
     /// `revision` on `lease`, writing the release marker in the same revision: it tells
     /// lock-delay and the audit trail a clean release from a vanished holder. Returns
-    /// whether it deleted the hold.
+    /// the marker it wrote ([`Grant::release_marker`]) when it deleted the hold.
     pub async fn release(
         &self,
         lock: &LockName,
@@ -543,11 +543,13 @@ impl LockLog {
         session: &str,
         revision: i64,
         lease: i64,
-    ) -> Result<bool, CellError> {
+    ) -> Result<Option<Grant>, CellError> {
         let hold = Grant::hold(lock, mode, session, revision);
         let txn = guarded_delete(&hold, lease, true);
         let resp = with_timeout("release txn", self.timeout, self.kv.clone().txn(txn)).await?;
-        Ok(resp.succeeded())
+        Ok(resp
+            .succeeded()
+            .then(|| Grant::release_marker(lock, txn_revision(&resp).unwrap_or_default())))
     }
 
     /// Replaces the value of an exclusive grant (an election leader's Proclaim), if the
@@ -726,7 +728,7 @@ impl LockLog {
     /// Deletes every grant still on `lease`, each under its own guard, in as few
     /// transactions as etcd allows. `clean` marks the deletes as releases (a closed
     /// session) rather than a holder that vanished (an expired one), for lock-delay.
-    /// Returns how many keys it deleted.
+    /// Returns how many keys it deleted, and the release markers it wrote.
     ///
     /// A grant whose outcome was unknown (revision 0, see [`Grant::unsettled_hold`]) is
     /// read first and deleted only if it turns out to be that call's key on `lease`.
@@ -735,7 +737,7 @@ impl LockLog {
         grants: &[Grant],
         lease: i64,
         clean: bool,
-    ) -> Result<usize, CellError> {
+    ) -> Result<Deleted, CellError> {
         let (unknown, mut grants): (Vec<Grant>, Vec<Grant>) =
             grants.iter().cloned().partition(Grant::is_unsettled);
         for found in self.settle(&unknown, lease).await? {
@@ -743,30 +745,51 @@ impl LockLog {
                 grants.push(found);
             }
         }
-        let mut deleted = 0;
+        let mut deleted = Deleted::default();
         for chunk in grants.chunks(MAX_DELETES_PER_TXN) {
             // One release marker per lock per transaction: etcd refuses a request that
             // writes one key twice, nested transactions included (a session can name
             // two holds of one lock when a release's reply was lost).
             let mut marked = std::collections::HashSet::new();
+            let marks: Vec<bool> = chunk
+                .iter()
+                .map(|g| clean && !g.waiter && marked.insert(&g.lock))
+                .collect();
             let nested: Vec<TxnOp> = chunk
                 .iter()
-                .map(|g| {
-                    let mark = clean && !g.waiter && marked.insert(&g.lock);
-                    TxnOp::txn(guarded_delete(g, lease, mark))
-                })
+                .zip(&marks)
+                .map(|(g, mark)| TxnOp::txn(guarded_delete(g, lease, *mark)))
                 .collect();
             let txn = Txn::new().and_then(nested);
             let resp = with_timeout("clean-up txn", self.timeout, self.kv.clone().txn(txn)).await?;
-            deleted += resp
-                .op_responses()
-                .iter()
-                .filter(|op| matches!(op, TxnOpResponse::Txn(t) if t.succeeded()))
-                .count();
+            // (A reply without a revision, which etcd never sends, leaves the markers be:
+            // a guard on revision 0 holds for no key.)
+            let revision = txn_revision(&resp).unwrap_or_default();
+            for ((g, mark), op) in chunk.iter().zip(&marks).zip(resp.op_responses()) {
+                if !matches!(op, TxnOpResponse::Txn(t) if t.succeeded()) {
+                    continue;
+                }
+                deleted.keys += 1;
+                if *mark {
+                    deleted
+                        .markers
+                        .push(Grant::release_marker(&g.lock, revision));
+                }
+            }
         }
         Ok(deleted)
     }
 }
+
+/// What [`LockLog::delete_guarded`] did: how many keys it deleted, and the release
+/// markers it wrote (see [`Grant::release_marker`]).
+#[derive(Debug, Default)]
+pub struct Deleted {
+    pub keys: usize,
+    pub markers: Vec<Grant>,
+}
+
+impl LockLog {}
 
 /// A key a session has in etcd: a holder key (a grant), a waiter key of a fair class,
 /// or an ephemeral key, with its create revision.
@@ -911,6 +934,22 @@ impl Grant {
 }
 
 impl Grant {
+    /// The release marker a clean release of `lock` wrote at `revision` on the holder's
+    /// lease. Only its write is ever read (as a watch event, see [`guarded_delete`]), so
+    /// its proxy deletes it afterwards, guarded by that revision: without that, each
+    /// lock name ever released would leave a marker until its proxy's lease ends.
+    pub fn release_marker(lock: &LockName, revision: i64) -> Grant {
+        Grant {
+            lock: lock.clone(),
+            key: lock.released_key(),
+            revision,
+            waiter: true,
+            written: revision,
+            made_by: None,
+            value_bytes: 0,
+        }
+    }
+
     pub fn hold(lock: &LockName, mode: Mode, session: &str, revision: i64) -> Grant {
         Grant {
             lock: lock.clone(),
@@ -1082,8 +1121,9 @@ pub fn check_map(ops: &[TxnOpResponse], map_revision: i64) -> Result<(), CellErr
 /// Delete `grant`'s key only while it is still that grant on `lease` (for an ephemeral
 /// key: no one wrote it since the session did, see [`Grant::written`]); a clean release
 /// also writes the lock's release marker in the same revision. Only that write is read
-/// (as a watch event); the marker itself lives on the holder's lease and goes with the
-/// next grant of the lock, so markers never pile up.
+/// (as a watch event); the marker itself lives on the holder's lease and is deleted by
+/// its proxy afterwards ([`Grant::release_marker`]), or by the next grant of the lock,
+/// so markers never pile up.
 fn guarded_delete(grant: &Grant, lease: i64, clean: bool) -> Txn {
     let mut then = vec![TxnOp::delete(grant.key.as_bytes(), None)];
     // A key of the etcd API goes with its client lease record.

@@ -541,7 +541,7 @@ impl Drop for LeaveLine {
                 .await
             {
                 Ok(deleted) => {
-                    tracing::debug!(key = %waiter.key, lease, deleted, "left the line");
+                    tracing::debug!(key = %waiter.key, lease, deleted = deleted.keys, "left the line");
                     state
                         .sessions
                         .forget_grant(&session, &waiter.key, waiter.revision)

@@ -153,7 +153,13 @@ impl CleanupQueue {
             }
             // Ended sessions' holds vanished without a release: no clean-release marker.
             match state.locklog.delete_guarded(&grants, lease, false).await {
-                Ok(deleted) => tracing::debug!(lease, deleted, "cleaned up ended sessions' locks"),
+                Ok(deleted) => {
+                    tracing::debug!(
+                        lease,
+                        deleted = deleted.keys,
+                        "cleaned up ended sessions' keys"
+                    )
+                }
                 Err(e) => {
                     tracing::warn!(lease, error = %e, grants = grants.len(), "clean-up failed; will retry");
                     self.push(lease, grants);

@@ -203,7 +203,7 @@ pub async fn release(
         // delete, whoever holds it.
         return Ok(false);
     }
-    let released = state
+    let marker = state
         .locklog
         .release(&lock, mode, session_id, token.revision, session.lease)
         .await?;
@@ -212,10 +212,13 @@ pub async fn release(
         &lock.holder_key(mode, session_id),
         token.revision,
     );
-    if released {
-        metrics::counter!(m::LOCKS_RELEASED).increment(1);
-    }
-    Ok(released)
+    let Some(marker) = marker else {
+        return Ok(false);
+    };
+    metrics::counter!(m::LOCKS_RELEASED).increment(1);
+    // Its write has been made, which is all anyone reads of it.
+    state.cleanup.push(session.lease, vec![marker]);
+    Ok(true)
 }
 
 pub fn mode(wire: i32) -> Result<Mode, ProxyError> {

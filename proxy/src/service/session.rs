@@ -176,9 +176,11 @@ pub async fn close_stay(
         .delete_guarded(&session.held, session.lease, true)
         .await
     {
-        Ok(released) => {
+        Ok(deleted) => {
+            let released = deleted.markers.len();
             metrics::counter!(m::LOCKS_RELEASED).increment(released as u64);
-            Ok(released as u32)
+            state.cleanup.push(session.lease, deleted.markers);
+            Ok(deleted.keys as u32)
         }
         Err(source) => {
             let held = session.held.len();

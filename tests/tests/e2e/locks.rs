@@ -331,3 +331,107 @@ pub async fn a_lost_acquire_reply_and_its_retry_make_one_grant() -> anyhow::Resu
     );
     Ok(())
 }
+
+/// A clean release writes the lock's release marker (lock-delay and the audit trail
+/// read its write); its proxy deletes it afterwards, so a client releasing many lock
+/// names, one by one or by closing its session, leaves no marker behind.
+pub async fn release_markers_do_not_pile_up() -> anyhow::Result<()> {
+    let (etcd, proxies) = cell(&["a"]).await?;
+    let mut store = etcd.client().await?;
+    let start = store
+        .get("/", None)
+        .await?
+        .header()
+        .map_or(0, |h| h.revision())
+        + 1;
+    let client = Client::connect(&proxies[0].url()).await?;
+    let session = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    const RELEASED: usize = 20;
+    const CLOSED: usize = 5;
+    for i in 0..RELEASED {
+        let guard = session
+            .acquire(&format!("markers/released-{i}"), Wait::Try)
+            .await?
+            .with_context(|| format!("markers/released-{i} is free"))?;
+        ensure!(guard.release().await?, "release {i} released nothing");
+    }
+    let closing = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    let mut held = Vec::new();
+    for i in 0..CLOSED {
+        held.push(
+            closing
+                .acquire(&format!("markers/closed-{i}"), Wait::Try)
+                .await?
+                .with_context(|| format!("markers/closed-{i} is free"))?,
+        );
+    }
+    closing.close().await?;
+
+    let is_marker = |key: &[u8]| {
+        matches!(
+            lockcell_cell::keyspace::parse_key(key),
+            Some((_, lockcell_cell::keyspace::KeyKind::Released))
+        )
+    };
+    eventually(
+        "every release marker deleted",
+        Duration::from_secs(10),
+        || {
+            let mut store = store.clone();
+            async move {
+                let keys = store
+                    .get(
+                        "/l/",
+                        Some(
+                            etcd_client::GetOptions::new()
+                                .with_prefix()
+                                .with_keys_only(),
+                        ),
+                    )
+                    .await?;
+                let left = keys.kvs().iter().filter(|kv| is_marker(kv.key())).count();
+                Ok((left == 0).then_some(()))
+            }
+        },
+    )
+    .await?;
+    // Each was written first, in its release's revision (that write is what is read),
+    // then deleted.
+    let mut history = store
+        .watch(
+            "/l/",
+            Some(
+                etcd_client::WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(start),
+            ),
+        )
+        .await?;
+    let (mut written, mut deleted) = (0, 0);
+    let expected = RELEASED + CLOSED;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+    while written < expected || deleted < expected {
+        let Ok(reply) = tokio::time::timeout_at(give_up, history.message()).await else {
+            break;
+        };
+        let reply = reply?.context("the watch of /l/ ended")?;
+        for event in reply.events() {
+            if !event.kv().is_some_and(|kv| is_marker(kv.key())) {
+                continue;
+            }
+            match event.event_type() {
+                etcd_client::EventType::Put => written += 1,
+                etcd_client::EventType::Delete => deleted += 1,
+            }
+        }
+    }
+    ensure!(
+        written == expected && deleted == expected,
+        "{written} release markers were written and {deleted} deleted, for {expected} clean releases"
+    );
+    Ok(())
+}
