@@ -171,6 +171,15 @@ pub struct ProxyConfig {
     )]
     pub max_streams_per_connection: u32,
 
+    /// How long a client connection may be quiet before the proxy pings it; one that
+    /// does not answer within as long again is closed, with its calls. A client that
+    /// vanished without closing its connection (a host gone, a partition) would
+    /// otherwise keep its watches and waiting acquires, and the places they take under
+    /// its identity's limits, for as long as the proxy runs.
+    #[arg(long, env = "LOCKCELL_CLIENT_PING_INTERVAL", default_value = "30s",
+          value_parser = humantime::parse_duration)]
+    pub client_ping_interval: Duration,
+
     /// Past this resident size, in bytes, the proxy takes no new sessions and no new
     /// watches (RESOURCE_EXHAUSTED: use another proxy), while existing sessions keep
     /// renewing, resuming and releasing. 0: no bound. Set it below the memory limit
@@ -313,6 +322,8 @@ pub enum ConfigError {
     Margin { margin: Duration, ttl: Duration },
     #[error("--etcd needs at least one endpoint")]
     NoEndpoints,
+    #[error("--client-ping-interval {0:?} is under a second: clients would spend their time answering pings")]
+    ClientPing(Duration),
     #[error("--grants without --tls-cert and --tls-key would take bearer tokens in clear; serve TLS, or pass --grants-without-tls on a test bench")]
     GrantsWithoutTls,
 }
@@ -361,6 +372,9 @@ impl ProxyConfig {
         }
         if self.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
             return Err(ConfigError::NoEndpoints);
+        }
+        if self.client_ping_interval < Duration::from_secs(1) {
+            return Err(ConfigError::ClientPing(self.client_ping_interval));
         }
         Ok(())
     }

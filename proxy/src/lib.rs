@@ -260,8 +260,7 @@ pub async fn run(
     });
     let mut stop = stop_rx.clone();
     let sizes = MessageSizes::for_config(&first.config);
-    let router = tonic::transport::Server::builder()
-        .max_concurrent_streams(Some(first.config.max_streams_per_connection))
+    let router = client_server(&first.config)
         .add_service(
             SessionServer::from_arc(router.clone()).max_decoding_message_size(sizes.session),
         )
@@ -396,6 +395,19 @@ struct Connection {
 
 /// The cells the proxy serves: every cell of the shard map in the cell it was started
 /// on, that cell first; just that cell when it has no map (or a map of one cell).
+/// The bounds every client connection has, on either API: at most
+/// `--max-streams-per-connection` calls open at once (each call is one HTTP/2 stream,
+/// so this is also the bound on its calls in flight), and pings while it is quiet
+/// (`--client-ping-interval`), so a vanished client's connection does not stay open.
+pub(crate) fn client_server(config: &ProxyConfig) -> tonic::transport::Server {
+    let every = config.client_ping_interval;
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(config.max_streams_per_connection))
+        .http2_keepalive_interval(Some(every))
+        .http2_keepalive_timeout(Some(every))
+        .tcp_keepalive(Some(every))
+}
+
 async fn cells_to_serve(
     config: &ProxyConfig,
     home: &Connection,

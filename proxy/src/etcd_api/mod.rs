@@ -203,7 +203,6 @@ impl EtcdApi {
         let keyed = tokio::spawn(self.clone().load_forward_key());
         let size = self.state.config.max_value_bytes + 64 * 1024;
         let size = size.max(2 * 1024 * 1024);
-        let max_streams = self.state.config.max_streams_per_connection;
         let grpc = tonic::service::Routes::new(
             PbKvServer::new(self.clone()).max_decoding_message_size(size),
         )
@@ -221,13 +220,13 @@ impl EtcdApi {
             lockcell_proto::etcd_election::election_server::ElectionServer::new(self.clone()),
         )
         .prepare();
+        let server = crate::client_server(&self.state.config);
         let api = self;
         // etcd's JSON gateway beside the gRPC services, on HTTP/1.1 as well as HTTP/2:
         // base64 and JSON take up to 3 bytes of request for each byte of the call.
         let routes = gateway::router(api, grpc, 3 * size);
-        let router = tonic::transport::Server::builder()
+        let router = server
             .accept_http1(true)
-            .max_concurrent_streams(Some(max_streams))
             .add_routes(tonic::service::Routes::from(routes));
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;

@@ -57,6 +57,12 @@ fn token_of(who: &str) -> String {
 }
 
 async fn guarded_proxy() -> anyhow::Result<(EtcdCluster, ProxyProcess, tempfile::TempDir)> {
+    guarded_proxy_with(&[]).await
+}
+
+async fn guarded_proxy_with(
+    args: &[&str],
+) -> anyhow::Result<(EtcdCluster, ProxyProcess, tempfile::TempDir)> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
     let grants = dir.path().join("grants.toml");
@@ -67,6 +73,9 @@ async fn guarded_proxy() -> anyhow::Result<(EtcdCluster, ProxyProcess, tempfile:
         grants.display().to_string(),
         "--grants-without-tls".into(),
     ];
+    options
+        .extra_args
+        .extend(args.iter().map(|a| a.to_string()));
     let proxy = ProxyProcess::start(&options, dir.path()).await?;
     Ok((etcd, proxy, dir))
 }
@@ -834,5 +843,56 @@ pub async fn a_proxy_past_its_memory_bound_sheds_new_sessions_and_watches_only(
     hold.release()
         .await
         .context("a release past the memory bound")?;
+    Ok(())
+}
+
+/// A client that vanishes without closing its connection (its host gone: nothing comes
+/// back, not even a reset) does not keep its watches: the proxy pings the quiet
+/// connection, closes it unanswered, and the watches' places under the identity's limit
+/// are free again.
+pub async fn a_vanished_clients_watches_give_their_places_back() -> anyhow::Result<()> {
+    let (_etcd, proxy, _dir) = guarded_proxy_with(&["--client-ping-interval", "1s"]).await?;
+    let link = lockcell_tests::relay::Relay::start(&proxy.addr).await?;
+    // A raw channel: it never pings, so only the proxy can find the connection dead.
+    let channel = tonic::transport::Channel::from_shared(link.url())?
+        .connect()
+        .await?;
+    let mut watcher = lockcell_proto::v1::watch_client::WatchClient::new(channel);
+    let mut watchers = Vec::new();
+    for _ in 0..WATCHES {
+        let mut request = tonic::Request::new(lockcell_proto::v1::WatchRequest {
+            key: "noise/".into(),
+            prefix: true,
+            ..Default::default()
+        });
+        request.metadata_mut().insert(
+            "authorization",
+            format!("Bearer {}", token_of("noisy")).parse()?,
+        );
+        let mut stream = watcher.watch(request).await?.into_inner();
+        stream
+            .message()
+            .await?
+            .context("the watch's created reply")?;
+        watchers.push(stream);
+    }
+    let noisy = client_as(&proxy, "noisy").await?;
+    exhausted(
+        noisy.watch("noise/", WatchOptions::prefix()).await,
+        "a watch past the limit",
+        &[
+            "\"noisy\"",
+            &format!("{WATCHES} of its {WATCHES} open watches"),
+        ],
+    )?;
+    link.cut(true);
+    let again = eventually(
+        "the vanished client's watches closed by the proxy",
+        Duration::from_secs(15),
+        || async { Ok(noisy.watch("noise/", WatchOptions::prefix()).await.ok()) },
+    )
+    .await?;
+    drop(again);
+    drop(watchers);
     Ok(())
 }
