@@ -52,6 +52,11 @@ config-doc:
 lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	# The cell crate without its audit trail, as the proxy builds it; and the proxy
+	# free of the audit stores' dependencies.
+	$(CARGO) clippy -p lockcell-cell --no-default-features -- -D warnings
+	@if $(CARGO) tree -p lockcell-proxy -e normal --prefix none | grep -E '^(rusqlite|object_store|reqwest) '; then \
+	  echo "lockcell-proxy depends on an audit store's crate (above): keep it behind lockcell-cell's audit feature"; exit 1; fi
 
 fmt:
 	$(CARGO) fmt --all

@@ -11,6 +11,7 @@
 
 pub mod access;
 pub mod arbiter;
+#[cfg(feature = "audit")]
 pub mod audit;
 pub mod epoch;
 pub mod error;
