@@ -1,4 +1,4 @@
-//! The read barrier (docs/architecture.md, "Reads"): one linearizable etcd request fixes a
+//! The read barrier (docs/design.md §7, "Reads"): one linearizable etcd request fixes a
 //! revision for every read that arrived before it was sent.
 //!
 //! A read that arrives while a barrier request is in flight waits for the next one: the

@@ -1,4 +1,4 @@
-//! Sessions moving between proxies (docs/architecture.md): taking a session over from
+//! Sessions moving between proxies (docs/design.md §6): taking a session over from
 //! another proxy (Resume), telling clients when to move, and draining before a stop.
 //!
 //! A resumed session keeps its id. Its keys move onto this proxy's lease in

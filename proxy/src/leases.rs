@@ -6,7 +6,7 @@
 //! and counts it on its own clock, which may run that much faster than this one, so the
 //! lease cannot expire before then. Every validity the proxy grants a client ends before
 //! it, and before the session's own end, each shortened again by the clock-rate bound
-//! for the client's clock (docs/architecture.md, "Timing"). This module is plain data;
+//! for the client's clock (docs/design.md §4). This module is plain data;
 //! [`crate::lease_keeper`] performs the renewals.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};

@@ -1,6 +1,6 @@
 //! lockcell-proxy: the zone proxy. It holds client sessions in memory, answers their
 //! keepalives itself, and attaches every key its clients create to one of K etcd leases
-//! of its own (docs/architecture.md).
+//! of its own (docs/design.md).
 //!
 //! Pure parts ([`sessions`], [`leases`], [`classes`], the arbiter queues behind
 //! [`queues`]) hold the proxy's bookkeeping; the runtime parts ([`lease_keeper`],

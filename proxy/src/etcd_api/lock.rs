@@ -10,7 +10,7 @@
 //! and read the hold's order from its create revision, so the hold must be that key,
 //! in the client's key space. Its safety is the lease's: the key lives on its session's
 //! proxy lease, and goes only when the session ends, once no validity the proxy granted
-//! to the lease is left (docs/architecture.md, the validity rule).
+//! to the lease is left (docs/design.md §4, the validity rule).
 
 use std::time::Duration;
 

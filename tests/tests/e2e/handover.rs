@@ -1,4 +1,4 @@
-//! Sessions moving between proxies (docs/architecture.md): a killed proxy's clients
+//! Sessions moving between proxies (docs/design.md §6): a killed proxy's clients
 //! resume elsewhere with their locks, tokens and ephemeral keys; with no proxy reachable
 //! a session expires after its grace period and its locks pass on; a rolling restart of
 //! every proxy (SIGTERM drains) under load loses no session and no lock; a proxy cut off
