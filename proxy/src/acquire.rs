@@ -22,6 +22,8 @@ use lockcell_cell::{CellError, LockName, Mode};
 use tokio::time::Instant;
 
 use crate::classes::LockClass;
+use crate::core::waiter::{Outcome, Step, Waiter};
+use crate::core::Fault;
 use crate::errors::ProxyError;
 use crate::metrics as m;
 use crate::sessions::Session;
@@ -139,6 +141,7 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
 }
 
 /// Waits in the proxy's local queue; only the head tries when the lock is released.
+/// What to do when is [`core::waiter::Waiter`]'s to decide; this does it.
 async fn arbitrated(
     state: &Arc<ProxyState>,
     call: &Call,
@@ -147,105 +150,76 @@ async fn arbitrated(
     session: Session,
 ) -> Result<Option<Granted>, ProxyError> {
     let mut ticket = state.queues.join(&call.lock, call.mode);
+    let mut waiter = Waiter::default();
     // Counted in `lockcell_waiters` from its first wait for a turn on.
     let mut waiting = None;
-    // The first attempt needs no wait; after a failed one, a waiter waits for its turn
-    // and reads before it tries again.
-    let mut tried = false;
-    // Read once per turn of the loop; the first turn uses the caller's read.
-    let mut first = Some(session);
-    // The last time etcd failed this waiter; said if the wait runs out.
-    let mut trouble = None;
-    // A grant attempt failed midway: its transaction may have been applied, so the
-    // lock may be this session's own. Only another grant attempt (which finds its own
-    // key) tells; a read would see the lock held and wait on it forever.
-    let mut unsettled = false;
     // When this waiter was last woken by a release, for the handover latency.
     let mut woken = None;
+    let mut session = session;
+    let mut step = waiter.start(ticket.may_try());
     loop {
-        let session = match first.take() {
-            Some(s) => s,
-            None => {
-                let session = live(state, &call.session_id)?;
-                // After an attempt whose outcome is unknown, the session holds a record
-                // of it: the next attempt (after this waiter's turn) finds out, and etcd
-                // failing it again is ridden out as any attempt's failure is.
-                if !unsettled {
-                    match decided_by_own_hold(state, call, &session).await {
-                        Ok(Some(granted)) => {
-                            ticket.granted();
-                            return Ok(Some(granted));
-                        }
-                        Ok(None) => {}
-                        Err(e) => {
-                            trouble = Some(ride_out(e, &call.lock)?);
-                            unsettled = true;
-                            tried = true;
-                        }
+        step = match step {
+            Step::Refresh { own_hold } => {
+                session = live(state, &call.session_id)?;
+                let own = if own_hold {
+                    Some(
+                        decided_by_own_hold(state, call, &session)
+                            .await
+                            .map_err(|e| fault(e, &call.lock)),
+                    )
+                } else {
+                    None
+                };
+                waiter.refreshed(own, ticket.may_try())
+            }
+            Step::WaitForTurn => match wait_budget(&session, give_up) {
+                None => waiter.out_of_time(),
+                Some(patience) => {
+                    waiting.get_or_insert_with(|| m::Counted::in_gauge(m::WAITERS));
+                    let woke = ticket.turn(patience).await;
+                    let may_try = ticket.may_try();
+                    if may_try && woke {
+                        woken = Some(Instant::now());
                     }
+                    waiter.turned(may_try)
                 }
-                session
+            },
+            Step::ReadHeld => {
+                let held = state.locklog.is_held(&call.lock, call.mode).await;
+                waiter.held(
+                    held.map(|(held, _)| held)
+                        .map_err(|e| fault(e.into(), &call.lock)),
+                )
+            }
+            Step::CheckDelay => {
+                let delayed = match state.events.delayed_until(&call.lock, class.lock_delay) {
+                    Some(until) => Some(sleep_until(until, give_up).await),
+                    None => None,
+                };
+                waiter.delay(delayed)
+            }
+            // A session that ended while this waiter waited is caught when the grant
+            // is recorded (and the grant undone).
+            Step::TryGrant => {
+                let reply = grant(state, call, &session, None).await;
+                let step = waiter.granted(reply.map_err(|e| fault(e, &call.lock)));
+                if matches!(step, Step::Done(Outcome::Granted(_))) {
+                    handed_over(woken, "arbitrated");
+                }
+                step
+            }
+            Step::Settle => waiter.settled(grant(state, call, &session, None).await),
+            Step::Done(outcome) => {
+                return match outcome {
+                    Outcome::Granted(granted) => {
+                        ticket.granted();
+                        Ok(Some(granted))
+                    }
+                    Outcome::TimedOut => Ok(None),
+                    Outcome::Failed(e) => Err(e),
+                };
             }
         };
-        if tried || !ticket.may_try() {
-            let Some(patience) = wait_budget(&session, give_up) else {
-                if unsettled {
-                    let settled = grant(state, call, &session, None).await?;
-                    if settled.is_some() {
-                        ticket.granted();
-                    }
-                    return Ok(settled);
-                }
-                return trouble.map_or(Ok(None), Err);
-            };
-            waiting.get_or_insert_with(|| m::Counted::in_gauge(m::WAITERS));
-            let woke = ticket.turn(patience).await;
-            if !ticket.may_try() {
-                continue;
-            }
-            if woke {
-                woken = Some(Instant::now());
-            }
-            // Heads on other proxies were woken by the same release: a read (not a
-            // proposal) tells whether one of them already has it.
-            if tried && !unsettled {
-                match state.locklog.is_held(&call.lock, call.mode).await {
-                    Ok((true, _)) => {
-                        trouble = None;
-                        continue;
-                    }
-                    Ok((false, _)) => trouble = None,
-                    Err(e) => {
-                        trouble = Some(ride_out(e.into(), &call.lock)?);
-                        continue;
-                    }
-                }
-            }
-        }
-        if let Some(until) = state.events.delayed_until(&call.lock, class.lock_delay) {
-            if !sleep_until(until, give_up).await {
-                return Ok(None);
-            }
-            continue;
-        }
-        // A session that ended while this waiter waited is caught when the grant is
-        // recorded (and the grant undone).
-        match grant(state, call, &session, None).await {
-            Ok(Some(granted)) => {
-                ticket.granted();
-                handed_over(woken, "arbitrated");
-                return Ok(Some(granted));
-            }
-            Ok(None) => {
-                trouble = None;
-                unsettled = false;
-            }
-            Err(e) => {
-                trouble = Some(ride_out(e, &call.lock)?);
-                unsettled = true;
-            }
-        }
-        tried = true;
     }
 }
 
@@ -254,6 +228,14 @@ fn handed_over(woken: Option<Instant>, queueing: &'static str) {
     if let Some(woken) = woken {
         metrics::histogram!(m::HANDOVER_SECONDS, "queueing" => queueing)
             .record(woken.elapsed().as_secs_f64());
+    }
+}
+
+/// [`ride_out`], as a fault for a decision of [`crate::core`].
+fn fault(e: ProxyError, lock: &LockName) -> Fault<ProxyError> {
+    match ride_out(e, lock) {
+        Ok(e) => Fault::Transient(e),
+        Err(e) => Fault::Fatal(e),
     }
 }
 

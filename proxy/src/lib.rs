@@ -17,6 +17,7 @@ pub mod check;
 pub mod classes;
 pub mod cleanup;
 pub mod config;
+pub mod core;
 pub mod credential;
 pub mod declared;
 pub mod errors;
