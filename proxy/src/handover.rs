@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use lockcell_cell::locklog::NOT_ITS_OWN;
 use lockcell_cell::locklog::{Grant, Moved, Resume};
-use lockcell_cell::{LockName, Mode};
 use lockcell_proto::v1::{HeldKey, HeldKind, LostKey, ResumeRequest, ResumeResponse};
 use tokio::time::Instant;
 
+use crate::core::moving::{check_session_id, Landed, Plan};
 use crate::errors::ProxyError;
 use crate::grants::Right;
 use crate::metrics as m;
@@ -23,9 +23,7 @@ use crate::service::millis;
 use crate::sessions::Session;
 use crate::state::ProxyState;
 
-/// Most keys one Resume may name: far above what one session holds, low enough that a
-/// resume is a bounded amount of etcd work.
-pub const MAX_RESUME_KEYS: usize = 4096;
+pub use crate::core::moving::MAX_RESUME_KEYS;
 
 /// Share of the drain timeout over which a draining proxy spreads its requests to move,
 /// so its clients' resumes reach etcd as a stream rather than all at once.
@@ -176,78 +174,14 @@ async fn resume_named(
         ));
     }
     let session_name = check_session_id(&req.session_id)?;
-    if req.keys.len() > MAX_RESUME_KEYS {
-        return Err(ProxyError::BadArgument(format!(
-            "a resume of session {:?} names {} keys, over the limit of {MAX_RESUME_KEYS}",
-            req.session_id,
-            req.keys.len()
-        )));
-    }
-    let named = req
-        .keys
-        .iter()
-        .map(|key| {
-            let from = if key.lease_id != 0 {
-                key.lease_id
-            } else {
-                req.from_lease_id
-            };
-            // Not proven its own: an ephemeral key without the session's last write of
-            // it (another session may have written it since), or a key said to be on
-            // no lease (a persistent key, no session's).
-            let unproven = key.kind == HeldKind::Ephemeral as i32 && key.mod_revision == 0;
-            let from = if unproven || from == 0 {
-                NOT_ITS_OWN
-            } else {
-                from
-            };
-            grant(&req.session_id, key).map(|g| (g, from))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    // A key named twice moves once (etcd refuses one key twice in a transaction).
-    let mut moving: Vec<(Grant, i64)> = Vec::with_capacity(named.len());
-    for (grant, from) in &named {
-        if !moving.iter().any(|(g, _)| g.key == grant.key) {
-            moving.push((grant.clone(), *from));
-        }
-    }
-    not_anothers(state, &req.session_id, &mut moving).await?;
+    let mut plan = Plan::new(&req.session_id, &req.keys, req.from_lease_id)?;
+    not_anothers(state, &req.session_id, &mut plan.moving).await?;
     let ttl = state
         .config
         .session_ttl_for(Duration::from_millis(req.ttl_ms));
-    // Never a lease another stay of this session uses or used here: a delete still
-    // pending for that stay (guarded by its lease) could otherwise reach the keys moved
-    // now.
-    let avoid = state.sessions.stay_leases(&req.session_id);
-    let (bucket, lease) = state.leases.assign_avoiding(&avoid).ok_or_else(|| {
-        ProxyError::Refused(
-            "this proxy holds no etcd lease this session may use right now; resume elsewhere"
-                .into(),
-        )
-    })?;
-    // A proxy that cannot renew its own lease would only add writes to a struggling
-    // etcd (a whole fleet moving at once): it takes no one in.
-    if state.is_draining() || lease_trouble(state, state.leases.left(bucket, lease, Instant::now()))
-    {
-        state.leases.unassign(bucket);
-        return Err(ProxyError::Refused(
-            "this proxy cannot renew its etcd lease either (or is draining); resume elsewhere"
-                .into(),
-        ));
-    }
-    if let Err(e) = cover(state, bucket, lease, req.acting_for_ms).await {
-        state.leases.unassign(bucket);
-        return Err(e);
-    }
+    let (bucket, lease) = lease_for(state, &req.session_id, req.acting_for_ms).await?;
     let id: Arc<str> = req.session_id.as_str().into();
     let now = Instant::now();
-    // Keys not proven its own are never the stay's, not even while the move runs (a
-    // close meanwhile would delete them under this stay's lease, which may be theirs).
-    let held: Vec<Grant> = moving
-        .iter()
-        .filter(|(_, from)| *from != NOT_ITS_OWN)
-        .map(|(g, _)| g.clone())
-        .collect();
     // Never before the client's old deadline: the keys moved here are what it acts on.
     let acting_until = now + Duration::from_millis(req.acting_for_ms);
     let mut session = Session::arriving(
@@ -255,7 +189,7 @@ async fn resume_named(
         crate::service::session::labelled(principal.as_deref(), req.identity),
         ttl,
         (bucket, lease),
-        held,
+        plan.held(),
         now,
         acting_until,
     );
@@ -268,7 +202,7 @@ async fn resume_named(
         .resume(
             &session_name,
             req.fence_revision,
-            &moving,
+            &plan.moving,
             lease,
             &state.proxy_id,
         )
@@ -290,25 +224,12 @@ async fn resume_named(
                     fence_revision,
                 },
                 req.keys,
-                &named,
-                &moving,
+                &plan,
                 &outcomes,
                 earlier,
             );
         }
-        Ok(Resume::Ended { reason }) => ProxyError::ExpiredSession {
-            id: req.session_id.clone(),
-            reason,
-        },
-        Ok(Resume::FenceMoved { revision, lease }) => ProxyError::FencedOut {
-            session: req.session_id.clone(),
-            revision,
-            lease,
-        },
-        Ok(Resume::TurnedAway(why)) => ProxyError::Refused(format!(
-            "etcd is too busy to resume session {:?} now ({why}); resume later",
-            req.session_id
-        )),
+        Ok(refused) => refusal(&req.session_id, refused),
         // Unknown whether keys moved: the stay stays, to clean up what did.
         Err(source) => {
             return Err(ProxyError::StoreDuring {
@@ -323,6 +244,58 @@ async fn resume_named(
         state.sessions.replace(earlier);
     }
     Err(refused)
+}
+
+/// The lease a session resuming here moves onto: never one another stay of the session
+/// uses or used here (a delete still pending for that stay, guarded by its lease, could
+/// otherwise reach the keys moved now), from a proxy that can renew it, and covering what
+/// the client may still do on its previous proxy's word ([`cover`]).
+async fn lease_for(
+    state: &ProxyState,
+    session: &str,
+    acting_for_ms: u64,
+) -> Result<(usize, i64), ProxyError> {
+    let avoid = state.sessions.stay_leases(session);
+    let (bucket, lease) = state.leases.assign_avoiding(&avoid).ok_or_else(|| {
+        ProxyError::Refused(
+            "this proxy holds no etcd lease this session may use right now; resume elsewhere"
+                .into(),
+        )
+    })?;
+    // A proxy that cannot renew its own lease would only add writes to a struggling
+    // etcd (a whole fleet moving at once): it takes no one in.
+    if state.is_draining() || lease_trouble(state, state.leases.left(bucket, lease, Instant::now()))
+    {
+        state.leases.unassign(bucket);
+        return Err(ProxyError::Refused(
+            "this proxy cannot renew its etcd lease either (or is draining); resume elsewhere"
+                .into(),
+        ));
+    }
+    if let Err(e) = cover(state, bucket, lease, acting_for_ms).await {
+        state.leases.unassign(bucket);
+        return Err(e);
+    }
+    Ok((bucket, lease))
+}
+
+/// Why a resume of `session` that moved nothing was refused.
+fn refusal(session: &str, refused: Resume) -> ProxyError {
+    match refused {
+        Resume::Ended { reason } => ProxyError::ExpiredSession {
+            id: session.to_owned(),
+            reason,
+        },
+        Resume::FenceMoved { revision, lease } => ProxyError::FencedOut {
+            session: session.to_owned(),
+            revision,
+            lease,
+        },
+        Resume::TurnedAway(why) => ProxyError::Refused(format!(
+            "etcd is too busy to resume session {session:?} now ({why}); resume later"
+        )),
+        Resume::Moved { .. } => unreachable!("a move is not a refusal"),
+    }
 }
 
 /// Marks every exclusive holder key among `moving` that is not proven `session`'s own
@@ -375,8 +348,7 @@ fn resumed_here(
     state: &ProxyState,
     here: Arrived,
     keys: Vec<HeldKey>,
-    named: &[(Grant, i64)],
-    moving: &[(Grant, i64)],
+    plan: &Plan,
     outcomes: &[Moved],
     earlier: Option<Session>,
 ) -> Result<ResumeResponse, ProxyError> {
@@ -388,22 +360,10 @@ fn resumed_here(
         fence,
         fence_revision,
     } = here;
-    // What became of `key`'s move (`None`: not named).
-    let outcome = |key: &str| {
-        let i = moving.iter().position(|(g, _)| g.key == key)?;
-        outcomes.get(i)
-    };
-    let moved = |key: &str| matches!(outcome(key), Some(Ok(_)));
-    // An earlier stay here: what it had that did not move here (keys the client never
-    // heard of) is deleted under that stay's lease.
     if let Some(earlier) = earlier {
         state.leases.unassign(earlier.bucket);
-        let unknown: Vec<Grant> = earlier
-            .held
-            .into_iter()
-            .filter(|g| !moved(&g.key) && g.key != fence.key)
-            .collect();
-        state.cleanup.push(earlier.lease, unknown);
+        let behind = plan.left_behind(earlier.held, outcomes, &fence.key);
+        state.cleanup.push(earlier.lease, behind);
     }
     let unknown_outcome = |what: &str| {
         ProxyError::EtcdUnavailable(format!(
@@ -413,40 +373,23 @@ fn resumed_here(
     if !state.sessions.record_grant(&id, incarnation, fence, None) {
         return Err(unknown_outcome("its stay ended meanwhile"));
     }
-    let mut lost = Vec::new();
-    for (key, (grant, _)) in keys.into_iter().zip(named) {
-        if let Some(Err(reason)) = outcome(&grant.key).cloned() {
-            state.sessions.forget_grant(&id, &grant.key, grant.revision);
-            lost.push(LostKey {
-                key: Some(key),
-                reason,
-            });
-        }
+    let Landed {
+        lost,
+        forget,
+        rewritten,
+    } = plan.landed(keys, outcomes, lease);
+    for grant in &forget {
+        state.sessions.forget_grant(&id, &grant.key, grant.revision);
     }
-    // An ephemeral key the move wrote: its record (and the client's) now names that
-    // write, which is what its clean-up and next move compare.
-    let mut rewritten = Vec::new();
-    for ((grant, _), moved) in moving.iter().zip(outcomes) {
-        let Ok(written) = moved else { continue };
-        if grant.written == 0 || *written == grant.written {
-            continue;
-        }
-        let now = Grant {
-            written: *written,
-            ..grant.clone()
-        };
-        if !state.sessions.record_grant(&id, incarnation, now, None) {
+    let mut told = Vec::with_capacity(rewritten.len());
+    for (record, key) in rewritten {
+        if !state.sessions.record_grant(&id, incarnation, record, None) {
             return Err(unknown_outcome("its stay ended meanwhile"));
         }
-        rewritten.push(HeldKey {
-            kind: HeldKind::Ephemeral as i32,
-            name: grant.lock.as_str().to_owned(),
-            revision: grant.revision,
-            lease_id: lease,
-            mod_revision: *written,
-        });
+        told.push(key);
     }
-    metrics::counter!(m::KEYS_MOVED).increment((named.len() - lost.len()) as u64);
+    let named = plan.named.len();
+    metrics::counter!(m::KEYS_MOVED).increment((named - lost.len()) as u64);
     metrics::counter!(m::KEYS_LOST_ON_RESUME).increment(lost.len() as u64);
     // Counted from now, as for an Open: the session was renewed when it was recorded.
     let now = Instant::now();
@@ -460,7 +403,7 @@ fn resumed_here(
         session.id = %id,
         lease = format_args!("{lease:x}"),
         fence_revision,
-        moved = named.len() - lost.len(),
+        moved = named - lost.len(),
         lost = lost.len(),
         "session resumed here"
     );
@@ -474,7 +417,7 @@ fn resumed_here(
         fence_revision,
         epoch: state.epoch(),
         cells: Vec::new(),
-        moved: rewritten,
+        moved: told,
     })
 }
 
@@ -542,111 +485,4 @@ pub async fn drain(state: &ProxyState) -> usize {
         tracing::info!("drained: every session moved");
     }
     stayed
-}
-
-/// A session id as proxies hand them out (hex digits), as a name for its fence key.
-fn check_session_id(id: &str) -> Result<LockName, ProxyError> {
-    let bad = || {
-        ProxyError::BadArgument(format!(
-            "session id {id:?} is not one a proxy hands out (1 to 64 hex digits)"
-        ))
-    };
-    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(bad());
-    }
-    LockName::parse(id).map_err(|_| bad())
-}
-
-/// The grant a held key names, checked like any lock name or small key.
-fn grant(session: &str, key: &HeldKey) -> Result<Grant, ProxyError> {
-    let bad = |what: &str| {
-        ProxyError::BadArgument(format!(
-            "held key {:?} of session {session:?}: {what}",
-            key.name
-        ))
-    };
-    if key.revision <= 0 {
-        return Err(bad("its revision must be positive"));
-    }
-    let name = LockName::parse(&key.name).map_err(|e| bad(&e.to_string()))?;
-    Ok(match HeldKind::try_from(key.kind) {
-        Ok(HeldKind::Exclusive) => Grant::hold(&name, Mode::Exclusive, session, key.revision),
-        Ok(HeldKind::Shared) => Grant::hold(&name, Mode::Shared, session, key.revision),
-        Ok(HeldKind::Ephemeral) => {
-            if key.mod_revision != 0 && key.mod_revision < key.revision {
-                return Err(bad(&format!(
-                    "its mod revision {} is before its create revision {}",
-                    key.mod_revision, key.revision
-                )));
-            }
-            Grant::ephemeral(&name, key.revision, key.mod_revision)
-        }
-        Err(_) => return Err(bad(&format!("unknown kind {}", key.kind))),
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn held(kind: HeldKind, name: &str, revision: i64) -> HeldKey {
-        HeldKey {
-            kind: kind as i32,
-            name: name.to_owned(),
-            revision,
-            lease_id: 0,
-            mod_revision: 0,
-        }
-    }
-
-    #[test]
-    fn held_keys_name_the_keys_the_session_has() {
-        let lock = LockName::parse("jobs/a").unwrap();
-        let g = grant("ab12", &held(HeldKind::Exclusive, "jobs/a", 7)).unwrap();
-        assert_eq!(g, Grant::hold(&lock, Mode::Exclusive, "ab12", 7));
-        let g = grant("ab12", &held(HeldKind::Shared, "jobs/a", 8)).unwrap();
-        assert_eq!(g.key, lock.holder_key(Mode::Shared, "ab12"));
-        let g = grant("ab12", &held(HeldKind::Ephemeral, "members/x/1", 9)).unwrap();
-        assert_eq!(
-            g.key,
-            lockcell_cell::keyspace::kv_key(&LockName::parse("members/x/1").unwrap())
-        );
-    }
-
-    #[test]
-    fn bad_held_keys_and_ids_are_refused_by_name() {
-        let e = grant("ab12", &held(HeldKind::Exclusive, "a//b", 7)).unwrap_err();
-        assert!(e.to_string().contains("\"a//b\""), "{e}");
-        let e = grant("ab12", &held(HeldKind::Exclusive, "a", 0)).unwrap_err();
-        assert!(e.to_string().contains("revision must be positive"), "{e}");
-        let e = grant(
-            "ab12",
-            &HeldKey {
-                kind: 9,
-                name: "a".into(),
-                revision: 1,
-                lease_id: 0,
-                mod_revision: 0,
-            },
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("unknown kind 9"), "{e}");
-        assert!(check_session_id("").is_err());
-        assert!(check_session_id("../x").is_err());
-        assert!(check_session_id("0123456789abcdef0123456789abcdef").is_ok());
-    }
-
-    mod properties {
-        use super::super::*;
-        use proptest::prelude::*;
-
-        proptest! {
-            /// A session id passes only as 1 to 64 hex digits.
-            #[test]
-            fn a_session_id_passes_only_as_hex_digits(id in "\\PC{0,70}|[0-9a-fA-F]{0,70}") {
-                let fine = !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit());
-                prop_assert_eq!(check_session_id(&id).is_ok(), fine, "{:?}", id);
-            }
-        }
-    }
 }

@@ -4,8 +4,10 @@
 //! result back. So every rule a decision follows can be tested by driving it with
 //! events, without etcd and without sleeping.
 //!
-//! - [`waiter`]: an acquire waiting in the proxy's queue (arbitrated classes).
+//! - [`waiter`]: an acquire waiting in the proxy's queue (arbitrated classes);
+//! - [`moving`]: a session's keys moving onto this proxy (Resume).
 
+pub mod moving;
 pub mod waiter;
 
 /// An error a decision was told of, as its driver judged it: one to ride out (etcd
