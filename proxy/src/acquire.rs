@@ -335,7 +335,7 @@ async fn join_line(
     });
     joining
         .await
-        .map_err(|e| ProxyError::BadArgument(format!("joining the line failed: {e}")))?
+        .map_err(|e| ProxyError::Internal(format!("joining the line failed: {e}")))?
 }
 
 /// Puts the fair waiter `id` in line and records its key in the session. The key is
@@ -580,7 +580,7 @@ async fn grant(
     });
     let outcome = attempt
         .await
-        .map_err(|e| ProxyError::BadArgument(format!("grant attempt failed: {e}")))?;
+        .map_err(|e| ProxyError::Internal(format!("grant attempt failed: {e}")))?;
     if let Err(ProxyError::Store(CellError::CellChanged { reason })) = &outcome {
         caller.cell_changed(reason);
     }

@@ -73,6 +73,10 @@ pub enum ProxyError {
         revision: i64,
         lease: i64,
     },
+    /// The proxy's own fault (a task of the call's panicked): INTERNAL, never the
+    /// caller's.
+    #[error("{0}")]
+    Internal(String),
     #[error("{0}")]
     Store(#[from] CellError),
     #[error("{context}: {source}")]
@@ -132,6 +136,7 @@ impl From<ProxyError> for Status {
                 status
             }
             ProxyError::Exhausted(_) => Status::resource_exhausted(message),
+            ProxyError::Internal(_) => Status::internal(message),
             ProxyError::FencedOut {
                 revision, lease, ..
             } => {
