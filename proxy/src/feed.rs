@@ -92,6 +92,9 @@ pub struct Feed {
     routes: Arc<Routes>,
     /// Told of the keys that etcd API leases lost in each revision ([`Feed::on_detached`]).
     detach: OnceLock<DetachHook>,
+    /// Told of lockcell's ephemeral keys that left their proxy lease in each revision
+    /// ([`Feed::on_ephemeral_lost`]).
+    ephemeral_lost: OnceLock<DetachHook>,
 }
 
 /// What the feed calls with the keys client leases lost in a revision.
@@ -131,6 +134,28 @@ pub fn detached(event: &KeyEvent) -> Option<Detached> {
     })
 }
 
+/// The ephemeral key of lockcell's own API (on a proxy lease, with no etcd client lease)
+/// that `event` deleted or wrote on no lease, if it did: whoever wrote it, it is no
+/// longer the session's that had it. A key moved to another proxy lease (its session
+/// resumed there), or written again on one, is not taken for lost.
+pub fn ephemeral_lost(event: &KeyEvent) -> Option<Detached> {
+    let prev = event
+        .prev
+        .as_ref()
+        .filter(|p| p.lease != 0 && p.client_lease == 0)?;
+    let now = &event.entry;
+    let lost = match event.kind {
+        EventKind::Delete => true,
+        EventKind::Put => now.lease == 0 || now.create_revision != prev.create_revision,
+    };
+    lost.then(|| Detached {
+        name: prev.name.clone(),
+        created: prev.create_revision,
+        client_lease: 0,
+        at: event.revision(),
+    })
+}
+
 impl Feed {
     /// A feed whose watchers may fall `backlog` batches behind, and whose fan-out keeps
     /// `history_bytes` of the latest events.
@@ -145,6 +170,7 @@ impl Feed {
             backlog,
             catch_ups: Arc::new(tokio::sync::Semaphore::new(MAX_CATCH_UPS)),
             detach: OnceLock::new(),
+            ephemeral_lost: OnceLock::new(),
         }
     }
 
@@ -152,6 +178,13 @@ impl Feed {
     /// once the copy shows the change (the first hook set is the one kept).
     pub fn on_detached(&self, hook: DetachHook) {
         let _ = self.detach.set(hook);
+    }
+
+    /// Calls `hook` with lockcell's ephemeral keys that `event`s deleted or wrote on no
+    /// lease ([`ephemeral_lost`]), revision by revision, once the copy shows the change
+    /// (the first hook set is the one kept).
+    pub fn on_ephemeral_lost(&self, hook: DetachHook) {
+        let _ = self.ephemeral_lost.set(hook);
     }
 
     /// Backlog of each watcher, in batches.
@@ -246,6 +279,12 @@ impl Feed {
         drop(mirror);
         if let Some(hook) = self.detach.get() {
             let lost: Vec<Detached> = events.iter().filter_map(detached).collect();
+            if !lost.is_empty() {
+                hook(&lost);
+            }
+        }
+        if let Some(hook) = self.ephemeral_lost.get() {
+            let lost: Vec<Detached> = events.iter().filter_map(ephemeral_lost).collect();
             if !lost.is_empty() {
                 hook(&lost);
             }
@@ -623,6 +662,51 @@ mod tests {
             },
             prev,
         }
+    }
+
+    #[test]
+    fn an_ephemeral_key_is_lost_to_its_session_when_deleted_or_written_on_no_lease() {
+        let held = entry(5, 100, 0);
+        let lost = Some(Detached {
+            name: "svc/a".into(),
+            created: 5,
+            client_lease: 0,
+            at: 6,
+        });
+        let (put, delete) = (EventKind::Put, EventKind::Delete);
+        assert_eq!(
+            ephemeral_lost(&event(delete, entry(0, 0, 0), Some(held.clone()))),
+            lost
+        );
+        assert_eq!(
+            ephemeral_lost(&event(put, entry(5, 0, 0), Some(held.clone()))),
+            lost
+        );
+        assert_eq!(
+            ephemeral_lost(&event(put, entry(6, 100, 0), Some(held.clone()))),
+            lost,
+            "created again"
+        );
+        assert_eq!(
+            ephemeral_lost(&event(put, entry(5, 200, 0), Some(held.clone()))),
+            None,
+            "moved with its session to another proxy lease"
+        );
+        assert_eq!(
+            ephemeral_lost(&event(put, entry(5, 100, 0), Some(held))),
+            None,
+            "written again on its lease"
+        );
+        assert_eq!(
+            ephemeral_lost(&event(delete, entry(0, 0, 0), Some(entry(5, 0, 0)))),
+            None,
+            "a persistent key is no session's"
+        );
+        assert_eq!(
+            ephemeral_lost(&event(delete, entry(0, 0, 0), Some(entry(5, 100, 7)))),
+            None,
+            "an etcd API lease's key is followed by its client lease"
+        );
     }
 
     #[test]

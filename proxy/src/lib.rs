@@ -534,6 +534,22 @@ impl Engine {
             etcd_lease_blocks: Default::default(),
             config,
         });
+        // An ephemeral key deleted by other means than its session's end (or written on
+        // no lease) is no longer the session's: it forgets it, and the key no longer
+        // counts against the session's identity.
+        let weak = Arc::downgrade(&state);
+        state.reads.feed.on_ephemeral_lost(Box::new(move |lost| {
+            let Some(state) = weak.upgrade() else {
+                return;
+            };
+            for key in lost {
+                state.sessions.forget_lost(
+                    &format!("{}{}", lockcell_cell::keyspace::kv_root(), key.name),
+                    key.created,
+                    key.at,
+                );
+            }
+        }));
         let mut tasks = tokio::task::JoinSet::new();
         for bucket in 0..state.leases.len() {
             tasks.spawn(lease_keeper::run(state.clone(), bucket));

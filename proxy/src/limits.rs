@@ -24,6 +24,10 @@ use crate::errors::ProxyError;
 use crate::grants::Grants;
 use crate::metrics as m;
 
+/// How often an identity at its `keys` or `bytes` limit has its sessions' records
+/// looked through for keys deleted by other means than their session's end.
+const LOOK_AGAIN: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// What every identity has in hand on this proxy, beyond its sessions and keys.
 #[derive(Default)]
 pub struct Limits {
@@ -36,6 +40,8 @@ struct Usage {
     waiting: AtomicU64,
     /// The identity's bucket, and the rate it was built for (a reload may change it).
     bucket: Mutex<Option<(u64, Arc<DefaultDirectRateLimiter>)>>,
+    /// When its sessions' records were last looked through before a refusal.
+    looked: Mutex<Option<std::time::Instant>>,
 }
 
 impl Usage {
@@ -76,6 +82,18 @@ impl Limits {
             return u.clone();
         }
         self.by_identity.entry(identity.into()).or_default().clone()
+    }
+
+    /// Whether the records of `identity`'s sessions may be looked through again at
+    /// `now` before refusing it (see `ProxyState::forget_gone_keys`): once a second.
+    pub fn may_look_again(&self, identity: &str, now: std::time::Instant) -> bool {
+        let usage = self.usage(identity);
+        let mut looked = usage.looked.lock().expect("looked");
+        if looked.is_some_and(|at| now.duration_since(at) < LOOK_AGAIN) {
+            return false;
+        }
+        *looked = Some(now);
+        true
     }
 
     /// Takes one place of `identity` under `limit` (watches or acquires in progress),

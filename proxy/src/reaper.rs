@@ -10,11 +10,15 @@ use crate::state::ProxyState;
 
 /// How often the reaper looks for due sessions: the precision of expiry.
 pub const TICK: Duration = Duration::from_millis(100);
+/// How often it forgets the records of ephemeral keys deleted by other means than
+/// their session's end ([`ProxyState::forget_gone_keys`]).
+pub const GONE_KEYS_EVERY: Duration = Duration::from_secs(5);
 
 pub async fn run(state: Arc<ProxyState>) {
     let mut shutdown = state.shutdown.clone();
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut gone_keys_at = Instant::now() + GONE_KEYS_EVERY;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -28,6 +32,13 @@ pub async fn run(state: Arc<ProxyState>) {
             }
             state.leases.unassign(session.bucket);
             state.cleanup.push(session.lease, session.held);
+        }
+        if now >= gone_keys_at {
+            gone_keys_at = now + GONE_KEYS_EVERY;
+            let forgot = state.forget_gone_keys(None);
+            if forgot > 0 {
+                tracing::debug!(forgot, "forgot the records of keys deleted by other means");
+            }
         }
         state.sessions.prune_tombstones(now);
         state.events.prune(state.classes.current().max_lock_delay());

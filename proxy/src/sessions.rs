@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dashmap::DashMap;
-use lockcell_cell::locklog::Grant;
+use lockcell_cell::locklog::{Grant, ETCD_API_KEYS};
 use tokio::time::Instant;
 
 /// A session's id as clients see it: 128 random bits in hex.
@@ -179,6 +179,16 @@ pub struct SessionTable {
     /// The live sessions and the keys they hold, by the identity that opened them (see
     /// [`Session::principal`]), for that identity's limits ([`crate::limits`]).
     tally: DashMap<Arc<str>, Tally>,
+    /// The sessions with a record of each of lockcell's ephemeral keys (settled), by
+    /// etcd key, once per record: a key deleted by other means than its session's end
+    /// is forgotten by the sessions that recorded it ([`SessionTable::forget_lost`]).
+    ephemeral: DashMap<String, Vec<SessionId>>,
+}
+
+/// Whether `g` is a settled record of one of lockcell's own ephemeral keys (the etcd
+/// API's keys are followed by their client lease, see `etcd_api`).
+fn tracked(g: &Grant) -> bool {
+    g.written != 0 && !g.is_unsettled() && g.lock.as_str() != ETCD_API_KEYS
 }
 
 /// One identity's live sessions, the keys they hold, and what those keys take
@@ -235,6 +245,48 @@ impl SessionTable {
     /// Counts `s` in (`sign` 1) or out (-1) of its principal's tally.
     fn count(&self, s: &Session, sign: i64) {
         self.count_keys(s.principal.as_ref(), Tally::of(sign, &s.held, sign));
+        self.index(&s.id, &s.held, sign);
+    }
+
+    /// Adds (`sign` 1) or takes out (-1) session `id`'s records in `held` to or from
+    /// the index of ephemeral keys.
+    fn index(&self, id: &SessionId, held: &[Grant], sign: i64) {
+        for g in held.iter().filter(|g| tracked(g)) {
+            if sign > 0 {
+                self.ephemeral
+                    .entry(g.key.clone())
+                    .or_default()
+                    .push(id.clone());
+                continue;
+            }
+            let Some(mut ids) = self.ephemeral.get_mut(&g.key) else {
+                continue;
+            };
+            if let Some(i) = ids.iter().position(|x| x == id) {
+                ids.swap_remove(i);
+            }
+            let empty = ids.is_empty();
+            drop(ids);
+            if empty {
+                self.ephemeral.remove_if(&g.key, |_, ids| ids.is_empty());
+            }
+        }
+    }
+
+    /// Forgets the records of lockcell's ephemeral key `key`, created at `created`,
+    /// written before revision `at`, which deleted it (or wrote it on no lease): the key
+    /// is no longer their sessions', and no longer counts against their identities.
+    pub fn forget_lost(&self, key: &str, created: i64, at: i64) {
+        let ids: Vec<SessionId> = self
+            .ephemeral
+            .get(key)
+            .map(|ids| ids.clone())
+            .unwrap_or_default();
+        for id in ids {
+            self.forget_where(&id, |g| {
+                tracked(g) && g.key == key && g.revision == created && g.written < at
+            });
+        }
     }
 
     fn count_keys(&self, principal: Option<&Arc<str>>, change: Tally) {
@@ -452,6 +504,8 @@ impl SessionTable {
             return false;
         }
         let before = Tally::of(0, &s.held, -1);
+        let id = s.id.clone();
+        self.index(&id, &s.held, -1);
         if grant.written != 0 {
             // An ephemeral key: the session's last write of it is what guards it. Two
             // writes of one key may be answered out of order; the later one stands.
@@ -472,6 +526,7 @@ impl SessionTable {
         }
         let mut change = Tally::of(0, &s.held, 1);
         change.add(before);
+        self.index(&id, &s.held, 1);
         let principal = s.principal.clone();
         drop(s);
         self.count_keys(principal.as_ref(), change);
@@ -486,6 +541,24 @@ impl SessionTable {
             .filter(|s| s.held.iter().any(|g| !g.waiter))
             .map(|s| s.valid_until)
             .max()
+    }
+
+    /// Records that `id`'s hold `key` at `revision` now has a value `value_bytes` long
+    /// (an election leader's Proclaim), for its identity's `bytes`.
+    pub fn set_value_bytes(&self, id: &str, key: &str, revision: i64, value_bytes: usize) {
+        let Some(mut s) = self.live.get_mut(id) else {
+            return;
+        };
+        let mut change = Tally::of(0, &s.held, -1);
+        for g in s.held.iter_mut() {
+            if g.key == key && g.revision == revision {
+                g.value_bytes = value_bytes as u64;
+            }
+        }
+        change.add(Tally::of(0, &s.held, 1));
+        let principal = s.principal.clone();
+        drop(s);
+        self.count_keys(principal.as_ref(), change);
     }
 
     /// Whether `id` holds the grant `key` at `revision`.
@@ -508,11 +581,34 @@ impl SessionTable {
             return;
         };
         let mut change = Tally::of(0, &s.held, -1);
+        let id = s.id.clone();
+        self.index(&id, &s.held, -1);
         s.held.retain(|g| !drop(g));
         change.add(Tally::of(0, &s.held, 1));
+        self.index(&id, &s.held, 1);
         let principal = s.principal.clone();
         std::mem::drop(s);
         self.count_keys(principal.as_ref(), change);
+    }
+
+    /// Forgets, in the sessions `principal` opened (every session for `None`), the
+    /// records that `gone` picks: keys no longer the session's (see
+    /// [`crate::state::ProxyState::forget_gone_keys`]). Returns how many it forgot.
+    pub fn forget_gone(&self, principal: Option<&str>, gone: impl Fn(&Grant) -> bool) -> usize {
+        let ids: Vec<SessionId> = self
+            .live
+            .iter()
+            .filter(|s| principal.is_none_or(|p| s.principal.as_deref() == Some(p)))
+            .filter(|s| s.held.iter().any(&gone))
+            .map(|s| s.key().clone())
+            .collect();
+        let mut forgot = 0;
+        for id in ids {
+            let before = self.live.get(&id).map_or(0, |s| s.held.len());
+            self.forget_where(&id, &gone);
+            forgot += before - self.live.get(&id).map_or(before, |s| s.held.len());
+        }
+        forgot
     }
 
     /// Forgets the records of `id`'s writes of `key` (created at `created`) made before
@@ -753,6 +849,51 @@ mod tests {
         assert!(
             table.tally.is_empty(),
             "nothing kept for an identity with nothing"
+        );
+    }
+
+    #[test]
+    fn a_key_lost_by_other_means_leaves_its_sessions_records_and_tally() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        let mut owned = session("a", 1, S, t0);
+        owned.principal = Some("batch".into());
+        table.insert(owned);
+        let name = lockcell_cell::LockName::parse("members/a").unwrap();
+        let member = Grant::ephemeral(&name, 8, 9).with_value_bytes(100);
+        let key = member.key.clone();
+        assert!(table.record_grant("a", 1, member, None));
+        assert_eq!(table.usage("batch").keys, 1);
+        table.forget_lost(&key, 8, 9);
+        assert_eq!(
+            table.usage("batch").keys,
+            1,
+            "a delete at the write's own revision is no later"
+        );
+        table.forget_lost(&key, 7, 12);
+        assert_eq!(
+            table.usage("batch").keys,
+            1,
+            "another key of that name (created at 7)"
+        );
+        table.forget_lost(&key, 8, 12);
+        assert_eq!(
+            table.usage("batch"),
+            Tally {
+                sessions: 1,
+                keys: 0,
+                bytes: 0
+            }
+        );
+        assert!(table.get("a", t0).unwrap().held.is_empty());
+        assert!(table.ephemeral.is_empty(), "nothing left in the index");
+        // Rewritten after the loss: the session's again, and indexed again.
+        assert!(table.record_grant("a", 1, Grant::ephemeral(&name, 13, 13), None));
+        assert_eq!(table.usage("batch").keys, 1);
+        table.close("a", None).unwrap();
+        assert!(
+            table.ephemeral.is_empty(),
+            "a closed session leaves nothing indexed"
         );
     }
 

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use lockcell_cell::grants::Limit;
-use lockcell_cell::locklog::LockLog;
+use lockcell_cell::locklog::{LockLog, ETCD_API_KEYS};
 use tokio::sync::watch;
 
 use lockcell_proto::FencingToken;
@@ -188,7 +188,22 @@ impl ProxyState {
         };
         let grants = self.grants.current();
         let quota = grants.quota(&principal);
-        let usage = self.sessions.usage(&principal);
+        let mut usage = self.sessions.usage(&principal);
+        let over = |usage: crate::sessions::Tally| {
+            (new > 0 && usage.keys.max(0) as u64 + new > quota.keys)
+                || (bytes > 0 && usage.bytes.max(0) as u64 + bytes > quota.bytes)
+        };
+        // Before refusing, drop the records of keys deleted meanwhile by other means
+        // than the session's end (at most once a second per identity: a caller looping
+        // at its limit does not make the proxy look through every session each time).
+        if over(usage)
+            && self
+                .limits
+                .may_look_again(&principal, std::time::Instant::now())
+        {
+            self.forget_gone_keys(Some(&principal));
+            usage = self.sessions.usage(&principal);
+        }
         let keys = usage.keys.max(0) as u64;
         if new > 0 && keys + new > quota.keys {
             return Err(crate::limits::refusal(
@@ -210,6 +225,35 @@ impl ProxyState {
             ));
         }
         Ok(())
+    }
+
+    /// Forgets the records of lockcell's ephemeral keys that are no longer their
+    /// sessions' (of `principal`'s sessions only, when given): deleted (Kv.Delete, a
+    /// Txn, an etcd DeleteRange, by anyone), created again, or written on no lease, as
+    /// this proxy's copy of the small keys shows once it has applied the session's
+    /// write. Such a record would count against the identity's `keys` and `bytes` until
+    /// the session ends. A key another session of the same proxy lease wrote since keeps
+    /// the record (the writer has its own; the guarded delete at the end finds nothing).
+    /// Returns how many records it forgot.
+    pub fn forget_gone_keys(&self, principal: Option<&str>) -> usize {
+        // A copy being loaded again says nothing of what is gone.
+        if !self.reads.feed.is_live() {
+            return 0;
+        }
+        self.reads.feed.with_mirror(|mirror| {
+            self.sessions.forget_gone(principal, |g| {
+                if g.written == 0 || g.is_unsettled() || g.lock.as_str() == ETCD_API_KEYS {
+                    return false;
+                }
+                if mirror.revision() < g.written {
+                    return false;
+                }
+                match mirror.get(g.lock.as_str()) {
+                    None => true,
+                    Some(now) => now.create_revision != g.revision || now.lease == 0,
+                }
+            })
+        })
     }
 
     /// Takes a place of `principal` under `limit` (a watch, an acquire in progress).

@@ -446,13 +446,16 @@ impl EtcdApi {
             })
             .collect();
         let owners: Vec<&Session> = pending.iter().map(|(session, _)| session).collect();
+        // A Txn that writes nothing records no writer: it then writes no revision, as in
+        // etcd, and costs etcd's space nothing (also past the space line).
+        let writer = self.writer(caller, None);
         let sent = self
             .guarded_by(
                 &owners,
                 vec![TxnOp::txn(client_txn)],
                 map_revision,
                 pins,
-                &self.writer(caller, None),
+                txn_writes(req).then_some(&writer),
             )
             .await;
         for (session, grant) in pending {
@@ -578,7 +581,7 @@ impl EtcdApi {
         writer: &Writer,
     ) -> Result<etcd_client::proto::PbTxnResponse, lockcell_cell::CellError> {
         let done = self
-            .guarded_by(owners, ops, map_revision, Vec::new(), writer)
+            .guarded_by(owners, ops, map_revision, Vec::new(), Some(writer))
             .await?;
         // With no pins, only the map guard fails, and `guarded_by` says so.
         done.ok_or(lockcell_cell::CellError::MapChanged { now: map_revision })
@@ -592,10 +595,12 @@ impl EtcdApi {
         ops: Vec<TxnOp>,
         map_revision: i64,
         pins: Vec<Compare>,
-        writer: &Writer,
+        writer: Option<&Writer>,
     ) -> Result<Option<etcd_client::proto::PbTxnResponse>, lockcell_cell::CellError> {
         let mut then = ops;
-        then.push(writer.op(&keyspace::writer_key(&self.state.proxy_id)));
+        if let Some(writer) = writer {
+            then.push(writer.op(&keyspace::writer_key(&self.state.proxy_id)));
+        }
         let mut when = vec![map_guard(map_revision)];
         when.extend(pins);
         let txn = Txn::new()
@@ -1247,6 +1252,18 @@ fn ranges_leased_keys(reply: &PbTxnResponse) -> bool {
         Some(PbTxnOpResponse::ResponseTxn(t)) => ranges_leased_keys(t),
         _ => false,
     })
+}
+
+/// Whether a Txn puts or deletes anything, in either branch, nested ones included.
+fn txn_writes(txn: &PbTxnRequest) -> bool {
+    txn.success
+        .iter()
+        .chain(&txn.failure)
+        .any(|op| match &op.request {
+            Some(PbTxnOpRequest::RequestPut(_) | PbTxnOpRequest::RequestDeleteRange(_)) => true,
+            Some(PbTxnOpRequest::RequestTxn(t)) => txn_writes(t),
+            _ => false,
+        })
 }
 
 fn txn_puts(txn: &PbTxnRequest) -> Vec<&PbPutRequest> {

@@ -97,6 +97,15 @@ impl ElectionApi for ElectionService {
             .sessions
             .get(&req.session_id, Instant::now())
             .map_err(|gone| ProxyError::session(&req.session_id, gone))?;
+        state.pace(session.principal.as_deref())?;
+        // A larger value counts against the identity's bytes and etcd's space.
+        let key = election.exclusive_key();
+        let (_, grows) = session.adds(&key, (key.len() + req.value.len()) as u64);
+        state.admit_keys(&req.session_id, 0, grows)?;
+        state.space.admit(
+            &format!("proclaiming in election {:?}", election.as_str()),
+            req.value.len() as u64,
+        )?;
         let not_leader = || {
             ProxyError::Refused(format!(
                 "session {:?} does not lead election {election:?} with token {token}; only the leader may proclaim",
@@ -122,6 +131,7 @@ impl ElectionApi for ElectionService {
             value: req.value,
             ..holder.record
         };
+        let value_bytes = record.value.len();
         if !state
             .locklog
             .rewrite(&election, token.revision, session.lease, &record)
@@ -130,6 +140,9 @@ impl ElectionApi for ElectionService {
         {
             return Err(not_leader().into());
         }
+        state
+            .sessions
+            .set_value_bytes(&req.session_id, &key, token.revision, value_bytes);
         Ok(Response::new(ProclaimResponse {}))
     }
 

@@ -896,3 +896,48 @@ pub async fn a_vanished_clients_watches_give_their_places_back() -> anyhow::Resu
     drop(watchers);
     Ok(())
 }
+
+/// A member joining and leaving in a loop (its ephemeral key written, then deleted
+/// with Kv.Delete while its session lives on) is never refused at `keys`: a key deleted
+/// by other means than its session's end stops counting. And an election leader's
+/// Proclaim counts against `bytes`.
+pub async fn deleted_keys_stop_counting_and_a_proclaim_counts_its_bytes() -> anyhow::Result<()> {
+    let (_etcd, proxy, _dir) = guarded_proxy().await?;
+    let noisy = client_as(&proxy, "noisy").await?;
+    let session = noisy
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    for i in 0..3 * KEYS {
+        let key = format!("noise/member-{i}");
+        session
+            .put_ephemeral(&key, b"here", Condition::Always)
+            .await
+            .with_context(|| format!("join {i}: {KEYS} keys, all but one deleted"))?;
+        ensure!(
+            noisy.delete(&key, Condition::Always).await?,
+            "{key} was not deleted"
+        );
+    }
+    // Leader with a small value, beside three 64 KiB keys: just under `bytes`.
+    let big = vec![b'x'; 64 * 1024];
+    for i in 0..BYTES / (64 * 1024) {
+        session
+            .put_ephemeral(&format!("noise/big-{i}"), &big, Condition::Always)
+            .await?;
+    }
+    let leader = session
+        .campaign("noise/leader", "small", Wait::Try)
+        .await?
+        .context("noise/leader is free")?;
+    let proclaimed = leader.proclaim(&"v".repeat(4000)).await;
+    exhausted(
+        proclaimed,
+        "a Proclaim past the bytes limit",
+        &["\"noisy\"", &format!("of its {BYTES} bytes"), "`bytes`"],
+    )?;
+    leader
+        .proclaim("still small")
+        .await
+        .context("a Proclaim that adds nothing")?;
+    Ok(())
+}
