@@ -80,6 +80,28 @@ impl Space {
         )))
     }
 
+    /// Refuses, past the line, a delete that would delete nothing (`finds_none`, as the
+    /// proxy's copy of the small keys says): it would still write a revision (with its
+    /// writer record), and a caller looping on it could fill the room kept past the
+    /// line for releases and clean-ups. A delete that finds a key always passes.
+    pub fn admit_delete(&self, what: &str, finds_none: bool) -> Result<(), ProxyError> {
+        let read = self.read.load(Ordering::Acquire);
+        let since = self.since.load(Ordering::Acquire);
+        if !finds_none || read + since < self.limit {
+            return Ok(());
+        }
+        metrics::counter!(m::ETCD_SPACE_REFUSALS).increment(1);
+        Err(ProxyError::Exhausted(format!(
+            "{what}: etcd's database is {} of its {} space quota (--etcd-quota-bytes), past \
+             the {}% line (--etcd-space-limit-percent), and this delete finds no key to \
+             delete; it would still write. (A key written elsewhere a moment ago may not be \
+             seen here yet: try again in a moment.)",
+            mib(read + since),
+            mib(self.quota),
+            self.percent,
+        )))
+    }
+
     /// Takes a new reading of the database's size.
     fn set(&self, bytes: u64) {
         self.read.store(bytes, Ordering::Release);

@@ -194,6 +194,22 @@ impl PbKvService for EtcdApi {
             return Err(Status::invalid_argument("etcdserver: key is not provided"));
         }
         let map_revision = self.map_revision(&req.key, &req.range_end)?;
+        let finds_none = self.state.reads.feed.with_mirror(|mirror| {
+            let count = PbRangeRequest {
+                key: req.key.clone(),
+                range_end: req.range_end.clone(),
+                count_only: true,
+                ..PbRangeRequest::default()
+            };
+            mirror_range(mirror, &count).is_some_and(|found| found.count == 0)
+        }) && self.state.reads.feed.is_live();
+        self.state.space.admit_delete(
+            &format!(
+                "deleting {:?}",
+                String::from_utf8_lossy(&req.key).into_owned()
+            ),
+            finds_none,
+        )?;
         let range = inner_range(&req.key, &req.range_end);
         let records = records_deleted(&range);
         let mut options = DeleteOptions::new();

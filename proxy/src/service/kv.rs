@@ -213,6 +213,15 @@ impl KvApi for KvService {
         let writer = self.writer(caller);
         let req = request.into_inner();
         let name = key_name(&req.key)?;
+        let finds_none = self
+            .state
+            .reads
+            .feed
+            .with_mirror(|mirror| mirror.get(name.as_str()).is_none())
+            && self.state.reads.feed.is_live();
+        self.state
+            .space
+            .admit_delete(&format!("deleting {:?}", req.key), finds_none)?;
         let condition = condition(&req.key, req.condition)?;
         let served = self.state.routes.serve(name.as_str())?;
         let (written, deleted) = self

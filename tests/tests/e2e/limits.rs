@@ -744,6 +744,18 @@ pub async fn a_cell_near_its_etcd_quota_refuses_new_keys_but_releases_and_expire
         client.delete("space/fill-0", Condition::Always).await?,
         "a delete near the quota did not delete"
     );
+    // A delete that finds nothing would still write a revision: refused past the line.
+    exhausted(
+        client
+            .delete("space/never-written", Condition::Always)
+            .await,
+        "a delete of a key that is not there, past the line",
+        &[
+            "\"space/never-written\"",
+            "finds no key",
+            "--etcd-quota-bytes",
+        ],
+    )?;
     // The line was etcd's own reading, not only the proxy's estimate of its writes.
     let read = proxy.metric("lockcell_etcd_db_bytes").await?;
     ensure!(
