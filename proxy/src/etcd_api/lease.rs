@@ -218,6 +218,7 @@ impl PbLeaseService for EtcdApi {
             metadata,
             tx: tx.clone(),
             open: Default::default(),
+            looking: Default::default(),
         });
         // Owned by the stream: it ends when the client hangs up, the reply stream is
         // dropped, or the proxy shuts down.
@@ -260,9 +261,24 @@ impl PbLeaseService for EtcdApi {
                         continue;
                     }
                     // At another proxy (forwarded there), or handed over by a draining
-                    // proxy (taken over here first).
+                    // proxy (taken over here first). Finding it reads etcd, so each
+                    // lookup is paced as a call of the caller's, and a lease already
+                    // being looked for on this stream is not looked for twice (that
+                    // lookup's answer answers the client).
                     Renewal::Unknown => {
-                        tokio::spawn(relays.clone().unknown(req.id, None));
+                        if !relays.start_looking(req.id) {
+                            continue;
+                        }
+                        if let Err(refused) = api.state.pace(caller.as_deref()) {
+                            relays.done_looking(req.id);
+                            let _ = tx.send(Err(refused.into())).await;
+                            return;
+                        }
+                        let relays = relays.clone();
+                        tokio::spawn(async move {
+                            relays.clone().unknown(req.id, None).await;
+                            relays.done_looking(req.id);
+                        });
                         continue;
                     }
                     // On its way to a proxy that asked for it: answered once there.
@@ -512,6 +528,9 @@ struct Relays {
     tx: Replies,
     /// By proxy id: the stream to it.
     open: std::sync::Mutex<HashMap<String, Relayed>>,
+    /// The leases this stream's client renewed that are being looked for at the other
+    /// proxies now.
+    looking: std::sync::Mutex<std::collections::HashSet<i64>>,
 }
 
 /// A keepalive stream's replies to its client.
@@ -529,6 +548,15 @@ struct Relayed {
 }
 
 impl Relays {
+    /// Marks lease `id` as being looked for; false when it already is.
+    fn start_looking(&self, id: i64) -> bool {
+        self.looking.lock().expect("looking lock").insert(id)
+    }
+
+    fn done_looking(&self, id: i64) {
+        self.looking.lock().expect("looking lock").remove(&id);
+    }
+
     /// Answers a renewal of lease `id`, which this proxy does not have: forwarded to
     /// the proxy it lives at, or taken over here (or TTL 0, as etcd answers, when it is
     /// nowhere). `denied` is the proxy that has just answered it does not have the
@@ -606,6 +634,7 @@ impl Relays {
             metadata: self.metadata.clone(),
             tx: self.tx.clone(),
             open: Default::default(),
+            looking: Default::default(),
         })
     }
 

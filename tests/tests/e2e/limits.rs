@@ -953,3 +953,40 @@ pub async fn deleted_keys_stop_counting_and_a_proclaim_counts_its_bytes() -> any
         .context("a Proclaim that adds nothing")?;
     Ok(())
 }
+
+/// An etcd client renewing leases this proxy does not have makes it look for them at
+/// the other proxies, which reads etcd: each lookup is paced as a call of the caller's,
+/// so `paced` (5 calls a second) renewing at full speed is refused, naming its rate,
+/// while the first renewals are answered as etcd answers an unknown lease (TTL 0).
+pub async fn keepalives_of_leases_not_here_are_paced() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let grants = etcd.dir.join("grants.toml");
+    std::fs::write(&grants, grants_file())?;
+    let (_proxy, listen) = crate::etcd_api::proxy_with_grants(&etcd, &grants).await?;
+    let login = etcd_client::ConnectOptions::new().with_user("paced", token_of("paced"));
+    let paced = etcd_client::Client::connect([listen.as_str()], Some(login)).await?;
+    // Each keep_alive opens a stream and sends one renewal: etcd-client reports a lease
+    // answered TTL 0 as not found.
+    let mut answered = 0;
+    let refused = loop {
+        ensure!(
+            answered < 50,
+            "{answered} renewals of a lease that is nowhere were answered, none refused"
+        );
+        match paced.lease_client().keep_alive(0x7a11_0001).await {
+            Err(etcd_client::Error::LeaseKeepAliveError(e)) if e.contains("not found") => {
+                answered += 1
+            }
+            Err(etcd_client::Error::GRpcStatus(status)) => break status,
+            other => anyhow::bail!("a renewal of a lease that is nowhere: {other:?}"),
+        }
+    };
+    ensure!(answered >= 1, "not even the first renewal was answered");
+    ensure!(
+        refused.code() == tonic::Code::ResourceExhausted
+            && refused.message().contains("\"paced\"")
+            && refused.message().contains("5 calls a second"),
+        "the renewals past the rate ended as {refused:?}"
+    );
+    Ok(())
+}

@@ -85,6 +85,7 @@ fn main() {
         limits::a_proxy_past_its_memory_bound_sheds_new_sessions_and_watches_only,
         limits::a_vanished_clients_watches_give_their_places_back,
         limits::deleted_keys_stop_counting_and_a_proclaim_counts_its_bytes,
+        limits::keepalives_of_leases_not_here_are_paced,
         security::one_writer_cannot_grow_every_proxy_past_the_cells_bound,
         security::the_audit_history_answers_only_who_may_read_it,
         security::a_renewed_certificate_applies_without_a_restart,
