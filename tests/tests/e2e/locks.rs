@@ -357,6 +357,20 @@ pub async fn release_markers_do_not_pile_up() -> anyhow::Result<()> {
             .with_context(|| format!("markers/released-{i} is free"))?;
         ensure!(guard.release().await?, "release {i} released nothing");
     }
+    // One lock released and taken again at once, over and over: its next grant may
+    // delete the marker before the proxy does, and the proxy's delete is guarded by
+    // the write it was for, so it never takes a later release's marker.
+    const AGAIN: usize = 10;
+    for i in 0..AGAIN {
+        let guard = session
+            .acquire("markers/again", Wait::Try)
+            .await?
+            .with_context(|| format!("markers/again is free on round {i}"))?;
+        ensure!(
+            guard.release().await?,
+            "release {i} of markers/again released nothing"
+        );
+    }
     let closing = client
         .open_session(short_session(Duration::from_secs(5)))
         .await?;
@@ -412,7 +426,7 @@ pub async fn release_markers_do_not_pile_up() -> anyhow::Result<()> {
         )
         .await?;
     let (mut written, mut deleted) = (0, 0);
-    let expected = RELEASED + CLOSED;
+    let expected = RELEASED + AGAIN + CLOSED;
     let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
     while written < expected || deleted < expected {
         let Ok(reply) = tokio::time::timeout_at(give_up, history.message()).await else {
