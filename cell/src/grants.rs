@@ -96,6 +96,7 @@ struct LimitEntry {
     sessions: Option<u64>,
     keys: Option<u64>,
     bytes: Option<u64>,
+    stored_bytes: Option<u64>,
     watches: Option<u64>,
     waiting: Option<u64>,
     requests_per_second: Option<u64>,
@@ -111,6 +112,11 @@ pub struct Quota {
     /// What those keys take in etcd, in bytes: each key's name and the value its
     /// session wrote.
     pub bytes: u64,
+    /// What the small keys it wrote on no session (persistent keys, the last write of
+    /// each its own) take in the whole cell, in bytes: each key's name and value and 128
+    /// bytes for keeping it (`--max-kv-total-bytes` counts them so too). Counted from
+    /// every proxy's copy of the keys, so it bounds the identity across the cell.
+    pub stored_bytes: u64,
     /// Open watches (each watch of an etcd API Watch stream counts).
     pub watches: u64,
     /// Acquires and campaigns in progress (waiting for their turn, or trying).
@@ -127,6 +133,7 @@ impl Quota {
         sessions: 50_000,
         keys: 250_000,
         bytes: 64 * 1024 * 1024,
+        stored_bytes: 32 * 1024 * 1024,
         watches: 100_000,
         waiting: 50_000,
         requests_per_second: 20_000,
@@ -138,6 +145,7 @@ impl Quota {
             Limit::Sessions => self.sessions,
             Limit::Keys => self.keys,
             Limit::Bytes => self.bytes,
+            Limit::Stored => self.stored_bytes,
             Limit::Watches => self.watches,
             Limit::Waiting => self.waiting,
             Limit::Rate => self.requests_per_second,
@@ -154,6 +162,7 @@ impl Quota {
         set(&mut self.sessions, entry.sessions);
         set(&mut self.keys, entry.keys);
         set(&mut self.bytes, entry.bytes);
+        set(&mut self.stored_bytes, entry.stored_bytes);
         set(&mut self.watches, entry.watches);
         set(&mut self.waiting, entry.waiting);
         set(&mut self.requests_per_second, entry.requests_per_second);
@@ -167,16 +176,18 @@ pub enum Limit {
     Sessions,
     Keys,
     Bytes,
+    Stored,
     Watches,
     Waiting,
     Rate,
 }
 
 impl Limit {
-    pub const ALL: [Limit; 6] = [
+    pub const ALL: [Limit; 7] = [
         Limit::Sessions,
         Limit::Keys,
         Limit::Bytes,
+        Limit::Stored,
         Limit::Watches,
         Limit::Waiting,
         Limit::Rate,
@@ -188,6 +199,7 @@ impl Limit {
             Limit::Sessions => "sessions",
             Limit::Keys => "keys",
             Limit::Bytes => "bytes",
+            Limit::Stored => "stored_bytes",
             Limit::Watches => "watches",
             Limit::Waiting => "waiting",
             Limit::Rate => "requests_per_second",
@@ -201,6 +213,7 @@ impl fmt::Display for Limit {
             Limit::Sessions => "open sessions",
             Limit::Keys => "keys held",
             Limit::Bytes => "bytes of keys held",
+            Limit::Stored => "bytes of persistent keys written",
             Limit::Watches => "open watches",
             Limit::Waiting => "acquires in progress",
             Limit::Rate => "calls a second",
@@ -418,6 +431,7 @@ fn quotas(entries: &[LimitEntry]) -> Result<(Quota, HashMap<String, Quota>), Str
             ("sessions", entry.sessions),
             ("keys", entry.keys),
             ("bytes", entry.bytes),
+            ("stored_bytes", entry.stored_bytes),
             ("watches", entry.watches),
             ("waiting", entry.waiting),
             ("requests_per_second", entry.requests_per_second),

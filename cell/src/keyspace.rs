@@ -39,6 +39,7 @@ const WRITER_ROOT: &str = "/s/!writer/";
 const LEASE_BLOCKS_KEY: &str = "/s/!etcd-lease-blocks";
 const ETCD_LEASED_ROOT: &str = "/s/!etcd-leased/";
 const ETCD_LEASE_CLAIM_ROOT: &str = "/s/!etcd-lease/";
+const OWNER_ROOT: &str = "/s/!owner/";
 const MARK: &str = "/!";
 
 /// Why a lock name was refused. The message names the rule the name broke.
@@ -357,6 +358,32 @@ pub fn etcd_leased_key(key: &[u8]) -> Option<Vec<u8>> {
     (key == prefix_end(KV_ROOT.as_bytes())).then(|| prefix_end(ETCD_LEASED_ROOT.as_bytes()))
 }
 
+/// Where a proxy records the identity that wrote a small key on no lease (a persistent
+/// key): `/s/!owner/<key>`, its value the identity. Written in the same transaction as
+/// the key, so its mod revision is the key's as long as the record is about that write;
+/// readers take it only then, as they do a client lease record. What an identity's
+/// persistent keys hold across the cell is counted from these records (the `stored_bytes`
+/// limit), on every proxy, whichever proxy wrote them.
+pub fn owner_root() -> &'static str {
+    OWNER_ROOT
+}
+
+/// The owner record ([`owner_root`]) of etcd key `key`, or of the end of a range of etcd
+/// keys, as [`etcd_leased_key`] maps keys to client lease records.
+pub fn owner_key(key: &[u8]) -> Option<Vec<u8>> {
+    if let Some(name) = key.strip_prefix(KV_ROOT.as_bytes()) {
+        let mut record = OWNER_ROOT.as_bytes().to_vec();
+        record.extend_from_slice(name);
+        return Some(record);
+    }
+    (key == prefix_end(KV_ROOT.as_bytes())).then(|| prefix_end(OWNER_ROOT.as_bytes()))
+}
+
+/// The small key's name an owner record is about, if `key` is one.
+pub fn owner_name(key: &[u8]) -> Option<&str> {
+    std::str::from_utf8(key).ok()?.strip_prefix(OWNER_ROOT)
+}
+
 /// The small key's name a client lease record is about, if `key` is one.
 pub fn etcd_leased_name(key: &[u8]) -> Option<&str> {
     std::str::from_utf8(key)
@@ -569,6 +596,14 @@ mod tests {
         let end = etcd_leased_key(&prefix_end(KV_ROOT.as_bytes())).unwrap();
         assert_eq!(end, prefix_end(ETCD_LEASED_ROOT.as_bytes()));
         assert_eq!(etcd_leased_key(b"/l/a/!x"), None);
+        assert_eq!(owner_key(b"/k/a/b"), Some(b"/s/!owner/a/b".to_vec()));
+        assert_eq!(owner_name(b"/s/!owner/a/b"), Some("a/b"));
+        assert_eq!(
+            owner_key(&prefix_end(KV_ROOT.as_bytes())).unwrap(),
+            prefix_end(OWNER_ROOT.as_bytes())
+        );
+        assert_eq!(owner_key(b"/l/a/!x"), None);
+        assert!(!value_names_proxy(b"/s/!owner/a/b"));
         // Only fences and claims name a proxy in their value.
         assert!(value_names_proxy(b"/s/6c63000000010002"));
         assert!(value_names_proxy(etcd_lease_claim_key(7).as_bytes()));

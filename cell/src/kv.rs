@@ -213,6 +213,20 @@ impl Kv {
         ops
     }
 
+    /// The op that keeps the owner record (`keyspace::owner_root`) of etcd key `key`
+    /// with a write of it by `writer`: for a put on no lease (`persistent`) by an
+    /// identified writer, the writer's identity; for any other write, no record. `None`
+    /// when writes record no writer (`lockcell-cell`'s own writes).
+    fn owner_op(&self, key: &str, persistent: bool, writer: &Writer) -> Option<TxnOp> {
+        self.writer_key.as_ref()?;
+        let record = keyspace::owner_key(key.as_bytes())?;
+        Some(if persistent && !writer.identity.is_empty() {
+            TxnOp::put(record, writer.identity.as_bytes(), None)
+        } else {
+            TxnOp::delete(record, None)
+        })
+    }
+
     /// One key, or every key under `prefix` (see [`keyspace::kv_prefix`]).
     pub async fn get(
         &self,
@@ -259,10 +273,11 @@ impl Kv {
     ) -> Result<Written, CellError> {
         let key = keyspace::kv_key(name);
         let options = lease.map(|l| PutOptions::new().with_lease(l));
-        let ops = vec![
+        let mut ops = vec![
             TxnOp::put(key.as_bytes(), value, options),
             TxnOp::get(key.as_bytes(), None),
         ];
+        ops.extend(self.owner_op(&key, lease.is_none(), writer));
         let txn = Txn::new()
             .when(guarded(compares(&key, condition), map_revision))
             .and_then(self.signed(ops, writer))
@@ -287,7 +302,8 @@ impl Kv {
         writer: &Writer,
     ) -> Result<(Written, i64), CellError> {
         let key = keyspace::kv_key(name);
-        let ops = vec![TxnOp::delete(key.as_bytes(), None)];
+        let mut ops = vec![TxnOp::delete(key.as_bytes(), None)];
+        ops.extend(self.owner_op(&key, false, writer));
         let txn = Txn::new()
             .when(guarded(compares(&key, condition), map_revision))
             .and_then(self.signed(ops, writer))
@@ -328,11 +344,21 @@ impl Kv {
             .flat_map(|(name, condition)| compares(&keyspace::kv_key(name), *condition))
             .chain([map_guard(map_revision)])
             .collect();
+        // Each write with its owner record, in a transaction of its own with no
+        // compares, so the writes count once against etcd's `--max-txn-ops`.
         let ops: Vec<TxnOp> = writes
             .into_iter()
-            .map(|write| match write {
-                Write::Put(name, value) => TxnOp::put(keyspace::kv_key(&name), value, None),
-                Write::Delete(name) => TxnOp::delete(keyspace::kv_key(&name), None),
+            .map(|write| {
+                let key = keyspace::kv_key(write.name());
+                let owner = self.owner_op(&key, matches!(write, Write::Put(..)), writer);
+                let op = match write {
+                    Write::Put(_, value) => TxnOp::put(key, value, None),
+                    Write::Delete(_) => TxnOp::delete(key, None),
+                };
+                match owner {
+                    Some(owner) => TxnOp::txn(Txn::new().and_then([op, owner])),
+                    None => op,
+                }
             })
             .collect();
         let reads: Vec<TxnOp> = read_back_keys(when)

@@ -268,6 +268,7 @@ impl Feed {
             }
         }
         let leased = leased_in(events);
+        let owners = owners_in(events);
         let changes = events.iter().filter_map(|e| change(e, &leased));
         let mut mirror = self.mirror.write().expect("mirror lock");
         let events = mirror.apply(revision, changes);
@@ -276,6 +277,7 @@ impl Feed {
         mirror.records_changed(records.into_iter().map(|((name, revision), record)| {
             (name.clone(), (record.lease != 0).then_some(*revision))
         }));
+        mirror.owners_changed(owners);
         drop(mirror);
         if let Some(hook) = self.detach.get() {
             let lost: Vec<Detached> = events.iter().filter_map(detached).collect();
@@ -313,6 +315,25 @@ pub fn change(event: &etcd_client::Event, leased: &Leased) -> Option<(String, i6
         entry
     });
     Some((name, revision, put))
+}
+
+/// The owner records (`keyspace::owner_root`) written or deleted in `events`, in order:
+/// each key's name, and the identity and mod revision written (`None`: deleted).
+pub fn owners_in(events: &[etcd_client::Event]) -> Vec<(String, Option<(String, i64)>)> {
+    events
+        .iter()
+        .filter_map(|event| {
+            let kv = event.kv()?;
+            let name = keyspace::owner_name(kv.key())?.to_owned();
+            let owner = (event.event_type() == EventType::Put).then(|| {
+                (
+                    String::from_utf8_lossy(kv.value()).into_owned(),
+                    kv.mod_revision(),
+                )
+            });
+            Some((name, owner))
+        })
+        .collect()
 }
 
 /// What the client lease record of one small key became in one revision.
@@ -578,7 +599,19 @@ async fn load(
     let records = records
         .into_iter()
         .map(|(name, (_, written))| (name, written));
-    Ok((Mirror::new(entries, revision).with_records(records), map))
+    let mut owners = Vec::new();
+    let root = keyspace::owner_root().as_bytes();
+    load_range(kv, root, revision, timeout, |kv| {
+        if let Some(name) = keyspace::owner_name(kv.key()) {
+            let identity = String::from_utf8_lossy(kv.value()).into_owned();
+            owners.push((name.to_owned(), (identity, kv.mod_revision())));
+        }
+    })
+    .await?;
+    let mirror = Mirror::new(entries, revision)
+        .with_records(records)
+        .with_owners(owners);
+    Ok((mirror, map))
 }
 
 /// Reads every key under `root` at `revision` (0: now) in pages, handing each to `take`;

@@ -6,11 +6,17 @@
 //! Writes racing on other proxies are not seen until their copies meet: each proxy lets
 //! at most [`IN_FLIGHT_SHARE`] of the bound be in flight at once (or one write, if that
 //! write is larger), which bounds how far the cell can pass it to that share per proxy.
+//!
+//! The same copy says what each identity's persistent keys hold (`stored_bytes` in the
+//! grants file, see [`crate::mirror::Mirror::stored`]), and the same reservations keep
+//! one identity's writes racing on this proxy from passing its limit together.
 
 use std::sync::Mutex;
 
 use crate::errors::ProxyError;
 use crate::feed::Feed;
+use crate::grants::Grants;
+use crate::mirror::WriteSize;
 
 /// The share of the bound one proxy may have in flight (written, not yet in its copy).
 pub const IN_FLIGHT_SHARE: usize = 32;
@@ -30,8 +36,25 @@ pub struct KvBudget {
 #[derive(Debug, Default)]
 struct Reserved {
     next: u64,
-    /// Ticket, the revision the write landed at (0 while in flight) and its growth.
-    writes: Vec<(u64, i64, usize)>,
+    writes: Vec<Reservation>,
+}
+
+#[derive(Debug)]
+struct Reservation {
+    ticket: u64,
+    /// The revision the write landed at (0 while in flight).
+    landed: i64,
+    /// What it adds to the cell's small keys.
+    growth: usize,
+    /// The writer, and what it adds to the writer's persistent keys.
+    stored: Option<(String, usize)>,
+}
+
+/// The identity that writes, and the grants file that says its limits.
+#[derive(Clone, Copy)]
+pub struct Writer<'a> {
+    pub grants: &'a Grants,
+    pub identity: &'a str,
 }
 
 /// A write let through: hold it until the write answers, then say where it landed.
@@ -42,26 +65,28 @@ pub struct Admitted<'a> {
 }
 
 impl KvBudget {
-    /// Lets `writes` (each a key and its new value's length, or `None` for a delete)
-    /// through if the cell's small keys, with what is reserved, stay within `limit`;
-    /// refuses (RESOURCE_EXHAUSTED, naming the limit) otherwise. While this proxy has
-    /// its share in flight, waits (up to [`PATIENCE`]) for its copy to show the writes
-    /// that landed, then refuses as busy (UNAVAILABLE: try again).
+    /// Lets `writes` through if the cell's small keys, with what is reserved, stay
+    /// within `limit`, and the persistent keys of `writer` (when the proxy knows
+    /// identities) within its `stored_bytes`; refuses (RESOURCE_EXHAUSTED, naming the
+    /// limit) otherwise. While this proxy has its
+    /// share in flight, waits (up to [`PATIENCE`]) for its copy to show the writes that
+    /// landed, then refuses as busy (UNAVAILABLE: try again).
     pub async fn admit<'a>(
         &'a self,
         feed: &Feed,
         limit: usize,
-        writes: &[(&str, Option<usize>)],
+        writer: Option<Writer<'_>>,
+        writes: &[WriteSize<'_>],
     ) -> Result<Admitted<'a>, ProxyError> {
         let give_up = tokio::time::Instant::now() + PATIENCE;
         loop {
-            let wait_for = match self.try_admit(feed, limit, writes)? {
+            let wait_for = match self.try_admit(feed, limit, writer, writes)? {
                 Ok(admitted) => return Ok(admitted),
                 Err(wait_for) => wait_for,
             };
             let now = tokio::time::Instant::now();
             if now >= give_up {
-                let keys: Vec<&str> = writes.iter().map(|(name, _)| *name).collect();
+                let keys: Vec<&str> = writes.iter().map(|w| w.name).collect();
                 return Err(ProxyError::Busy(format!(
                     "writing {keys:?} now would put more than 1/{IN_FLIGHT_SHARE} of \
                      --max-kv-total-bytes ({} bytes) in flight through this proxy; try again \
@@ -84,26 +109,55 @@ impl KvBudget {
         &'a self,
         feed: &Feed,
         limit: usize,
-        writes: &[(&str, Option<usize>)],
+        writer: Option<Writer<'_>>,
+        writes: &[WriteSize<'_>],
     ) -> Result<Result<Admitted<'a>, Option<i64>>, ProxyError> {
-        let (held, revision, growth) =
-            feed.with_mirror(|m| (m.bytes(), m.revision(), m.net_growth(writes)));
+        let (held, revision, growth, stored) = feed.with_mirror(|m| {
+            let stored =
+                writer.map(|w| (m.stored(w.identity), m.stored_growth(w.identity, writes)));
+            (m.bytes(), m.revision(), m.net_growth(writes), stored)
+        });
         let mut reserved = self.reserved.lock().expect("kv budget lock");
-        if growth <= 0 {
+        // What the copy shows now needs no reservation any more.
+        reserved
+            .writes
+            .retain(|w| w.landed == 0 || w.landed > revision);
+        let stored = match (writer, stored) {
+            (Some(writer), Some((held, growth))) if growth > 0 => {
+                let growth = growth as u64;
+                let pending: u64 = reserved
+                    .writes
+                    .iter()
+                    .filter_map(|w| w.stored.as_ref())
+                    .filter(|(identity, _)| identity == writer.identity)
+                    .map(|(_, g)| *g as u64)
+                    .sum();
+                let max = writer.grants.quota(writer.identity).stored_bytes;
+                if held as u64 + pending + growth > max {
+                    return Err(crate::limits::refusal_of_stored(
+                        writer.grants,
+                        writer.identity,
+                        held as u64,
+                        pending,
+                        growth,
+                        max,
+                    ));
+                }
+                Some((writer.identity.to_owned(), growth as usize))
+            }
+            _ => None,
+        };
+        if growth <= 0 && stored.is_none() {
             return Ok(Ok(Admitted {
                 budget: self,
                 ticket: None,
             }));
         }
-        let growth = growth as usize;
-        // What the copy shows now needs no reservation any more.
-        reserved
-            .writes
-            .retain(|(_, landed, _)| *landed == 0 || *landed > revision);
-        let pending: usize = reserved.writes.iter().map(|(_, _, g)| g).sum();
+        let growth = growth.max(0) as usize;
+        let pending: usize = reserved.writes.iter().map(|w| w.growth).sum();
         let total = held + pending + growth;
-        if total > limit {
-            let keys: Vec<&str> = writes.iter().map(|(name, _)| *name).collect();
+        if growth > 0 && total > limit {
+            let keys: Vec<&str> = writes.iter().map(|w| w.name).collect();
             return Err(ProxyError::Exhausted(format!(
                 "writing {keys:?} would take the cell's small keys to {total} bytes, over the \
                  limit of {limit} bytes (--max-kv-total-bytes; every proxy keeps a copy of \
@@ -116,13 +170,18 @@ impl KvBudget {
                 }
             )));
         }
-        if pending > 0 && pending + growth > limit / IN_FLIGHT_SHARE {
-            let landed = reserved.writes.iter().map(|(_, landed, _)| *landed).max();
+        if growth > 0 && pending > 0 && pending + growth > limit / IN_FLIGHT_SHARE {
+            let landed = reserved.writes.iter().map(|w| w.landed).max();
             return Ok(Err(landed.filter(|r| *r > 0)));
         }
         reserved.next += 1;
         let ticket = reserved.next;
-        reserved.writes.push((ticket, 0, growth));
+        reserved.writes.push(Reservation {
+            ticket,
+            landed: 0,
+            growth,
+            stored,
+        });
         Ok(Ok(Admitted {
             budget: self,
             ticket: Some(ticket),
@@ -140,11 +199,11 @@ impl Admitted<'_> {
         let mut reserved = self.budget.reserved.lock().expect("kv budget lock");
         match revision {
             Some(revision) => {
-                if let Some(w) = reserved.writes.iter_mut().find(|w| w.0 == ticket) {
-                    w.1 = revision.max(1);
+                if let Some(w) = reserved.writes.iter_mut().find(|w| w.ticket == ticket) {
+                    w.landed = revision.max(1);
                 }
             }
-            None => reserved.writes.retain(|w| w.0 != ticket),
+            None => reserved.writes.retain(|w| w.ticket != ticket),
         }
     }
 }
@@ -155,7 +214,7 @@ impl Drop for Admitted<'_> {
     fn drop(&mut self) {
         if let Some(ticket) = self.ticket.take() {
             let mut reserved = self.budget.reserved.lock().expect("kv budget lock");
-            reserved.writes.retain(|w| w.0 != ticket);
+            reserved.writes.retain(|w| w.ticket != ticket);
         }
     }
 }

@@ -206,6 +206,31 @@ pub fn refusal_of_bytes(
     ))
 }
 
+/// The refusal of a write that would add `adding` bytes to the persistent keys of
+/// `identity`, which take `held` of its `max` bytes in the cell (`pending` more being
+/// written through this proxy).
+pub fn refusal_of_stored(
+    grants: &Grants,
+    identity: &str,
+    held: u64,
+    pending: u64,
+    adding: u64,
+    max: u64,
+) -> ProxyError {
+    refused(grants, identity, Limit::Stored);
+    let pending = if pending > 0 {
+        format!(" ({pending} more being written through this proxy)")
+    } else {
+        String::new()
+    };
+    ProxyError::Exhausted(format!(
+        "identity {identity:?} has persistent keys of {held} of its {max} bytes in the cell{pending}, \
+         and this write would add {adding} (limit `stored_bytes` in the grants file; each key \
+         counts its name, its value and 128 bytes): delete keys no longer needed, or raise \
+         the limit"
+    ))
+}
+
 /// Counts a refusal, labelled with the identity when the grants file names it.
 fn refused(grants: &Grants, identity: &str, limit: Limit) {
     let label = if grants.names(identity) {

@@ -78,6 +78,34 @@ pub fn key_bytes(name: &str, value_len: usize) -> usize {
 /// The fixed share of each key in [`key_bytes`].
 pub const PER_KEY_BYTES: usize = 128;
 
+/// One small-key write, as the bounds on what keys hold see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteSize<'a> {
+    pub name: &'a str,
+    /// The new value's length; `None` for a delete.
+    pub value: Option<usize>,
+    /// A put on no lease: the key is then its writer's (`stored_bytes`).
+    pub persistent: bool,
+}
+
+impl<'a> WriteSize<'a> {
+    pub fn put(name: &'a str, len: usize, persistent: bool) -> Self {
+        WriteSize {
+            name,
+            value: Some(len),
+            persistent,
+        }
+    }
+
+    pub fn delete(name: &'a str) -> Self {
+        WriteSize {
+            name,
+            value: None,
+            persistent: false,
+        }
+    }
+}
+
 /// Every small key, as of one revision of the cell.
 #[derive(Debug, Default)]
 pub struct Mirror {
@@ -85,6 +113,12 @@ pub struct Mirror {
     /// The mod revision of each client lease record (`keyspace::etcd_leased_root`), by
     /// its key's name: those no key shows any more are swept.
     records: std::collections::HashMap<String, i64>,
+    /// Each owner record (`keyspace::owner_root`), by its key's name: the identity that
+    /// wrote the key on no lease, and the record's mod revision.
+    owners: std::collections::HashMap<String, (String, i64)>,
+    /// By identity, what the persistent keys whose owner record is about their last
+    /// write hold ([`key_bytes`]).
+    stored: std::collections::HashMap<String, usize>,
     /// The cell revision the mirror reflects: every change at or before it is applied.
     revision: i64,
     /// The sum of [`key_bytes`] over every key.
@@ -100,9 +134,107 @@ impl Mirror {
         Mirror {
             entries,
             records: Default::default(),
+            owners: Default::default(),
+            stored: Default::default(),
             revision,
             bytes,
         }
+    }
+
+    /// With the owner records read with the keys: each one's identity and mod revision,
+    /// by its key's name.
+    pub fn with_owners(
+        mut self,
+        owners: impl IntoIterator<Item = (String, (String, i64))>,
+    ) -> Mirror {
+        for (name, owner) in owners {
+            let before = self.share(&name);
+            self.owners.insert(name.clone(), owner);
+            self.recount(&name, before);
+        }
+        self
+    }
+
+    /// Takes in the owner records written (`Some` identity and mod revision) or deleted
+    /// (`None`) in revisions up to the mirror's.
+    pub fn owners_changed(
+        &mut self,
+        changes: impl IntoIterator<Item = (String, Option<(String, i64)>)>,
+    ) {
+        for (name, written) in changes {
+            let before = self.share(&name);
+            match written {
+                Some(owner) => self.owners.insert(name.clone(), owner),
+                None => self.owners.remove(&name),
+            };
+            self.recount(&name, before);
+        }
+    }
+
+    /// Up to `limit` owner records no key shows any more (its key is gone, or written
+    /// since by a write that left the record alone), with their mod revisions.
+    pub fn orphan_owners(&self, limit: usize) -> Vec<(String, i64)> {
+        self.owners
+            .iter()
+            .filter(|(name, (_, written))| {
+                self.entries.get(*name).map(|e| e.mod_revision) != Some(*written)
+            })
+            .take(limit)
+            .map(|(name, (_, written))| (name.clone(), *written))
+            .collect()
+    }
+
+    /// Whose persistent key `name` is, and what it counts for: a key on no lease whose
+    /// owner record is about its last write.
+    fn share(&self, name: &str) -> Option<(String, usize)> {
+        let entry = self.entries.get(name)?;
+        let (identity, written) = self.owners.get(name)?;
+        (entry.lease == 0 && *written == entry.mod_revision)
+            .then(|| (identity.clone(), Self::bytes_of(entry)))
+    }
+
+    /// Moves `name`'s share of [`Self::stored`] from what it was (`before`) to what it is.
+    fn recount(&mut self, name: &str, before: Option<(String, usize)>) {
+        let after = self.share(name);
+        if before == after {
+            return;
+        }
+        if let Some((identity, bytes)) = before {
+            if let Some(held) = self.stored.get_mut(&identity) {
+                *held -= bytes;
+                if *held == 0 {
+                    self.stored.remove(&identity);
+                }
+            }
+        }
+        if let Some((identity, bytes)) = after {
+            *self.stored.entry(identity).or_default() += bytes;
+        }
+    }
+
+    /// What `identity`'s persistent keys hold ([`key_bytes`]), across the cell.
+    pub fn stored(&self, identity: &str) -> usize {
+        self.stored.get(identity).copied().unwrap_or_default()
+    }
+
+    /// What `writes` by `identity` change [`Self::stored`] of `identity` by: each
+    /// persistent put makes its key the identity's, and every write takes the key from
+    /// whoever it was before.
+    pub fn stored_growth(&self, identity: &str, writes: &[WriteSize]) -> i64 {
+        writes
+            .iter()
+            .map(|w| {
+                let before = match self.share(w.name) {
+                    Some((owner, bytes)) if owner == identity => bytes as i64,
+                    _ => 0,
+                };
+                let after = match w.value {
+                    Some(len) if w.persistent => key_bytes(w.name, len) as i64,
+                    _ => 0,
+                };
+                after - before
+            })
+            .sum()
     }
 
     /// With the client lease records read with the keys: each one's mod revision, by
@@ -147,12 +279,12 @@ impl Mirror {
 
     /// What `writes` (each a key and its new value's length, or `None` for a delete)
     /// change [`Self::bytes`] by, together: a delete frees what its key holds.
-    pub fn net_growth(&self, writes: &[(&str, Option<usize>)]) -> i64 {
+    pub fn net_growth(&self, writes: &[WriteSize]) -> i64 {
         writes
             .iter()
-            .map(|(name, len)| {
-                let before = self.entries.get(*name).map_or(0, Self::bytes_of) as i64;
-                let after = len.map_or(0, |len| key_bytes(name, len)) as i64;
+            .map(|w| {
+                let before = self.entries.get(w.name).map_or(0, Self::bytes_of) as i64;
+                let after = w.value.map_or(0, |len| key_bytes(w.name, len)) as i64;
                 after - before
             })
             .sum()
@@ -184,10 +316,11 @@ impl Mirror {
             if at <= self.revision {
                 continue;
             }
-            events.push(match put {
+            let before = self.share(&name);
+            let event = match put {
                 Some(entry) => {
                     self.bytes += Self::bytes_of(&entry);
-                    let prev = self.entries.insert(name, entry.clone());
+                    let prev = self.entries.insert(name.clone(), entry.clone());
                     self.bytes -= prev.as_ref().map_or(0, Self::bytes_of);
                     KeyEvent {
                         kind: EventKind::Put,
@@ -198,9 +331,11 @@ impl Mirror {
                 None => {
                     let prev = self.entries.remove(&name);
                     self.bytes -= prev.as_ref().map_or(0, Self::bytes_of);
-                    KeyEvent::deleted(name, at, prev)
+                    KeyEvent::deleted(name.clone(), at, prev)
                 }
-            });
+            };
+            self.recount(&name, before);
+            events.push(event);
         }
         self.revision = self.revision.max(revision);
         events
@@ -339,21 +474,83 @@ mod tests {
             ],
         );
         assert_eq!(mirror.bytes(), key_bytes("a", 1) + key_bytes("bb", 3));
+        let put = |name, len| WriteSize::put(name, len, true);
         assert_eq!(
-            mirror.net_growth(&[("a", Some(1))]),
+            mirror.net_growth(&[put("a", 1)]),
             0,
             "a value no longer adds nothing"
         );
-        assert_eq!(mirror.net_growth(&[("a", Some(4))]), 3);
-        assert_eq!(
-            mirror.net_growth(&[("c", Some(0))]),
-            key_bytes("c", 0) as i64
-        );
+        assert_eq!(mirror.net_growth(&[put("a", 4)]), 3);
+        assert_eq!(mirror.net_growth(&[put("c", 0)]), key_bytes("c", 0) as i64);
         let freed = -(key_bytes("bb", 3) as i64);
-        assert_eq!(mirror.net_growth(&[("bb", None)]), freed);
-        assert_eq!(mirror.net_growth(&[("bb", None), ("a", Some(1))]), freed);
+        assert_eq!(mirror.net_growth(&[WriteSize::delete("bb")]), freed);
+        assert_eq!(
+            mirror.net_growth(&[WriteSize::delete("bb"), put("a", 1)]),
+            freed
+        );
         mirror.apply(13, [("a".into(), 13, None), ("zz".into(), 13, None)]);
         assert_eq!(mirror.bytes(), key_bytes("bb", 3));
+    }
+
+    fn owner(identity: &str, rev: i64) -> Option<(String, i64)> {
+        Some((identity.to_owned(), rev))
+    }
+
+    #[test]
+    fn persistent_keys_count_against_their_last_writer_only_while_their_record_holds() {
+        let leased = Entry {
+            lease: 7,
+            ..entry("eph", "xx", 4)
+        };
+        let mut mirror = Mirror::new([entry("a", "123", 5), entry("b", "1", 6), leased], 10)
+            .with_owners([
+                ("a".to_owned(), ("batch".to_owned(), 5)),
+                // Written since by a write that left the record alone: nobody's.
+                ("b".to_owned(), ("batch".to_owned(), 3)),
+                // On a lease: its session's, never a writer's.
+                ("eph".to_owned(), ("batch".to_owned(), 4)),
+            ]);
+        assert_eq!(mirror.stored("batch"), key_bytes("a", 3));
+        assert_eq!(mirror.stored("web"), 0);
+        // web writes a over: it is web's now; batch's "b" record is made good.
+        mirror.apply(11, [("a".into(), 11, Some(entry("a", "12", 11)))]);
+        assert_eq!(
+            mirror.stored("batch"),
+            0,
+            "a record about an older write counts for nobody"
+        );
+        mirror.owners_changed([("a".to_owned(), owner("web", 11))]);
+        assert_eq!(mirror.stored("web"), key_bytes("a", 2));
+        mirror.apply(12, [("b".into(), 12, Some(entry("b", "1", 12)))]);
+        mirror.owners_changed([("b".to_owned(), owner("batch", 12))]);
+        assert_eq!(mirror.stored("batch"), key_bytes("b", 1));
+        // What writes would change, for each writer.
+        let writes = [WriteSize::put("a", 10, true), WriteSize::delete("b")];
+        assert_eq!(
+            mirror.stored_growth("batch", &writes),
+            key_bytes("a", 10) as i64 - key_bytes("b", 1) as i64
+        );
+        assert_eq!(
+            mirror.stored_growth("web", &writes),
+            key_bytes("a", 10) as i64 - key_bytes("a", 2) as i64
+        );
+        assert_eq!(
+            mirror.stored_growth("web", &[WriteSize::put("a", 10, false)]),
+            -(key_bytes("a", 2) as i64),
+            "a leased put takes the key out of its writer's count"
+        );
+        // A delete frees its writer's share; its record is then an orphan.
+        mirror.apply(13, [("a".into(), 13, None)]);
+        assert_eq!(mirror.stored("web"), 0);
+        let mut orphans = mirror.orphan_owners(10);
+        orphans.sort();
+        assert_eq!(orphans, [("a".to_owned(), 11)]);
+        mirror.owners_changed([("a".to_owned(), None), ("eph".to_owned(), None)]);
+        assert!(mirror.orphan_owners(10).is_empty());
+        assert!(
+            mirror.stored.values().all(|b| *b > 0),
+            "no identity is kept at zero"
+        );
     }
 
     #[test]

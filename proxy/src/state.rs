@@ -14,6 +14,7 @@ use crate::config::ProxyConfig;
 use crate::errors::ProxyError;
 use crate::events::LockEvents;
 use crate::leases::LeaseBook;
+use crate::mirror::WriteSize;
 use crate::queues::Queues;
 use crate::sessions::SessionTable;
 
@@ -274,25 +275,36 @@ impl ProxyState {
         self.limits.pace(&self.grants.current(), principal)
     }
 
-    /// Lets small-key `writes` (each a key and its new value's length, or `None` for a
-    /// delete) through: those that add keys or values only while etcd's database is
-    /// below the space line ([`crate::space`]), and all within `--max-kv-total-bytes`
-    /// ([`crate::kvbudget`]).
+    /// Lets small-key `writes` by `identity` through: those that add keys or values
+    /// only while etcd's database is below the space line ([`crate::space`]), all
+    /// within `--max-kv-total-bytes`, and the identity's persistent keys within its
+    /// `stored_bytes` ([`crate::kvbudget`]).
     pub async fn admit_writes<'a>(
         &'a self,
-        writes: &[(&str, Option<usize>)],
+        identity: Option<&str>,
+        writes: &[WriteSize<'_>],
     ) -> Result<crate::kvbudget::Admitted<'a>, ProxyError> {
         let adds: usize = writes
             .iter()
-            .filter_map(|(name, value)| value.map(|v| name.len() + v))
+            .filter_map(|w| w.value.map(|v| w.name.len() + v))
             .sum();
         if adds > 0 {
-            let names: Vec<&str> = writes.iter().map(|(name, _)| *name).collect();
+            let names: Vec<&str> = writes.iter().map(|w| w.name).collect();
             self.space
                 .admit(&format!("writing {names:?}"), adds as u64)?;
         }
+        let grants = self.grants.current();
+        let writer = identity.map(|identity| crate::kvbudget::Writer {
+            grants: &grants,
+            identity,
+        });
         self.kv_budget
-            .admit(&self.reads.feed, self.config.max_kv_total_bytes, writes)
+            .admit(
+                &self.reads.feed,
+                self.config.max_kv_total_bytes,
+                writer,
+                writes,
+            )
             .await
     }
 

@@ -1,9 +1,11 @@
-//! Sweeps the etcd API's client lease records that no key shows any more (see
-//! `keyspace::etcd_leased_root`).
+//! Sweeps the etcd API's client lease records (see `keyspace::etcd_leased_root`) and
+//! the owner records of persistent keys (`keyspace::owner_root`) that no key shows any
+//! more.
 //!
 //! A record is on no lease, so when its key's lease ends (a session's proxy gone with
 //! its zone) etcd deletes the key alone, and a key written through lockcell's own API
-//! leaves its record as it was. Such a record is never read as the key's (readers take
+//! leaves its record as it was. An owner record goes with its key's delete, but
+//! `lockcell-cell`'s own writes (a shard map move's clean-up) leave it. Such a record is never read as the key's (readers take
 //! a record only when its mod revision is its key's), but it takes room in etcd and in
 //! every proxy's copy of the keys. One proxy of the cell sweeps them, the one whose id
 //! comes first among the running proxies' presence records, a few transactions at a
@@ -41,8 +43,11 @@ pub async fn run(state: Arc<ProxyState>, mut stop: watch::Receiver<bool>) {
         }
         match sweep_once(&state).await {
             Ok(0) => {}
-            Ok(swept) => tracing::info!(swept, "swept client lease records no key shows any more"),
-            Err(error) => tracing::debug!(%error, "could not sweep client lease records"),
+            Ok(swept) => tracing::info!(
+                swept,
+                "swept client lease and owner records no key shows any more"
+            ),
+            Err(error) => tracing::debug!(%error, "could not sweep client lease and owner records"),
         }
     }
 }
@@ -54,7 +59,22 @@ async fn sweep_once(state: &ProxyState) -> Result<usize, CellError> {
     if !feed.is_live() {
         return Ok(0);
     }
-    let orphans = feed.with_mirror(|m| m.orphan_records(PER_ROUND));
+    let orphans: Vec<(Vec<u8>, i64)> = feed.with_mirror(|m| {
+        let record = |name: &str, of: fn(&[u8]) -> Option<Vec<u8>>| {
+            of(format!("{}{name}", keyspace::kv_root()).as_bytes())
+        };
+        let leased = m
+            .orphan_records(PER_ROUND)
+            .into_iter()
+            .filter_map(|(name, written)| {
+                Some((record(&name, keyspace::etcd_leased_key)?, written))
+            });
+        let owned = m
+            .orphan_owners(PER_ROUND)
+            .into_iter()
+            .filter_map(|(name, written)| Some((record(&name, keyspace::owner_key)?, written)));
+        leased.chain(owned).take(PER_ROUND).collect()
+    });
     if orphans.is_empty() || !first_proxy(state).await? {
         return Ok(0);
     }
@@ -65,16 +85,14 @@ async fn sweep_once(state: &ProxyState) -> Result<usize, CellError> {
         }
         let deletes: Vec<TxnOp> = chunk
             .iter()
-            .filter_map(|(name, written)| {
-                let key = format!("{}{name}", keyspace::kv_root());
-                let record = keyspace::etcd_leased_key(key.as_bytes())?;
+            .map(|(record, written)| {
                 let unchanged =
                     Compare::mod_revision(record.as_slice(), CompareOp::Equal, *written);
-                Some(TxnOp::txn(
+                TxnOp::txn(
                     Txn::new()
                         .when([unchanged])
-                        .and_then([TxnOp::delete(record, None)]),
-                ))
+                        .and_then([TxnOp::delete(record.as_slice(), None)]),
+                )
             })
             .collect();
         let done = with_timeout(

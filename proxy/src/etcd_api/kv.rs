@@ -27,6 +27,7 @@ use crate::errors::ProxyError;
 use crate::grants::Right;
 use crate::metrics;
 use crate::mirror::Mirror;
+use crate::mirror::WriteSize;
 use crate::sessions::Session;
 
 /// Most operations in one Txn, counting each branch's and nested ones': etcd's default
@@ -130,9 +131,8 @@ impl PbKvService for EtcdApi {
             let (keys, bytes) = s.adds(key, (key.len() + req.value.len()) as u64);
             state.admit_keys(&s.id, keys, bytes)?;
         }
-        let admitted = state
-            .admit_writes(&[(shown.as_str(), Some(req.value.len()))])
-            .await?;
+        let write = WriteSize::put(shown.as_str(), req.value.len(), session.is_none());
+        let admitted = state.admit_writes(caller.as_deref(), &[write]).await?;
         let map_revision = state.routes.serve_all([shown.as_str()])?;
         let writer = self.writer(caller, session.as_ref());
         let options = PutOptions::new().with_prev_key();
@@ -142,8 +142,9 @@ impl PbKvService for EtcdApi {
         };
         let op = TxnOp::put(inner(&req.key), req.value.clone(), Some(options));
         let record = record_op(&req.key, session.as_ref().map(|_| req.lease));
+        let owner = owner_op(&req.key, session.is_none(), &writer);
         let owners: Vec<&Session> = session.iter().collect();
-        let write = self.guarded_for(&owners, vec![op, record], map_revision, &writer);
+        let write = self.guarded_for(&owners, vec![op, record, owner], map_revision, &writer);
         let outcome = match (&session, &key) {
             (Some(s), Some(key)) => {
                 let pending = Grant::unsettled_etcd_api_key(key.clone(), &s.id, &req.value);
@@ -212,6 +213,7 @@ impl PbKvService for EtcdApi {
         )?;
         let range = inner_range(&req.key, &req.range_end);
         let records = records_deleted(&range);
+        let owners = owners_deleted(&range);
         let mut options = DeleteOptions::new();
         if !range.end.is_empty() {
             options = options.with_range(range.end);
@@ -221,7 +223,11 @@ impl PbKvService for EtcdApi {
         }
         let op = TxnOp::delete(range.key, Some(options));
         let outcome = self
-            .guarded(vec![op, records], map_revision, &self.writer(caller, None))
+            .guarded(
+                vec![op, records, owners],
+                map_revision,
+                &self.writer(caller, None),
+            )
             .await
             .map_err(super::etcd_error)?;
         let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
@@ -397,7 +403,10 @@ impl EtcdApi {
         leases: &LeasesCompared,
         map_revision: i64,
     ) -> Result<Option<PbTxnResponse>, Status> {
-        let client_txn = inward_txn(req, leased, leases)?;
+        // A Txn that writes nothing records no writer: it then writes no revision, as in
+        // etcd, and costs etcd's space nothing (also past the space line).
+        let writer = self.writer(caller.clone(), None);
+        let client_txn = inward_txn(req, leased, leases, &writer)?;
         // Every put of either branch counts against the cell's small-key bound: which
         // branch runs is etcd's to decide.
         let puts = txn_puts(req);
@@ -405,10 +414,10 @@ impl EtcdApi {
             .iter()
             .map(|p| String::from_utf8_lossy(&p.key).into_owned())
             .collect();
-        let sizes: Vec<(&str, Option<usize>)> = keys
+        let sizes: Vec<WriteSize> = keys
             .iter()
             .zip(&puts)
-            .map(|(k, p)| (k.as_str(), Some(p.value.len())))
+            .map(|(k, p)| WriteSize::put(k.as_str(), p.value.len(), p.lease == 0))
             .collect();
         let state = &self.state;
         // Leased puts count against their identities' keys and bytes (keys new to
@@ -434,7 +443,7 @@ impl EtcdApi {
         for (id, (keys, bytes)) in by_session {
             state.admit_keys(id, keys, bytes)?;
         }
-        let admitted = state.admit_writes(&sizes).await?;
+        let admitted = state.admit_writes(caller.as_deref(), &sizes).await?;
         // A leased put is its session's even if no answer comes: recorded as unsettled
         // first, as a put on its own is.
         let pending: Vec<(Session, Grant)> = puts
@@ -462,9 +471,6 @@ impl EtcdApi {
             })
             .collect();
         let owners: Vec<&Session> = pending.iter().map(|(session, _)| session).collect();
-        // A Txn that writes nothing records no writer: it then writes no revision, as in
-        // etcd, and costs etcd's space nothing (also past the space line).
-        let writer = self.writer(caller, None);
         let sent = self
             .guarded_by(
                 &owners,
@@ -1061,6 +1067,29 @@ fn record_op(key: &[u8], lease: Option<i64>) -> TxnOp {
     }
 }
 
+/// The op that keeps the owner record (`keyspace::owner_root`) of client key `key` with
+/// a put of it by `writer`: the writer's identity for a put on no lease (`persistent`),
+/// no record for a leased one.
+fn owner_op(key: &[u8], persistent: bool, writer: &Writer) -> TxnOp {
+    let record = keyspace::owner_key(&inner(key)).expect("a small key has a record");
+    if persistent && !writer.identity.is_empty() {
+        TxnOp::put(record, writer.identity.as_bytes(), None)
+    } else {
+        TxnOp::delete(record, None)
+    }
+}
+
+/// The op that deletes the owner records of the small keys a delete of `range` (etcd
+/// keys) deletes.
+fn owners_deleted(range: &keys::Range) -> TxnOp {
+    let record = |key: &[u8]| keyspace::owner_key(key).expect("a small-key range");
+    let mut options = DeleteOptions::new();
+    if !range.end.is_empty() {
+        options = options.with_range(record(&range.end));
+    }
+    TxnOp::delete(record(&range.key), Some(options))
+}
+
 /// The ops that delete client key `key` and its client lease record.
 pub(super) fn deleted_with_record(key: &[u8]) -> [TxnOp; 2] {
     let record = keyspace::etcd_leased_key(&inner(key)).expect("a small key has a record");
@@ -1294,12 +1323,14 @@ fn txn_puts(txn: &PbTxnRequest) -> Vec<&PbPutRequest> {
     puts
 }
 
-/// The client's Txn with every key in the small-key space, each write with the op that
-/// keeps its keys' client lease records, and each lease compare decided by `leases`.
+/// The client's Txn with every key in the small-key space, each write with the ops that
+/// keep its keys' client lease and owner records (`writer` owns its persistent puts),
+/// and each lease compare decided by `leases`.
 fn inward_txn(
     req: &PbTxnRequest,
     leased: &Sessions,
     leases: &LeasesCompared,
+    writer: &Writer,
 ) -> Result<Txn, Status> {
     let compares = req
         .compare
@@ -1308,7 +1339,7 @@ fn inward_txn(
         .collect::<Result<Vec<_>, _>>()?;
     let ops = |ops: &[PbTxnRequestOp]| {
         ops.iter()
-            .map(|op| inward_op(op, leased, leases))
+            .map(|op| inward_op(op, leased, leases, writer))
             .collect::<Result<Vec<_>, _>>()
     };
     Ok(Txn::new()
@@ -1381,16 +1412,19 @@ fn inward_compare(c: &PbCompare, leases: &LeasesCompared) -> Result<Compare, Sta
     })
 }
 
-/// A client's Txn operation in the small-key space. A write goes with the op that keeps
-/// its keys' client lease records, in a transaction of its own with no compares (which
-/// `settle_txn` answers as the write alone).
+/// A client's Txn operation in the small-key space. A write goes with the ops that keep
+/// its keys' client lease and owner records, in a transaction of its own with no
+/// compares (which `settle_txn` answers as the write alone: the write's reply first,
+/// then the lease records').
 fn inward_op(
     op: &PbTxnRequestOp,
     leased: &Sessions,
     leases: &LeasesCompared,
+    writer: &Writer,
 ) -> Result<TxnOp, Status> {
-    let with_record =
-        |write: TxnOp, record: TxnOp| TxnOp::txn(Txn::new().and_then([write, record]));
+    let with_record = |write: TxnOp, record: TxnOp, owner: TxnOp| {
+        TxnOp::txn(Txn::new().and_then([write, record, owner]))
+    };
     Ok(match &op.request {
         Some(PbTxnOpRequest::RequestRange(r)) => {
             let (key, options) = get_options(r)?;
@@ -1406,11 +1440,17 @@ fn inward_op(
                 None => None,
             };
             let record = record_op(&p.key, session.map(|_| p.lease));
-            with_record(TxnOp::put(inner(&p.key), p.value.clone(), options), record)
+            let owner = owner_op(&p.key, session.is_none(), writer);
+            with_record(
+                TxnOp::put(inner(&p.key), p.value.clone(), options),
+                record,
+                owner,
+            )
         }
         Some(PbTxnOpRequest::RequestDeleteRange(d)) => {
             let range = inner_range(&d.key, &d.range_end);
             let records = records_deleted(&range);
+            let owners = owners_deleted(&range);
             let mut options = DeleteOptions::new();
             if !range.end.is_empty() {
                 options = options.with_range(range.end);
@@ -1418,9 +1458,9 @@ fn inward_op(
             if d.prev_kv {
                 options = options.with_prev_key();
             }
-            with_record(TxnOp::delete(range.key, Some(options)), records)
+            with_record(TxnOp::delete(range.key, Some(options)), records, owners)
         }
-        Some(PbTxnOpRequest::RequestTxn(t)) => TxnOp::txn(inward_txn(t, leased, leases)?),
+        Some(PbTxnOpRequest::RequestTxn(t)) => TxnOp::txn(inward_txn(t, leased, leases, writer)?),
         None => {
             return Err(Status::invalid_argument(
                 "etcdserver: a Txn operation has no request",

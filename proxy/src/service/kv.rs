@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status};
 
 use crate::errors::ProxyError;
 use crate::grants::Right;
+use crate::mirror::WriteSize;
 use crate::state::ProxyState;
 
 /// Most compares and writes, together, in one Txn. etcd refuses a transaction whose
@@ -117,9 +118,8 @@ impl KvApi for KvService {
         let state = &self.state;
         let name = key_name(&req.key)?;
         value_within(&req.key, &req.value, state.config.max_value_bytes)?;
-        let admitted = state
-            .admit_writes(&[(name.as_str(), Some(req.value.len()))])
-            .await?;
+        let write = WriteSize::put(name.as_str(), req.value.len(), req.session_id.is_empty());
+        let admitted = state.admit_writes(caller.as_deref(), &[write]).await?;
         let condition = condition(&req.key, req.condition)?;
         let session = if req.session_id.is_empty() {
             None
@@ -258,15 +258,21 @@ impl KvApi for KvService {
         self.state.pace(caller.as_deref())?;
         let writer = self.writer(caller);
         let checked = check_txn(request.into_inner(), self.state.config.max_value_bytes)?;
-        let sizes: Vec<(&str, Option<usize>)> = checked
+        let sizes: Vec<WriteSize> = checked
             .writes
             .iter()
             .map(|w| match w {
-                Write::Put(name, value) => (name.as_str(), Some(value.len())),
-                Write::Delete(name) => (name.as_str(), None),
+                Write::Put(name, value) => WriteSize::put(name.as_str(), value.len(), true),
+                Write::Delete(name) => WriteSize::delete(name.as_str()),
             })
             .collect();
-        let admitted = self.state.admit_writes(&sizes).await?;
+        let admitted = self
+            .state
+            .admit_writes(
+                Some(writer.identity.as_str()).filter(|i| !i.is_empty()),
+                &sizes,
+            )
+            .await?;
         let names = checked.when.iter().map(|(n, _)| n.as_str());
         let map_revision = self
             .state

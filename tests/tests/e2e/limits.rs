@@ -35,6 +35,7 @@ identity = "noisy"
 sessions = {SESSIONS}
 keys = {KEYS}
 bytes = {BYTES}
+stored_bytes = {BYTES}
 watches = {WATCHES}
 waiting = {WAITING}
 
@@ -1002,5 +1003,139 @@ pub async fn keepalives_of_leases_not_here_are_paced() -> anyhow::Result<()> {
             && refused.message().contains("5 calls a second"),
         "the renewals past the rate ended as {refused:?}"
     );
+    Ok(())
+}
+
+/// Persistent keys (written on no session) count against the identity that wrote them
+/// last, across the cell: `noisy` writes 64 KiB keys through one proxy until refused at
+/// `stored_bytes`; another proxy, through either API, refuses it too, and so does the
+/// first once restarted (it counts from the keys' owner records, not from memory).
+/// `quiet` keeps writing; a key `noisy` deletes, or `quiet` writes over, stops counting.
+pub async fn persistent_keys_count_against_their_writer_across_the_cell() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let grants = dir.path().join("grants.toml");
+    std::fs::write(&grants, grants_file())?;
+    let options = |zone: &str| {
+        let mut options = ProxyOptions::new(zone, etcd.endpoints());
+        options.extra_args = vec![
+            "--grants".into(),
+            grants.display().to_string(),
+            "--grants-without-tls".into(),
+        ];
+        options
+    };
+    let mut a = ProxyProcess::start(&options("a"), dir.path()).await?;
+    let noisy = client_as(&a, "noisy").await?;
+    let quiet = client_as(&a, "quiet").await?;
+    let big = vec![b'x'; 64 * 1024];
+    let fits = BYTES / (64 * 1024 + 200);
+    for i in 0..fits {
+        noisy
+            .put(&format!("noise/cfg-{i}"), &big, Condition::Always)
+            .await
+            .with_context(|| format!("persistent key {i} of {fits}"))?;
+    }
+    let names = [
+        "\"noisy\"",
+        "`stored_bytes`",
+        &format!("of its {BYTES} bytes"),
+    ];
+    exhausted(
+        noisy.put("noise/cfg-over", &big, Condition::Always).await,
+        "a persistent key past stored_bytes",
+        &names,
+    )?;
+    ensure!(
+        noisy.get("noise/cfg-over").await?.is_none(),
+        "a refused write wrote its key"
+    );
+    quiet
+        .put("quiet/cfg", &big, Condition::Always)
+        .await
+        .context("another identity's persistent key")?;
+
+    // Another proxy counts from its own copy of the keys, through the etcd API too.
+    // (A linearizable read through it first: its copy then shows noisy's writes, which
+    // a write racing them on another proxy may not see yet.)
+    let (b, b_etcd_api) = crate::etcd_api::proxy_with_grants(&etcd, &grants).await?;
+    ensure!(
+        client_as(&b, "quiet")
+            .await?
+            .get("noise/cfg-0")
+            .await?
+            .is_some(),
+        "the second proxy reads noisy's key"
+    );
+    let login = etcd_client::ConnectOptions::new().with_user("noisy", token_of("noisy"));
+    let mut etcd_noisy = etcd_client::Client::connect([b_etcd_api.as_str()], Some(login)).await?;
+    refused_as(
+        etcd_noisy.put("noise/cfg-b", big.clone(), None).await,
+        "etcd API Put",
+        "stored_bytes",
+    )?;
+    exhausted(
+        client_as(&b, "noisy")
+            .await?
+            .put("noise/cfg-b", &big, Condition::Always)
+            .await,
+        "a persistent key past stored_bytes through the second proxy",
+        &names,
+    )?;
+    ensure!(
+        etcd_noisy.get("noise/cfg-b", None).await?.kvs().is_empty(),
+        "the refused etcd API put wrote its key"
+    );
+
+    // A proxy started again counts the same, from the owner records.
+    drop(a);
+    a = ProxyProcess::start(&options("a"), dir.path()).await?;
+    let noisy = client_as(&a, "noisy").await?;
+    let quiet = client_as(&a, "quiet").await?;
+    exhausted(
+        noisy.put("noise/cfg-over", &big, Condition::Always).await,
+        "a persistent key past stored_bytes, after a restart",
+        &names,
+    )?;
+
+    // A key deleted, and one another identity wrote over, count for nobody / the other.
+    ensure!(
+        noisy.delete("noise/cfg-0", Condition::Always).await?,
+        "noise/cfg-0 deleted"
+    );
+    quiet
+        .put("noise/cfg-1", b"quiet's now", Condition::Always)
+        .await?;
+    for key in ["noise/cfg-again-0", "noise/cfg-again-1"] {
+        eventually(
+            &format!("{key} fits once two of noisy's keys are no longer its"),
+            Duration::from_secs(10),
+            || async {
+                match noisy.put(key, &big, Condition::Always).await {
+                    Ok(_) => Ok(Some(())),
+                    Err(e) => Err(anyhow::Error::from(e)),
+                }
+            },
+        )
+        .await?;
+    }
+    exhausted(
+        noisy.put("noise/cfg-over", &big, Condition::Always).await,
+        "a persistent key past stored_bytes, again",
+        &names,
+    )?;
+    // An etcd API delete frees the identity's share too.
+    etcd_noisy.delete("noise/cfg-2", None).await?;
+    eventually(
+        "a key fits once the etcd API deleted one",
+        Duration::from_secs(10),
+        || async {
+            match noisy.put("noise/cfg-last", &big, Condition::Always).await {
+                Ok(_) => Ok(Some(())),
+                Err(e) => Err(anyhow::Error::from(e)),
+            }
+        },
+    )
+    .await?;
     Ok(())
 }

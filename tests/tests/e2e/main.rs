@@ -86,6 +86,7 @@ fn main() {
         limits::a_vanished_clients_watches_give_their_places_back,
         limits::deleted_keys_stop_counting_and_a_proclaim_counts_its_bytes,
         limits::keepalives_of_leases_not_here_are_paced,
+        limits::persistent_keys_count_against_their_writer_across_the_cell,
         security::one_writer_cannot_grow_every_proxy_past_the_cells_bound,
         security::the_audit_history_answers_only_who_may_read_it,
         security::a_renewed_certificate_applies_without_a_restart,
