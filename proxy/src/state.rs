@@ -160,6 +160,12 @@ impl ProxyState {
     /// Refuses a new session of `principal` when the sessions it opened here are at
     /// its limit (`sessions` in the grants file's `[[limit]]`).
     pub fn admit_session(&self, principal: Option<&str>) -> Result<(), ProxyError> {
+        self.admit_sessions(principal, 1)
+    }
+
+    /// Refuses `coming` more sessions of `principal` (new, or brought here) when they
+    /// would take the sessions it has here past its limit.
+    pub fn admit_sessions(&self, principal: Option<&str>, coming: u64) -> Result<(), ProxyError> {
         self.memory.admit("sessions")?;
         let Some(principal) = principal else {
             return Ok(());
@@ -167,7 +173,7 @@ impl ProxyState {
         let grants = self.grants.current();
         let max = grants.quota(principal).sessions;
         let now = self.sessions.usage(principal).sessions.max(0) as u64;
-        if now >= max {
+        if now + coming > max {
             return Err(crate::limits::refusal(
                 &grants,
                 principal,

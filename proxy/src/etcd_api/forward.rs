@@ -542,6 +542,18 @@ impl EtcdApi {
                 return Ok(Some(writes));
             }
             drop(writes);
+            // Leases brought here count against their identity's sessions here, as a
+            // resumed session does: refused before any moves.
+            let coming = away.len();
+            self.state
+                .admit_sessions(caller, coming as u64)
+                .map_err(|refused| match refused {
+                    ProxyError::Exhausted(why) => ProxyError::Exhausted(format!(
+                        "{why}; this Txn would bring {coming} of its leases here from other \
+                         proxies, to write with them in one transaction"
+                    )),
+                    other => other,
+                })?;
             for (id, peer) in away {
                 // Runs to its end even if the client hangs up: a lease asked for and
                 // not taken would wait on its record, its calls held, until withdrawn.

@@ -1139,3 +1139,66 @@ pub async fn persistent_keys_count_against_their_writer_across_the_cell() -> any
     .await?;
     Ok(())
 }
+
+/// An etcd API Txn writing with leases of two proxies brings them to one; a lease
+/// brought counts against its identity's sessions there, as a new one does: `noisy`,
+/// at its limit on both proxies, is refused naming it, and nothing is written.
+pub async fn a_txn_gathering_leases_is_refused_at_the_sessions_limit() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let grants = etcd.dir.join("grants.toml");
+    std::fs::write(&grants, grants_file())?;
+    let login = || etcd_client::ConnectOptions::new().with_user("noisy", token_of("noisy"));
+    let mut leases = Vec::new();
+    let mut proxies = Vec::new();
+    for _ in 0..2 {
+        let (proxy, listen) = crate::etcd_api::proxy_with_grants(&etcd, &grants).await?;
+        let client = etcd_client::Client::connect([listen.as_str()], Some(login())).await?;
+        let mut mine = Vec::new();
+        for _ in 0..SESSIONS {
+            mine.push(client.lease_client().grant(30, None).await?.id());
+        }
+        refused_as(
+            client.lease_client().grant(30, None).await,
+            "a lease past the limit",
+            "open sessions",
+        )?;
+        leases.push(mine[0]);
+        proxies.push((proxy, client));
+    }
+    let mut client = proxies[0].1.clone();
+    let txn = etcd_client::Txn::new().and_then([
+        etcd_client::TxnOp::put(
+            "noise/gathered-0",
+            "a",
+            Some(etcd_client::PutOptions::new().with_lease(leases[0])),
+        ),
+        etcd_client::TxnOp::put(
+            "noise/gathered-1",
+            "b",
+            Some(etcd_client::PutOptions::new().with_lease(leases[1])),
+        ),
+    ]);
+    let result = client.txn(txn).await;
+    match &result {
+        Err(etcd_client::Error::GRpcStatus(status))
+            if status.code() == tonic::Code::ResourceExhausted
+                && status.message().contains("\"noisy\"")
+                && status.message().contains("open sessions")
+                && status.message().contains("would bring 1 of its leases") => {}
+        other => anyhow::bail!("a Txn gathering a lease past the limit: {other:?}"),
+    }
+    for key in ["noise/gathered-0", "noise/gathered-1"] {
+        ensure!(
+            client.get(key, None).await?.kvs().is_empty(),
+            "the refused Txn wrote {key}"
+        );
+    }
+    // Each lease still renews where it was.
+    for (i, (_, client)) in proxies.iter().enumerate() {
+        let (mut keeper, mut renewals) = client.lease_client().keep_alive(leases[i]).await?;
+        keeper.keep_alive().await?;
+        let renewed = renewals.message().await?.context("a keepalive reply")?;
+        ensure!(renewed.ttl() > 0, "lease {i} did not renew: {renewed:?}");
+    }
+    Ok(())
+}
