@@ -404,8 +404,28 @@ impl EtcdApi {
         map_revision: i64,
     ) -> Result<Option<PbTxnResponse>, Status> {
         // A Txn that writes nothing records no writer: it then writes no revision, as in
-        // etcd, and costs etcd's space nothing (also past the space line).
+        // etcd, and costs etcd's space nothing (also past the space line). Past the
+        // line, one that only deletes, in ranges where no key exists, would still write
+        // one (its writer record): refused, as such a DeleteRange is.
         let writer = self.writer(caller.clone(), None);
+        let feed = &self.state.reads.feed;
+        let finds_none = feed.is_live()
+            && txn_puts(req).is_empty()
+            && !txn_deletes(req).is_empty()
+            && feed.with_mirror(|mirror| {
+                txn_deletes(req).iter().all(|d| {
+                    let count = PbRangeRequest {
+                        key: d.key.clone(),
+                        range_end: d.range_end.clone(),
+                        count_only: true,
+                        ..PbRangeRequest::default()
+                    };
+                    mirror_range(mirror, &count).is_some_and(|found| found.count == 0)
+                })
+            });
+        self.state
+            .space
+            .admit_delete("a transaction of deletes only", finds_none)?;
         let client_txn = inward_txn(req, leased, leases, &writer)?;
         // Every put of either branch counts against the cell's small-key bound: which
         // branch runs is etcd's to decide.
@@ -1309,6 +1329,19 @@ fn txn_writes(txn: &PbTxnRequest) -> bool {
             Some(PbTxnOpRequest::RequestTxn(t)) => txn_writes(t),
             _ => false,
         })
+}
+
+/// The deletes of a Txn, of either branch, nested ones too.
+fn txn_deletes(txn: &PbTxnRequest) -> Vec<&PbDeleteRequest> {
+    let mut deletes = Vec::new();
+    for op in txn.success.iter().chain(&txn.failure) {
+        match &op.request {
+            Some(PbTxnOpRequest::RequestDeleteRange(d)) => deletes.push(d),
+            Some(PbTxnOpRequest::RequestTxn(t)) => deletes.extend(txn_deletes(t)),
+            _ => {}
+        }
+    }
+    deletes
 }
 
 fn txn_puts(txn: &PbTxnRequest) -> Vec<&PbPutRequest> {

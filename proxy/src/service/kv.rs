@@ -266,13 +266,21 @@ impl KvApi for KvService {
                 Write::Delete(name) => WriteSize::delete(name.as_str()),
             })
             .collect();
-        let admitted = self
-            .state
-            .admit_writes(
-                Some(writer.identity.as_str()).filter(|i| !i.is_empty()),
-                &sizes,
-            )
-            .await?;
+        // Past the space line, a Txn that only deletes keys none of which exist would
+        // still write a revision (its writer record): refused, as such a Delete is.
+        let feed = &self.state.reads.feed;
+        let finds_none = feed.is_live()
+            && !sizes.is_empty()
+            && feed.with_mirror(|mirror| {
+                sizes
+                    .iter()
+                    .all(|w| w.value.is_none() && mirror.get(w.name).is_none())
+            });
+        self.state
+            .space
+            .admit_delete("a transaction of deletes only", finds_none)?;
+        let identity = Some(writer.identity.as_str()).filter(|i| !i.is_empty());
+        let admitted = self.state.admit_writes(identity, &sizes).await?;
         let names = checked.when.iter().map(|(n, _)| n.as_str());
         let map_revision = self
             .state

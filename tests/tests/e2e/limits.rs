@@ -599,7 +599,13 @@ pub async fn a_cell_near_its_etcd_quota_refuses_new_keys_but_releases_and_expire
     };
     let etcd = EtcdCluster::start_with(1, &options).await?;
     let mut proxy_options = ProxyOptions::new("a", etcd.endpoints());
-    proxy_options.extra_args = vec!["--etcd-quota-bytes".into(), QUOTA.to_string()];
+    let etcd_api = format!("127.0.0.1:{}", lockcell_tests::ports::free_port());
+    proxy_options.extra_args = vec![
+        "--etcd-quota-bytes".into(),
+        QUOTA.to_string(),
+        "--etcd-listen".into(),
+        etcd_api.clone(),
+    ];
     let proxy = ProxyProcess::start(&proxy_options, &etcd.dir).await?;
     let client = Client::connect_with(ClientOptions::new([proxy.addr.clone()])).await?;
     let holder = client
@@ -757,6 +763,68 @@ pub async fn a_cell_near_its_etcd_quota_refuses_new_keys_but_releases_and_expire
             "--etcd-quota-bytes",
         ],
     )?;
+    exhausted(
+        client
+            .commit(
+                lockcell_client::Txn::new()
+                    .delete("space/never-written")
+                    .delete("space/nor-this"),
+            )
+            .await,
+        "a transaction deleting only keys that are not there, past the line",
+        &["a transaction of deletes only", "finds no key"],
+    )?;
+    let freed = client
+        .commit(
+            lockcell_client::Txn::new()
+                .delete("space/never-written")
+                .delete("space/fill-1"),
+        )
+        .await
+        .context("a transaction that deletes a key, past the line")?;
+    ensure!(
+        freed.succeeded,
+        "a transaction deleting a key failed its (no) conditions"
+    );
+    // So through the etcd API.
+    let mut etcd_client = etcd_client::Client::connect([etcd_api.as_str()], None).await?;
+    let nothing = etcd_client::Txn::new().and_then([
+        etcd_client::TxnOp::delete("space/never-written", None),
+        etcd_client::TxnOp::delete(
+            "space/none-",
+            Some(etcd_client::DeleteOptions::new().with_prefix()),
+        ),
+    ]);
+    match etcd_client.txn(nothing).await {
+        Err(etcd_client::Error::GRpcStatus(status))
+            if status.code() == tonic::Code::ResourceExhausted
+                && status.message().contains("finds no key") => {}
+        other => anyhow::bail!("an etcd API Txn deleting nothing, past the line: {other:?}"),
+    }
+    match etcd_client
+        .lock_client()
+        .unlock("space/lock/694d0a1b2c3d4e5f")
+        .await
+    {
+        Err(etcd_client::Error::GRpcStatus(status))
+            if status.code() == tonic::Code::ResourceExhausted
+                && status.message().contains("finds no key") => {}
+        other => anyhow::bail!("an Unlock of a key not there, past the line: {other:?}"),
+    }
+    let read_only =
+        etcd_client::Txn::new().and_then([etcd_client::TxnOp::get("space/fill-2", None)]);
+    etcd_client
+        .txn(read_only)
+        .await
+        .context("a Txn that only reads, past the line")?;
+    let some = etcd_client::Txn::new().and_then([
+        etcd_client::TxnOp::delete("space/never-written", None),
+        etcd_client::TxnOp::delete("space/fill-2", None),
+    ]);
+    etcd_client
+        .txn(some)
+        .await
+        .context("an etcd API Txn that deletes a key, past the line")?;
     // The line was etcd's own reading, not only the proxy's estimate of its writes.
     let read = proxy.metric("lockcell_etcd_db_bytes").await?;
     ensure!(
