@@ -22,6 +22,7 @@ use lockcell_cell::{CellError, LockName, Mode};
 use tokio::time::Instant;
 
 use crate::classes::LockClass;
+use crate::core::fair::{FairWaiter, Outcome as FairOutcome, Step as FairStep};
 use crate::core::waiter::{Outcome, Step, Waiter};
 use crate::core::Fault;
 use crate::errors::ProxyError;
@@ -109,7 +110,7 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
         .check_mode(call.lock.as_str(), call.mode == Mode::Shared)
         .map_err(ProxyError::BadArgument)?;
     class
-        .check_ttl(call.lock.as_str(), session.ttl)
+        .check_ttl(call.lock.as_str(), session.ttl())
         .map_err(ProxyError::Refused)?;
     let give_up = call.wait.map(|d| started + d);
     let principal = session.principal.clone();
@@ -254,7 +255,8 @@ fn ride_out(e: ProxyError, lock: &LockName) -> Result<ProxyError, ProxyError> {
     }
 }
 
-/// Waits in line in etcd: behind the waiter just ahead, then, at the head, for the holders.
+/// Waits in line in etcd: behind the waiter just ahead, then, at the head, for the
+/// holders. What to do when is [`core::fair::FairWaiter`]'s to decide; this does it.
 async fn fair(
     state: &Arc<ProxyState>,
     call: &Call,
@@ -275,31 +277,147 @@ async fn fair(
     let mut line = join_line(state, call, &session, &id, served.map_revision).await?;
     let queued = line.waiter.revision;
     let _waiting = m::Counted::in_gauge(m::WAITERS);
+    let mut waiter = FairWaiter::default();
+    let mut session = session;
+    // The lock's changes, watched from a head turn's first read on, and the revision
+    // of the last read.
+    let mut lock_changes = None;
+    let mut seen_at = 0;
+    let fault = |e: ProxyError| fault(e, &call.lock);
+    let mut step = waiter.start();
     loop {
-        let turn = fair_turn(state, call, class, give_up, &id, queued, &mut line).await;
-        let trouble = match turn {
-            Ok(Turn::Over(outcome)) => return Ok(outcome),
-            Ok(Turn::Again) => None,
-            Err(e) => {
-                let trouble = ride_out(e, &call.lock)?;
-                let session = live(state, &call.session_id)?;
-                // A grant attempt that failed midway may have been applied: the lock is
-                // then this session's own, and no turn in line would ever find it free.
-                if let Ok(Some(granted)) = own_grant(state, call, &session).await {
-                    line.left();
-                    return Ok(Some(granted));
+        step = match step {
+            FairStep::Refresh => {
+                session = live(state, &call.session_id)?;
+                lock_changes = None;
+                let own = decided_by_own_hold(state, call, &session).await;
+                waiter.refreshed(own.map_err(fault))
+            }
+            FairStep::NewTurn => match give_up {
+                Some(g) if Instant::now() >= g => waiter.time_up(),
+                _ => FairStep::Refresh,
+            },
+            FairStep::ReadPlace => {
+                let place = state.locklog.place(&call.lock, call.mode, queued).await;
+                waiter.placed(
+                    place
+                        .map(|place| match place {
+                            Place::Behind { predecessor, .. } => Some(predecessor),
+                            Place::Head { .. } => None,
+                        })
+                        .map_err(|e| fault(e.into())),
+                )
+            }
+            FairStep::WaitBehind(predecessor) => {
+                let waited =
+                    wait_behind(state, call, &session, give_up, queued, &predecessor).await;
+                if let Ok(Some(true)) = waited {
+                    line.woken = Some(Instant::now());
                 }
-                let Some(pause) = wait_budget(&session, give_up) else {
-                    return Err(trouble);
+                waiter.behind(waited.map(|w| w.is_some()).map_err(fault))
+            }
+            FairStep::CheckDelay => {
+                let delayed = match state.events.delayed_until(&call.lock, class.lock_delay) {
+                    Some(until) => Some(sleep_until(until, give_up).await),
+                    None => None,
                 };
-                tokio::time::sleep(pause.min(RETRY_PAUSE)).await;
-                Some(trouble)
+                waiter.delay(delayed)
+            }
+            FairStep::ReadHeld => {
+                lock_changes.get_or_insert_with(|| state.events.subscribe_lock(&call.lock));
+                let held = state.locklog.is_held(&call.lock, call.mode).await;
+                if let Ok((_, at)) = held {
+                    seen_at = at;
+                }
+                waiter.held(held.map(|(held, _)| held).map_err(|e| fault(e.into())))
+            }
+            FairStep::TryGrant => {
+                let reply = grant(state, call, &session, Some((&id, queued))).await;
+                waiter.granted(reply.map_err(fault))
+            }
+            // Free, yet not granted: someone got in first, or this waiter's key is no
+            // longer here (its session moved, and the key with it).
+            FairStep::CheckInLine => {
+                let here = state
+                    .locklog
+                    .in_line(&call.lock, call.mode, &id, queued, session.lease)
+                    .await;
+                waiter.in_line(here.map_err(|e| fault(e.into())))
+            }
+            FairStep::WaitRelease => {
+                session = live(state, &call.session_id)?;
+                match wait_budget(&session, give_up) {
+                    None => waiter.out_of_time(),
+                    Some(wait) => {
+                        let changes = lock_changes.as_mut().expect("watched since the read");
+                        if changes.changed_after(seen_at, wait).await {
+                            line.woken = Some(Instant::now());
+                        }
+                        waiter.waited()
+                    }
+                }
+            }
+            // A grant attempt that failed midway may have been applied: the lock is
+            // then this session's own, and no turn in line would ever find it free.
+            FairStep::Recover => {
+                session = live(state, &call.session_id)?;
+                waiter.recovered(own_grant(state, call, &session).await)
+            }
+            FairStep::Pause => match wait_budget(&session, give_up) {
+                None => waiter.out_of_time(),
+                Some(pause) => {
+                    tokio::time::sleep(pause.min(RETRY_PAUSE)).await;
+                    waiter.paused()
+                }
+            },
+            FairStep::Done(outcome) => {
+                return match outcome {
+                    FairOutcome::Granted(granted) => {
+                        line.left();
+                        handed_over(line.woken, "fair");
+                        Ok(Some(granted))
+                    }
+                    // Its key leaves the line as the wait ends.
+                    FairOutcome::Held(granted) => Ok(Some(granted)),
+                    FairOutcome::TimedOut => Ok(None),
+                    FairOutcome::LostPlace => Err(ProxyError::Refused(format!(
+                        "this acquire of lock {:?} lost its place in line here: its session \
+                         moved to another proxy, where the acquire goes on",
+                        call.lock.as_str()
+                    ))),
+                    FairOutcome::Failed(e) => Err(e),
+                };
             }
         };
-        if give_up.is_some_and(|g| Instant::now() >= g) {
-            return trouble.map_or(Ok(None), Err);
-        }
     }
+}
+
+/// Waits behind `predecessor` in line: watches it, looks again (it may have left
+/// between), and waits for it to change if it is still the one ahead, as long as the
+/// session and the call's wait allow. `Some(whether a change woke it)` when the turn
+/// is over; `None` when no time was left to wait.
+async fn wait_behind(
+    state: &Arc<ProxyState>,
+    call: &Call,
+    session: &Session,
+    give_up: Option<Instant>,
+    queued: i64,
+    predecessor: &[u8],
+) -> Result<Option<bool>, ProxyError> {
+    let mut sub = state.events.subscribe_key(predecessor);
+    let Place::Behind {
+        predecessor: again,
+        seen_at,
+    } = state.locklog.place(&call.lock, call.mode, queued).await?
+    else {
+        return Ok(Some(false));
+    };
+    let Some(patience) = wait_budget(session, give_up) else {
+        return Ok(None);
+    };
+    Ok(Some(
+        again == predecessor && sub.changed_after(seen_at, patience).await,
+    ))
 }
 
 /// Puts the fair waiter `id` in line (see [`enqueue`]) in a task of its own, run to
@@ -387,96 +505,6 @@ async fn enqueue(
         return Err(gone(state, &call.session_id));
     }
     Ok(waiter)
-}
-
-/// What one turn in line ended with.
-enum Turn {
-    /// Take another turn.
-    Again,
-    /// The wait is over: granted, or its time ran out (`None`).
-    Over(Option<Granted>),
-}
-
-/// One turn of a fair waiter.
-async fn fair_turn(
-    state: &Arc<ProxyState>,
-    call: &Call,
-    class: &LockClass,
-    give_up: Option<Instant>,
-    id: &str,
-    queued: i64,
-    line: &mut LeaveLine,
-) -> Result<Turn, ProxyError> {
-    let session = live(state, &call.session_id)?;
-    // Its key leaves the line as the wait ends, whichever way.
-    if let Some(granted) = decided_by_own_hold(state, call, &session).await? {
-        return Ok(Turn::Over(Some(granted)));
-    }
-    match state.locklog.place(&call.lock, call.mode, queued).await? {
-        Place::Behind { predecessor, .. } => {
-            let mut sub = state.events.subscribe_key(&predecessor);
-            // Look again after subscribing: the predecessor may have left between.
-            if let Place::Behind {
-                predecessor: again,
-                seen_at,
-            } = state.locklog.place(&call.lock, call.mode, queued).await?
-            {
-                let Some(patience) = wait_budget(&session, give_up) else {
-                    return Ok(Turn::Over(None));
-                };
-                if again == predecessor && sub.changed_after(seen_at, patience).await {
-                    line.woken = Some(Instant::now());
-                }
-            }
-        }
-        Place::Head { .. } => {
-            if let Some(until) = state.events.delayed_until(&call.lock, class.lock_delay) {
-                if !sleep_until(until, give_up).await {
-                    return Ok(Turn::Over(None));
-                }
-                return Ok(Turn::Again);
-            }
-            let mut sub = state.events.subscribe_lock(&call.lock);
-            // A waiter that just moved up usually finds its predecessor holding:
-            // a read says so without a proposal.
-            let (held, _) = state.locklog.is_held(&call.lock, call.mode).await?;
-            if !held {
-                if let Some(granted) = grant(state, call, &session, Some((id, queued))).await? {
-                    line.left();
-                    handed_over(line.woken, "fair");
-                    return Ok(Turn::Over(Some(granted)));
-                }
-                // Free, yet not granted: someone got in first, or this waiter's key is
-                // no longer here (its session moved, and the key with it).
-                let here = state
-                    .locklog
-                    .in_line(&call.lock, call.mode, id, queued, session.lease)
-                    .await?;
-                if !here {
-                    return Err(ProxyError::Refused(format!(
-                        "this acquire of lock {:?} lost its place in line here: its session \
-                         moved to another proxy, where the acquire goes on",
-                        call.lock.as_str()
-                    )));
-                }
-            }
-            // Held: wait for a release, reading (not proposing) until it is free.
-            loop {
-                let (held, seen_at) = state.locklog.is_held(&call.lock, call.mode).await?;
-                if !held {
-                    break;
-                }
-                let session = live(state, &call.session_id)?;
-                let Some(wait) = wait_budget(&session, give_up) else {
-                    return Ok(Turn::Over(None));
-                };
-                if sub.changed_after(seen_at, wait).await {
-                    line.woken = Some(Instant::now());
-                }
-            }
-        }
-    }
-    Ok(Turn::Again)
 }
 
 /// Takes a fair waiter's key out of line when its wait ends without a grant.

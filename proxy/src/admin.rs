@@ -276,7 +276,7 @@ async fn end_session(
             identity = %session.identity,
             ?held,
             fenced,
-            reason = session.ended.as_deref().unwrap_or_default(),
+            reason = session.life.ended().map(|r| &**r).unwrap_or_default(),
             "session ended by an operator"
         );
         let body = serde_json::json!({

@@ -14,15 +14,14 @@ use dashmap::DashMap;
 use lockcell_cell::locklog::{Grant, ETCD_API_KEYS};
 use tokio::time::Instant;
 
+use crate::core::life::{Life, Refused};
+
 /// A session's id as clients see it: 128 random bits in hex.
 pub type SessionId = Arc<str>;
 
 /// How long the table remembers that a session expired, so that a late client is told
 /// "expired" rather than "unknown".
 pub const TOMBSTONE_RETENTION: Duration = Duration::from_secs(600);
-
-/// Why a session whose client stopped renewing expired.
-const NOT_RENEWED: &str = "no renewal arrived within its TTL";
 
 /// One client session.
 #[derive(Debug, Clone)]
@@ -33,31 +32,17 @@ pub struct Session {
     /// The identity that opened the session, when the proxy checks prefix grants: no
     /// other identity may use it (session ids are not secret: Leader shows them).
     pub principal: Option<Arc<str>>,
-    pub ttl: Duration,
+    /// Its renewals, the validity granted to its client, an operator's end, a hand-over.
+    pub life: Life,
     /// The lease bucket and the lease in it when the session was opened: every key of
     /// the session is attached to `lease`.
     pub bucket: usize,
     pub lease: i64,
     /// Random per Open or Resume here, so a stale Close of an earlier stay is told apart.
     pub incarnation: u64,
-    /// When the last renewal (or the open) arrived; the session expires at
-    /// `renewed_at + ttl`, or later while a validity granted to it runs (see
-    /// [`Session::expires_at`]).
-    pub renewed_at: Instant,
     /// Keys the session has in the log: its holds, and its waiter keys on fair
     /// classes. Deleted (guarded) when the session ends.
     pub held: Vec<Grant>,
-    /// The end of the latest validity granted to the client (proxy clock). The client's
-    /// own deadline ends no later, so once this has passed the session's keys may be
-    /// deleted without any client still believing it holds them.
-    pub valid_until: Instant,
-    /// Set when an operator ended the session (`lockcell-cell force-release`): it is
-    /// renewed no more and gets nothing new; its keys go once `valid_until` has passed.
-    pub ended: Option<Arc<str>>,
-    /// Set when a draining proxy handed the session over (an etcd API lease, see
-    /// `etcd_api::handoff`): it is renewed here no more, gets nothing new, and leaves
-    /// the table when another proxy takes it, or expires here as any session does.
-    pub handed_off: bool,
 }
 
 impl Session {
@@ -77,15 +62,11 @@ impl Session {
             id,
             identity,
             principal: None,
-            ttl,
+            life: Life::new(ttl, now, valid_until),
             bucket,
             lease,
             incarnation: rand::random::<u64>() | 1,
-            renewed_at: now,
             held,
-            valid_until,
-            ended: None,
-            handed_off: false,
         }
     }
 
@@ -115,30 +96,19 @@ impl Session {
 
     /// A TTL after the last renewal: no validity may be granted past it.
     pub fn lapses_at(&self) -> Instant {
-        self.renewed_at + self.ttl
+        self.life.lapses_at()
     }
 
-    /// When the session expires: when it lapses, but never before the latest validity
-    /// granted to its client has run out. Grants are capped at the lapse time, so the
-    /// second rule only guards against a grant that was not: without it a session could
-    /// expire, and its locks pass on, while its client still believes it holds them (the
-    /// fault runs' checker caught exactly that, a client paused right after a grant
-    /// whose validity was counted from the grant rather than from the last renewal).
+    /// When the session expires ([`Life::expires_at`]): never before the latest validity
+    /// granted to its client has run out (the fault runs' checker caught a session that
+    /// did, a client paused right after a grant whose validity was counted from the
+    /// grant rather than from the last renewal).
     pub fn expires_at(&self) -> Instant {
-        if self.ended.is_some() {
-            return self.valid_until;
-        }
-        self.lapses_at().max(self.valid_until)
+        self.life.expires_at()
     }
 
-    /// Why the session is over at `now`, if it is: ended by an operator, or no renewal
-    /// in time.
-    fn over(&self, now: Instant) -> Option<Arc<str>> {
-        match &self.ended {
-            Some(reason) => Some(reason.clone()),
-            None if self.expires_at() <= now => Some(NOT_RENEWED.into()),
-            None => None,
-        }
+    pub fn ttl(&self) -> Duration {
+        self.life.ttl
     }
 }
 
@@ -364,21 +334,21 @@ impl SessionTable {
     ) -> Result<Duration, Gone> {
         match self.live.get_mut(id) {
             Some(s) if !s.owned_by(caller) => Err(Gone::Unknown),
-            // Its record names the validity granted so far: none is granted after.
-            Some(s) if s.handed_off => Err(Gone::HandedOff),
-            Some(mut s) if s.over(now).is_none() => {
-                s.renewed_at = now;
-                let valid_for = validity(Renewed {
+            // A session handed off: its record names the validity granted so far, and
+            // none is granted after.
+            Some(mut s) => {
+                let renewed = Renewed {
                     bucket: s.bucket,
                     lease: s.lease,
-                    ttl: s.ttl,
-                });
-                s.valid_until = s.valid_until.max(now + valid_for);
-                Ok(valid_for)
+                    ttl: s.life.ttl,
+                };
+                s.life
+                    .renew(now, || validity(renewed))
+                    .map_err(|refused| match refused {
+                        Refused::HandedOff => Gone::HandedOff,
+                        Refused::Over(reason) => Gone::Expired(reason),
+                    })
             }
-            Some(s) => Err(Gone::Expired(
-                s.over(now).unwrap_or_else(|| NOT_RENEWED.into()),
-            )),
             None => Err(self.gone(id)),
         }
     }
@@ -412,9 +382,7 @@ impl SessionTable {
     /// when it is not here. Ending it again keeps the first reason.
     pub fn end(&self, id: &str, reason: Arc<str>) -> Option<Session> {
         let mut s = self.live.get_mut(id)?;
-        if s.ended.is_none() {
-            s.ended = Some(reason);
-        }
+        s.life.end(reason);
         let ended = s.clone();
         drop(s);
         self.due
@@ -429,8 +397,8 @@ impl SessionTable {
     pub fn hand_off(&self, pick: impl Fn(&Session) -> bool) -> Vec<Session> {
         let mut marked = Vec::new();
         for mut s in self.live.iter_mut() {
-            if !s.handed_off && s.ended.is_none() && pick(s.value()) {
-                s.handed_off = true;
+            if !s.life.is_handed_off() && s.life.ended().is_none() && pick(s.value()) {
+                s.life.hand_off();
                 marked.push(s.clone());
             }
         }
@@ -439,20 +407,20 @@ impl SessionTable {
 
     /// Whether session `id` is here and handed off.
     pub fn is_handed_off(&self, id: &str) -> bool {
-        self.live.get(id).is_some_and(|s| s.handed_off)
+        self.live.get(id).is_some_and(|s| s.life.is_handed_off())
     }
 
     /// Takes back the hand-off of session `id` (its record could not be written): it is
     /// renewed here again.
     pub fn keep(&self, id: &str) {
         if let Some(mut s) = self.live.get_mut(id) {
-            s.handed_off = false;
+            s.life.keep();
         }
     }
 
     /// How many live sessions were not handed off.
     pub fn staying(&self) -> usize {
-        self.live.iter().filter(|s| !s.handed_off).count()
+        self.live.iter().filter(|s| !s.life.is_handed_off()).count()
     }
 
     /// The leases of the sessions handed off and still here: their keys wait on them
@@ -461,7 +429,7 @@ impl SessionTable {
         let mut leases: Vec<i64> = self
             .live
             .iter()
-            .filter(|s| s.handed_off)
+            .filter(|s| s.life.is_handed_off())
             .map(|s| s.lease)
             .collect();
         leases.sort_unstable();
@@ -477,7 +445,7 @@ impl SessionTable {
     /// A copy of the session, if it is alive at `now`.
     pub fn get(&self, id: &str, now: Instant) -> Result<Session, Gone> {
         match self.live.get(id) {
-            Some(s) => match s.over(now) {
+            Some(s) => match s.life.over(now) {
                 None => Ok(s.clone()),
                 Some(reason) => Err(Gone::Expired(reason)),
             },
@@ -522,7 +490,7 @@ impl SessionTable {
             s.held.push(grant);
         }
         if let Some(until) = valid_until {
-            s.valid_until = s.valid_until.max(until);
+            s.life.granted(until);
         }
         let mut change = Tally::of(0, &s.held, 1);
         change.add(before);
@@ -539,7 +507,7 @@ impl SessionTable {
         self.live
             .iter()
             .filter(|s| s.held.iter().any(|g| !g.waiter))
-            .map(|s| s.valid_until)
+            .map(|s| s.life.valid_until())
             .max()
     }
 
@@ -674,7 +642,7 @@ impl SessionTable {
         drop(due);
         for s in &expired {
             self.count(s, -1);
-            let reason = s.ended.clone().unwrap_or_else(|| NOT_RENEWED.into());
+            let reason = s.life.expiry_reason();
             self.bury(s, reason, now);
         }
         expired
@@ -744,15 +712,11 @@ mod tests {
             id: id.into(),
             identity: "test".into(),
             principal: None,
-            ttl,
+            life: Life::new(ttl, now, now),
             bucket: 0,
             lease,
             incarnation: 1,
-            renewed_at: now,
             held: Vec::new(),
-            valid_until: now,
-            ended: None,
-            handed_off: false,
         }
     }
 

@@ -5,8 +5,12 @@
 //! events, without etcd and without sleeping.
 //!
 //! - [`waiter`]: an acquire waiting in the proxy's queue (arbitrated classes);
+//! - [`fair`]: an acquire standing in line in etcd (fair classes);
+//! - [`life`]: a session's life here: renewals, validity, expiry, an end, a hand-over;
 //! - [`moving`]: a session's keys moving onto this proxy (Resume).
 
+pub mod fair;
+pub mod life;
 pub mod moving;
 pub mod waiter;
 

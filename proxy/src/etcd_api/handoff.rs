@@ -110,9 +110,10 @@ impl Record {
             proxy: proxy.to_owned(),
             identity: session.identity.clone(),
             principal: session.principal.as_deref().map(str::to_owned),
-            ttl_ms: session.ttl.as_millis() as u64,
+            ttl_ms: session.ttl().as_millis() as u64,
             acting_for_ms: session
-                .valid_until
+                .life
+                .valid_until()
                 .saturating_duration_since(now)
                 .as_millis() as u64,
             lapses_at_unix_ms: unix_ms(SystemTime::now() + lapses_in),
@@ -477,7 +478,7 @@ impl EtcdApi {
             now + Duration::from_millis(record.acting_for_ms),
         );
         session.principal = record.principal.as_deref().map(Into::into);
-        session.renewed_at = now.checked_sub(ttl.saturating_sub(left)).unwrap_or(now);
+        session.life = session.life.clone().lapsing_in(now, left);
         let incarnation = session.incarnation;
         state.sessions.insert(session);
         let name = LockName::parse(&session_id).expect("16 hex digits name a lock");

@@ -356,7 +356,7 @@ impl PbLeaseService for EtcdApi {
             header,
             id: req.id,
             ttl: seconds(session.expires_at().saturating_duration_since(now)),
-            granted_ttl: seconds(session.ttl),
+            granted_ttl: seconds(session.ttl()),
             keys,
         }))
     }

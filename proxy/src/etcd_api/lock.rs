@@ -387,7 +387,7 @@ impl EtcdApi {
                 }
                 _ = check.tick() => {
                     match state.sessions.get(&session_of(lease), Instant::now()) {
-                        Ok(s) if s.handed_off => return Err(super::refused_handed_off()),
+                        Ok(s) if s.life.is_handed_off() => return Err(super::refused_handed_off()),
                         Ok(_) => {}
                         // Taken over by another proxy (an ended lease leaves a
                         // tombstone): the lease lives on there.

@@ -172,7 +172,7 @@ impl EtcdApi {
         if !session.owned_by(caller) {
             return Err(not_found());
         }
-        if session.handed_off {
+        if session.life.is_handed_off() {
             return Err(refused_handed_off());
         }
         Ok(session)
