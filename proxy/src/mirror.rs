@@ -78,6 +78,11 @@ pub fn key_bytes(name: &str, value_len: usize) -> usize {
 /// The fixed share of each key in [`key_bytes`].
 pub const PER_KEY_BYTES: usize = 128;
 
+/// The length of small key `name`'s etcd key (under `/k/`).
+fn keyspace_len(name: &str) -> usize {
+    "/k/".len() + name.len()
+}
+
 /// One small-key write, as the bounds on what keys hold see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WriteSize<'a> {
@@ -119,6 +124,10 @@ pub struct Mirror {
     /// By identity, what the persistent keys whose owner record is about their last
     /// write hold ([`key_bytes`]).
     stored: std::collections::HashMap<String, usize>,
+    /// By etcd API client lease, how many keys it has and what they take in etcd (each
+    /// key's etcd name and value): what a session of that lease would bring to a proxy
+    /// that gathers it.
+    by_client_lease: std::collections::HashMap<i64, (u64, u64)>,
     /// The cell revision the mirror reflects: every change at or before it is applied.
     revision: i64,
     /// The sum of [`key_bytes`] over every key.
@@ -131,14 +140,43 @@ impl Mirror {
         let entries: BTreeMap<String, Entry> =
             entries.into_iter().map(|e| (e.name.clone(), e)).collect();
         let bytes = entries.values().map(Self::bytes_of).sum();
-        Mirror {
-            entries,
+        let mut mirror = Mirror {
+            entries: BTreeMap::new(),
             records: Default::default(),
             owners: Default::default(),
             stored: Default::default(),
+            by_client_lease: Default::default(),
             revision,
             bytes,
+        };
+        for entry in entries.values() {
+            mirror.count_client_lease(entry, 1);
         }
+        mirror.entries = entries;
+        mirror
+    }
+
+    /// Counts `entry` in (`1`) or out (`-1`) of its client lease's keys.
+    fn count_client_lease(&mut self, entry: &Entry, sign: i64) {
+        if entry.client_lease == 0 {
+            return;
+        }
+        let bytes = (keyspace_len(&entry.name) + entry.value.len()) as i64;
+        let held = self.by_client_lease.entry(entry.client_lease).or_default();
+        held.0 = (held.0 as i64 + sign).max(0) as u64;
+        held.1 = (held.1 as i64 + sign * bytes).max(0) as u64;
+        if held.0 == 0 {
+            self.by_client_lease.remove(&entry.client_lease);
+        }
+    }
+
+    /// How many keys etcd API client lease `lease` has, and what they take in etcd
+    /// (each key's etcd name and value).
+    pub fn client_lease_keys(&self, lease: i64) -> (u64, u64) {
+        self.by_client_lease
+            .get(&lease)
+            .copied()
+            .unwrap_or_default()
     }
 
     /// With the owner records read with the keys: each one's identity and mod revision,
@@ -320,8 +358,12 @@ impl Mirror {
             let event = match put {
                 Some(entry) => {
                     self.bytes += Self::bytes_of(&entry);
+                    self.count_client_lease(&entry, 1);
                     let prev = self.entries.insert(name.clone(), entry.clone());
                     self.bytes -= prev.as_ref().map_or(0, Self::bytes_of);
+                    if let Some(prev) = &prev {
+                        self.count_client_lease(prev, -1);
+                    }
                     KeyEvent {
                         kind: EventKind::Put,
                         entry,
@@ -331,6 +373,9 @@ impl Mirror {
                 None => {
                     let prev = self.entries.remove(&name);
                     self.bytes -= prev.as_ref().map_or(0, Self::bytes_of);
+                    if let Some(prev) = &prev {
+                        self.count_client_lease(prev, -1);
+                    }
                     KeyEvent::deleted(name.clone(), at, prev)
                 }
             };
@@ -551,6 +596,29 @@ mod tests {
             mirror.stored.values().all(|b| *b > 0),
             "no identity is kept at zero"
         );
+    }
+
+    #[test]
+    fn keys_are_counted_by_their_client_lease() {
+        let on = |name: &str, value: &str, rev: i64, lease: i64| Entry {
+            lease: 99,
+            client_lease: lease,
+            ..entry(name, value, rev)
+        };
+        let mut mirror = Mirror::new([on("a", "12", 1, 7), entry("b", "1", 2)], 2);
+        assert_eq!(mirror.client_lease_keys(7), (1, 3 + 1 + 2));
+        mirror.apply(
+            4,
+            [
+                ("c".into(), 3, Some(on("c", "x", 3, 7))),
+                ("a".into(), 4, Some(on("a", "1234", 4, 8))),
+            ],
+        );
+        assert_eq!(mirror.client_lease_keys(7), (1, 3 + 1 + 1));
+        assert_eq!(mirror.client_lease_keys(8), (1, 3 + 1 + 4));
+        mirror.apply(5, [("c".into(), 5, None)]);
+        assert_eq!(mirror.client_lease_keys(7), (0, 0));
+        assert!(!mirror.by_client_lease.contains_key(&7));
     }
 
     #[test]

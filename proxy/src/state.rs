@@ -190,12 +190,17 @@ impl ProxyState {
     /// already) when its identity's sessions here would pass their `keys` or `bytes`
     /// limit. Acquires in progress may pass them by one key each.
     pub fn admit_keys(&self, id: &str, new: u64, bytes: u64) -> Result<(), ProxyError> {
-        let Some(principal) = self.sessions.principal(id) else {
-            return Ok(());
-        };
+        match self.sessions.principal(id) {
+            Some(principal) => self.admit_keys_of(&principal, new, bytes),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Self::admit_keys`], for keys coming to sessions of `principal` here.
+    pub fn admit_keys_of(&self, principal: &str, new: u64, bytes: u64) -> Result<(), ProxyError> {
         let grants = self.grants.current();
-        let quota = grants.quota(&principal);
-        let mut usage = self.sessions.usage(&principal);
+        let quota = grants.quota(principal);
+        let mut usage = self.sessions.usage(principal);
         let over = |usage: crate::sessions::Tally| {
             (new > 0 && usage.keys.max(0) as u64 + new > quota.keys)
                 || (bytes > 0 && usage.bytes.max(0) as u64 + bytes > quota.bytes)
@@ -206,16 +211,16 @@ impl ProxyState {
         if over(usage)
             && self
                 .limits
-                .may_look_again(&principal, std::time::Instant::now())
+                .may_look_again(principal, std::time::Instant::now())
         {
-            self.forget_gone_keys(Some(&principal));
-            usage = self.sessions.usage(&principal);
+            self.forget_gone_keys(Some(principal));
+            usage = self.sessions.usage(principal);
         }
         let keys = usage.keys.max(0) as u64;
         if new > 0 && keys + new > quota.keys {
             return Err(crate::limits::refusal(
                 &grants,
-                &principal,
+                principal,
                 Limit::Keys,
                 keys,
                 quota.keys,
@@ -225,7 +230,7 @@ impl ProxyState {
         if bytes > 0 && held + bytes > quota.bytes {
             return Err(crate::limits::refusal_of_bytes(
                 &grants,
-                &principal,
+                principal,
                 held,
                 bytes,
                 quota.bytes,

@@ -524,6 +524,7 @@ impl EtcdApi {
         leases: &[i64],
         metadata: &MetadataMap,
         caller: Option<&str>,
+        adding: (u64, u64),
     ) -> Result<Option<tokio::sync::RwLockReadGuard<'_, ()>>, Status> {
         if leases.is_empty() {
             return Ok(None);
@@ -544,16 +545,7 @@ impl EtcdApi {
             drop(writes);
             // Leases brought here count against their identity's sessions here, as a
             // resumed session does: refused before any moves.
-            let coming = away.len();
-            self.state
-                .admit_sessions(caller, coming as u64)
-                .map_err(|refused| match refused {
-                    ProxyError::Exhausted(why) => ProxyError::Exhausted(format!(
-                        "{why}; this Txn would bring {coming} of its leases here from other \
-                         proxies, to write with them in one transaction"
-                    )),
-                    other => other,
-                })?;
+            self.admit_gathered(caller, &away, adding)?;
             for (id, peer) in away {
                 // Runs to its end even if the client hangs up: a lease asked for and
                 // not taken would wait on its record, its calls held, until withdrawn.
@@ -573,6 +565,40 @@ impl EtcdApi {
 }
 
 impl EtcdApi {
+    /// Refuses, before any lease moves, a gather that would take `caller`'s sessions
+    /// here past its `sessions` limit (each lease brought is one), or its keys past
+    /// `keys` or `bytes`: the keys the leases bring (as this proxy's copy of the small
+    /// keys counts them) and `adding`, the keys and bytes the Txn's own leased puts may
+    /// add. So a refused Txn moves nothing and writes nothing.
+    fn admit_gathered(
+        &self,
+        caller: Option<&str>,
+        away: &[(i64, Peer)],
+        adding: (u64, u64),
+    ) -> Result<(), ProxyError> {
+        let Some(principal) = caller else {
+            return Ok(());
+        };
+        let coming = away.len();
+        let (keys, bytes) = self.state.reads.feed.with_mirror(|mirror| {
+            away.iter().fold(adding, |(keys, bytes), (id, _)| {
+                let (k, b) = mirror.client_lease_keys(*id);
+                (keys + k, bytes + b)
+            })
+        });
+        self.state
+            .admit_sessions(Some(principal), coming as u64)
+            .and_then(|()| self.state.admit_keys_of(principal, keys, bytes))
+            .map_err(|refused| match refused {
+                ProxyError::Exhausted(why) => ProxyError::Exhausted(format!(
+                    "{why}; this Txn would bring {coming} of its leases here from other \
+                     proxies (with {keys} keys of {bytes} bytes, its own puts included), to \
+                     write with them in one transaction; nothing was moved or written"
+                )),
+                other => other,
+            })
+    }
+
     /// Brings lease `id` here from `peer`, where it was found: asks that proxy to hand
     /// it over and takes it over. A proxy that no longer has it (it moved on, or
     /// another proxy took it first) sends the look to where it is now, a few times;

@@ -279,8 +279,15 @@ impl PbKvService for EtcdApi {
             }
         }
         self.state.pace(caller.as_deref())?;
+        // What the Txn's leased puts may add, each as a new key, for a gather's check.
+        let adding = txn_puts(request.get_ref())
+            .iter()
+            .filter(|p| p.lease != 0)
+            .fold((0, 0), |(keys, bytes), p| {
+                (keys + 1, bytes + (p.key.len() + 3 + p.value.len()) as u64)
+            });
         let writes = self
-            .gather(&leases, request.metadata(), caller.as_deref())
+            .gather(&leases, request.metadata(), caller.as_deref(), adding)
             .await?;
         self.txn_holding(caller, request.into_inner(), writes)
             .await

@@ -1270,3 +1270,86 @@ pub async fn a_txn_gathering_leases_is_refused_at_the_sessions_limit() -> anyhow
     }
     Ok(())
 }
+
+/// A gather is refused at `keys` before it moves anything: `noisy` has 4 keys on a
+/// lease at each proxy (its limit is 6 a proxy), and a Txn writing with both would
+/// bring one lease's keys to the other's proxy. It is refused naming the limit, and
+/// neither lease nor key moved: every key keeps its revision.
+pub async fn a_txn_gathering_leases_is_refused_at_the_keys_limit_before_moving(
+) -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let grants = etcd.dir.join("grants.toml");
+    std::fs::write(&grants, grants_file())?;
+    let login = || etcd_client::ConnectOptions::new().with_user("noisy", token_of("noisy"));
+    let mut leases = Vec::new();
+    let mut proxies = Vec::new();
+    for p in 0..2 {
+        let (proxy, listen) = crate::etcd_api::proxy_with_grants(&etcd, &grants).await?;
+        let mut client = etcd_client::Client::connect([listen.as_str()], Some(login())).await?;
+        let lease = client.lease_client().grant(30, None).await?.id();
+        for k in 0..4 {
+            let options = etcd_client::PutOptions::new().with_lease(lease);
+            client
+                .put(format!("noise/p{p}-{k}"), "v", Some(options))
+                .await?;
+        }
+        leases.push(lease);
+        proxies.push((proxy, client));
+    }
+    let mut client = proxies[0].1.clone();
+    let before = client
+        .get("noise/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await?;
+    ensure!(before.kvs().len() == 8, "eight keys: {:?}", before.kvs());
+    let txn = etcd_client::Txn::new().and_then([
+        etcd_client::TxnOp::put(
+            "noise/gathered-0",
+            "a",
+            Some(etcd_client::PutOptions::new().with_lease(leases[0])),
+        ),
+        etcd_client::TxnOp::put(
+            "noise/gathered-1",
+            "b",
+            Some(etcd_client::PutOptions::new().with_lease(leases[1])),
+        ),
+    ]);
+    match client.txn(txn).await {
+        Err(etcd_client::Error::GRpcStatus(status))
+            if status.code() == tonic::Code::ResourceExhausted
+                && status.message().contains("\"noisy\"")
+                && status.message().contains("keys held")
+                && status.message().contains("nothing was moved") => {}
+        other => anyhow::bail!("a Txn gathering keys past the limit: {other:?}"),
+    }
+    let after = client
+        .get("noise/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await?;
+    let revisions = |r: &etcd_client::GetResponse| -> Vec<(String, i64)> {
+        r.kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    kv.key_str().unwrap_or_default().to_owned(),
+                    kv.mod_revision(),
+                )
+            })
+            .collect()
+    };
+    ensure!(
+        revisions(&before) == revisions(&after),
+        "the refused Txn moved keys: {:?} then {:?}",
+        revisions(&before),
+        revisions(&after)
+    );
+    for (proxy, _) in &proxies {
+        let moved = proxy
+            .metric("lockcell_etcd_api_leases_gathered_total")
+            .await
+            .unwrap_or(0.0);
+        ensure!(
+            moved == 0.0,
+            "a proxy gathered {moved} leases for a refused Txn"
+        );
+    }
+    Ok(())
+}

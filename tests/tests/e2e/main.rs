@@ -88,6 +88,7 @@ fn main() {
         limits::keepalives_of_leases_not_here_are_paced,
         limits::persistent_keys_count_against_their_writer_across_the_cell,
         limits::a_txn_gathering_leases_is_refused_at_the_sessions_limit,
+        limits::a_txn_gathering_leases_is_refused_at_the_keys_limit_before_moving,
         security::one_writer_cannot_grow_every_proxy_past_the_cells_bound,
         security::the_audit_history_answers_only_who_may_read_it,
         security::a_renewed_certificate_applies_without_a_restart,
