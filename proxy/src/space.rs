@@ -8,7 +8,9 @@
 //!
 //! The database's size is read from etcd's Status every [`POLL`]; what this proxy let
 //! through since is added to it, so writes racing through one proxy do not pass the
-//! line together. Writes through other proxies show in the next reading.
+//! line together. Writes through other proxies show in the next reading: until then
+//! each of the cell's P running proxies lets through at most a P-th of the room left
+//! below the line, so all of them together do not pass it either.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -35,6 +37,9 @@ pub struct Space {
     percent: u8,
     read: AtomicU64,
     since: AtomicU64,
+    /// The cell's running proxies as last counted (at least 1): each may let through
+    /// its share of the room left.
+    proxies: AtomicU64,
 }
 
 impl Space {
@@ -45,6 +50,7 @@ impl Space {
             percent,
             read: AtomicU64::new(0),
             since: AtomicU64::new(0),
+            proxies: AtomicU64::new(1),
         }
     }
 
@@ -63,8 +69,9 @@ impl Space {
         }
         let cost = bytes + OVERHEAD;
         let read = self.read.load(Ordering::Acquire);
+        let share = self.share(read);
         let since = self.since.fetch_add(cost, Ordering::AcqRel);
-        if read + since + cost < self.limit {
+        if since + cost < share {
             return Ok(());
         }
         self.since.fetch_sub(cost, Ordering::AcqRel);
@@ -87,7 +94,8 @@ impl Space {
     pub fn admit_delete(&self, what: &str, finds_none: bool) -> Result<(), ProxyError> {
         let read = self.read.load(Ordering::Acquire);
         let since = self.since.load(Ordering::Acquire);
-        if !finds_none || read + since < self.limit {
+        // Past the line as new keys are: no room left for the least write.
+        if !finds_none || since + OVERHEAD < self.share(read) {
             return Ok(());
         }
         metrics::counter!(m::ETCD_SPACE_REFUSALS).increment(1);
@@ -100,6 +108,16 @@ impl Space {
             mib(self.quota),
             self.percent,
         )))
+    }
+
+    /// This proxy's share of the room left below the line, the database being `read`.
+    fn share(&self, read: u64) -> u64 {
+        self.limit.saturating_sub(read) / self.proxies.load(Ordering::Acquire)
+    }
+
+    /// Takes a new count of the cell's running proxies.
+    fn set_proxies(&self, running: usize) {
+        self.proxies.store(running.max(1) as u64, Ordering::Release);
     }
 
     /// Takes a new reading of the database's size.
@@ -130,6 +148,11 @@ pub async fn keep_reading(state: Arc<ProxyState>, mut stop: watch::Receiver<bool
             state.etcd.maintenance_client().status(),
         )
         .await;
+        let root = lockcell_cell::keyspace::proxy_presence_root();
+        match state.keys_under("count the running proxies", root).await {
+            Ok(running) => state.space.set_proxies(running.len()),
+            Err(error) => tracing::debug!(%error, "could not count the running proxies"),
+        }
         match status {
             Ok(status) => state.space.set(status.db_size().max(0) as u64),
             Err(error) => tracing::debug!(%error, "could not read etcd's database size"),
@@ -155,5 +178,25 @@ mod tests {
         // A new reading counts again from what etcd says.
         space.set(50 * 1024);
         space.admit("put c", 4096).unwrap();
+    }
+
+    #[test]
+    fn each_of_several_proxies_lets_through_its_share_of_the_room_left() {
+        let space = Space::new(100 * 1024, 90);
+        space.set_proxies(3);
+        space.set(60 * 1024);
+        // 30 KiB left below the line: 10 KiB for this proxy.
+        space.admit("put a", 4096).unwrap();
+        assert!(space.admit_delete("delete nothing", true).is_ok(), "room left");
+        space.admit("put b", 4096).unwrap();
+        assert!(space.admit("put c", 4096).is_err(), "past a third of the room");
+        // 1 KiB left here: a delete finding nothing fits until the room is gone.
+        space.admit("put d", 500).unwrap();
+        assert!(space.admit_delete("delete nothing", true).is_err(), "no room left");
+        space.set_proxies(1);
+        space.set(60 * 1024);
+        for i in 0..5 {
+            space.admit(&format!("put {i}"), 4096).unwrap();
+        }
     }
 }
