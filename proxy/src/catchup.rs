@@ -124,8 +124,12 @@ impl CatchUp {
         // One revision early: etcd accepts a watch from exactly its compact revision
         // but has dropped the deletes made at it, so a watch from `start` could skip
         // them unseen. From `start - 1`, a compaction at `start` is refused as one.
+        // In fragments: etcd sends a batch of history (up to a thousand revisions, with
+        // their previous values) as one response, which could take hundreds of MiB of
+        // the proxy's memory per catch-up; fragments are at most etcd's request size.
         let mut options = WatchOptions::new()
             .with_all_keys()
+            .with_fragment()
             .with_start_revision((start - 1).max(1));
         if prev_kv {
             options = options.with_prev_key();
@@ -138,6 +142,9 @@ impl CatchUp {
         ::metrics::counter!(metrics::WATCH_CATCH_UPS).increment(1);
         let _counted = metrics::Counted::in_gauge(metrics::ETCD_WATCHES);
         let mut seen = start - 1;
+        // The events of the last revision of a fragment, whose next fragment may hold
+        // more of that revision: taken with it, so every revision goes whole.
+        let mut held: Vec<etcd_client::Event> = Vec::new();
         loop {
             let resp = match stream.message().await {
                 Ok(Some(resp)) => resp,
@@ -150,23 +157,27 @@ impl CatchUp {
             if resp.canceled() {
                 return Err(CatchUpError::Etcd(resp.cancel_reason().to_owned()));
             }
-            if resp.events().is_empty() {
+            let mut whole = std::mem::take(&mut held);
+            whole.extend(resp.events().iter().cloned());
+            if resp.0.fragment {
+                held = hold_back_last_revision(&mut whole);
+            }
+            if whole.is_empty() {
                 continue;
             }
-            let revisions = resp
-                .events()
+            let revisions = whole
                 .iter()
                 .filter_map(|e| e.kv())
                 .map(|kv| kv.mod_revision());
             // A hole in history etcd serves is there for every retry too.
             let reached = feed::contiguous(seen, revisions).map_err(CatchUpError::Gap)?;
             seen = reached;
-            let leased = feed::leased_in(resp.events());
-            let events: Vec<KeyEvent> = resp
-                .events()
+            let leased = feed::leased_in(&whole);
+            let events: Vec<KeyEvent> = whole
                 .iter()
                 .filter_map(|e| event(e, &leased, topic, start, through))
                 .collect();
+            drop(whole);
             // A response at a time, in whole revisions of a bounded size, each taken
             // by the reader before the next is read.
             for (reached, events) in in_chunks(events, reached.min(through), RESPONSE_BYTES) {
@@ -183,6 +194,19 @@ impl CatchUp {
             }
         }
     }
+}
+
+/// Takes the events of the last revision in `events` out and returns them.
+fn hold_back_last_revision(events: &mut Vec<etcd_client::Event>) -> Vec<etcd_client::Event> {
+    let revision = |e: &etcd_client::Event| e.kv().map(|kv| kv.mod_revision());
+    let Some(last) = events.last().and_then(revision) else {
+        return Vec::new();
+    };
+    let cut = events
+        .iter()
+        .position(|e| revision(e) == Some(last))
+        .unwrap_or(events.len());
+    events.split_off(cut)
 }
 
 /// An etcd event as a small key's event, if it is one of `topic`'s in the revisions

@@ -30,8 +30,9 @@ use crate::routes::Routes;
 /// thousands of keys on it arrives as one revision.
 pub const MAX_WATCH_MESSAGE_BYTES: usize = 512 * 1024 * 1024;
 /// Watchers catching up on history at once (each reads the cell's whole history from
-/// its start revision).
-const MAX_CATCH_UPS: usize = 16;
+/// its start revision, a fragment of etcd's request size at a time, and holds a few
+/// MiB while its reader takes them): the others wait their turn.
+const MAX_CATCH_UPS: usize = 4;
 /// Keys per read while loading the mirror.
 const LOAD_PAGE: i64 = 1_000;
 /// Failed restarts of the cell watch in a row, without an event between them, after

@@ -187,12 +187,21 @@ mod tests {
         space.set(60 * 1024);
         // 30 KiB left below the line: 10 KiB for this proxy.
         space.admit("put a", 4096).unwrap();
-        assert!(space.admit_delete("delete nothing", true).is_ok(), "room left");
+        assert!(
+            space.admit_delete("delete nothing", true).is_ok(),
+            "room left"
+        );
         space.admit("put b", 4096).unwrap();
-        assert!(space.admit("put c", 4096).is_err(), "past a third of the room");
+        assert!(
+            space.admit("put c", 4096).is_err(),
+            "past a third of the room"
+        );
         // 1 KiB left here: a delete finding nothing fits until the room is gone.
         space.admit("put d", 500).unwrap();
-        assert!(space.admit_delete("delete nothing", true).is_err(), "no room left");
+        assert!(
+            space.admit_delete("delete nothing", true).is_err(),
+            "no room left"
+        );
         space.set_proxies(1);
         space.set(60 * 1024);
         for i in 0..5 {

@@ -184,6 +184,7 @@ fn main() {
         etcd_api::etcd_api_watches_are_fanned_out_by_the_proxy,
         etcd_api::etcd_api_progress_never_runs_ahead_of_events,
         etcd_api::a_watch_cancelled_during_its_catch_up_leaves_nothing_behind,
+        etcd_api::a_catch_up_in_fragments_delivers_each_revision_whole,
         etcd_api::a_keys_client_lease_shows_at_every_proxy_and_in_lease_compares,
         etcd_api::a_dead_proxys_lease_records_are_swept,
         etcd_api::a_txn_writing_with_leases_of_two_proxies_runs_as_one,
