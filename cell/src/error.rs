@@ -111,3 +111,18 @@ pub async fn with_timeout<T>(
         Err(_) => Err(CellError::Timeout { op, after }),
     }
 }
+
+/// The revision in an etcd reply's header; a reply without one is refused rather than
+/// read as revision 0, which every later revision would pass.
+pub fn header_revision(
+    header: Option<&etcd_client::ResponseHeader>,
+    op: &'static str,
+) -> Result<i64, CellError> {
+    header
+        .map(|h| h.revision())
+        .filter(|r| *r > 0)
+        .ok_or_else(|| CellError::CorruptRecord {
+            key: op.to_owned(),
+            reason: "etcd's reply carries no revision".to_owned(),
+        })
+}

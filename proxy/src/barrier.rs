@@ -59,7 +59,7 @@ async fn run(kv: KvClient, timeout: Duration, mut rx: mpsc::UnboundedReceiver<Wa
             ),
         )
         .await
-        .and_then(|resp| crate::feed::header_revision(resp.header(), "read barrier"))
+        .and_then(|resp| lockcell_cell::error::header_revision(resp.header(), "read barrier"))
         .map_err(|e| e.to_string());
         ::metrics::counter!(metrics::READ_BARRIERS).increment(1);
         ::metrics::histogram!(metrics::READ_BARRIER_BATCH).record(batch.len() as f64);

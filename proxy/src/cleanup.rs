@@ -17,10 +17,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockcell_cell::locklog::Grant;
+use lockcell_cell::locklog::{Grant, LockLog};
 use tokio::time::Instant;
 
-use crate::state::ProxyState;
+use crate::leases::LeaseBook;
+use crate::sessions::SessionTable;
 
 /// How long an unsettled key is looked for. etcd gives up on a request it has not
 /// applied within its request timeout (about 7 s with default settings); the rest is
@@ -143,16 +144,16 @@ impl CleanupQueue {
 
     /// Looks for the unsettled keys that are due, then tries every pending delete once;
     /// what etcd refused stays queued.
-    pub async fn run(&self, state: &ProxyState) {
-        self.look_out(state).await;
+    pub async fn run(&self, leases: &LeaseBook, locklog: &LockLog, sessions: &SessionTable) {
+        self.look_out(leases, locklog, sessions).await;
         let work = std::mem::take(&mut *self.pending.lock().expect("cleanup queue"));
-        let leases = state.leases.leases();
+        let leases = leases.leases();
         for (lease, grants) in work {
             if !leases.contains(&lease) {
                 continue;
             }
             // Ended sessions' holds vanished without a release: no clean-release marker.
-            match state.locklog.delete_guarded(&grants, lease, false).await {
+            match locklog.delete_guarded(&grants, lease, false).await {
                 Ok(deleted) => {
                     tracing::debug!(
                         lease,
@@ -172,7 +173,7 @@ impl CleanupQueue {
     /// Reads each unsettled key that is due; one that turned up is queued for its
     /// guarded delete. Each is looked for until its time is up, even once found: two
     /// attempts of one call may both be on their way.
-    async fn look_out(&self, state: &ProxyState) {
+    async fn look_out(&self, leases: &LeaseBook, locklog: &LockLog, sessions: &SessionTable) {
         let now = Instant::now();
         let due: Vec<(i64, Grant)> = {
             let mut lookouts = self.unsettled.lock().expect("cleanup queue");
@@ -186,16 +187,12 @@ impl CleanupQueue {
                 })
                 .collect()
         };
-        let leases = state.leases.leases();
+        let leases = leases.leases();
         for (lease, grant) in due {
             if !leases.contains(&lease) {
                 continue;
             }
-            match state
-                .locklog
-                .settle(std::slice::from_ref(&grant), lease)
-                .await
-            {
+            match locklog.settle(std::slice::from_ref(&grant), lease).await {
                 Ok(found) if !found.is_empty() => {
                     // Unless a retry of the same call has since taken it as its own, or
                     // is about to: a waiter key, if a call in line claims it; a grant or
@@ -209,8 +206,8 @@ impl CleanupQueue {
                                 return !self.claims.is_claimed(&g.key);
                             }
                             !session.is_some_and(|s| {
-                                state.sessions.holds(s, &g.key, g.revision)
-                                    || state.sessions.has_other_record(s, &g.key, &grant)
+                                sessions.holds(s, &g.key, g.revision)
+                                    || sessions.has_other_record(s, &g.key, &grant)
                             })
                         })
                         .collect();

@@ -14,6 +14,8 @@ use std::collections::HashMap;
 use lockcell_cell::grants::hex;
 use sha2::{Digest, Sha256};
 
+use crate::errors::ProxyError;
+
 /// Bytes of randomness in a secret (hex-encoded on the wire).
 const SECRET_BYTES: usize = 32;
 
@@ -122,6 +124,38 @@ impl Proven {
 /// much of a guess was right.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Longest label a client may give its session (`identity` in Open and Resume).
+pub const MAX_LABEL_BYTES: usize = 128;
+
+/// Checks a session's label: it is recorded with every grant, in etcd and the audit
+/// trail, so it is short and printable (no control characters, which would forge
+/// lines in a log).
+pub fn check_label(label: &str) -> Result<(), ProxyError> {
+    if label.len() > MAX_LABEL_BYTES {
+        return Err(ProxyError::BadArgument(format!(
+            "the session's identity label is {} bytes, over the limit of {MAX_LABEL_BYTES}",
+            label.len()
+        )));
+    }
+    if let Some(c) = label.chars().find(|c| c.is_control()) {
+        return Err(ProxyError::BadArgument(format!(
+            "the session's identity label {label:?} holds the control character {c:?}; \
+             it must be printable"
+        )));
+    }
+    Ok(())
+}
+
+/// The identity recorded with a session's grants: the authenticated identity when the
+/// proxy checks grants (the client's own label after it in brackets), else the label.
+pub fn labelled(principal: Option<&str>, label: String) -> String {
+    match principal {
+        Some(p) if label.is_empty() => p.to_owned(),
+        Some(p) => format!("{p} ({label})"),
+        None => label,
+    }
 }
 
 #[cfg(test)]

@@ -255,18 +255,26 @@ impl<K: Eq + std::hash::Hash + Clone> Drop for Subscription<K> {
     }
 }
 
+/// What [`follow`] reads with and tells of what it reads.
+pub struct Following {
+    pub events: Arc<LockEvents>,
+    pub etcd: etcd_client::Client,
+    /// Told of the revisions seen, to find a store that went back.
+    pub cell: Arc<crate::cellguard::CellGuard>,
+    pub timeout: Duration,
+}
+
 /// Follows `root` from `start` (deletes only when `deletes_only`) and feeds `events`,
 /// reconnecting for as long as the proxy runs.
-pub async fn follow(
-    state: Arc<crate::state::ProxyState>,
-    root: &'static str,
-    deletes_only: bool,
-    mut start: i64,
-) {
-    let events = state.events.clone();
+pub async fn follow(with: Following, root: &'static str, deletes_only: bool, mut start: i64) {
+    let Following {
+        events,
+        etcd,
+        cell,
+        timeout,
+    } = with;
     // Whole lease revocations arrive as one message.
-    let mut client = state
-        .etcd
+    let mut client = etcd
         .watch_client()
         .max_decoding_message_size(crate::feed::MAX_WATCH_MESSAGE_BYTES);
     loop {
@@ -291,13 +299,12 @@ pub async fn follow(
                             // The store answers a watch from `start` at its revision
                             // now, which is at least `start - 1` unless it went back
                             // (or the member lags: a linearizable read decides).
-                            let cell = state.cell.clone();
-                            let (etcd, timeout) = (state.etcd.clone(), state.config.etcd_timeout);
+                            let (cell, etcd) = (cell.clone(), etcd.clone());
                             tokio::spawn(async move {
                                 cell.check_not_behind(&etcd, start - 1, timeout).await
                             });
                         } else if !resp.created() {
-                            state.cell.saw(header.revision());
+                            cell.saw(header.revision());
                         }
                     }
                     if resp.compact_revision() > 0 {

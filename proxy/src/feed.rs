@@ -15,7 +15,7 @@ use std::time::Duration;
 use etcd_client::{
     EventType, GetOptions, KvClient, SortOrder, SortTarget, WatchClient, WatchOptions,
 };
-use lockcell_cell::error::with_timeout;
+use lockcell_cell::error::{header_revision, with_timeout};
 use lockcell_cell::keyspace::{self, prefix_end};
 use lockcell_cell::kv::Entry;
 use lockcell_cell::CellError;
@@ -527,21 +527,6 @@ async fn store_revision(kv: &mut KvClient, timeout: Duration) -> Result<i64, Cel
     )
     .await?;
     header_revision(resp.header(), "read revision")
-}
-
-/// The revision in an etcd reply's header; a reply without one is refused rather than
-/// read as revision 0, which every later revision would pass.
-pub fn header_revision(
-    header: Option<&etcd_client::ResponseHeader>,
-    op: &'static str,
-) -> Result<i64, CellError> {
-    header
-        .map(|h| h.revision())
-        .filter(|r| *r > 0)
-        .ok_or_else(|| CellError::CorruptRecord {
-            key: op.to_owned(),
-            reason: "etcd's reply carries no revision".to_owned(),
-        })
 }
 
 /// Reads every small key at one revision, a page at a time, and the cell's shard map

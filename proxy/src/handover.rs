@@ -19,9 +19,9 @@ use crate::core::moving::{check_session_id, Landed, Plan};
 use crate::errors::ProxyError;
 use crate::grants::Right;
 use crate::metrics as m;
-use crate::service::millis;
 use crate::sessions::Session;
 use crate::state::ProxyState;
+use crate::wire::millis;
 
 pub use crate::core::moving::MAX_RESUME_KEYS;
 
@@ -120,7 +120,7 @@ async fn take_over(
     // whatever proxy the resume reaches (a proxy that never saw the session included).
     crate::credential::check(&req.session_id, &req.session_secret, principal.as_deref())
         .map_err(|refused| ProxyError::PermissionDenied(refused.message().to_owned()))?;
-    crate::service::session::check_label(&req.identity)?;
+    crate::credential::check_label(&req.identity)?;
     // Keys of another epoch move nowhere: after a restore from backup their revisions
     // may be other grants' now. Keys the caller's grants do not cover move nowhere
     // either. The session resumes without them.
@@ -186,7 +186,7 @@ async fn resume_named(
     let acting_until = now + Duration::from_millis(req.acting_for_ms);
     let mut session = Session::arriving(
         id.clone(),
-        crate::service::session::labelled(principal.as_deref(), req.identity),
+        crate::credential::labelled(principal.as_deref(), req.identity),
         ttl,
         (bucket, lease),
         plan.held(),

@@ -48,6 +48,7 @@ pub mod state;
 pub mod sweep;
 pub mod tls;
 pub mod unsettled;
+pub mod wire;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -516,7 +517,10 @@ impl Engine {
                 .with_writer_key(lockcell_cell::keyspace::writer_key(&shared.proxy_id)),
             reads,
             kv_budget: Default::default(),
-            space: space::Space::new(config.etcd_quota_bytes, config.etcd_space_limit_percent),
+            space: Arc::new(space::Space::new(
+                config.etcd_quota_bytes,
+                config.etcd_space_limit_percent,
+            )),
             queues: events.queues().clone(),
             events,
             classes: shared.classes.clone(),
@@ -572,7 +576,12 @@ impl Engine {
             shared.stop.clone(),
         ));
         tasks.spawn(sweep::run(state.clone(), shared.stop.clone()));
-        tasks.spawn(space::keep_reading(state.clone(), shared.stop.clone()));
+        tasks.spawn(space::keep_reading(
+            state.space.clone(),
+            state.etcd.clone(),
+            state.config.etcd_timeout,
+            shared.stop.clone(),
+        ));
         let follow = vec![
             // Prefix watchers' batches, handed over a few at a time.
             tokio::spawn(feed.fanout.clone().pace()),
@@ -583,13 +592,13 @@ impl Engine {
                 state.config.etcd_timeout,
             )),
             tokio::spawn(events::follow(
-                state.clone(),
+                following(&state),
                 keyspace::locks_root(),
                 false,
                 start_revision + 1,
             )),
             tokio::spawn(events::follow(
-                state.clone(),
+                following(&state),
                 keyspace::queues_root(),
                 true,
                 start_revision + 1,
@@ -812,5 +821,15 @@ async fn revoke_all(state: &ProxyState) {
             }
             Err(_) => tracing::warn!(lease, "revoking proxy lease timed out; etcd will expire it"),
         }
+    }
+}
+
+/// What the lock-log watches read with ([`events::follow`]).
+fn following(state: &ProxyState) -> events::Following {
+    events::Following {
+        events: state.events.clone(),
+        etcd: state.etcd.clone(),
+        cell: state.cell.clone(),
+        timeout: state.config.etcd_timeout,
     }
 }

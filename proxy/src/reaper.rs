@@ -44,7 +44,10 @@ pub async fn run(state: Arc<ProxyState>) {
         state.events.prune(state.classes.current().max_lock_delay());
         state.publish_sessions_open();
         if !state.cleanup.is_empty() {
-            state.cleanup.run(&state).await;
+            state
+                .cleanup
+                .run(&state.leases, &state.locklog, &state.sessions)
+                .await;
         }
     }
 }

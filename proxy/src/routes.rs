@@ -311,7 +311,7 @@ impl Routes {
         let key = lockcell_cell::keyspace::shardmap_key();
         let resp = lockcell_cell::error::with_timeout("read shard map", timeout, kv.get(key, None))
             .await?;
-        let at = crate::feed::header_revision(resp.header(), "read shard map")?;
+        let at = lockcell_cell::error::header_revision(resp.header(), "read shard map")?;
         let copy = match resp.kvs().first() {
             Some(kv) => Some(StoredMap {
                 map: ShardMap::decode(kv.value())?,

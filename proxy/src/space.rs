@@ -21,7 +21,6 @@ use tokio::sync::watch;
 
 use crate::errors::ProxyError;
 use crate::metrics as m;
-use crate::state::ProxyState;
 
 /// How often the proxy reads etcd's database size.
 pub const POLL: Duration = Duration::from_secs(2);
@@ -132,9 +131,15 @@ fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
-/// Reads etcd's database size every [`POLL`] until `stop`.
-pub async fn keep_reading(state: Arc<ProxyState>, mut stop: watch::Receiver<bool>) {
-    metrics::gauge!(m::ETCD_SPACE_LIMIT_BYTES).set(state.space.limit() as f64);
+/// Reads etcd's database size, and counts the cell's running proxies, every [`POLL`]
+/// until `stop`, for `space`.
+pub async fn keep_reading(
+    space: Arc<Space>,
+    etcd: etcd_client::Client,
+    timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    metrics::gauge!(m::ETCD_SPACE_LIMIT_BYTES).set(space.limit() as f64);
     let mut tick = tokio::time::interval(POLL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -144,17 +149,26 @@ pub async fn keep_reading(state: Arc<ProxyState>, mut stop: watch::Receiver<bool
         }
         let status = with_timeout(
             "read etcd's status",
-            state.config.etcd_timeout,
-            state.etcd.maintenance_client().status(),
+            timeout,
+            etcd.maintenance_client().status(),
         )
         .await;
         let root = lockcell_cell::keyspace::proxy_presence_root();
-        match state.keys_under("count the running proxies", root).await {
-            Ok(running) => state.space.set_proxies(running.len()),
+        let count = etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_count_only();
+        let running = with_timeout(
+            "count the running proxies",
+            timeout,
+            etcd.kv_client().get(root, Some(count)),
+        )
+        .await;
+        match running {
+            Ok(running) => space.set_proxies(running.count().max(0) as usize),
             Err(error) => tracing::debug!(%error, "could not count the running proxies"),
         }
         match status {
-            Ok(status) => state.space.set(status.db_size().max(0) as u64),
+            Ok(status) => space.set(status.db_size().max(0) as u64),
             Err(error) => tracing::debug!(%error, "could not read etcd's database size"),
         }
     }

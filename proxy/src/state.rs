@@ -45,7 +45,7 @@ pub struct ProxyState {
     /// (`--max-kv-total-bytes`).
     pub kv_budget: crate::kvbudget::KvBudget,
     /// etcd's database size against its quota: new keys and values stop short of it.
-    pub space: crate::space::Space,
+    pub space: Arc<crate::space::Space>,
     /// What the proxy's watch over the lock log tells waiters and observers.
     pub events: Arc<LockEvents>,
     /// Local wait queues of classes that are not fair.

@@ -42,7 +42,7 @@ use etcd_client::proto::{
     PbLeaseTimeToLiveResponse,
 };
 
-use super::lease::{session_of, TIME_TO_LIVE};
+use super::ids::session_of;
 use super::{ids, EtcdApi};
 use crate::errors::ProxyError;
 use crate::metrics as m;
@@ -52,6 +52,9 @@ pub const FORWARDED_FOR: &str = "lockcell-forwarded-for";
 /// Metadata of a forwarded LeaseTimeToLive that asks the proxy holding the lease to
 /// hand it over to the asking proxy ([`EtcdApi::gather`]).
 pub const HAND_OVER: &str = "lockcell-hand-over";
+/// The Lease call a proxy asks another with, to find a lease or have it handed over.
+pub(super) const TIME_TO_LIVE: &str = "/etcdserverpb.Lease/LeaseTimeToLive";
+
 /// How often, and how many times, a Txn gathering its leases looks again for one that
 /// was not where it was found.
 const GATHER_LOOK: Duration = Duration::from_millis(20);

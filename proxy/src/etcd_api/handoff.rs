@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tonic::Status;
 
-use super::lease::{lease_of, session_of};
+use super::ids::{lease_of, session_of, LEASE_NOT_FOUND};
 use super::EtcdApi;
 use crate::metrics as m;
 use crate::sessions::Session;
@@ -554,7 +554,7 @@ impl EtcdApi {
             .sessions
             .get(&session_id, Instant::now())
             .map(TakeOver::Taken)
-            .map_err(|_| Status::not_found(super::lease::LEASE_NOT_FOUND))
+            .map_err(|_| Status::not_found(LEASE_NOT_FOUND))
     }
 
     /// Drops a stay whose take-over moved nothing.

@@ -20,6 +20,23 @@ use tokio::sync::Mutex;
 use crate::errors::ProxyError;
 use crate::state::ProxyState;
 
+/// etcd's text for a lease it does not know (clients match it).
+pub const LEASE_NOT_FOUND: &str = "etcdserver: requested lease not found";
+
+/// The session of lease `id`: its ID in hex (16 digits, where the lockcell API's are
+/// 32, so the two never meet).
+pub fn session_of(id: i64) -> String {
+    format!("{id:016x}")
+}
+
+/// The lease of session `session`, if it is an etcd API lease's.
+pub fn lease_of(session: &str) -> Option<i64> {
+    if session.len() != 16 {
+        return None;
+    }
+    i64::from_str_radix(session, 16).ok().filter(|id| *id > 0)
+}
+
 /// Bits 48 to 62 of every etcd API lease ID: "lc".
 pub const MARK: i64 = 0x6c63;
 

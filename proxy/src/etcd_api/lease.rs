@@ -35,8 +35,7 @@ const MIN_TTL: Duration = Duration::from_secs(2);
 /// Replies buffered per keepalive stream before the proxy stops reading that stream.
 const KEEPALIVE_BUFFER: usize = 64;
 
-/// etcd's text for a lease it does not know (clients match it).
-pub const LEASE_NOT_FOUND: &str = "etcdserver: requested lease not found";
+pub use super::ids::{lease_of, session_of, LEASE_NOT_FOUND};
 
 /// The Lease calls forwarded to the proxy a lease lives at.
 const REVOKE: &str = "/etcdserverpb.Lease/LeaseRevoke";
@@ -51,25 +50,10 @@ const MOVED_LOOKS: u32 = 3;
 /// client.
 const MOVED_TTL: i64 = -1;
 
-pub(super) const TIME_TO_LIVE: &str = "/etcdserverpb.Lease/LeaseTimeToLive";
 const KEEP_ALIVE: &str = "/etcdserverpb.Lease/LeaseKeepAlive";
 
 /// etcd's text for a lease ID that is taken (clients match it).
 pub const LEASE_EXISTS: &str = "etcdserver: lease already exists";
-
-/// The session of lease `id`: its ID in hex (16 digits, where the lockcell API's are
-/// 32, so the two never meet).
-pub fn session_of(id: i64) -> String {
-    format!("{id:016x}")
-}
-
-/// The lease of session `session`, if it is an etcd API lease's.
-pub fn lease_of(session: &str) -> Option<i64> {
-    if session.len() != 16 {
-        return None;
-    }
-    i64::from_str_radix(session, 16).ok().filter(|id| *id > 0)
-}
 
 /// Whole seconds of `d`, rounded down: what etcd's TTL fields carry. Never more than the
 /// proxy can back.
@@ -312,7 +296,13 @@ impl PbLeaseService for EtcdApi {
         let id = request.get_ref().id;
         let moved = |reply: &PbLeaseTimeToLiveResponse| reply.ttl == -1;
         if let Some(there) = self
-            .forward_unary(id, TIME_TO_LIVE, &request, caller.as_deref(), moved)
+            .forward_unary(
+                id,
+                forward::TIME_TO_LIVE,
+                &request,
+                caller.as_deref(),
+                moved,
+            )
             .await?
         {
             return Ok(there);

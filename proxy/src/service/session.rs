@@ -17,6 +17,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::millis;
 use crate::credential;
+use crate::credential::{check_label, labelled};
 use crate::errors::ProxyError;
 use crate::metrics as m;
 use crate::sessions::{Gone, Renewed, Session};
@@ -327,38 +328,6 @@ fn renew(
     reply
 }
 
-/// Longest label a client may give its session (`identity` in Open and Resume).
-pub const MAX_LABEL_BYTES: usize = 128;
-
-/// Checks a session's label: it is recorded with every grant, in etcd and the audit
-/// trail, so it is short and printable (no control characters, which would forge
-/// lines in a log).
-pub fn check_label(label: &str) -> Result<(), ProxyError> {
-    if label.len() > MAX_LABEL_BYTES {
-        return Err(ProxyError::BadArgument(format!(
-            "the session's identity label is {} bytes, over the limit of {MAX_LABEL_BYTES}",
-            label.len()
-        )));
-    }
-    if let Some(c) = label.chars().find(|c| c.is_control()) {
-        return Err(ProxyError::BadArgument(format!(
-            "the session's identity label {label:?} holds the control character {c:?}; \
-             it must be printable"
-        )));
-    }
-    Ok(())
-}
-
-/// The identity recorded with a session's grants: the authenticated identity when the
-/// proxy checks grants (the client's own label after it in brackets), else the label.
-pub fn labelled(principal: Option<&str>, label: String) -> String {
-    match principal {
-        Some(p) if label.is_empty() => p.to_owned(),
-        Some(p) => format!("{p} ({label})"),
-        None => label,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -407,7 +376,7 @@ mod tests {
             #[test]
             fn a_label_passes_only_when_short_and_printable(label in "\\PC{0,70}|.{0,70}|\\PC{120,140}") {
                 let ok = check_label(&label).is_ok();
-                let fine = label.len() <= MAX_LABEL_BYTES && !label.chars().any(char::is_control);
+                let fine = label.len() <= crate::credential::MAX_LABEL_BYTES && !label.chars().any(char::is_control);
                 prop_assert_eq!(ok, fine, "{:?}", label);
             }
         }
