@@ -93,7 +93,7 @@ fn classes(config: &ProxyConfig, file: &Path) -> anyhow::Result<String> {
 
 fn grants(file: &Path) -> anyhow::Result<String> {
     let book =
-        crate::grants::GrantBook::load(Some(file.to_owned()), crate::grants::Grants::open())?;
+        crate::access::AccessBook::load(Some(file.to_owned()), crate::access::AccessRules::open())?;
     let count = book.current().count();
     Ok(format!(
         "grants {}: {count} entries ([[grant]] and [[token]])",

@@ -15,9 +15,9 @@ use lockcell_cell::locklog::{Grant, Moved, Resume};
 use lockcell_proto::v1::{HeldKey, HeldKind, LostKey, ResumeRequest, ResumeResponse};
 use tokio::time::Instant;
 
+use crate::access::Right;
 use crate::core::moving::{check_session_id, Landed, Plan};
 use crate::errors::ProxyError;
-use crate::grants::Right;
 use crate::metrics as m;
 use crate::sessions::Session;
 use crate::state::ProxyState;

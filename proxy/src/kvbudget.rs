@@ -13,9 +13,9 @@
 
 use std::sync::Mutex;
 
+use crate::access::AccessRules;
 use crate::errors::ProxyError;
 use crate::feed::Feed;
-use crate::grants::Grants;
 use crate::mirror::WriteSize;
 
 /// The share of the bound one proxy may have in flight (written, not yet in its copy).
@@ -53,7 +53,7 @@ struct Reservation {
 /// The identity that writes, and the grants file that says its limits.
 #[derive(Clone, Copy)]
 pub struct Writer<'a> {
-    pub grants: &'a Grants,
+    pub grants: &'a AccessRules,
     pub identity: &'a str,
 }
 

@@ -8,6 +8,7 @@
 //! against etcd.
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod acquire;
 pub mod admin;
 pub mod barrier;
@@ -25,7 +26,7 @@ pub mod etcd_api;
 pub mod events;
 pub mod fanout;
 pub mod feed;
-pub mod grants;
+pub mod front;
 pub mod handover;
 pub mod kvbudget;
 pub mod lease_keeper;
@@ -38,7 +39,6 @@ pub mod mirror;
 pub mod queues;
 pub mod reads;
 pub mod reaper;
-pub mod router;
 pub mod routes;
 pub mod service;
 pub mod sessions;
@@ -127,9 +127,9 @@ pub async fn run(
             config.classes.clone(),
             classes::Classes::builtin(config.session_ttl_min, config.session_ttl_max),
         )?),
-        grants: Arc::new(grants::GrantBook::load(
+        grants: Arc::new(access::AccessBook::load(
             config.grants.clone(),
-            grants::Grants::open(),
+            access::AccessRules::open(),
         )?),
         limits: Default::default(),
         memory: Arc::new(memory::Memory::new(config.max_memory_bytes)),
@@ -186,9 +186,9 @@ pub async fn run(
                 endpoints.join(",")
             );
         }
-        // A session has a stay in every cell: the first cell's engine counts it.
+        // A session has a stay in every cell: the first cell's cell part counts it.
         let counts_sessions = engines.is_empty();
-        engines.push(Engine::start(
+        engines.push(CellPart::start(
             &config,
             &shared,
             name,
@@ -240,12 +240,12 @@ pub async fn run(
         grpc = %first.config.listen,
         etcd_api = ?first.config.etcd_listen,
         admin = %first.config.admin_listen,
-        cells = %engines.iter().map(Engine::label).collect::<Vec<_>>().join(", "),
+        cells = %engines.iter().map(CellPart::label).collect::<Vec<_>>().join(", "),
         leases = first.leases.len(),
         "lockcell-proxy ready"
     );
 
-    let router = Arc::new(router::Router::new(
+    let router = Arc::new(front::Router::new(
         engines.iter().map(|e| e.state.clone()).collect(),
     ));
     // Not one of `tasks`, which are aborted once the lockcell API has stopped: the etcd
@@ -373,11 +373,11 @@ pub enum Stopped {
     Drained,
 }
 
-/// What every cell's engine of one proxy shares.
+/// What every cell's cell part of one proxy shares.
 struct Shared {
     proxy_id: String,
     classes: Arc<classes::ClassBook>,
-    grants: Arc<grants::GrantBook>,
+    grants: Arc<access::AccessBook>,
     limits: Arc<limits::Limits>,
     memory: Arc<memory::Memory>,
     stop: watch::Receiver<bool>,
@@ -447,20 +447,20 @@ async fn cells_to_serve(
 }
 
 /// A proxy's part in one cell: its sessions' stays, leases, lock log and watches there.
-struct Engine {
+struct CellPart {
     state: Arc<ProxyState>,
     tasks: tokio::task::JoinSet<()>,
     follow: Vec<tokio::task::JoinHandle<()>>,
 }
 
-impl Engine {
+impl CellPart {
     fn start(
         config: &ProxyConfig,
         shared: &Shared,
         name: Option<String>,
         connection: Connection,
         counts_sessions: bool,
-    ) -> anyhow::Result<Engine> {
+    ) -> anyhow::Result<CellPart> {
         let Connection {
             etcd,
             members,
@@ -604,7 +604,7 @@ impl Engine {
                 start_revision + 1,
             )),
         ];
-        Ok(Engine {
+        Ok(CellPart {
             state,
             tasks,
             follow,
@@ -622,7 +622,7 @@ impl Engine {
         )
     }
 
-    /// Stops the engine's work, waits until no client can still believe it holds a lock
+    /// Stops the cell part's work, waits until no client can still believe it holds a lock
     /// here, and revokes the proxy's leases in the cell. Returns why the cell was found
     /// changed, if it was.
     async fn stop(mut self) -> Option<String> {

@@ -20,8 +20,8 @@ use dashmap::DashMap;
 use governor::{DefaultDirectRateLimiter, Quota as RateQuota, RateLimiter};
 use lockcell_cell::grants::Limit;
 
+use crate::access::AccessRules;
 use crate::errors::ProxyError;
-use crate::grants::Grants;
 use crate::metrics as m;
 
 /// How often an identity at its `keys` or `bytes` limit has its sessions' records
@@ -100,7 +100,7 @@ impl Limits {
     /// or refuses when its quota is full.
     pub fn take(
         &self,
-        grants: &Grants,
+        grants: &AccessRules,
         identity: Option<&str>,
         limit: Limit,
     ) -> Result<Taken, ProxyError> {
@@ -127,7 +127,7 @@ impl Limits {
 
     /// Lets one call of `identity` through, or refuses it when the identity calls
     /// faster than its `requests_per_second` (a burst of one second's worth passes).
-    pub fn pace(&self, grants: &Grants, identity: Option<&str>) -> Result<(), ProxyError> {
+    pub fn pace(&self, grants: &AccessRules, identity: Option<&str>) -> Result<(), ProxyError> {
         let Some(identity) = identity else {
             return Ok(());
         };
@@ -180,7 +180,13 @@ impl StreamPace {
 }
 
 /// Refuses a call of `identity` that would pass `limit`, which it has `now` of `max`.
-pub fn refusal(grants: &Grants, identity: &str, limit: Limit, now: u64, max: u64) -> ProxyError {
+pub fn refusal(
+    grants: &AccessRules,
+    identity: &str,
+    limit: Limit,
+    now: u64,
+    max: u64,
+) -> ProxyError {
     refused(grants, identity, limit);
     ProxyError::Exhausted(format!(
         "identity {identity:?} has {now} of its {max} {limit} on this proxy (limit `{}` in \
@@ -192,7 +198,7 @@ pub fn refusal(grants: &Grants, identity: &str, limit: Limit, now: u64, max: u64
 /// The refusal of a write of `adding` bytes by `identity`, whose keys here take `held`
 /// of its `max` bytes.
 pub fn refusal_of_bytes(
-    grants: &Grants,
+    grants: &AccessRules,
     identity: &str,
     held: u64,
     adding: u64,
@@ -210,7 +216,7 @@ pub fn refusal_of_bytes(
 /// `identity`, which take `held` of its `max` bytes in the cell (`pending` more being
 /// written through this proxy).
 pub fn refusal_of_stored(
-    grants: &Grants,
+    grants: &AccessRules,
     identity: &str,
     held: u64,
     pending: u64,
@@ -232,7 +238,7 @@ pub fn refusal_of_stored(
 }
 
 /// Counts a refusal, labelled with the identity when the grants file names it.
-fn refused(grants: &Grants, identity: &str, limit: Limit) {
+fn refused(grants: &AccessRules, identity: &str, limit: Limit) {
     let label = if grants.names(identity) {
         identity.to_owned()
     } else {
@@ -247,8 +253,8 @@ mod tests {
     use super::*;
     use crate::declared::Declared;
 
-    fn grants(text: &str) -> Grants {
-        Grants::parse(text, std::path::Path::new("grants.toml")).unwrap()
+    fn grants(text: &str) -> AccessRules {
+        AccessRules::parse(text, std::path::Path::new("grants.toml")).unwrap()
     }
 
     const FILE: &str = "[[grant]]\nidentity = \"*\"\nlock = [\"\"]\n\

@@ -221,7 +221,7 @@ impl Routes {
             )));
         };
         let cells = if prefix {
-            crate::router::cells_under(map, name)
+            crate::front::cells_under(map, name)
         } else {
             map.route(name)
                 .map(|r| r.cell.clone())

@@ -53,7 +53,7 @@ pub struct ProxyState {
     /// The lock classes in force.
     pub classes: Arc<ClassBook>,
     /// The prefix grants in force (everything allowed without `--grants`).
-    pub grants: Arc<crate::grants::GrantBook>,
+    pub grants: Arc<crate::access::AccessBook>,
     /// What each identity has in hand on this proxy (shared by its cells' engines).
     pub limits: Arc<crate::limits::Limits>,
     /// The proxy's resident size against `--max-memory-bytes` (shared likewise).
@@ -144,7 +144,7 @@ impl ProxyState {
     pub fn authorize_session<T>(
         &self,
         request: &tonic::Request<T>,
-        right: crate::grants::Right,
+        right: crate::access::Right,
         name: &str,
         id: &str,
         secret: &str,

@@ -12,7 +12,7 @@ use lockcell_proto::etcd_auth::{
 use tonic::{Request, Response, Status};
 
 use super::EtcdApi;
-use crate::grants::{Grants, Right};
+use crate::access::{AccessRules, Right};
 
 /// The metadata etcd's clients carry their auth token in.
 const TOKEN: &str = "token";
@@ -137,7 +137,7 @@ impl EtcdApi {
 /// longest first, so that a page of a prefix (a range that starts inside it) is judged as
 /// the prefix is.
 pub(super) fn check_range(
-    grants: &Grants,
+    grants: &AccessRules,
     identity: &str,
     right: Right,
     key: &[u8],

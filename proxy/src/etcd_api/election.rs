@@ -28,7 +28,7 @@ use tonic::{Request, Response, Status};
 
 use super::keys::inner;
 use super::EtcdApi;
-use crate::grants::Right;
+use crate::access::Right;
 
 /// etcd's text when a proclamation or resignation names a key that no longer leads.
 pub const NOT_LEADER: &str = "election: not leader";

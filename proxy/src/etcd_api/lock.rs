@@ -34,7 +34,7 @@ use tonic::{Request, Response, Status};
 use super::keys::inner;
 use super::lease::{session_of, LEASE_NOT_FOUND};
 use super::EtcdApi;
-use crate::grants::Right;
+use crate::access::Right;
 use crate::sessions::Gone;
 use lockcell_cell::grants::Limit;
 

@@ -28,9 +28,9 @@ use tokio_stream::{Stream, StreamExt, StreamMap};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::EtcdApi;
+use crate::access::Right;
 use crate::catchup::{Before, CatchUpError, CaughtUp};
 use crate::fanout::{in_chunks, Subscription, RESPONSE_BYTES};
-use crate::grants::Right;
 use crate::limits::Taken;
 use crate::metrics;
 use crate::mirror::{EventKind, KeyEvent, Topic};

@@ -21,9 +21,9 @@ use tonic::{Request, Response, Status};
 
 use super::lock::{release, token_of};
 use super::millis;
+use crate::access::Right;
 use crate::acquire::{self, Call};
 use crate::errors::ProxyError;
-use crate::grants::Right;
 use crate::state::ProxyState;
 
 /// Longest leader value accepted, in bytes.

@@ -17,8 +17,8 @@ use lockcell_proto::v1::{
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
+use crate::access::Right;
 use crate::errors::ProxyError;
-use crate::grants::Right;
 use crate::mirror::WriteSize;
 use crate::state::ProxyState;
 

@@ -16,9 +16,9 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::millis;
+use crate::access::Right;
 use crate::acquire::{self, Call};
 use crate::errors::ProxyError;
-use crate::grants::Right;
 use crate::metrics as m;
 use crate::state::ProxyState;
 

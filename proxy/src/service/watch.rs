@@ -17,10 +17,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
+use crate::access::Right;
 use crate::catchup::{Before, CatchUp, CatchUpError, CaughtUp};
 use crate::errors::ProxyError;
 use crate::fanout::{in_chunks, Batch, End, Subscription, RESPONSE_BYTES};
-use crate::grants::Right;
 use crate::limits::Taken;
 use crate::metrics;
 use crate::mirror::{EventKind, KeyEvent, Topic};

@@ -1,4 +1,4 @@
-//! Prefix grants (docs/security.md): which identities may lock, read, write and watch
+//! Access: the grants file (docs/security.md), which identities may lock, read, write and watch
 //! which name prefixes, declared in a TOML file kept in Git (`--grants`, example in
 //! deploy/config/grants.toml) and reloaded like the lock classes.
 //!
@@ -19,16 +19,16 @@ pub use lockcell_cell::grants::{covers, covers_prefix, Grant, Right, Rules};
 /// The grants in force, or none (every call allowed). Immutable: a reload builds a new
 /// one.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Grants {
+pub struct AccessRules {
     rules: Rules,
     /// False when the proxy runs without `--grants`: everything is allowed.
     enforced: bool,
 }
 
 /// The grants in force: the last good grants file.
-pub type GrantBook = crate::declared::Book<Grants>;
+pub type AccessBook = crate::declared::Book<AccessRules>;
 
-impl Declared for Grants {
+impl Declared for AccessRules {
     const WHAT: &'static str = "prefix grants";
     const RELOADS: &'static str = crate::metrics::GRANTS_RELOADS;
     const RELOAD_FAILURES: &'static str = crate::metrics::GRANTS_RELOAD_FAILURES;
@@ -39,7 +39,7 @@ impl Declared for Grants {
             line: e.line,
             message: e.message,
         })?;
-        Ok(Grants {
+        Ok(AccessRules {
             rules,
             enforced: true,
         })
@@ -50,10 +50,10 @@ impl Declared for Grants {
     }
 }
 
-impl Grants {
+impl AccessRules {
     /// No grants file: every call is allowed.
-    pub fn open() -> Grants {
-        Grants::default()
+    pub fn open() -> AccessRules {
+        AccessRules::default()
     }
 
     /// Whether the proxy checks grants at all.
@@ -252,8 +252,8 @@ identity = "dev"
 sha256 = "22966485fdedde14118dd7c680b416c8a8f6f6947d44750491f69f41ac2ab956"
 "#;
 
-    fn grants(text: &str) -> Result<Grants, FileError> {
-        Grants::parse(text, Path::new("grants.toml"))
+    fn grants(text: &str) -> Result<AccessRules, FileError> {
+        AccessRules::parse(text, Path::new("grants.toml"))
     }
 
     #[test]
@@ -331,7 +331,7 @@ sha256 = "22966485fdedde14118dd7c680b416c8a8f6f6947d44750491f69f41ac2ab956"
 
     #[test]
     fn without_a_file_everything_is_allowed() {
-        let g = Grants::open();
+        let g = AccessRules::open();
         assert!(g
             .authorize(&Request::new(()), Right::Write, &["anything"])
             .is_ok());

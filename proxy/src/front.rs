@@ -1,9 +1,9 @@
 //! The proxy's front: routes each call to the cell that serves its name (docs/operations.md,
 //! "Adding a cell and moving a prefix").
 //!
-//! A proxy serves every cell of the shard map it found at start, one engine
+//! A proxy serves every cell of the shard map it found at start, one cell part
 //! ([`ProxyState`]) per cell. A call about one name (a lock, an election, a small key)
-//! goes to the cell the newest copy of the map routes it to; that cell's engine grants or
+//! goes to the cell the newest copy of the map routes it to; that cell's part grants or
 //! writes only what its own copy routes to it, unpaused (see [`crate::routes`]). A read
 //! or watch of a prefix goes to the one cell that serves every name under it, and is
 //! refused when those names are in several cells.
@@ -11,7 +11,7 @@
 //! A session spans every cell: it has a stay (lease bucket, fence, incarnation) in each,
 //! opened, renewed, resumed and closed together; its validity is the shortest of its
 //! stays'. Replies carry each stay ([`CellStay`]) for the client to name in its next
-//! Resume or Close. With one cell the router hands every call to that cell's engine
+//! Resume or Close. With one cell the front hands every call to that cell's part
 //! unchanged.
 
 use std::sync::Arc;
@@ -39,15 +39,15 @@ pub const FENCE_CELL: &str = "lockcell-fence-cell";
 
 #[derive(Clone)]
 pub struct Router {
-    /// One engine per cell; the first is the cell the proxy started on.
+    /// One cell part per cell; the first is the cell the proxy started on.
     engines: Arc<[Arc<ProxyState>]>,
     /// Ticks whenever any cell's copy of the shard map changes (several cells only).
     map_changes: watch::Receiver<u64>,
 }
 
 impl Router {
-    /// The router over `engines` (call within the runtime: with several cells it
-    /// follows their copies of the map).
+    /// The front over `engines`, one cell part per cell (call within the runtime: with
+    /// several cells it follows their copies of the map).
     pub fn new(engines: Vec<Arc<ProxyState>>) -> Self {
         assert!(!engines.is_empty(), "a proxy serves at least one cell");
         let (changed, map_changes) = watch::channel(0u64);
@@ -56,7 +56,7 @@ impl Router {
             for engine in &engines {
                 let mut copy = engine.routes.subscribe();
                 let changed = changed.clone();
-                // Lives as long as the engine's copy does: the whole run.
+                // Lives as long as the cell part's copy does: the whole run.
                 tokio::spawn(async move {
                     while copy.changed().await.is_ok() {
                         changed.send_modify(|n| *n += 1);
@@ -70,7 +70,7 @@ impl Router {
         }
     }
 
-    /// The engine when the proxy serves one cell.
+    /// The cell part when the proxy serves one cell.
     fn single(&self) -> Option<&Arc<ProxyState>> {
         match &self.engines[..] {
             [only] => Some(only),
@@ -98,7 +98,7 @@ impl Router {
             })
     }
 
-    /// The engine of the cell that serves `name`.
+    /// The cell part of the cell that serves `name`.
     fn route(&self, name: &str) -> Result<&Arc<ProxyState>, Status> {
         if let Some(only) = self.single() {
             return Ok(only);
@@ -115,7 +115,7 @@ impl Router {
         Ok(self.engine_named(&route.cell)?)
     }
 
-    /// The engine of the one cell that serves every name under `prefix`.
+    /// The cell part of the one cell that serves every name under `prefix`.
     fn route_prefix(&self, prefix: &str) -> Result<&Arc<ProxyState>, Status> {
         if let Some(only) = self.single() {
             return Ok(only);
@@ -140,7 +140,7 @@ impl Router {
         }
     }
 
-    /// The engine of the one cell that serves all of `names`.
+    /// The cell part of the one cell that serves all of `names`.
     fn route_all(&self, names: &[&str]) -> Result<&Arc<ProxyState>, Status> {
         let Some((first, rest)) = names.split_first() else {
             return Ok(&self.engines[0]);
@@ -157,25 +157,25 @@ impl Router {
         Ok(engine)
     }
 
-    /// The engine of the cell that serves `name`, its copy of the map caught up.
+    /// The cell part of the cell that serves `name`, its copy of the map caught up.
     async fn engine_for(&self, name: &str) -> Result<Arc<ProxyState>, Status> {
         let engine = self.route(name)?;
         Ok(self.caught_up(engine, &[name], false).await)
     }
 
-    /// The engine of the one cell that serves every name under `prefix`, caught up.
+    /// The cell part of the one cell that serves every name under `prefix`, caught up.
     async fn engine_for_prefix(&self, prefix: &str) -> Result<Arc<ProxyState>, Status> {
         let engine = self.route_prefix(prefix)?;
         Ok(self.caught_up(engine, &[prefix], true).await)
     }
 
-    /// The engine of the one cell that serves all of `names`, caught up.
+    /// The cell part of the one cell that serves all of `names`, caught up.
     async fn engine_for_all(&self, names: &[&str]) -> Result<Arc<ProxyState>, Status> {
         let engine = self.route_all(names)?;
         Ok(self.caught_up(engine, names, false).await)
     }
 
-    /// `engine`, its copy of the shard map read again first when the call would be
+    /// `cell part`, its copy of the shard map read again first when the call would be
     /// refused there only because this proxy has not yet taken in that copy.
     ///
     /// A move writes the source cell's copy, then the target's, and this proxy follows
