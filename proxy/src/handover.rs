@@ -90,16 +90,6 @@ pub async fn resume(
     result
 }
 
-/// [`resume`] of one cell's stay of a session, for a proxy of several cells, which
-/// records the whole resume itself ([`record_resume`]).
-pub async fn resume_stay(
-    state: &ProxyState,
-    req: ResumeRequest,
-    principal: Option<String>,
-) -> Result<ResumeResponse, ProxyError> {
-    take_over(state, req, principal).await
-}
-
 /// Counts one session's resume (in every cell it has a stay in) begun at `started`.
 pub fn record_resume(started: Instant, ok: bool) {
     let outcome = if ok { "ok" } else { "refused" };
@@ -110,8 +100,10 @@ pub fn record_resume(started: Instant, ok: bool) {
     }
 }
 
-/// [`resume`] itself.
-async fn take_over(
+/// [`resume`] of one cell's stay of a session, unrecorded: a proxy of several cells
+/// records the whole resume itself ([`record_resume`]). Checks the caller and the keys
+/// it may bring, then moves the session ([`resume_named`]).
+pub async fn resume_stay(
     state: &ProxyState,
     mut req: ResumeRequest,
     principal: Option<String>,
