@@ -14,6 +14,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::members::Failure;
 use crate::metrics as m;
+use crate::pause::Pauses;
 use crate::state::ProxyState;
 
 /// Runs bucket `bucket` until shutdown.
@@ -38,7 +39,7 @@ pub async fn run(state: Arc<ProxyState>, bucket: usize) {
 /// Grants a lease for `bucket`, retrying until etcd answers.
 async fn grant(state: &ProxyState, bucket: usize) -> i64 {
     let ttl = state.config.lease_ttl.as_secs() as i64;
-    let mut pause = Duration::from_millis(100);
+    let mut pauses = Pauses::new(Duration::from_millis(100), Duration::from_secs(2));
     loop {
         let sent = (Instant::now(), state.leases.generation());
         let mut client = state.etcd.lease_client();
@@ -60,8 +61,7 @@ async fn grant(state: &ProxyState, bucket: usize) -> i64 {
             Ok(Err(e)) => tracing::warn!(bucket, error = %e, "lease grant failed; retrying"),
             Err(_) => tracing::warn!(bucket, "lease grant timed out; retrying"),
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(2));
+        tokio::time::sleep(pauses.next_pause()).await;
     }
 }
 
@@ -69,7 +69,7 @@ async fn grant(state: &ProxyState, bucket: usize) -> i64 {
 /// `lockcell-cell` sees which proxies run on the cell; tries again until it is written,
 /// or the lease is replaced or the proxy stops.
 async fn announce(state: Arc<ProxyState>, lease: i64) {
-    let mut pause = Duration::from_millis(100);
+    let mut pauses = Pauses::new(Duration::from_millis(100), Duration::from_secs(5));
     while state.leases.lease(0) == Some(lease) && !*state.shutdown.borrow() {
         match announce_on(&state, lease).await {
             Ok(()) => return,
@@ -77,8 +77,7 @@ async fn announce(state: Arc<ProxyState>, lease: i64) {
                 tracing::warn!(%error, lease, "writing the proxy's presence record failed; retrying")
             }
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(5));
+        tokio::time::sleep(pauses.next_pause()).await;
     }
 }
 
@@ -148,8 +147,8 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
     // The stream, and the member it is open on.
     let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
     let mut member = 0;
-    let mut pause = RETRY_PAUSE;
-    let most = state.config.renew_interval();
+    // Steady: a retry must come before the lease's bound, not a jitter's length later.
+    let mut pauses = Pauses::steady(RETRY_PAUSE, state.config.renew_interval());
     loop {
         tick.tick().await;
         if state.leases.past_bound(bucket, Instant::now()) {
@@ -164,7 +163,7 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
                     Ok(client) => client,
                     Err(how) => {
                         state.members.failed(member, how).await;
-                        retry_soon(&mut tick, &mut pause, most);
+                        retry_soon(&mut tick, &mut pauses);
                         continue;
                     }
                 };
@@ -174,13 +173,13 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
                     Ok(Err(e)) => {
                         tracing::warn!(bucket, lease, error = %e, "lease keepalive stream failed to open");
                         state.members.failed(member, Failure::Answered).await;
-                        retry_soon(&mut tick, &mut pause, most);
+                        retry_soon(&mut tick, &mut pauses);
                         continue;
                     }
                     Err(_) => {
                         tracing::warn!(bucket, lease, "lease keepalive stream timed out opening");
                         state.members.failed(member, Failure::Silent).await;
-                        retry_soon(&mut tick, &mut pause, most);
+                        retry_soon(&mut tick, &mut pauses);
                         continue;
                     }
                 }
@@ -199,7 +198,7 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
                 let ttl = Duration::from_secs(reply.ttl() as u64);
                 state.leases.renewed(bucket, lease, sent, ttl);
                 state.members.answered(member);
-                pause = RETRY_PAUSE;
+                pauses.reset();
                 if let Some(header) = reply.header() {
                     state.cell.saw(header.revision());
                 }
@@ -216,17 +215,16 @@ async fn renew(state: &ProxyState, bucket: usize, lease: i64) -> &'static str {
                 tracing::warn!(bucket, lease, error = %what, "lease renewal failed; reopening the stream");
                 stream = None;
                 state.members.failed(member, how).await;
-                retry_soon(&mut tick, &mut pause, most);
+                retry_soon(&mut tick, &mut pauses);
             }
         }
     }
 }
 
-/// After a failed renewal: the next try after `pause` (sooner than the next renewal),
-/// and the pause after that doubled, up to `most`.
-fn retry_soon(tick: &mut tokio::time::Interval, pause: &mut Duration, most: Duration) {
-    tick.reset_after(*pause);
-    *pause = (*pause * 2).min(most);
+/// After a failed renewal: the next try after the next of `pauses` (sooner than the
+/// next renewal).
+fn retry_soon(tick: &mut tokio::time::Interval, pauses: &mut Pauses) {
+    tick.reset_after(pauses.next_pause());
 }
 
 /// Renews `bucket`'s `lease` once, now, outside the keeper's rhythm (a resume needs a

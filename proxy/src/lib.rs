@@ -36,6 +36,7 @@ pub mod members;
 pub mod memory;
 pub mod metrics;
 pub mod mirror;
+pub mod pause;
 pub mod queues;
 pub mod reads;
 pub mod reaper;
@@ -714,7 +715,7 @@ async fn connect(
     // Logs in again whenever etcd has forgotten the token (it expires after
     // --auth-token-ttl without a call, and a restarted member knows none).
     let options = rbac::with_credentials(config.etcd_tls.apply(options)?, credentials.as_ref());
-    let mut pause = Duration::from_millis(200);
+    let mut pauses = pause::Pauses::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
         let attempt = async {
             let client = etcd_client::Client::connect(&endpoints, Some(options.clone())).await?;
@@ -748,6 +749,7 @@ async fn connect(
                 map,
             })
         };
+        let pause = pauses.next_pause();
         match attempt.await {
             Ok(connected) => {
                 if credentials.is_some() {
@@ -785,7 +787,6 @@ async fn connect(
             _ = tokio::time::sleep(pause) => {}
             _ = stop.wait_for(|s| *s) => anyhow::bail!("stopped before etcd at {} answered", endpoints.join(",")),
         }
-        pause = (pause * 2).min(Duration::from_secs(5));
     }
 }
 

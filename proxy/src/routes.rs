@@ -394,7 +394,7 @@ pub async fn follow(
     mut stop: watch::Receiver<bool>,
 ) {
     let key = lockcell_cell::keyspace::shardmap_key();
-    let mut pause = Duration::from_millis(200);
+    let mut pauses = crate::pause::Pauses::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
         let follow_once = async {
             let at = routes.refresh(&mut etcd.kv_client(), timeout).await?;
@@ -432,16 +432,15 @@ pub async fn follow(
         };
         tokio::select! {
             result = follow_once => match result {
-                Ok(()) => pause = Duration::from_millis(200),
+                Ok(()) => pauses.reset(),
                 Err(e) => tracing::warn!(error = %e, "following the cell's shard map failed; retrying"),
             },
             _ = stop.wait_for(|s| *s) => return,
         }
         tokio::select! {
-            _ = tokio::time::sleep(pause) => {}
+            _ = tokio::time::sleep(pauses.next_pause()) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        pause = (pause * 2).min(Duration::from_secs(5));
     }
 }
 

@@ -120,7 +120,8 @@ impl EtcdApi {
     /// Reads the cell's forwarding key, writing it first if no proxy has: until then,
     /// forwarded calls are refused. Tries until it has it or the proxy stops.
     pub(super) async fn load_forward_key(self) {
-        let mut pause = Duration::from_millis(100);
+        let mut pauses =
+            crate::pause::Pauses::new(Duration::from_millis(100), Duration::from_secs(5));
         while !*self.state.shutdown.borrow() {
             match self.read_forward_key().await {
                 Ok(key) => {
@@ -131,8 +132,7 @@ impl EtcdApi {
                     tracing::warn!(%error, "reading the cell's forwarding key failed; retrying")
                 }
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(5));
+            tokio::time::sleep(pauses.next_pause()).await;
         }
     }
 
