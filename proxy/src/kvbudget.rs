@@ -62,6 +62,8 @@ pub struct Writer<'a> {
 pub struct Admitted<'a> {
     budget: &'a KvBudget,
     ticket: Option<u64>,
+    /// The room it took below etcd's space line, kept if it lands.
+    room: Option<crate::space::Room<'a>>,
 }
 
 impl KvBudget {
@@ -151,6 +153,7 @@ impl KvBudget {
             return Ok(Ok(Admitted {
                 budget: self,
                 ticket: None,
+                room: None,
             }));
         }
         let growth = growth.max(0) as usize;
@@ -185,14 +188,25 @@ impl KvBudget {
         Ok(Ok(Admitted {
             budget: self,
             ticket: Some(ticket),
+            room: None,
         }))
     }
 }
 
-impl Admitted<'_> {
+impl<'a> Admitted<'a> {
+    /// With the room the write took below etcd's space line.
+    pub fn with_room(mut self, room: crate::space::Room<'a>) -> Self {
+        self.room = Some(room);
+        self
+    }
+
     /// The write landed at `revision` (or wrote nothing, `None`): its reservation lasts
-    /// until the copy shows that revision.
+    /// until the copy shows that revision, and its room below the line until the next
+    /// reading of etcd's size.
     pub fn landed(mut self, revision: Option<i64>) {
+        if let (Some(room), Some(_)) = (self.room.take(), revision) {
+            room.keep();
+        }
         let Some(ticket) = self.ticket.take() else {
             return;
         };

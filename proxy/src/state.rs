@@ -295,28 +295,33 @@ impl ProxyState {
         identity: Option<&str>,
         writes: &[WriteSize<'_>],
     ) -> Result<crate::kvbudget::Admitted<'a>, ProxyError> {
-        let adds: usize = writes
-            .iter()
-            .filter_map(|w| w.value.map(|v| w.name.len() + v))
-            .sum();
-        if adds > 0 {
-            let names: Vec<&str> = writes.iter().map(|w| w.name).collect();
-            self.space
-                .admit(&format!("writing {names:?}"), adds as u64)?;
-        }
         let grants = self.grants.current();
         let writer = identity.map(|identity| crate::kvbudget::Writer {
             grants: &grants,
             identity,
         });
-        self.kv_budget
+        let admitted = self
+            .kv_budget
             .admit(
                 &self.reads.feed,
                 self.config.max_kv_total_bytes,
                 writer,
                 writes,
             )
-            .await
+            .await?;
+        // Last: a write refused by another bound takes no room below the line.
+        let adds: usize = writes
+            .iter()
+            .filter_map(|w| w.value.map(|v| w.name.len() + v))
+            .sum();
+        if adds == 0 {
+            return Ok(admitted);
+        }
+        let names: Vec<&str> = writes.iter().map(|w| w.name).collect();
+        let room = self
+            .space
+            .reserve(&format!("writing {names:?}"), adds as u64)?;
+        Ok(admitted.with_room(room))
     }
 
     /// The epoch the proxy mints tokens in.

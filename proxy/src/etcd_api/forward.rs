@@ -534,6 +534,7 @@ impl EtcdApi {
         }
         // Looks leases up even for a forwarded call, which runs here.
         let lookup = MetadataMap::new();
+        let _one_at_a_time = self.gathering.lock().await;
         for _ in 0..GATHER_ROUNDS {
             let writes = self.writes.read().await;
             let mut away = Vec::new();

@@ -64,6 +64,10 @@ pub struct EtcdApi {
     /// Turns to have a client write in etcd (`--etcd-writes-in-flight`), first come
     /// first served.
     in_etcd: Arc<tokio::sync::Semaphore>,
+    /// Held by a Txn's gather of its leases, from its check of the identity's limits
+    /// until its leases are here: gathers one at a time, so each checks what the last
+    /// brought.
+    gathering: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl EtcdApi {
@@ -104,6 +108,7 @@ impl EtcdApi {
             handed_off: Arc::new(handed_off),
             peers: Arc::default(),
             in_etcd,
+            gathering: Arc::default(),
         }
     }
 

@@ -660,21 +660,43 @@ pub async fn a_cell_near_its_etcd_quota_refuses_new_keys_but_releases_and_expire
         }
     });
 
-    // Fill etcd through the proxy until it refuses.
+    // Fill etcd through the proxy until it refuses with etcd near the line: between
+    // two readings of etcd's size (every 2 s) it lets through half the room left, so
+    // it takes a few readings.
     let value = vec![b'v'; 60 * 1024];
     let mut written = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let refusal = loop {
-        match client
-            .put(&format!("space/fill-{written}"), &value, Condition::Always)
-            .await
-        {
-            Ok(_) => written += 1,
-            Err(e) => break e,
+        let refusal = loop {
+            match client
+                .put(&format!("space/fill-{written}"), &value, Condition::Always)
+                .await
+            {
+                Ok(_) => written += 1,
+                Err(e) => break e,
+            }
+            ensure!(
+                written as u64 * 60 * 1024 < 2 * QUOTA,
+                "{written} values of 60 KiB went through an 8 MiB quota"
+            );
+        };
+        let read = proxy.metric("lockcell_etcd_db_bytes").await?;
+        if read > QUOTA as f64 * 0.85 {
+            break refusal;
         }
         ensure!(
-            written as u64 * 60 * 1024 < 2 * QUOTA,
-            "{written} values of 60 KiB went through an 8 MiB quota"
+            tokio::time::Instant::now() < deadline,
+            "the proxy refused at {read} bytes of an 8 MiB quota, far below its 90% line"
         );
+        eventually(
+            "the proxy reads etcd's size again",
+            Duration::from_secs(10),
+            || async {
+                let now = proxy.metric("lockcell_etcd_db_bytes").await?;
+                Ok((now != read).then_some(()))
+            },
+        )
+        .await?;
     };
     exhausted(
         Err::<(), _>(refusal),
