@@ -350,12 +350,18 @@ pub fn etcd_leased_root() -> &'static str {
 /// range of etcd keys: a key under `/k/` maps to the record of the same name, the end
 /// of the small-key space to the end of the records. `None` for any other key.
 pub fn etcd_leased_key(key: &[u8]) -> Option<Vec<u8>> {
+    record_under(ETCD_LEASED_ROOT, key)
+}
+
+/// The record under `root` of etcd key `key` (a key under `/k/`: the record of the same
+/// name), or of the end of the small-key space (the end of the records).
+fn record_under(root: &str, key: &[u8]) -> Option<Vec<u8>> {
     if let Some(name) = key.strip_prefix(KV_ROOT.as_bytes()) {
-        let mut record = ETCD_LEASED_ROOT.as_bytes().to_vec();
+        let mut record = root.as_bytes().to_vec();
         record.extend_from_slice(name);
         return Some(record);
     }
-    (key == prefix_end(KV_ROOT.as_bytes())).then(|| prefix_end(ETCD_LEASED_ROOT.as_bytes()))
+    (key == prefix_end(KV_ROOT.as_bytes())).then(|| prefix_end(root.as_bytes()))
 }
 
 /// Where a proxy records the identity that wrote a small key on no lease (a persistent
@@ -371,12 +377,7 @@ pub fn owner_root() -> &'static str {
 /// The owner record ([`owner_root`]) of etcd key `key`, or of the end of a range of etcd
 /// keys, as [`etcd_leased_key`] maps keys to client lease records.
 pub fn owner_key(key: &[u8]) -> Option<Vec<u8>> {
-    if let Some(name) = key.strip_prefix(KV_ROOT.as_bytes()) {
-        let mut record = OWNER_ROOT.as_bytes().to_vec();
-        record.extend_from_slice(name);
-        return Some(record);
-    }
-    (key == prefix_end(KV_ROOT.as_bytes())).then(|| prefix_end(OWNER_ROOT.as_bytes()))
+    record_under(OWNER_ROOT, key)
 }
 
 /// The small key's name an owner record is about, if `key` is one.

@@ -132,11 +132,16 @@ impl Space {
     /// proxy's copy of the small keys says): it would still write a revision (with its
     /// writer record), and a caller looping on it could fill the room kept past the
     /// line for releases and clean-ups. A delete that finds a key always passes.
-    pub fn admit_delete(&self, what: &str, finds_none: bool) -> Result<(), ProxyError> {
+    /// `finds_none` is asked only past the line: below it, no delete costs a look.
+    pub fn admit_delete(
+        &self,
+        what: &str,
+        finds_none: impl FnOnce() -> bool,
+    ) -> Result<(), ProxyError> {
         let read = self.read.load(Ordering::Acquire);
         let since = self.since.load(Ordering::Acquire);
         // Past the line as new keys are: no room left for the least write.
-        if !finds_none || since + OVERHEAD < self.share(read) {
+        if since + OVERHEAD < self.share(read) || !finds_none() {
             return Ok(());
         }
         metrics::counter!(m::ETCD_SPACE_REFUSALS).increment(1);
@@ -308,7 +313,7 @@ mod tests {
         // 60 KiB left below the line: 10 KiB for each of three proxies.
         space.reserve("put a", 3 * KIB).unwrap().keep();
         assert!(
-            space.admit_delete("delete nothing", true).is_ok(),
+            space.admit_delete("delete nothing", || true).is_ok(),
             "room left"
         );
         space.reserve("put b", 3 * KIB).unwrap().keep();
@@ -316,7 +321,7 @@ mod tests {
         // 2 KiB left here: a delete finding nothing fits until the room is gone.
         space.reserve("put d", 500).unwrap().keep();
         assert!(
-            space.admit_delete("delete nothing", true).is_err(),
+            space.admit_delete("delete nothing", || true).is_err(),
             "no room left"
         );
         space.set_proxies(1);

@@ -534,8 +534,12 @@ impl EtcdApi {
         }
         // Looks leases up even for a forwarded call, which runs here.
         let lookup = MetadataMap::new();
-        let _one_at_a_time = self.gathering.lock().await;
-        for _ in 0..GATHER_ROUNDS {
+        // Held from the first lease found away on: a Txn whose leases are all here (the
+        // usual case, a lock or an election of one lease) never waits for a gather.
+        let mut one_at_a_time = None;
+        // One more look than rounds: the first that finds a lease away only takes the
+        // turn, and the next looks again under it.
+        for _ in 0..=GATHER_ROUNDS {
             let writes = self.writes.read().await;
             let mut away = Vec::new();
             for &id in leases {
@@ -547,6 +551,10 @@ impl EtcdApi {
                 return Ok(Some(writes));
             }
             drop(writes);
+            if one_at_a_time.is_none() {
+                one_at_a_time = Some(self.gathering.lock().await);
+                continue;
+            }
             // Leases brought here count against their identity's sessions here, as a
             // resumed session does: refused before any moves.
             self.admit_gathered(caller, &away, adding)?;

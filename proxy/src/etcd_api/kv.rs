@@ -202,21 +202,13 @@ impl PbKvService for EtcdApi {
             return Err(Status::invalid_argument("etcdserver: key is not provided"));
         }
         let map_revision = self.map_revision(&req.key, &req.range_end)?;
-        let finds_none = self.state.reads.feed.with_mirror(|mirror| {
-            let count = PbRangeRequest {
-                key: req.key.clone(),
-                range_end: req.range_end.clone(),
-                count_only: true,
-                ..PbRangeRequest::default()
-            };
-            mirror_range(mirror, &count).is_some_and(|found| found.count == 0)
-        }) && self.state.reads.feed.is_live();
+        let feed = &self.state.reads.feed;
         self.state.space.admit_delete(
             &format!(
                 "deleting {:?}",
                 String::from_utf8_lossy(&req.key).into_owned()
             ),
-            finds_none,
+            || feed.is_live() && feed.with_mirror(|m| finds_none(m, &req.key, &req.range_end)),
         )?;
         let range = inner_range(&req.key, &req.range_end);
         let records = records_deleted(&range);
@@ -422,28 +414,22 @@ impl EtcdApi {
         // line, one that only deletes, in ranges where no key exists, would still write
         // one (its writer record): refused, as such a DeleteRange is.
         let writer = self.writer(caller.clone(), None);
-        let feed = &self.state.reads.feed;
-        let finds_none = feed.is_live()
-            && txn_puts(req).is_empty()
-            && !txn_deletes(req).is_empty()
-            && feed.with_mirror(|mirror| {
-                txn_deletes(req).iter().all(|d| {
-                    let count = PbRangeRequest {
-                        key: d.key.clone(),
-                        range_end: d.range_end.clone(),
-                        count_only: true,
-                        ..PbRangeRequest::default()
-                    };
-                    mirror_range(mirror, &count).is_some_and(|found| found.count == 0)
-                })
-            });
-        self.state
-            .space
-            .admit_delete("a transaction of deletes only", finds_none)?;
-        let client_txn = inward_txn(req, leased, leases, &writer)?;
         // Every put of either branch counts against the cell's small-key bound: which
         // branch runs is etcd's to decide.
         let puts = txn_puts(req);
+        let feed = &self.state.reads.feed;
+        self.state
+            .space
+            .admit_delete("a transaction of deletes only", || {
+                let deletes = txn_deletes(req);
+                feed.is_live()
+                    && puts.is_empty()
+                    && !deletes.is_empty()
+                    && feed.with_mirror(|m| {
+                        deletes.iter().all(|d| finds_none(m, &d.key, &d.range_end))
+                    })
+            })?;
+        let client_txn = inward_txn(req, leased, leases, &writer)?;
         let keys: Vec<String> = puts
             .iter()
             .map(|p| String::from_utf8_lossy(&p.key).into_owned())

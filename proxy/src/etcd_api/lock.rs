@@ -123,13 +123,14 @@ impl Lock for EtcdApi {
         // Past the space line, an Unlock of a key that is not there would still write a
         // revision (the writer record): refused, as such a DeleteRange is.
         let feed = &self.state.reads.feed;
-        let finds_none = feed.is_live()
-            && feed.with_mirror(|mirror| {
-                std::str::from_utf8(&key).is_ok_and(|key| mirror.get(key).is_none())
-            });
         self.state.space.admit_delete(
             &format!("unlocking {:?}", String::from_utf8_lossy(&key)),
-            finds_none,
+            || {
+                feed.is_live()
+                    && feed.with_mirror(|m| {
+                        std::str::from_utf8(&key).is_ok_and(|key| m.get(key).is_none())
+                    })
+            },
         )?;
         let map_revision = self.map_revision(&key, &[])?;
         let outcome = self

@@ -213,15 +213,12 @@ impl KvApi for KvService {
         let writer = self.writer(caller);
         let req = request.into_inner();
         let name = key_name(&req.key)?;
-        let finds_none = self
-            .state
-            .reads
-            .feed
-            .with_mirror(|mirror| mirror.get(name.as_str()).is_none())
-            && self.state.reads.feed.is_live();
+        let feed = &self.state.reads.feed;
         self.state
             .space
-            .admit_delete(&format!("deleting {:?}", req.key), finds_none)?;
+            .admit_delete(&format!("deleting {:?}", req.key), || {
+                feed.is_live() && feed.with_mirror(|m| m.get(name.as_str()).is_none())
+            })?;
         let condition = condition(&req.key, req.condition)?;
         let served = self.state.routes.serve(name.as_str())?;
         let (written, deleted) = self
@@ -269,16 +266,17 @@ impl KvApi for KvService {
         // Past the space line, a Txn that only deletes keys none of which exist would
         // still write a revision (its writer record): refused, as such a Delete is.
         let feed = &self.state.reads.feed;
-        let finds_none = feed.is_live()
-            && !sizes.is_empty()
-            && feed.with_mirror(|mirror| {
-                sizes
-                    .iter()
-                    .all(|w| w.value.is_none() && mirror.get(w.name).is_none())
-            });
         self.state
             .space
-            .admit_delete("a transaction of deletes only", finds_none)?;
+            .admit_delete("a transaction of deletes only", || {
+                feed.is_live()
+                    && !sizes.is_empty()
+                    && feed.with_mirror(|m| {
+                        sizes
+                            .iter()
+                            .all(|w| w.value.is_none() && m.get(w.name).is_none())
+                    })
+            })?;
         let identity = Some(writer.identity.as_str()).filter(|i| !i.is_empty());
         let admitted = self.state.admit_writes(identity, &sizes).await?;
         let names = checked.when.iter().map(|(n, _)| n.as_str());

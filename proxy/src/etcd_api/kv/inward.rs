@@ -212,29 +212,36 @@ pub(super) fn txn_writes(txn: &PbTxnRequest) -> bool {
         })
 }
 
-/// The deletes of a Txn, of either branch, nested ones too.
-pub(super) fn txn_deletes(txn: &PbTxnRequest) -> Vec<&PbDeleteRequest> {
-    let mut deletes = Vec::new();
+/// The operations of `txn` that `pick` takes, of either branch, nested ones too.
+fn txn_ops<'a, T>(
+    txn: &'a PbTxnRequest,
+    pick: fn(&'a PbTxnOpRequest) -> Option<&'a T>,
+) -> Vec<&'a T> {
+    let mut picked = Vec::new();
     for op in txn.success.iter().chain(&txn.failure) {
         match &op.request {
-            Some(PbTxnOpRequest::RequestDeleteRange(d)) => deletes.push(d),
-            Some(PbTxnOpRequest::RequestTxn(t)) => deletes.extend(txn_deletes(t)),
-            _ => {}
+            Some(PbTxnOpRequest::RequestTxn(t)) => picked.extend(txn_ops(t, pick)),
+            Some(request) => picked.extend(pick(request)),
+            None => {}
         }
     }
-    deletes
+    picked
 }
 
+/// The deletes of a Txn, of either branch, nested ones too.
+pub(super) fn txn_deletes(txn: &PbTxnRequest) -> Vec<&PbDeleteRequest> {
+    txn_ops(txn, |request| match request {
+        PbTxnOpRequest::RequestDeleteRange(d) => Some(d),
+        _ => None,
+    })
+}
+
+/// The puts of a Txn, of either branch, nested ones too.
 pub(super) fn txn_puts(txn: &PbTxnRequest) -> Vec<&PbPutRequest> {
-    let mut puts = Vec::new();
-    for op in txn.success.iter().chain(&txn.failure) {
-        match &op.request {
-            Some(PbTxnOpRequest::RequestPut(p)) => puts.push(p),
-            Some(PbTxnOpRequest::RequestTxn(t)) => puts.extend(txn_puts(t)),
-            _ => {}
-        }
-    }
-    puts
+    txn_ops(txn, |request| match request {
+        PbTxnOpRequest::RequestPut(p) => Some(p),
+        _ => None,
+    })
 }
 
 /// The client's Txn with every key in the small-key space, each write with the ops that

@@ -95,6 +95,18 @@ pub(super) fn mirror_range(mirror: &Mirror, req: &PbRangeRequest) -> Option<PbRa
     })
 }
 
+/// Whether the proxy's copy shows no key in the client's range from `key` to
+/// `range_end` (etcd's forms: one key, a range, from a key on).
+pub(super) fn finds_none(mirror: &Mirror, key: &[u8], range_end: &[u8]) -> bool {
+    let count = PbRangeRequest {
+        key: key.to_vec(),
+        range_end: range_end.to_vec(),
+        count_only: true,
+        ..PbRangeRequest::default()
+    };
+    mirror_range(mirror, &count).is_some_and(|found| found.count == 0)
+}
+
 /// A key's etcd key as the client's.
 pub(super) fn outward_key(kv: &mut PbKeyValue) {
     if let Some(outer) = keys::outer(&kv.key) {
