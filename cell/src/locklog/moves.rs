@@ -61,29 +61,7 @@ impl LockLog {
         let fence_key = crate::keyspace::session_fence_key(session.as_str());
         let mut chunks = keys.chunks(MAX_DELETES_PER_TXN);
         let first = chunks.next().unwrap_or(&[]);
-        let compare = if fence == 0 {
-            Compare::create_revision(fence_key.as_bytes(), CompareOp::Equal, 0)
-        } else {
-            Compare::mod_revision(fence_key.as_bytes(), CompareOp::Equal, fence)
-        };
-        let mut then = vec![
-            TxnOp::put(
-                fence_key.as_bytes(),
-                proxy,
-                Some(PutOptions::new().with_lease(to)),
-            ),
-            TxnOp::get(fence_key.as_bytes(), None),
-        ];
-        then.extend(moves(first, to));
-        let mut when = vec![compare];
-        if let Some((key, revision)) = guard {
-            when.push(Compare::mod_revision(key, CompareOp::Equal, revision));
-            then.push(TxnOp::delete(key, None));
-        }
-        let txn = Txn::new()
-            .when(when)
-            .and_then(then)
-            .or_else([TxnOp::get(fence_key.as_bytes(), None)]);
+        let txn = resume_txn(&fence_key, fence, first, to, proxy, guard);
         let resp = match with_timeout("resume txn", self.timeout, self.kv.clone().txn(txn)).await {
             // Turned away before it was proposed: nothing moved.
             Err(e) if e.turned_away() => return Ok(Resume::TurnedAway(e.to_string())),
@@ -177,6 +155,43 @@ pub enum Resume {
     Ended { reason: String },
     /// etcd turned the first transaction away (too busy): nothing moved.
     TurnedAway(String),
+}
+
+/// The first transaction of a move: if the session's fence is still `fence` (0: there
+/// is none), it takes the fence onto lease `to` for `proxy` and moves the keys of
+/// `first` there; with `guard`, only if that key is still at that mod revision, which
+/// it deletes. It reads the fence back either way.
+pub(super) fn resume_txn(
+    fence_key: &str,
+    fence: i64,
+    first: &[(Grant, i64)],
+    to: i64,
+    proxy: &str,
+    guard: Option<(&str, i64)>,
+) -> Txn {
+    let compare = if fence == 0 {
+        Compare::create_revision(fence_key.as_bytes(), CompareOp::Equal, 0)
+    } else {
+        Compare::mod_revision(fence_key.as_bytes(), CompareOp::Equal, fence)
+    };
+    let mut then = vec![
+        TxnOp::put(
+            fence_key.as_bytes(),
+            proxy,
+            Some(PutOptions::new().with_lease(to)),
+        ),
+        TxnOp::get(fence_key.as_bytes(), None),
+    ];
+    then.extend(moves(first, to));
+    let mut when = vec![compare];
+    if let Some((key, revision)) = guard {
+        when.push(Compare::mod_revision(key, CompareOp::Equal, revision));
+        then.push(TxnOp::delete(key, None));
+    }
+    Txn::new()
+        .when(when)
+        .and_then(then)
+        .or_else([TxnOp::get(fence_key.as_bytes(), None)])
 }
 
 /// What became of one key a move named: on the new lease, with (for an ephemeral key,

@@ -571,6 +571,48 @@ mod tests {
     }
 
     #[test]
+    fn a_move_takes_the_fence_it_found_and_only_with_a_hand_off_record_as_read() {
+        use super::super::moves::resume_txn;
+        let lock = lock();
+        let held = vec![(Grant::hold(&lock, Mode::Exclusive, "s1", 20), LEASE)];
+        let fence = "/s/fence";
+        // No fence yet: the move is the session's first, and takes it only if none
+        // was written meanwhile.
+        let (compares, then, otherwise) = shown(resume_txn(fence, 0, &held, 99, "p2", None));
+        assert_eq!(compares, vec![format!("create({fence}) = 0")]);
+        assert_eq!(
+            then,
+            vec![
+                format!("put {fence} lease 99"),
+                format!("get {fence}"),
+                "txn".to_owned()
+            ],
+            "the fence goes on the new lease, is read back, and each key moves in a txn of its own"
+        );
+        assert_eq!(otherwise, vec![format!("get {fence}")]);
+        // A fence seen at revision 7: only if no other proxy took it since.
+        let (compares, _, _) = shown(resume_txn(fence, 7, &held, 99, "p2", None));
+        assert_eq!(compares, vec![format!("mod({fence}) = 7")]);
+        // Taken over from a hand-off record: only the record as read, deleted with it.
+        let (compares, then, _) = shown(resume_txn(
+            fence,
+            7,
+            &held,
+            99,
+            "p2",
+            Some(("/s/handoff/1", 30)),
+        ));
+        assert_eq!(
+            compares,
+            vec![
+                format!("mod({fence}) = 7"),
+                "mod(/s/handoff/1) = 30".to_owned()
+            ]
+        );
+        assert_eq!(then.last().map(String::as_str), Some("delete /s/handoff/1"));
+    }
+
+    #[test]
     fn a_guarded_delete_compares_the_grant_and_its_lease() {
         let lock = lock();
         let hold = Grant::hold(&lock, Mode::Exclusive, "s1", 20);
