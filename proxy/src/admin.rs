@@ -28,6 +28,7 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 use crate::metrics as m;
+use crate::sessions::Session;
 use crate::state::ProxyState;
 
 /// The exit status of a proxy stopped by `POST /drain` (SIGTERM's drain exits 0).
@@ -245,25 +246,7 @@ async fn end_session(
             continue;
         };
         let at = session.expires_at();
-        // Fenced in etcd too: a resume on any proxy, this one included, is refused.
-        let fenced = match lockcell_cell::LockName::parse(&ask.session) {
-            Ok(name) => match state.locklog.end_fence(&name, session.lease, &reason).await {
-                Ok(created) => {
-                    if let Some(revision) = created {
-                        let fence = lockcell_cell::locklog::Grant::fence(&name, revision);
-                        state
-                            .sessions
-                            .record_grant(&session.id, session.incarnation, fence, None);
-                    }
-                    true
-                }
-                Err(e) => {
-                    tracing::error!(session.id = %ask.session, error = %e, "could not fence the ended session in etcd; a resume elsewhere could keep it");
-                    false
-                }
-            },
-            Err(_) => false,
-        };
+        let fenced = fence_ended(state, &session, &reason).await;
         let held: Vec<&str> = session
             .held
             .iter()
@@ -293,6 +276,29 @@ async fn end_session(
         StatusCode::NOT_FOUND,
         format!("session {} is not open on this proxy\n", ask.session),
     )
+}
+
+/// Fences a session an operator ended in etcd too, so a resume on any proxy, this one
+/// included, is refused: false when it could not be.
+async fn fence_ended(state: &ProxyState, session: &Session, reason: &str) -> bool {
+    match lockcell_cell::LockName::parse(&session.id) {
+        Ok(name) => match state.locklog.end_fence(&name, session.lease, reason).await {
+            Ok(created) => {
+                if let Some(revision) = created {
+                    let fence = lockcell_cell::locklog::Grant::fence(&name, revision);
+                    state
+                        .sessions
+                        .record_grant(&session.id, session.incarnation, fence, None);
+                }
+                true
+            }
+            Err(e) => {
+                tracing::error!(session.id = %session.id, error = %e, "could not fence the ended session in etcd; a resume elsewhere could keep it");
+                false
+            }
+        },
+        Err(_) => false,
+    }
 }
 
 /// Alive: the process answers (a liveness probe; readiness is `/readyz`).

@@ -121,24 +121,7 @@ impl CatchUp {
             .acquire_owned()
             .await
             .map_err(|_| CatchUpError::Etcd("the proxy is stopping".into()))?;
-        // One revision early: etcd accepts a watch from exactly its compact revision
-        // but has dropped the deletes made at it, so a watch from `start` could skip
-        // them unseen. From `start - 1`, a compaction at `start` is refused as one.
-        // In fragments: etcd sends a batch of history (up to a thousand revisions, with
-        // their previous values) as one response, which could take hundreds of MiB of
-        // the proxy's memory per catch-up; fragments are at most etcd's request size.
-        let mut options = WatchOptions::new()
-            .with_all_keys()
-            .with_fragment()
-            .with_start_revision((start - 1).max(1));
-        if prev_kv {
-            options = options.with_prev_key();
-        }
-        let mut client = client.max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES);
-        let mut stream = client
-            .watch(vec![0u8], Some(options))
-            .await
-            .map_err(|e| CatchUpError::Etcd(e.to_string()))?;
+        let mut stream = history(client, start, prev_kv).await?;
         ::metrics::counter!(metrics::WATCH_CATCH_UPS).increment(1);
         let _counted = metrics::Counted::in_gauge(metrics::ETCD_WATCHES);
         let mut seen = start - 1;
@@ -178,22 +161,55 @@ impl CatchUp {
                 .filter_map(|e| event(e, &leased, topic, start, through))
                 .collect();
             drop(whole);
-            // A response at a time, in whole revisions of a bounded size, each taken
-            // by the reader before the next is read.
-            for (reached, events) in in_chunks(events, reached.min(through), RESPONSE_BYTES) {
-                match tokio::time::timeout(SLOW_READER, out.send(CaughtUp { reached, events }))
-                    .await
-                {
-                    Ok(Ok(())) => {}
-                    Ok(Err(_)) => return Err(CatchUpError::ClientGone),
-                    Err(_) => return Err(CatchUpError::Slow),
-                }
-            }
+            hand_over(out, events, reached.min(through)).await?;
             if reached >= through {
                 return Ok(());
             }
         }
     }
+}
+
+/// etcd's history from `start` on, by a watch of every key: one revision early, as
+/// etcd accepts a watch from exactly its compact revision but has dropped the deletes
+/// made at it, so a watch from `start` could skip them unseen (from `start - 1`, a
+/// compaction at `start` is refused as one). In fragments: etcd sends a batch of
+/// history (up to a thousand revisions, with their previous values) as one response,
+/// which could take hundreds of MiB of the proxy's memory per catch-up; fragments are
+/// at most etcd's request size.
+async fn history(
+    client: WatchClient,
+    start: i64,
+    prev_kv: bool,
+) -> Result<etcd_client::WatchStream, CatchUpError> {
+    let mut options = WatchOptions::new()
+        .with_all_keys()
+        .with_fragment()
+        .with_start_revision((start - 1).max(1));
+    if prev_kv {
+        options = options.with_prev_key();
+    }
+    let mut client = client.max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES);
+    client
+        .watch(vec![0u8], Some(options))
+        .await
+        .map_err(|e| CatchUpError::Etcd(e.to_string()))
+}
+
+/// Hands `events` (through revision `through`) to the reader: a response at a time, in
+/// whole revisions of a bounded size, each taken by the reader before the next is read.
+async fn hand_over(
+    out: &mpsc::Sender<CaughtUp>,
+    events: Vec<KeyEvent>,
+    through: i64,
+) -> Result<(), CatchUpError> {
+    for (reached, events) in in_chunks(events, through, RESPONSE_BYTES) {
+        match tokio::time::timeout(SLOW_READER, out.send(CaughtUp { reached, events })).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(CatchUpError::ClientGone),
+            Err(_) => return Err(CatchUpError::Slow),
+        }
+    }
+    Ok(())
 }
 
 /// Takes the events of the last revision in `events` out and returns them.

@@ -2,7 +2,22 @@
 //! state ([`ProxyState`]) and the tasks that keep it (leases, the reaper, the feed,
 //! the lock-log watches); and what every cell's part shares.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::ConnectOptions;
+use lockcell_cell::locklog::LockLog;
+use lockcell_cell::rbac;
+use lockcell_cell::{epoch, keyspace};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::config::ProxyConfig;
+use crate::state::ProxyState;
+use crate::{
+    access, barrier, cellguard, classes, events, feed, lease_keeper, leases, limits, members,
+    memory, pause, reads, reaper, routes, space, sweep,
+};
 
 /// What every cell's cell part of one proxy shares.
 pub(crate) struct Shared {
@@ -79,149 +94,17 @@ impl CellPart {
         connection: Connection,
         counts_sessions: bool,
     ) -> anyhow::Result<CellPart> {
-        let Connection {
-            etcd,
-            members,
-            epoch,
-            revision: start_revision,
-            map,
-            ..
-        } = connection;
+        let etcd = connection.etcd.clone();
+        let start_revision = connection.revision;
         let mut config = config.clone();
         if let Some(name) = &name {
             // Each cell's state is remembered apart.
             config.state_dir = config.state_dir.map(|dir| dir.join(name));
         }
-        let cell = Arc::new(
-            cellguard::CellGuard::start(&epoch, start_revision, config.state_dir.as_deref())?
-                .draining_with(shared.drain.clone()),
-        );
-        let events = Arc::new(events::LockEvents::new());
-        let mut routes = routes::Routes::new(&epoch.record.cluster_id, epoch.record.epoch, map)
-            .epoch_since(epoch.mod_revision);
-        if name.is_some() {
-            routes = routes.in_map();
-        }
-        let routes = Arc::new(routes);
-        let feed = Arc::new(feed::Feed::new(
-            config.watch_backlog,
-            config.watch_history_bytes,
-            routes.clone(),
-        ));
-        let reads = reads::Reads::new(
-            feed.clone(),
-            barrier::Barrier::start(etcd.kv_client(), config.etcd_timeout),
-            lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
-            config.etcd_timeout,
-            routes.clone(),
-            etcd.kv_client(),
-        );
-        let state = Arc::new(ProxyState {
-            proxy_id: shared.proxy_id.clone(),
-            cell_name: name,
-            counts_sessions,
-            routes,
-            cell,
-            sessions: Default::default(),
-            leases: leases::LeaseBook::new(
-                config.leases as usize,
-                config.validity_margin,
-                config.clock_rate_bound.0,
-                Instant::now(),
-            ),
-            locklog: LockLog::new(etcd.kv_client(), config.etcd_timeout)
-                .with_epoch_guard(epoch.mod_revision),
-            kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout)
-                .with_writer_key(lockcell_cell::keyspace::writer_key(&shared.proxy_id)),
-            reads,
-            kv_budget: Default::default(),
-            space: Arc::new(space::Space::new(
-                config.etcd_quota_bytes,
-                config.etcd_space_limit_percent,
-            )),
-            queues: events.queues().clone(),
-            events,
-            classes: shared.classes.clone(),
-            grants: shared.grants.clone(),
-            limits: shared.limits.clone(),
-            memory: shared.memory.clone(),
-            cleanup: Default::default(),
-            renewing: (0..config.leases).map(|_| Default::default()).collect(),
-            etcd: etcd.clone(),
-            members,
-            shutdown: shared.stop.clone(),
-            drain: shared.drain.clone(),
-            drain_started: Default::default(),
-            handed_off: Default::default(),
-            etcd_lease_blocks: Default::default(),
-            config,
-        });
-        // An ephemeral key deleted by other means than its session's end (or written on
-        // no lease) is no longer the session's: it forgets it, and the key no longer
-        // counts against the session's identity.
-        let weak = Arc::downgrade(&state);
-        state.reads.feed.on_ephemeral_lost(Box::new(move |lost| {
-            let Some(state) = weak.upgrade() else {
-                return;
-            };
-            for key in lost {
-                state.sessions.forget_lost(
-                    &format!("{}{}", lockcell_cell::keyspace::kv_root(), key.name),
-                    key.created,
-                    key.at,
-                );
-            }
-        }));
-        let mut tasks = tokio::task::JoinSet::new();
-        for bucket in 0..state.leases.len() {
-            tasks.spawn(lease_keeper::run(state.clone(), bucket));
-        }
-        tasks.spawn(reaper::run(state.clone()));
-        tasks.spawn({
-            let state = state.clone();
-            async move { state.cell.keep_remembering(Duration::from_secs(5)).await }
-        });
-        tasks.spawn(
-            state
-                .cell
-                .clone()
-                .watch_record(etcd.clone(), start_revision),
-        );
-        tasks.spawn(routes::follow(
-            state.routes.clone(),
-            etcd.clone(),
-            state.config.etcd_timeout,
-            shared.stop.clone(),
-        ));
-        tasks.spawn(sweep::run(state.clone(), shared.stop.clone()));
-        tasks.spawn(space::keep_reading(
-            state.space.clone(),
-            state.etcd.clone(),
-            state.config.etcd_timeout,
-            shared.stop.clone(),
-        ));
-        let follow = vec![
-            // Prefix watchers' batches, handed over a few at a time.
-            tokio::spawn(feed.fanout.clone().pace()),
-            tokio::spawn(feed::run(
-                feed,
-                etcd.kv_client(),
-                etcd.watch_client(),
-                state.config.etcd_timeout,
-            )),
-            tokio::spawn(events::follow(
-                following(&state),
-                keyspace::locks_root(),
-                false,
-                start_revision + 1,
-            )),
-            tokio::spawn(events::follow(
-                following(&state),
-                keyspace::queues_root(),
-                true,
-                start_revision + 1,
-            )),
-        ];
+        let state = new_state(config, shared, name, connection, counts_sessions)?;
+        forget_lost_keys(&state);
+        let tasks = keep(&state, shared, start_revision);
+        let follow = follow(&state, &etcd, start_revision);
         Ok(CellPart {
             state,
             tasks,
@@ -270,6 +153,186 @@ impl CellPart {
     }
 }
 
+/// A cell part's state: its own copy of the config (`config`), on `connection`.
+fn new_state(
+    config: ProxyConfig,
+    shared: &Shared,
+    name: Option<String>,
+    connection: Connection,
+    counts_sessions: bool,
+) -> anyhow::Result<Arc<ProxyState>> {
+    let Connection {
+        etcd,
+        members,
+        epoch,
+        revision: start_revision,
+        map,
+    } = connection;
+    let cell = Arc::new(
+        cellguard::CellGuard::start(&epoch, start_revision, config.state_dir.as_deref())?
+            .draining_with(shared.drain.clone()),
+    );
+    let events = Arc::new(events::LockEvents::new());
+    let mut routes = routes::Routes::new(&epoch.record.cluster_id, epoch.record.epoch, map)
+        .epoch_since(epoch.mod_revision);
+    if name.is_some() {
+        routes = routes.in_map();
+    }
+    let routes = Arc::new(routes);
+    let timeout = config.etcd_timeout;
+    Ok(Arc::new(ProxyState {
+        proxy_id: shared.proxy_id.clone(),
+        cell_name: name,
+        counts_sessions,
+        reads: reads(&config, &etcd, &routes),
+        routes,
+        cell,
+        sessions: Default::default(),
+        leases: leases::LeaseBook::new(
+            config.leases as usize,
+            config.validity_margin,
+            config.clock_rate_bound.0,
+            Instant::now(),
+        ),
+        locklog: LockLog::new(etcd.kv_client(), timeout).with_epoch_guard(epoch.mod_revision),
+        kv: lockcell_cell::kv::Kv::new(etcd.kv_client(), timeout)
+            .with_writer_key(lockcell_cell::keyspace::writer_key(&shared.proxy_id)),
+        kv_budget: Default::default(),
+        space: Arc::new(space::Space::new(
+            config.etcd_quota_bytes,
+            config.etcd_space_limit_percent,
+        )),
+        queues: events.queues().clone(),
+        events,
+        classes: shared.classes.clone(),
+        grants: shared.grants.clone(),
+        limits: shared.limits.clone(),
+        memory: shared.memory.clone(),
+        cleanup: Default::default(),
+        renewing: (0..config.leases).map(|_| Default::default()).collect(),
+        etcd,
+        members,
+        shutdown: shared.stop.clone(),
+        drain: shared.drain.clone(),
+        drain_started: Default::default(),
+        handed_off: Default::default(),
+        etcd_lease_blocks: Default::default(),
+        config,
+    }))
+}
+
+/// The reads of a cell part: from its copy of the small keys (the feed), after a read
+/// barrier, or from etcd.
+fn reads(
+    config: &ProxyConfig,
+    etcd: &etcd_client::Client,
+    routes: &Arc<routes::Routes>,
+) -> reads::Reads {
+    let feed = Arc::new(feed::Feed::new(
+        config.watch_backlog,
+        config.watch_history_bytes,
+        routes.clone(),
+    ));
+    reads::Reads::new(
+        feed,
+        barrier::Barrier::start(etcd.kv_client(), config.etcd_timeout),
+        lockcell_cell::kv::Kv::new(etcd.kv_client(), config.etcd_timeout),
+        config.etcd_timeout,
+        routes.clone(),
+        etcd.kv_client(),
+    )
+}
+
+/// An ephemeral key deleted by other means than its session's end (or written on no
+/// lease) is no longer the session's: it forgets it, and the key no longer counts
+/// against the session's identity.
+fn forget_lost_keys(state: &Arc<ProxyState>) {
+    let weak = Arc::downgrade(state);
+    state.reads.feed.on_ephemeral_lost(Box::new(move |lost| {
+        let Some(state) = weak.upgrade() else {
+            return;
+        };
+        for key in lost {
+            state.sessions.forget_lost(
+                &format!("{}{}", lockcell_cell::keyspace::kv_root(), key.name),
+                key.created,
+                key.at,
+            );
+        }
+    }));
+}
+
+/// The tasks that keep a cell part: its leases, the reaper, the cell's record and
+/// shard map, the sweep of orphans, and the reading of etcd's space.
+fn keep(state: &Arc<ProxyState>, shared: &Shared, start_revision: i64) -> tokio::task::JoinSet<()> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for bucket in 0..state.leases.len() {
+        tasks.spawn(lease_keeper::run(state.clone(), bucket));
+    }
+    tasks.spawn(reaper::run(state.clone()));
+    tasks.spawn({
+        let state = state.clone();
+        async move { state.cell.keep_remembering(Duration::from_secs(5)).await }
+    });
+    let etcd = &state.etcd;
+    tasks.spawn(
+        state
+            .cell
+            .clone()
+            .watch_record(etcd.clone(), start_revision),
+    );
+    tasks.spawn(routes::follow(
+        state.routes.clone(),
+        etcd.clone(),
+        state.config.etcd_timeout,
+        shared.stop.clone(),
+    ));
+    tasks.spawn(sweep::run(state.clone(), shared.stop.clone()));
+    tasks.spawn(space::keep_reading(
+        state.space.clone(),
+        etcd.clone(),
+        state.config.etcd_timeout,
+        shared.stop.clone(),
+    ));
+    tasks
+}
+
+/// The tasks that follow etcd for a cell part: the copy of the small keys (and its
+/// fan-out's pacing), and the lock log's holders and lines.
+fn follow(
+    state: &Arc<ProxyState>,
+    etcd: &etcd_client::Client,
+    start_revision: i64,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let feed = state.reads.feed.clone();
+    vec![
+        // Prefix watchers' batches, handed over a few at a time.
+        tokio::spawn(feed.fanout.clone().pace()),
+        tokio::spawn(feed::run(
+            feed,
+            etcd.kv_client(),
+            etcd.watch_client(),
+            state.config.etcd_timeout,
+        )),
+        tokio::spawn(events::follow(
+            following(state),
+            keyspace::locks_root(),
+            false,
+            start_revision + 1,
+        )),
+        tokio::spawn(events::follow(
+            following(state),
+            keyspace::queues_root(),
+            true,
+            start_revision + 1,
+        )),
+    ]
+}
+
+/// How often the proxy pings an idle etcd connection: over etcd's default
+/// `--grpc-keepalive-min-time` of 5 s, with room.
+const ETCD_PING_INTERVAL: Duration = Duration::from_secs(10);
+
 /// Connects to etcd, retrying until it answers or shutdown, and reads the epoch record
 /// (retrying too while the cell has none: `lockcell-cell init` writes it, and while etcd
 /// has authentication off but the proxy has a user: `lockcell-cell auth-enable` turns it
@@ -280,16 +343,6 @@ pub(crate) async fn connect(
     endpoints: &[String],
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<Connection> {
-    use lockcell_cell::rbac;
-
-    /// How etcd turned the proxy's user away, if that is why connecting failed.
-    fn refused(e: &anyhow::Error) -> Option<rbac::Refusal> {
-        let etcd = e
-            .chain()
-            .find_map(|cause| cause.downcast_ref::<etcd_client::Error>())?;
-        rbac::refusal(etcd).filter(|r| *r != rbac::Refusal::TokenExpired)
-    }
-
     let credentials = config.etcd_user.as_ref().map(|user| {
         let password: String = config.etcd_password.clone().unwrap_or_default().into();
         rbac::Credentials::new(user, password)
@@ -308,38 +361,7 @@ pub(crate) async fn connect(
     let options = rbac::with_credentials(config.etcd_tls.apply(options)?, credentials.as_ref());
     let mut pauses = pause::Pauses::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
-        let attempt = async {
-            let client = etcd_client::Client::connect(&endpoints, Some(options.clone())).await?;
-            let record = epoch::read(&mut client.kv_client(), config.etcd_timeout)
-                .await?
-                .ok_or_else(|| {
-                    anyhow::anyhow!(
-                        "the cell has no epoch record at {}: set a new cell up once with `lockcell-cell init --etcd {}`",
-                        keyspace::epoch_key(),
-                        endpoints.join(",")
-                    )
-                })?;
-            let mut kv = client.kv_client();
-            let now = lockcell_cell::error::with_timeout(
-                "read revision",
-                config.etcd_timeout,
-                kv.get(lockcell_cell::keyspace::epoch_key(), None),
-            )
-            .await?;
-            let revision = now.header().map(|h| h.revision()).unwrap_or_default();
-            let map = lockcell_cell::shardmap::read(&mut kv, config.etcd_timeout).await?;
-            anyhow::Ok(Connection {
-                etcd: client,
-                members: Arc::new(members::Members::new(
-                    endpoints,
-                    options.clone(),
-                    config.etcd_timeout,
-                )),
-                epoch: record,
-                revision,
-                map,
-            })
-        };
+        let attempt = connect_once(config, endpoints, &options);
         let pause = pauses.next_pause();
         match attempt.await {
             Ok(connected) => {
@@ -356,15 +378,7 @@ pub(crate) async fn connect(
                 retry_in = ?pause,
                 "etcd runs with authentication off, but --etcd-user is set: waiting for `lockcell-cell auth-enable`"
             ),
-            Err(e) if refused(&e).is_some() => {
-                let user = config.etcd_user.as_deref().unwrap_or("(none)");
-                let at = endpoints.join(",");
-                anyhow::bail!(match refused(&e) {
-                    Some(rbac::Refusal::BadCredentials) => format!("etcd at {at} refused the user {user} and its password: check --etcd-user and --etcd-password (LOCKCELL_ETCD_USER, LOCKCELL_ETCD_PASSWORD)"),
-                    Some(rbac::Refusal::NoUser) => format!("etcd at {at} runs with authentication on: give the proxy its etcd user with --etcd-user lockcell-proxy and --etcd-password (LOCKCELL_ETCD_USER, LOCKCELL_ETCD_PASSWORD)"),
-                    _ => format!("etcd at {at} does not let the user {user} read the epoch record ({e:#}): the proxy's user needs the lockcell-proxy role (`lockcell-cell auth-enable` sets it up)"),
-                })
-            }
+            Err(e) if refused(&e).is_some() => anyhow::bail!(refusal(config, endpoints, &e)),
             Err(e) => {
                 tracing::warn!(
                     etcd = %endpoints.join(","),
@@ -379,6 +393,64 @@ pub(crate) async fn connect(
             _ = stop.wait_for(|s| *s) => anyhow::bail!("stopped before etcd at {} answered", endpoints.join(",")),
         }
     }
+}
+
+/// One try to connect to the cell at `endpoints` and read what the proxy starts from:
+/// the epoch record, the revision now, and the shard map.
+async fn connect_once(
+    config: &ProxyConfig,
+    endpoints: &[String],
+    options: &ConnectOptions,
+) -> anyhow::Result<Connection> {
+    let client = etcd_client::Client::connect(&endpoints, Some(options.clone())).await?;
+    let record = epoch::read(&mut client.kv_client(), config.etcd_timeout)
+        .await?
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "the cell has no epoch record at {}: set a new cell up once with `lockcell-cell init --etcd {}`",
+                keyspace::epoch_key(),
+                endpoints.join(",")
+            )
+        })?;
+    let mut kv = client.kv_client();
+    let now = lockcell_cell::error::with_timeout(
+        "read revision",
+        config.etcd_timeout,
+        kv.get(lockcell_cell::keyspace::epoch_key(), None),
+    )
+    .await?;
+    let revision = now.header().map(|h| h.revision()).unwrap_or_default();
+    let map = lockcell_cell::shardmap::read(&mut kv, config.etcd_timeout).await?;
+    Ok(Connection {
+        etcd: client,
+        members: Arc::new(members::Members::new(
+            endpoints,
+            options.clone(),
+            config.etcd_timeout,
+        )),
+        epoch: record,
+        revision,
+        map,
+    })
+}
+
+/// Why etcd turned the proxy's user away (`e`), and what to do about it.
+fn refusal(config: &ProxyConfig, endpoints: &[String], e: &anyhow::Error) -> String {
+    let user = config.etcd_user.as_deref().unwrap_or("(none)");
+    let at = endpoints.join(",");
+    match refused(e) {
+        Some(rbac::Refusal::BadCredentials) => format!("etcd at {at} refused the user {user} and its password: check --etcd-user and --etcd-password (LOCKCELL_ETCD_USER, LOCKCELL_ETCD_PASSWORD)"),
+        Some(rbac::Refusal::NoUser) => format!("etcd at {at} runs with authentication on: give the proxy its etcd user with --etcd-user lockcell-proxy and --etcd-password (LOCKCELL_ETCD_USER, LOCKCELL_ETCD_PASSWORD)"),
+        _ => format!("etcd at {at} does not let the user {user} read the epoch record ({e:#}): the proxy's user needs the lockcell-proxy role (`lockcell-cell auth-enable` sets it up)"),
+    }
+}
+
+/// How etcd turned the proxy's user away, if that is why connecting failed.
+fn refused(e: &anyhow::Error) -> Option<rbac::Refusal> {
+    let etcd = e
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<etcd_client::Error>())?;
+    rbac::refusal(etcd).filter(|r| *r != rbac::Refusal::TokenExpired)
 }
 
 pub(crate) async fn wait_for_leases(state: &ProxyState) {

@@ -58,7 +58,7 @@ pub fn check(config: &ProxyConfig) -> Report {
     if let Some(file) = &config.grants {
         report.note(grants(file));
     }
-    if let Some(files) = crate::tls_files(config) {
+    if let Some(files) = crate::listen::tls_files(config) {
         report.note_all(tls(files));
     }
     report.note_all(etcd_tls(&config.etcd_tls));

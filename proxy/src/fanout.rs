@@ -30,6 +30,12 @@ use tokio::sync::{mpsc, watch, Notify};
 
 use crate::mirror::{key_bytes, KeyEvent, Topic};
 
+mod history;
+mod topics;
+
+use self::history::*;
+use self::topics::*;
+
 /// What the fan-out's history of recent events holds by default
 /// (`--watch-history-bytes`): names and values (and previous values) with
 /// [`crate::mirror::PER_KEY_BYTES`] for each event.
@@ -120,158 +126,6 @@ pub struct Subscription {
 impl Drop for Subscription {
     fn drop(&mut self) {
         self.fanout.leave(&self.topic, self.id);
-    }
-}
-
-struct Watcher {
-    id: u64,
-    /// The revision published when it joined: batches through it came from the
-    /// history or etcd.
-    joined_at: i64,
-    tx: mpsc::Sender<Arc<Batch>>,
-    end: Arc<OnceLock<End>>,
-}
-
-#[derive(Default)]
-struct Topics {
-    /// False until the first [`Fanout::open`] and after [`Fanout::end_all`]: the events
-    /// since the last publish may never come, so nobody may join.
-    open: bool,
-    /// The last revision published.
-    revision: i64,
-    exact: HashMap<String, Vec<Watcher>>,
-    prefixes: HashMap<String, Vec<Watcher>>,
-    next_id: u64,
-    watchers: usize,
-    history: History,
-    /// Prefix batches published but not yet handed to their watchers, in order.
-    lane: VecDeque<Queued>,
-}
-
-/// One step of the paced lane.
-enum Queued {
-    /// A prefix topic's batch.
-    Batch(String, Arc<Batch>),
-    /// Every batch of the revisions through this one has been handed over.
-    Through(i64),
-}
-
-/// The events of the last revisions published, oldest first.
-#[derive(Default)]
-struct History {
-    events: VecDeque<KeyEvent>,
-    bytes: usize,
-    /// Every event from this revision on is in `events`.
-    complete_from: i64,
-}
-
-impl History {
-    fn restart(&mut self, revision: i64) {
-        self.events.clear();
-        self.bytes = 0;
-        self.complete_from = revision + 1;
-    }
-
-    fn cost(event: &KeyEvent) -> usize {
-        key_bytes(&event.entry.name, event.entry.value.len())
-            + event.prev.as_ref().map_or(0, |p| p.value.len())
-    }
-
-    fn push(&mut self, events: &[KeyEvent], limit: usize) {
-        if limit == 0 {
-            // No history kept: nothing to copy.
-            if let Some(last) = events.last() {
-                self.complete_from = last.revision() + 1;
-            }
-            return;
-        }
-        for event in events {
-            self.bytes += Self::cost(event);
-            self.events.push_back(event.clone());
-        }
-        while self.bytes > limit {
-            let Some(oldest) = self.events.pop_front() else {
-                break;
-            };
-            self.bytes -= Self::cost(&oldest);
-            // Events of one revision leave together: a revision is whole or absent.
-            self.complete_from = oldest.revision() + 1;
-            while self
-                .events
-                .front()
-                .is_some_and(|e| e.revision() == oldest.revision())
-            {
-                let same = self.events.pop_front().expect("looked at");
-                self.bytes -= Self::cost(&same);
-            }
-        }
-    }
-
-    /// The events of `topic` from revision `from` on, if every one of them is kept and
-    /// they come to at most [`HISTORY_START_BYTES`].
-    fn since(&self, topic: &Topic, from: i64) -> Option<Vec<KeyEvent>> {
-        if from < self.complete_from {
-            return None;
-        }
-        let first = self.events.partition_point(|e| e.revision() < from);
-        let mut bytes = 0;
-        let mut since = Vec::new();
-        for event in self.events.range(first..) {
-            if topic.matches(&event.entry.name) {
-                bytes += event_bytes(event);
-                if bytes > HISTORY_START_BYTES {
-                    return None;
-                }
-                since.push(event.clone());
-            }
-        }
-        Some(since)
-    }
-}
-
-impl Topics {
-    fn of(&mut self, prefix: bool) -> &mut HashMap<String, Vec<Watcher>> {
-        if prefix {
-            &mut self.prefixes
-        } else {
-            &mut self.exact
-        }
-    }
-
-    /// Hands `batch` to every watcher of a topic that joined before its revision; cuts
-    /// off those whose backlog is full.
-    fn hand(&mut self, prefix: bool, name: &str, batch: &Arc<Batch>, done: &mut Published) {
-        let Some(watchers) = self.of(prefix).get_mut(name) else {
-            return;
-        };
-        let mut gone = 0;
-        watchers.retain(|w| {
-            if w.joined_at >= batch.revision {
-                return true;
-            }
-            match w.tx.try_send(batch.clone()) {
-                Ok(()) => {
-                    done.delivered += 1;
-                    true
-                }
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    let _ = w.end.set(End::CutOff {
-                        resume: batch.first_revision(),
-                    });
-                    done.cut_off += 1;
-                    gone += 1;
-                    false
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => {
-                    gone += 1;
-                    false
-                }
-            }
-        });
-        if watchers.is_empty() {
-            self.of(prefix).remove(name);
-        }
-        self.watchers -= gone;
     }
 }
 

@@ -155,6 +155,31 @@ pub async fn resume_stay(
     Ok(reply)
 }
 
+/// The stay a Resume opens here, holding `held` on `(bucket, lease)`: valid never
+/// before the client's old deadline, as the keys moved here are what it acts on.
+fn arriving(
+    req: &ResumeRequest,
+    id: &Arc<str>,
+    principal: Option<String>,
+    ttl: Duration,
+    on: (usize, i64),
+    held: Vec<Grant>,
+) -> Session {
+    let now = Instant::now();
+    let acting_until = now + Duration::from_millis(req.acting_for_ms);
+    let mut session = Session::arriving(
+        id.clone(),
+        crate::credential::labelled(principal.as_deref(), req.identity.clone()),
+        ttl,
+        on,
+        held,
+        now,
+        acting_until,
+    );
+    session.principal = principal.map(Into::into);
+    session
+}
+
 async fn resume_named(
     state: &ProxyState,
     req: ResumeRequest,
@@ -173,19 +198,7 @@ async fn resume_named(
         .session_ttl_for(Duration::from_millis(req.ttl_ms));
     let (bucket, lease) = lease_for(state, &req.session_id, req.acting_for_ms).await?;
     let id: Arc<str> = req.session_id.as_str().into();
-    let now = Instant::now();
-    // Never before the client's old deadline: the keys moved here are what it acts on.
-    let acting_until = now + Duration::from_millis(req.acting_for_ms);
-    let mut session = Session::arriving(
-        id.clone(),
-        crate::credential::labelled(principal.as_deref(), req.identity),
-        ttl,
-        (bucket, lease),
-        plan.held(),
-        now,
-        acting_until,
-    );
-    session.principal = principal.map(Into::into);
+    let session = arriving(&req, &id, principal, ttl, (bucket, lease), plan.held());
     let incarnation = session.incarnation;
     let earlier = state.sessions.replace(session);
     state.publish_sessions_open();

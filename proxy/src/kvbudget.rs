@@ -39,6 +39,41 @@ struct Reserved {
     writes: Vec<Reservation>,
 }
 
+/// What a write adds to its writer's persistent keys, to reserve while it is in flight:
+/// refused past the writer's `stored_bytes`, counting what its other writes in flight
+/// (`writes`) reserved. `stored` is what the copy shows it holds, and the write's
+/// growth of it.
+fn stored_share(
+    writes: &[Reservation],
+    writer: Option<Writer<'_>>,
+    stored: Option<(usize, i64)>,
+) -> Result<Option<(String, usize)>, ProxyError> {
+    Ok(match (writer, stored) {
+        (Some(writer), Some((held, growth))) if growth > 0 => {
+            let growth = growth as u64;
+            let pending: u64 = writes
+                .iter()
+                .filter_map(|w| w.stored.as_ref())
+                .filter(|(identity, _)| identity == writer.identity)
+                .map(|(_, g)| *g as u64)
+                .sum();
+            let max = writer.grants.quota(writer.identity).stored_bytes;
+            if held as u64 + pending + growth > max {
+                return Err(crate::limits::refusal_of_stored(
+                    writer.grants,
+                    writer.identity,
+                    held as u64,
+                    pending,
+                    growth,
+                    max,
+                ));
+            }
+            Some((writer.identity.to_owned(), growth as usize))
+        }
+        _ => None,
+    })
+}
+
 #[derive(Debug)]
 struct Reservation {
     ticket: u64,
@@ -124,31 +159,7 @@ impl KvBudget {
         reserved
             .writes
             .retain(|w| w.landed == 0 || w.landed > revision);
-        let stored = match (writer, stored) {
-            (Some(writer), Some((held, growth))) if growth > 0 => {
-                let growth = growth as u64;
-                let pending: u64 = reserved
-                    .writes
-                    .iter()
-                    .filter_map(|w| w.stored.as_ref())
-                    .filter(|(identity, _)| identity == writer.identity)
-                    .map(|(_, g)| *g as u64)
-                    .sum();
-                let max = writer.grants.quota(writer.identity).stored_bytes;
-                if held as u64 + pending + growth > max {
-                    return Err(crate::limits::refusal_of_stored(
-                        writer.grants,
-                        writer.identity,
-                        held as u64,
-                        pending,
-                        growth,
-                        max,
-                    ));
-                }
-                Some((writer.identity.to_owned(), growth as usize))
-            }
-            _ => None,
-        };
+        let stored = stored_share(&reserved.writes, writer, stored)?;
         if growth <= 0 && stored.is_none() {
             return Ok(Ok(Admitted {
                 budget: self,

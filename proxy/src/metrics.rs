@@ -92,29 +92,23 @@ impl Drop for Counted {
 /// exports every counter at 0 from the start: `increase()` over a counter that appears
 /// with its first event misses that event, and an alert on it would not fire.
 pub fn describe() {
-    for path in ["barrier", "mirror", "etcd"] {
-        metrics::counter!(KV_READS, "path" => path).absolute(0);
-    }
+    describe_etcd();
+    describe_sessions();
+    describe_locks();
+    describe_reads();
+}
+
+/// The proxy's own health: etcd, its leases, its space, its reloads.
+fn describe_etcd() {
     describe_histogram!(
         ETCD_REQUEST_SECONDS,
         Unit::Seconds,
         "etcd request latency, by call (`call`) and outcome (`ok`, `error`, `timeout`)."
     );
-    describe_histogram!(
-        RESUME_SECONDS,
-        Unit::Seconds,
-        "Time to take a session over from another proxy (a Resume: its keys moved under their guards), by outcome."
-    );
-    describe_histogram!(
-        VALIDITY_GRANTED,
-        Unit::Seconds,
-        "Validity granted to clients by keepalives: how long each may act on its locks without hearing from the proxy again."
-    );
     describe_gauge!(
         ETCD_WATCHES,
         "etcd watch streams the proxy holds (its cell watch, lock-log watches, record watches, catch-ups of watchers that started in the past), whatever the number of client watchers."
     );
-    describe_gauge!(SESSIONS_OPEN, "Client sessions held by this proxy now.");
     counter(
         ETCD_API_WRITES_QUEUED,
         "Client writes through the etcd API that waited for their turn to go to etcd.",
@@ -122,27 +116,6 @@ pub fn describe() {
     describe_gauge!(
         ETCD_API_WRITES_WAITING,
         "Client writes through the etcd API waiting for their turn to go to etcd (--etcd-writes-in-flight are in etcd at once)."
-    );
-    counter(SESSIONS_OPENED, "Client sessions opened.");
-    counter(
-        SESSIONS_RESUMED,
-        "Client sessions taken over from another proxy (Resume, or an etcd API lease handed off).",
-    );
-    counter(
-        ETCD_API_LEASES_HANDED_OFF,
-        "etcd API leases this proxy handed over: draining, to the next proxy their clients reach, or to a proxy that asked for one to run a Txn writing with leases of several proxies.",
-    );
-    counter(
-        ETCD_API_LEASES_GATHERED,
-        "etcd API leases this proxy asked another proxy for and took over, to run a Txn writing with leases of several proxies as one transaction.",
-    );
-    counter(
-        KEYS_MOVED,
-        "Keys moved onto this proxy's leases by resumed sessions (tokens unchanged).",
-    );
-    counter(
-        KEYS_LOST_ON_RESUME,
-        "Keys a resuming session named that were gone or changed: reported lost to the client.",
     );
     describe_gauge!(
         LEASE_REMAINING,
@@ -158,56 +131,12 @@ pub fn describe() {
         "1 while the proxy is draining (asking its clients to move before it stops)."
     );
     counter(
-        SESSIONS_EXPIRED,
-        "Client sessions expired (no renewal within TTL, or their proxy lease was lost); with several cells, counted by each session's stay in the proxy's first cell."
-    );
-    counter(
-        KEEPALIVES,
-        "Session keepalives received from clients (answered from memory).",
-    );
-    counter(
-        ETCD_API_FORWARDED,
-        "etcd API calls on a lease that lives at another proxy, forwarded there (keepalives count once per forwarded keepalive).",
-    );
-    counter(
-        ETCD_API_GATEWAY_CALLS,
-        "Calls on etcd's JSON gateway (the etcd listener's HTTP paths), by `path` and the gRPC `code` of their answer (a stream's: of its first message).",
-    );
-    counter(
-        ETCD_API_KEEPALIVES_UNBACKED,
-        "Lease keepalives on the etcd API left unanswered because the proxy could not back even a second of the lease then (its own etcd lease too near its lower bound).",
-    );
-    counter(
         LEASE_RENEWALS,
         "Keepalives of the proxy's own etcd leases sent to etcd (K leases, each every renew interval)."
     );
     counter(
         LEASES_LOST,
         "Proxy etcd leases given up (revoked by etcd, or not renewed before their lower bound).",
-    );
-    describe_histogram!(
-        HANDOVER_SECONDS,
-        Unit::Seconds,
-        "Time from a waiter hearing that the lock it waits for was let go (its proxy's watch saw the release, expiry or the waiter ahead leave) to its grant, a class's lock delay included: the proxy's part of a handover, by the lock's queueing (`fair` or `arbitrated`)."
-    );
-    describe_histogram!(
-        ACQUIRE_SECONDS,
-        Unit::Seconds,
-        "Time from an Acquire call to its grant, waiting included."
-    );
-    counter(
-        LOCKS_GRANTED,
-        "Locks granted (retried acquires that found their own grant not counted).",
-    );
-    counter(LOCKS_RELEASED, "Locks released by their holder.");
-    describe_gauge!(WATCHERS, "Watch streams open on this proxy.");
-    describe_gauge!(
-        WAITERS,
-        "Acquires waiting now: for their turn in the proxy's queue, or, for a fair class, in the lock's line in etcd."
-    );
-    counter(
-        GRANT_ATTEMPTS,
-        "Grant transactions tried (a waiter's turn, or an acquire's first try).",
     );
     counter(
         CLASSES_RELOADS,
@@ -235,6 +164,101 @@ pub fn describe() {
         Unit::Bytes,
         "The database size from which the proxy refuses new keys and values (--etcd-space-limit-percent of --etcd-quota-bytes)."
     );
+    counter(
+        TLS_RELOADS,
+        "Times the proxy read its TLS certificate, key and client CA again after they changed.",
+    );
+    counter(
+        TLS_RELOAD_FAILURES,
+        "Changed TLS files the proxy refused (the previous ones stay in force); the log says why.",
+    );
+    describe_gauge!(
+        CLEANUPS_PENDING,
+        "Key clean-ups of ended sessions still waiting for etcd."
+    );
+}
+
+/// Client sessions: opened, renewed, moved, ended.
+fn describe_sessions() {
+    describe_histogram!(
+        RESUME_SECONDS,
+        Unit::Seconds,
+        "Time to take a session over from another proxy (a Resume: its keys moved under their guards), by outcome."
+    );
+    describe_histogram!(
+        VALIDITY_GRANTED,
+        Unit::Seconds,
+        "Validity granted to clients by keepalives: how long each may act on its locks without hearing from the proxy again."
+    );
+    describe_gauge!(SESSIONS_OPEN, "Client sessions held by this proxy now.");
+    counter(SESSIONS_OPENED, "Client sessions opened.");
+    counter(
+        SESSIONS_RESUMED,
+        "Client sessions taken over from another proxy (Resume, or an etcd API lease handed off).",
+    );
+    counter(
+        ETCD_API_LEASES_HANDED_OFF,
+        "etcd API leases this proxy handed over: draining, to the next proxy their clients reach, or to a proxy that asked for one to run a Txn writing with leases of several proxies.",
+    );
+    counter(
+        ETCD_API_LEASES_GATHERED,
+        "etcd API leases this proxy asked another proxy for and took over, to run a Txn writing with leases of several proxies as one transaction.",
+    );
+    counter(
+        KEYS_MOVED,
+        "Keys moved onto this proxy's leases by resumed sessions (tokens unchanged).",
+    );
+    counter(
+        KEYS_LOST_ON_RESUME,
+        "Keys a resuming session named that were gone or changed: reported lost to the client.",
+    );
+    counter(
+        SESSIONS_EXPIRED,
+        "Client sessions expired (no renewal within TTL, or their proxy lease was lost); with several cells, counted by each session's stay in the proxy's first cell."
+    );
+    counter(
+        KEEPALIVES,
+        "Session keepalives received from clients (answered from memory).",
+    );
+    counter(
+        ETCD_API_FORWARDED,
+        "etcd API calls on a lease that lives at another proxy, forwarded there (keepalives count once per forwarded keepalive).",
+    );
+    counter(
+        ETCD_API_GATEWAY_CALLS,
+        "Calls on etcd's JSON gateway (the etcd listener's HTTP paths), by `path` and the gRPC `code` of their answer (a stream's: of its first message).",
+    );
+    counter(
+        ETCD_API_KEEPALIVES_UNBACKED,
+        "Lease keepalives on the etcd API left unanswered because the proxy could not back even a second of the lease then (its own etcd lease too near its lower bound).",
+    );
+}
+
+/// Locks and the limits on what clients take.
+fn describe_locks() {
+    describe_histogram!(
+        HANDOVER_SECONDS,
+        Unit::Seconds,
+        "Time from a waiter hearing that the lock it waits for was let go (its proxy's watch saw the release, expiry or the waiter ahead leave) to its grant, a class's lock delay included: the proxy's part of a handover, by the lock's queueing (`fair` or `arbitrated`)."
+    );
+    describe_histogram!(
+        ACQUIRE_SECONDS,
+        Unit::Seconds,
+        "Time from an Acquire call to its grant, waiting included."
+    );
+    counter(
+        LOCKS_GRANTED,
+        "Locks granted (retried acquires that found their own grant not counted).",
+    );
+    counter(LOCKS_RELEASED, "Locks released by their holder.");
+    describe_gauge!(
+        WAITERS,
+        "Acquires waiting now: for their turn in the proxy's queue, or, for a fair class, in the lock's line in etcd."
+    );
+    counter(
+        GRANT_ATTEMPTS,
+        "Grant transactions tried (a waiter's turn, or an acquire's first try).",
+    );
     describe_gauge!(
         RESIDENT_BYTES,
         Unit::Bytes,
@@ -256,6 +280,18 @@ pub fn describe() {
         WAIT_RETRIES,
         "Turns of waiting acquires that etcd failed (slow or away); the waiter tried again.",
     );
+    describe_gauge!(
+        KV_BYTES,
+        "What the cell's small keys hold, as --max-kv-total-bytes counts it (names, values, 128 bytes a key), in this proxy's copy of them."
+    );
+}
+
+/// Reads and watches: the copy of the small keys, the fan-out.
+fn describe_reads() {
+    for path in ["barrier", "mirror", "etcd"] {
+        metrics::counter!(KV_READS, "path" => path).absolute(0);
+    }
+    describe_gauge!(WATCHERS, "Watch streams open on this proxy.");
     counter(
         WATCH_EVENTS_SENT,
         "Watch events sent to clients (fanned out from the proxy's one watch, or caught up).",
@@ -295,22 +331,6 @@ pub fn describe() {
     describe_counter!(
         KV_READS,
         "Small-key reads, by how they were served: barrier (linearizable, from the mirror), mirror (serializable), etcd (directly)."
-    );
-    counter(
-        TLS_RELOADS,
-        "Times the proxy read its TLS certificate, key and client CA again after they changed.",
-    );
-    counter(
-        TLS_RELOAD_FAILURES,
-        "Changed TLS files the proxy refused (the previous ones stay in force); the log says why.",
-    );
-    describe_gauge!(
-        KV_BYTES,
-        "What the cell's small keys hold, as --max-kv-total-bytes counts it (names, values, 128 bytes a key), in this proxy's copy of them."
-    );
-    describe_gauge!(
-        CLEANUPS_PENDING,
-        "Key clean-ups of ended sessions still waiting for etcd."
     );
 }
 

@@ -180,17 +180,15 @@ impl Source<'_> {
         self.policy(&who, table, default, "from [default]", name, prefix)
     }
 
-    /// Resolves the policy fields of one table over `base`; `inherited` says where
-    /// base values come from, for messages about them.
-    fn policy(
+    /// A class's session TTL bounds, as set or inherited from `base` (`inherited`
+    /// says from where): the least at least [`TTL_FLOOR`], and no more than the most.
+    fn ttls(
         &self,
         who: &str,
         table: &Spanned<RawClass>,
         base: &LockClass,
         inherited: &str,
-        name: &str,
-        prefix: &str,
-    ) -> Result<LockClass, ClassesError> {
+    ) -> Result<(Duration, Duration), ClassesError> {
         let raw = table.get_ref();
         let here = |span: Option<Range<usize>>| Some(span.unwrap_or_else(|| table.span()));
         let origin = |set: bool| {
@@ -200,7 +198,6 @@ impl Source<'_> {
                 format!(", {inherited}")
             }
         };
-
         let ttl_min = self.duration(who, "ttl_min", &raw.ttl_min)?;
         let ttl_max = self.duration(who, "ttl_max", &raw.ttl_max)?;
         let min_span = raw.ttl_min.as_ref().map(Spanned::span);
@@ -227,7 +224,23 @@ impl Source<'_> {
                 ),
             ));
         }
+        Ok((min, max))
+    }
 
+    /// Resolves the policy fields of one table over `base`; `inherited` says where
+    /// base values come from, for messages about them.
+    fn policy(
+        &self,
+        who: &str,
+        table: &Spanned<RawClass>,
+        base: &LockClass,
+        inherited: &str,
+        name: &str,
+        prefix: &str,
+    ) -> Result<LockClass, ClassesError> {
+        let raw = table.get_ref();
+        let here = |span: Option<Range<usize>>| Some(span.unwrap_or_else(|| table.span()));
+        let (min, max) = self.ttls(who, table, base, inherited)?;
         let (exclusive, shared) = match &raw.modes {
             None => (base.exclusive, base.shared),
             Some(modes) => self.modes(who, modes)?,

@@ -47,6 +47,11 @@ use super::{ids, EtcdApi};
 use crate::errors::ProxyError;
 use crate::metrics as m;
 
+mod gather;
+mod signed;
+
+use self::signed::*;
+
 /// Metadata of a forwarded call: its caller's identity, in hex (empty for none).
 pub const FORWARDED_FOR: &str = "lockcell-forwarded-for";
 /// Metadata of a forwarded LeaseTimeToLive that asks the proxy holding the lease to
@@ -55,12 +60,6 @@ pub const HAND_OVER: &str = "lockcell-hand-over";
 /// The Lease call a proxy asks another with, to find a lease or have it handed over.
 pub(super) const TIME_TO_LIVE: &str = "/etcdserverpb.Lease/LeaseTimeToLive";
 
-/// How often, and how many times, a Txn gathering its leases looks again for one that
-/// was not where it was found.
-const GATHER_LOOK: Duration = Duration::from_millis(20);
-const GATHER_LOOKS: u32 = 5;
-/// How many times a Txn gathers its leases before it gives up.
-const GATHER_ROUNDS: u32 = 3;
 /// When the forwarding proxy signed it: Unix seconds.
 const FORWARDED_AT: &str = "lockcell-forwarded-at";
 /// The signature of the two, in hex.
@@ -117,98 +116,6 @@ impl Peers {
 }
 
 impl EtcdApi {
-    /// Reads the cell's forwarding key, writing it first if no proxy has: until then,
-    /// forwarded calls are refused. Tries until it has it or the proxy stops.
-    pub(super) async fn load_forward_key(self) {
-        let mut pauses =
-            crate::pause::Pauses::new(Duration::from_millis(100), Duration::from_secs(5));
-        while !*self.state.shutdown.borrow() {
-            match self.read_forward_key().await {
-                Ok(key) => {
-                    let _ = self.peers.key.set(key);
-                    return;
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "reading the cell's forwarding key failed; retrying")
-                }
-            }
-            tokio::time::sleep(pauses.next_pause()).await;
-        }
-    }
-
-    async fn read_forward_key(&self) -> Result<hmac::Key, ProxyError> {
-        let key = keyspace::etcd_forward_key();
-        let fresh: [u8; 32] = rand::random();
-        let txn = Txn::new()
-            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key, to_hex(&fresh), None)])
-            .or_else([TxnOp::get(key, None)]);
-        let done = with_timeout(
-            "read the forwarding key",
-            self.state.config.etcd_timeout,
-            self.state.etcd.kv_client().txn(txn),
-        )
-        .await?;
-        let text = if done.succeeded() {
-            to_hex(&fresh)
-        } else {
-            first_value(&done.op_responses(), 0)
-                .map(|v| String::from_utf8_lossy(&v).into_owned())
-                .unwrap_or_default()
-        };
-        let bytes = from_hex(text.trim()).filter(|b| b.len() >= 16).ok_or_else(|| {
-            ProxyError::Refused(format!(
-                "the cell's forwarding key at {key} is not 16 or more bytes in hex; an operator must delete it (the proxies write a new one)"
-            ))
-        })?;
-        Ok(hmac::Key::new(hmac::HMAC_SHA256, &bytes))
-    }
-
-    /// The caller a forwarded call names, when `metadata` is a forwarded call's:
-    /// checked against the cell's forwarding key.
-    pub(super) fn forwarded_caller(
-        &self,
-        metadata: &MetadataMap,
-    ) -> Option<Result<Option<String>, Status>> {
-        let who = metadata.get(FORWARDED_FOR)?;
-        let refused = |why: &str| {
-            Err(Status::unauthenticated(format!(
-                "etcdserver: a call forwarded by another proxy {why}"
-            )))
-        };
-        let Some(key) = self.peers.key.get() else {
-            return Some(Err(Status::unavailable(
-                "etcdserver: this proxy has not read the cell's forwarding key yet; try again",
-            )));
-        };
-        let (Ok(who), Some(Ok(at)), Some(Ok(mac))) = (
-            who.to_str(),
-            metadata.get(FORWARDED_AT).map(|v| v.to_str()),
-            metadata.get(FORWARDED_MAC).map(|v| v.to_str()),
-        ) else {
-            return Some(refused("lacks its signature"));
-        };
-        let signed = from_hex(mac)
-            .is_some_and(|mac| hmac::verify(key, signed_text(who, at).as_bytes(), &mac).is_ok());
-        if !signed {
-            return Some(refused("is not signed with the cell's forwarding key"));
-        }
-        let at: u64 = at.parse().unwrap_or_default();
-        if now_secs().abs_diff(at) > SIGNED_WITHIN.as_secs() {
-            return Some(refused(&format!(
-                "was signed {} s away from this proxy's clock (more than {} s): are the proxies' clocks set?",
-                now_secs().abs_diff(at),
-                SIGNED_WITHIN.as_secs()
-            )));
-        }
-        let identity = from_hex(who).and_then(|b| String::from_utf8(b).ok());
-        match identity {
-            Some(identity) if !identity.is_empty() => Some(Ok(Some(identity))),
-            Some(_) => Some(Ok(None)),
-            None => Some(refused("names no identity")),
-        }
-    }
-
     /// Where a call on lease `id` runs: `None` here (the lease is here, up for taking,
     /// or nowhere), else the proxy it lives at. `fresh` looks again rather than use what
     /// was found before. A forwarded call always runs here.
@@ -374,7 +281,7 @@ impl EtcdApi {
                 "etcdserver: lease {id:x} lives at proxy {proxy} ({address}), and this proxy cannot forward there: {why}"
             ))
         };
-        let tls = crate::tls_files(config).is_some();
+        let tls = crate::listen::tls_files(config).is_some();
         let scheme = if tls { "https" } else { "http" };
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
             .map_err(|e| unavailable(e.to_string()))?
@@ -514,155 +421,6 @@ impl EtcdApi {
     }
 }
 
-impl EtcdApi {
-    /// Brings the leases a Txn writes with here, so that it runs as one transaction
-    /// where all of them are: each lease at another proxy is handed over by it, on
-    /// this proxy's signed request, and taken over here as after a drain (its keys move
-    /// onto this proxy's lease; its clients find it here). Returns, once every lease is
-    /// here (or nowhere: the Txn finds it unknown), the guard that holds off handing
-    /// any of them over again until the Txn is done; after a few rounds of leases
-    /// moving away meanwhile, UNAVAILABLE, having written nothing.
-    pub(super) async fn gather(
-        &self,
-        leases: &[i64],
-        metadata: &MetadataMap,
-        caller: Option<&str>,
-        adding: (u64, u64),
-    ) -> Result<Option<tokio::sync::RwLockReadGuard<'_, ()>>, Status> {
-        if leases.is_empty() {
-            return Ok(None);
-        }
-        // Looks leases up even for a forwarded call, which runs here.
-        let lookup = MetadataMap::new();
-        // Held from the first lease found away on: a Txn whose leases are all here (the
-        // usual case, a lock or an election of one lease) never waits for a gather.
-        let mut one_at_a_time = None;
-        // One more look than rounds: the first that finds a lease away only takes the
-        // turn, and the next looks again under it.
-        for _ in 0..=GATHER_ROUNDS {
-            let writes = self.writes.read().await;
-            let mut away = Vec::new();
-            for &id in leases {
-                if let Some(peer) = self.route(id, &lookup, caller, false).await? {
-                    away.push((id, peer));
-                }
-            }
-            if away.is_empty() {
-                return Ok(Some(writes));
-            }
-            drop(writes);
-            if one_at_a_time.is_none() {
-                one_at_a_time = Some(self.gathering.lock().await);
-                continue;
-            }
-            // Leases brought here count against their identity's sessions here, as a
-            // resumed session does: refused before any moves.
-            self.admit_gathered(caller, &away, adding)?;
-            for (id, peer) in away {
-                // Runs to its end even if the client hangs up: a lease asked for and
-                // not taken would wait on its record, its calls held, until withdrawn.
-                let (api, metadata) = (self.clone(), metadata.clone());
-                let caller = caller.map(str::to_owned);
-                tokio::spawn(async move {
-                    api.gather_one(id, peer, &metadata, caller.as_deref()).await
-                })
-                .await
-                .map_err(|e| Status::internal(format!("gathering lease {id:x} failed: {e}")))??;
-            }
-        }
-        Err(Status::unavailable(
-            "etcdserver: the leases of this transaction kept moving between proxies while it gathered them; nothing was written, try again",
-        ))
-    }
-}
-
-impl EtcdApi {
-    /// Refuses, before any lease moves, a gather that would take `caller`'s sessions
-    /// here past its `sessions` limit (each lease brought is one), or its keys past
-    /// `keys` or `bytes`: the keys the leases bring (as this proxy's copy of the small
-    /// keys counts them) and `adding`, the keys and bytes the Txn's own leased puts may
-    /// add. So a refused Txn moves nothing and writes nothing.
-    fn admit_gathered(
-        &self,
-        caller: Option<&str>,
-        away: &[(i64, Peer)],
-        adding: (u64, u64),
-    ) -> Result<(), ProxyError> {
-        let Some(principal) = caller else {
-            return Ok(());
-        };
-        let coming = away.len();
-        let (keys, bytes) = self.state.reads.feed.with_mirror(|mirror| {
-            away.iter().fold(adding, |(keys, bytes), (id, _)| {
-                let (k, b) = mirror.client_lease_keys(*id);
-                (keys + k, bytes + b)
-            })
-        });
-        self.state
-            .admit_sessions(Some(principal), coming as u64)
-            .and_then(|()| self.state.admit_keys_of(principal, keys, bytes))
-            .map_err(|refused| match refused {
-                ProxyError::Exhausted(why) => ProxyError::Exhausted(format!(
-                    "{why}; this Txn would bring {coming} of its leases here from other \
-                     proxies (with {keys} keys of {bytes} bytes, its own puts included), to \
-                     write with them in one transaction; nothing was moved or written"
-                )),
-                other => other,
-            })
-    }
-
-    /// Brings lease `id` here from `peer`, where it was found: asks that proxy to hand
-    /// it over and takes it over. A proxy that no longer has it (it moved on, or
-    /// another proxy took it first) sends the look to where it is now, a few times;
-    /// then the Txn fails UNAVAILABLE, having written nothing. A lease found nowhere is
-    /// left for the Txn to find unknown.
-    async fn gather_one(
-        &self,
-        id: i64,
-        mut peer: Peer,
-        metadata: &MetadataMap,
-        caller: Option<&str>,
-    ) -> Result<(), Status> {
-        let mut look = tokio::time::interval(GATHER_LOOK);
-        for _ in 0..GATHER_LOOKS {
-            look.tick().await;
-            let ask = PbLeaseTimeToLiveRequest { id, keys: false };
-            let mut call = self.forwarded(metadata, ask, caller)?;
-            call.metadata_mut()
-                .insert(HAND_OVER, MetadataValue::from_static("1"));
-            let handed = match peer
-                .unary::<_, PbLeaseTimeToLiveResponse>(TIME_TO_LIVE, call)
-                .await
-            {
-                Ok(there) => there.get_ref().ttl != -1,
-                // Not handed over there: it is looked for again.
-                Err(status) if status.code() == tonic::Code::Unavailable => {
-                    if status.message().starts_with(UNREACHABLE) {
-                        self.peers.forget_proxy(&peer.proxy);
-                    }
-                    false
-                }
-                Err(status) => return Err(status),
-            };
-            self.peers.forget(id);
-            if handed {
-                metrics::counter!(m::ETCD_API_LEASES_GATHERED).increment(1);
-                if let super::handoff::TakeOver::Taken(_) = self.take_over(id, caller).await? {
-                    return Ok(());
-                }
-            }
-            match self.route(id, &MetadataMap::new(), caller, true).await? {
-                Some(now) => peer = now,
-                // Here now, or nowhere (the Txn finds it unknown).
-                None => return Ok(()),
-            }
-        }
-        Err(Status::unavailable(format!(
-            "etcdserver: lease {id:x} kept moving between proxies while a transaction writing with it gathered its leases; nothing was written, try again"
-        )))
-    }
-}
-
 impl Peer {
     /// Calls unary `path` at this proxy.
     pub async fn unary<Req, Resp>(
@@ -706,37 +464,12 @@ impl Peer {
     }
 }
 
-/// What a forwarded call's signature covers.
-fn signed_text(who: &str, at: &str) -> String {
-    format!("lockcell-forwarded\n{who}\n{at}")
-}
-
-fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 /// The value of the first key of Get operation `index` in a transaction's answers.
 fn first_value(ops: &[TxnOpResponse], index: usize) -> Option<Vec<u8>> {
     match ops.get(index)? {
         TxnOpResponse::Get(got) => got.kvs().first().map(|kv| kv.value().to_vec()),
         _ => None,
     }
-}
-
-fn to_hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn from_hex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 #[cfg(test)]

@@ -27,6 +27,10 @@ use tonic::codegen::Service;
 use tonic::service::Routes;
 use tonic::{Code, Status};
 
+mod json;
+
+use self::json::*;
+
 /// etcd's v3 API, as etcd declares it.
 static POOL: LazyLock<DescriptorPool> = LazyLock::new(|| {
     DescriptorPool::decode(lockcell_proto::ETCD_DESCRIPTOR_SET)
@@ -199,21 +203,27 @@ const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// What a login's request may weigh: it is read before its caller is known.
 const LOGIN_BYTES: usize = 64 * 1024;
 
+/// The metadata a gateway call carries: etcd's gateway takes the auth token in
+/// `Authorization`; gRPC carries it as `token`. Nothing else a caller sends in
+/// headers reaches the call.
+fn token_metadata(headers: &HeaderMap) -> HeaderMap {
+    let mut metadata = HeaderMap::new();
+    if let Some(token) = headers.get(http::header::AUTHORIZATION) {
+        // The raw token, as etcd takes it; `Bearer TOKEN` too, as the lockcell API.
+        let token = token.as_bytes();
+        let token = token.strip_prefix(b"Bearer ").unwrap_or(token);
+        if let Ok(token) = HeaderValue::from_bytes(token) {
+            metadata.insert("token", token);
+        }
+    }
+    metadata
+}
+
 impl Call {
     /// Serves one call; answers the response and the gRPC code it carries.
     async fn serve(&self, request: http::Request<Body>) -> (Response, Code) {
         let (parts, body) = request.into_parts();
-        // etcd's gateway takes the auth token in `Authorization`; gRPC carries it as
-        // `token`. Nothing else a caller sends in headers reaches the call.
-        let mut metadata = HeaderMap::new();
-        if let Some(token) = parts.headers.get(http::header::AUTHORIZATION) {
-            // The raw token, as etcd takes it; `Bearer TOKEN` too, as the lockcell API.
-            let token = token.as_bytes();
-            let token = token.strip_prefix(b"Bearer ").unwrap_or(token);
-            if let Ok(token) = HeaderValue::from_bytes(token) {
-                metadata.insert("token", token);
-            }
-        }
+        let metadata = token_metadata(&parts.headers);
         // The caller is known before its body is read, so no one unknown makes the
         // proxy hold a large body; a login is read first, and small.
         let login = self.rpc.grpc_path.ends_with("/Authenticate");
@@ -232,24 +242,10 @@ impl Call {
             Ok(frames) => frames,
             Err(status) => return refused(status),
         };
-        let mut grpc_request =
-            http::Request::new(tonic::body::Body::new(Body::from_stream(frames)));
-        *grpc_request.method_mut() = http::Method::POST;
-        *grpc_request.uri_mut() = match self.rpc.grpc_path.parse() {
-            Ok(uri) => uri,
-            Err(_) => return refused(Status::internal("a gateway path did not parse")),
+        let grpc_request = match self.grpc_request(parts.extensions, metadata, frames) {
+            Ok(request) => request,
+            Err(status) => return refused(status),
         };
-        *grpc_request.version_mut() = http::Version::HTTP_2;
-        // The connection's own facts (its address, its TLS client certificate) go with
-        // the call, so a certificate identifies its caller here as on gRPC.
-        *grpc_request.extensions_mut() = parts.extensions;
-        let headers = grpc_request.headers_mut();
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/grpc"),
-        );
-        headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
-        headers.extend(metadata);
         let mut grpc = self.grpc.clone();
         if let Err(e) = std::future::poll_fn(|cx| {
             Service::<http::Request<tonic::body::Body>>::poll_ready(&mut grpc, cx)
@@ -262,6 +258,42 @@ impl Call {
             Ok(response) => response,
             Err(e) => return refused(Status::internal(format!("the gateway's call failed: {e}"))),
         };
+        self.answer(response).await
+    }
+
+    /// The gRPC call a gateway request makes: its messages (`frames`), its caller's
+    /// token (`metadata`) and its connection's facts (`extensions`).
+    fn grpc_request(
+        &self,
+        extensions: http::Extensions,
+        metadata: HeaderMap,
+        frames: Frames,
+    ) -> Result<http::Request<tonic::body::Body>, Status> {
+        let mut grpc_request =
+            http::Request::new(tonic::body::Body::new(Body::from_stream(frames)));
+        *grpc_request.method_mut() = http::Method::POST;
+        *grpc_request.uri_mut() = self
+            .rpc
+            .grpc_path
+            .parse()
+            .map_err(|_| Status::internal("a gateway path did not parse"))?;
+        *grpc_request.version_mut() = http::Version::HTTP_2;
+        // The connection's own facts (its address, its TLS client certificate) go with
+        // the call, so a certificate identifies its caller here as on gRPC.
+        *grpc_request.extensions_mut() = extensions;
+        let headers = grpc_request.headers_mut();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+        headers.extend(metadata);
+        Ok(grpc_request)
+    }
+
+    /// The gateway's answer to a gRPC call's `response`: its one message as JSON, or,
+    /// for a stream, one JSON line per message.
+    async fn answer(&self, response: http::Response<tonic::body::Body>) -> (Response, Code) {
         if let Some(status) = status_in(response.headers()) {
             // A trailers-only answer: refused before any message.
             return refused(status);
@@ -368,217 +400,6 @@ impl Call {
         // which the call sees as the client's failure.
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
-}
-
-/// One JSON request as a gRPC frame of its method's input message.
-fn frame(input: &MessageDescriptor, value: serde_json::Value) -> Result<Bytes, Status> {
-    let message = read(input, value.clone()).map_err(|e| {
-        let field = match bad_field(input, &value) {
-            Some(field) => format!(" (field {field:?})"),
-            None => String::new(),
-        };
-        Status::invalid_argument(format!(
-            "the request does not read as {}{field}: {e}",
-            input.full_name()
-        ))
-    })?;
-    let encoded = message.encode_to_vec();
-    let mut frame = Vec::with_capacity(encoded.len() + 5);
-    frame.push(0);
-    frame.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
-    frame.extend_from_slice(&encoded);
-    Ok(Bytes::from(frame))
-}
-
-/// A JSON message as `input`. Fields etcd does not declare are left out, as etcd's
-/// gateway leaves them (a client of a newer etcd may send some).
-fn read(input: &MessageDescriptor, value: serde_json::Value) -> Result<DynamicMessage, String> {
-    DynamicMessage::deserialize_with_options(
-        input.clone(),
-        value,
-        &DeserializeOptions::new().deny_unknown_fields(false),
-    )
-    .map_err(|e| e.to_string())
-}
-
-/// The first field of a JSON object that does not read as its field of `input`.
-fn bad_field(input: &MessageDescriptor, value: &serde_json::Value) -> Option<String> {
-    value.as_object()?.iter().find_map(|(name, field)| {
-        let alone: serde_json::Map<_, _> = [(name.clone(), field.clone())].into_iter().collect();
-        read(input, serde_json::Value::Object(alone))
-            .is_err()
-            .then(|| name.clone())
-    })
-}
-
-/// The messages of a gRPC response body, each as JSON, then its status if not OK.
-fn replies(
-    body: tonic::body::Body,
-    output: MessageDescriptor,
-) -> impl Stream<Item = Result<String, Status>> + Send + 'static {
-    async_stream_of(move |tx| async move {
-        let mut body = body;
-        let mut pending: Vec<u8> = Vec::new();
-        loop {
-            // The caller hung up: the call ends with it.
-            let frame = tokio::select! {
-                frame = body.frame() => frame,
-                _ = tx.closed() => return,
-            };
-            let Some(frame) = frame else { return };
-            let frame = match frame {
-                Ok(frame) => frame,
-                Err(e) => {
-                    let _ = tx
-                        .send(Err(Status::unavailable(format!("the call ended: {e}"))))
-                        .await;
-                    return;
-                }
-            };
-            let frame = match frame.into_data() {
-                Ok(data) => {
-                    pending.extend_from_slice(&data);
-                    while let Some((message, rest)) = split_frame(&pending) {
-                        let json = to_json(&output, message);
-                        pending = rest.to_vec();
-                        if tx.send(json).await.is_err() {
-                            return;
-                        }
-                    }
-                    continue;
-                }
-                Err(frame) => frame,
-            };
-            if let Ok(trailers) = frame.into_trailers() {
-                if let Some(status) = status_in(&trailers) {
-                    let _ = tx.send(Err(status)).await;
-                }
-                return;
-            }
-        }
-    })
-}
-
-/// A stream fed by a task, ending when the task does.
-fn async_stream_of<T, F, Fut>(task: F) -> impl Stream<Item = T> + Send + 'static
-where
-    T: Send + 'static,
-    F: FnOnce(tokio::sync::mpsc::Sender<T>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::mpsc::channel(16);
-    tokio::spawn(task(tx));
-    tokio_stream::wrappers::ReceiverStream::new(rx)
-}
-
-/// The first whole gRPC message in `buffer` and what follows it.
-fn split_frame(buffer: &[u8]) -> Option<(&[u8], &[u8])> {
-    let header = buffer.get(..5)?;
-    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
-    let message = buffer.get(5..5 + len)?;
-    Some((message, &buffer[5 + len..]))
-}
-
-fn to_json(output: &MessageDescriptor, message: &[u8]) -> Result<String, Status> {
-    let message = DynamicMessage::decode(output.clone(), message)
-        .map_err(|e| Status::internal(format!("an answer did not decode: {e}")))?;
-    let mut json = Vec::new();
-    let mut serializer = serde_json::Serializer::new(&mut json);
-    message
-        .serialize_with_options(
-            &mut serializer,
-            &SerializeOptions::new()
-                .use_proto_field_name(true)
-                .skip_default_fields(true),
-        )
-        .map_err(|e| Status::internal(format!("an answer did not encode as JSON: {e}")))?;
-    String::from_utf8(json).map_err(|e| Status::internal(e.to_string()))
-}
-
-/// The gRPC status a header or trailer map carries, unless it is OK or absent.
-fn status_in(headers: &HeaderMap) -> Option<Status> {
-    let status = Status::from_header_map(headers)?;
-    (status.code() != Code::Ok).then_some(status)
-}
-
-fn too_large(max_bytes: usize) -> Status {
-    Status::resource_exhausted(format!(
-        "etcdserver: request is too large: a JSON request of the gateway is at most {max_bytes} bytes"
-    ))
-}
-
-/// A body that could not be read: over the limit (the error `to_bytes` gives for
-/// one), or cut short.
-fn too_large_or(e: axum::Error, max_bytes: usize) -> Status {
-    let e = e.into_inner();
-    if e.is::<http_body_util::LengthLimitError>() {
-        too_large(max_bytes)
-    } else {
-        Status::invalid_argument(format!("the request body could not be read: {e}"))
-    }
-}
-
-/// The HTTP status etcd's gateway answers a gRPC code with.
-fn http_status(code: Code) -> StatusCode {
-    match code {
-        Code::Ok => StatusCode::OK,
-        Code::Cancelled => StatusCode::REQUEST_TIMEOUT,
-        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => {
-            StatusCode::BAD_REQUEST
-        }
-        Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
-        Code::NotFound => StatusCode::NOT_FOUND,
-        Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
-        Code::PermissionDenied => StatusCode::FORBIDDEN,
-        Code::Unauthenticated => StatusCode::UNAUTHORIZED,
-        Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
-        Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
-        Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-        Code::Unknown | Code::Internal | Code::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
-    }
-}
-
-fn refused(status: Status) -> (Response, Code) {
-    (error_response(&status), status.code())
-}
-
-/// A refused call, as etcd's gateway answers one: `{"error", "code", "message"}`.
-fn error_response(status: &Status) -> Response {
-    json_response(
-        http_status(status.code()),
-        serde_json::json!({
-            "error": status.message(),
-            "code": status.code() as i32,
-            "message": status.message(),
-        })
-        .to_string(),
-    )
-}
-
-/// A stream's last line when it ends in an error, as etcd's gateway writes it.
-fn stream_error(status: &Status) -> String {
-    let http = http_status(status.code());
-    serde_json::json!({
-        "error": {
-            "grpc_code": status.code() as i32,
-            "http_code": http.as_u16(),
-            "message": status.message(),
-            "http_status": http.canonical_reason().unwrap_or_default(),
-        }
-    })
-    .to_string()
-}
-
-fn json_response(status: StatusCode, json: String) -> Response {
-    (
-        status,
-        [(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        )],
-        json,
-    )
-        .into_response()
 }
 
 #[cfg(test)]

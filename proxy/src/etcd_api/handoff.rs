@@ -43,6 +43,8 @@ use super::EtcdApi;
 use crate::metrics as m;
 use crate::sessions::Session;
 
+mod take;
+
 /// How often a draining proxy looks for its records taken, and for leases about to
 /// lapse.
 const FOLLOW_EVERY: Duration = Duration::from_millis(200);
@@ -205,25 +207,12 @@ impl EtcdApi {
         }
     }
 
-    /// Marks the etcd API sessions `pick` chooses handed off, once no leased write is on
-    /// its way, and writes their records. Returns each recorded session's record
-    /// revision, by lease.
-    async fn hand_off(&self, pick: impl Fn(&Session) -> bool) -> HashMap<i64, (Session, i64)> {
+    /// The sessions to hand off with their unanswered writes settled: a write whose
+    /// answer never came may have landed (a lock key a retry then stood on), so it is
+    /// read, and named in the record if it did. A session whose writes cannot be read
+    /// stays here.
+    async fn settled(&self, sessions: Vec<Session>) -> Vec<Session> {
         let state = &self.state;
-        let sessions = {
-            // Waits for the leased writes on their way: each records its key in its
-            // session before letting go, so the records below name every key.
-            let _no_writes = self.writes.write().await;
-            state
-                .sessions
-                .hand_off(|s| lease_of(&s.id).is_some() && pick(s))
-        };
-        let mut written = HashMap::new();
-        if sessions.is_empty() {
-            return written;
-        }
-        // A write whose answer never came may have landed (a lock key a retry then
-        // stood on): read, and named in the record if it did.
         let mut settled = Vec::with_capacity(sessions.len());
         for mut s in sessions {
             let unsettled: Vec<Grant> = s
@@ -248,7 +237,27 @@ impl EtcdApi {
                 }
             }
         }
-        let sessions = settled;
+        settled
+    }
+
+    /// Marks the etcd API sessions `pick` chooses handed off, once no leased write is on
+    /// its way, and writes their records. Returns each recorded session's record
+    /// revision, by lease.
+    async fn hand_off(&self, pick: impl Fn(&Session) -> bool) -> HashMap<i64, (Session, i64)> {
+        let state = &self.state;
+        let sessions = {
+            // Waits for the leased writes on their way: each records its key in its
+            // session before letting go, so the records below name every key.
+            let _no_writes = self.writes.write().await;
+            state
+                .sessions
+                .hand_off(|s| lease_of(&s.id).is_some() && pick(s))
+        };
+        let mut written = HashMap::new();
+        if sessions.is_empty() {
+            return written;
+        }
+        let sessions = self.settled(sessions).await;
         let now = Instant::now();
         for chunk in sessions.chunks(RECORDS_PER_TXN) {
             let mut puts = Vec::with_capacity(chunk.len());
@@ -396,171 +405,6 @@ impl EtcdApi {
         }
         if let Some(id) = lease_of(&session.id) {
             self.fences.remove(&id);
-        }
-    }
-
-    /// Takes lease `id` over from the proxy that handed it over, for `caller`, if a
-    /// record of it is there and the caller owns it. Calls for one lease take turns, so
-    /// a keepalive and a put arriving together take it once.
-    pub(super) async fn take_over(
-        &self,
-        id: i64,
-        caller: Option<&str>,
-    ) -> Result<TakeOver, Status> {
-        let turn = self.taking.entry(id).or_default().clone();
-        let _turn = turn.lock().await;
-        let taken = self.take_over_now(id, caller).await;
-        drop(_turn);
-        self.taking
-            .remove_if(&id, |_, t| std::sync::Arc::strong_count(t) <= 2);
-        taken
-    }
-
-    async fn take_over_now(&self, id: i64, caller: Option<&str>) -> Result<TakeOver, Status> {
-        let state = &self.state;
-        let session_id = session_of(id);
-        if let Ok(here) = state.sessions.get(&session_id, Instant::now()) {
-            // Taken by the call before this one.
-            return Ok(TakeOver::Taken(here));
-        }
-        let key = keyspace::etcd_lease_handoff_key(id);
-        let got = with_timeout(
-            "read a hand-off record",
-            state.config.etcd_timeout,
-            state.etcd.kv_client().get(key.as_str(), None),
-        )
-        .await
-        .map_err(crate::errors::ProxyError::from)?;
-        let Some(kv) = got.kvs().first() else {
-            return Ok(TakeOver::NoRecord);
-        };
-        let revision = kv.mod_revision();
-        let record: Record = match serde_json::from_slice(kv.value()) {
-            Ok(record) => record,
-            Err(error) => {
-                tracing::warn!(%error, key, "a hand-off record does not parse; not taken");
-                return Ok(TakeOver::NoRecord);
-            }
-        };
-        // Only its owner takes a lease: the same identity, or none on both sides (a
-        // lease granted without grants is no identity's, and one with is not anyone's).
-        let owned = record.principal.as_deref() == caller;
-        let now_unix = unix_ms(SystemTime::now());
-        if !owned || now_unix >= record.lapses_at_unix_ms {
-            return Ok(TakeOver::NoRecord);
-        }
-        // The lease lapses here when it would have there: a take-over is no renewal.
-        let left = Duration::from_millis(record.lapses_at_unix_ms - now_unix);
-        if state.is_draining() {
-            return Err(Status::unavailable(
-                "etcdserver: this proxy is shutting down; use another endpoint",
-            ));
-        }
-        let (bucket, lease) = state.leases.assign().ok_or_else(|| {
-            Status::unavailable("etcdserver: no leader (this proxy holds no etcd lease right now)")
-        })?;
-        if let Err(refused) =
-            crate::handover::cover(state, bucket, lease, record.acting_for_ms).await
-        {
-            state.leases.unassign(bucket);
-            return Err(Status::unavailable(refused.to_string()));
-        }
-        let moving = record.moving();
-        let ttl = Duration::from_millis(record.ttl_ms);
-        let now = Instant::now();
-        let mut session = Session::arriving(
-            session_id.as_str().into(),
-            record.identity.clone(),
-            ttl,
-            (bucket, lease),
-            moving.iter().map(|(g, _)| g.clone()).collect(),
-            now,
-            now + Duration::from_millis(record.acting_for_ms),
-        );
-        session.principal = record.principal.as_deref().map(Into::into);
-        session.life = session.life.clone().lapsing_in(now, left);
-        let incarnation = session.incarnation;
-        state.sessions.insert(session);
-        let name = LockName::parse(&session_id).expect("16 hex digits name a lock");
-        let resumed = state
-            .locklog
-            .resume_guarded(
-                &name,
-                record.fence,
-                &moving,
-                lease,
-                &state.proxy_id,
-                Some((key.as_str(), revision)),
-            )
-            .await;
-        let (fence, fence_revision, outcomes) = match resumed {
-            Ok(Resume::Moved {
-                fence,
-                fence_revision,
-                outcomes,
-            }) => (fence, fence_revision, outcomes),
-            // Taken by another proxy, or withdrawn by the handing one: nothing moved.
-            Ok(_) => {
-                self.forget_stay(&session_id, incarnation, bucket);
-                return Ok(TakeOver::NoRecord);
-            }
-            // Unknown whether the keys moved: the stay stays, to clean up what did.
-            Err(source) => {
-                return Err(crate::errors::ProxyError::StoreDuring {
-                    context: format!("taking lease {id:x} over"),
-                    source,
-                }
-                .into())
-            }
-        };
-        state
-            .sessions
-            .record_grant(&session_id, incarnation, fence, None);
-        self.fences.insert(id, fence_revision);
-        let mut kept = 0;
-        for ((grant, _), outcome) in moving.iter().zip(&outcomes) {
-            match outcome {
-                Ok(written) => {
-                    kept += 1;
-                    let now = Grant {
-                        written: if *written != 0 {
-                            *written
-                        } else {
-                            grant.written
-                        },
-                        ..grant.clone()
-                    };
-                    state
-                        .sessions
-                        .record_grant(&session_id, incarnation, now, None);
-                }
-                // Deleted or rewritten meanwhile: no longer the lease's.
-                Err(_) => state
-                    .sessions
-                    .forget_grant(&session_id, &grant.key, grant.revision),
-            }
-        }
-        metrics::counter!(m::SESSIONS_RESUMED).increment(1);
-        metrics::counter!(m::KEYS_MOVED).increment(kept as u64);
-        state.publish_sessions_open();
-        tracing::info!(
-            lease = format_args!("{id:x}"),
-            from = %record.proxy,
-            keys = kept,
-            lost = moving.len() - kept,
-            "etcd API lease taken over"
-        );
-        state
-            .sessions
-            .get(&session_id, Instant::now())
-            .map(TakeOver::Taken)
-            .map_err(|_| Status::not_found(LEASE_NOT_FOUND))
-    }
-
-    /// Drops a stay whose take-over moved nothing.
-    fn forget_stay(&self, id: &str, incarnation: u64, bucket: usize) {
-        if self.state.sessions.withdraw(id, incarnation).is_some() {
-            self.state.leases.unassign(bucket);
         }
     }
 }

@@ -43,6 +43,8 @@ pub const MAX_TXN_BYTES: usize = crate::service::kv::MAX_TXN_BYTES;
 
 mod inward;
 mod shown;
+mod txn;
+mod write;
 
 use self::inward::*;
 pub(super) use self::shown::deleted_with_record;
@@ -101,23 +103,9 @@ impl PbKvService for EtcdApi {
         }
         self.state.pace(caller.as_deref())?;
         let req = request.into_inner();
-        if req.ignore_value || req.ignore_lease {
-            return Err(Status::invalid_argument(format!(
-                "put of key {:?}: ignore_value and ignore_lease are not supported through lockcell",
-                String::from_utf8_lossy(&req.key)
-            )));
-        }
         let state = &self.state;
+        check_put(&req, state.config.max_value_bytes)?;
         let shown = String::from_utf8_lossy(&req.key).into_owned();
-        key_within(&req.key)?;
-        if req.value.len() > state.config.max_value_bytes {
-            return Err(ProxyError::BadArgument(format!(
-                "the value for key {shown:?} is {} bytes, over the limit of {} bytes",
-                req.value.len(),
-                state.config.max_value_bytes
-            ))
-            .into());
-        }
         // A leased write holds off a hand-off until its key is recorded.
         let _writes = match req.lease {
             0 => None,
@@ -168,25 +156,9 @@ impl PbKvService for EtcdApi {
             _ => write.await,
         }
         .map_err(super::etcd_error)?;
-        let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
-        admitted.landed(Some(revision));
-        let mut responses = outcome.responses.into_iter();
-        let (put, record) = (responses.next(), responses.next());
-        let mut prev_kv = match put.and_then(|op| op.response) {
-            Some(PbTxnOpResponse::ResponsePut(put)) => put.prev_kv,
-            _ => None,
-        };
-        if let (Some(session), Some(key)) = (&session, key) {
-            let created = prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
-            self.record_leased(session, key, created, revision, req.value.len());
-        }
-        if let Some(kv) = prev_kv.as_mut() {
-            outward_prev(kv, &records_before(record.as_ref()));
-        }
-        Ok(Response::new(PbPutResponse {
-            header: Some(self.header(revision)),
-            prev_kv: if req.prev_kv { prev_kv } else { None },
-        }))
+        admitted.landed(Some(outcome.header.as_ref().map_or(0, |h| h.revision)));
+        let leased = session.as_ref().zip(key);
+        Ok(Response::new(self.put_reply(&req, leased, outcome)))
     }
 
     async fn delete_range(
@@ -321,221 +293,9 @@ impl PbKvService for EtcdApi {
 }
 
 impl EtcdApi {
-    /// Runs a checked and authorized Txn for `caller`.
-    pub(super) async fn txn_as(
-        &self,
-        caller: Option<String>,
-        req: PbTxnRequest,
-    ) -> Result<PbTxnResponse, Status> {
-        // A leased write holds off a hand-off until its keys are recorded.
-        let writes = match txn_puts(&req).iter().any(|p| p.lease != 0) {
-            true => Some(self.writes.read().await),
-            false => None,
-        };
-        self.txn_holding(caller, req, writes).await
-    }
-
-    /// Runs a checked and authorized Txn for `caller`, holding off hand-offs with
-    /// `_writes` when it writes with a lease.
-    async fn txn_holding(
-        &self,
-        caller: Option<String>,
-        req: PbTxnRequest,
-        _writes: Option<tokio::sync::RwLockReadGuard<'_, ()>>,
-    ) -> Result<PbTxnResponse, Status> {
-        let map_revision = self.map_revision(b"\0", b"\0")?;
-        let leased = self.txn_sessions(&req, caller.as_deref()).await?;
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            let leases = self.leases_compared(&req).await?;
-            match self
-                .txn_once(caller.clone(), &req, &leased, &leases, map_revision)
-                .await?
-            {
-                Some(reply) => return Ok(reply),
-                None if tries < LEASE_COMPARE_TRIES => continue,
-                None => {
-                    return Err(Status::unavailable(format!(
-                        "etcdserver: the keys a lease compare names were written {tries} times while the transaction was on its way; try again"
-                    )))
-                }
-            }
-        }
-    }
-
-    /// The client lease of every key a LEASE compare of `txn` names, as the proxy's
-    /// copy of the small keys shows it after a read barrier: with the key's mod
-    /// revision, which the transaction's guard then compares (0: no such key).
-    async fn leases_compared(&self, txn: &PbTxnRequest) -> Result<LeasesCompared, Status> {
-        let mut keys = Vec::new();
-        lease_compares(txn, &mut keys);
-        if keys.is_empty() {
-            return Ok(LeasesCompared::new());
-        }
-        let reads = &self.state.reads;
-        let at = reads.barrier().await?;
-        if !reads.feed.is_live()
-            || !reads
-                .feed
-                .applied_through(at, self.state.config.etcd_timeout)
-                .await
-        {
-            reads.feed.report_stall();
-            return Err(Status::unavailable(
-                "etcdserver: the proxy's copy of the keys is loading or behind, and a lease compare needs it; try again",
-            ));
-        }
-        Ok(reads.feed.with_mirror(|mirror| {
-            keys.into_iter()
-                .map(|key| {
-                    let now = std::str::from_utf8(&key)
-                        .ok()
-                        .and_then(|name| mirror.get(name))
-                        .map_or((0, 0), |e| (e.client_lease, e.mod_revision));
-                    (key, now)
-                })
-                .collect()
-        }))
-    }
-
-    /// One try of a Txn: `None` when a key a lease compare names changed since the
-    /// proxy read its lease (nothing was written).
-    async fn txn_once(
-        &self,
-        caller: Option<String>,
-        req: &PbTxnRequest,
-        leased: &Sessions,
-        leases: &LeasesCompared,
-        map_revision: i64,
-    ) -> Result<Option<PbTxnResponse>, Status> {
-        // A Txn that writes nothing records no writer: it then writes no revision, as in
-        // etcd, and costs etcd's space nothing (also past the space line). Past the
-        // line, one that only deletes, in ranges where no key exists, would still write
-        // one (its writer record): refused, as such a DeleteRange is.
-        let writer = self.writer(caller.clone(), None);
-        // Every put of either branch counts against the cell's small-key bound: which
-        // branch runs is etcd's to decide.
-        let puts = txn_puts(req);
-        let feed = &self.state.reads.feed;
-        self.state
-            .space
-            .admit_delete("a transaction of deletes only", || {
-                let deletes = txn_deletes(req);
-                feed.is_live()
-                    && puts.is_empty()
-                    && !deletes.is_empty()
-                    && feed.with_mirror(|m| {
-                        deletes.iter().all(|d| finds_none(m, &d.key, &d.range_end))
-                    })
-            })?;
-        let client_txn = inward_txn(req, leased, leases, &writer)?;
-        let keys: Vec<String> = puts
-            .iter()
-            .map(|p| String::from_utf8_lossy(&p.key).into_owned())
-            .collect();
-        let sizes: Vec<WriteSize> = keys
-            .iter()
-            .zip(&puts)
-            .map(|(k, p)| WriteSize::put(k.as_str(), p.value.len(), p.lease == 0))
-            .collect();
-        let state = &self.state;
-        // Leased puts count against their identities' keys and bytes (keys new to
-        // their leases, bytes past what the leases' records count), those of both
-        // branches, as for the bound above; a key put in both counts once, at its most.
-        let mut adds: std::collections::HashMap<(&str, String), (u64, u64)> = Default::default();
-        for p in &puts {
-            let Some(session) = leased.get(&p.lease) else {
-                continue;
-            };
-            let Ok(key) = leased_key(&p.key) else {
-                continue;
-            };
-            let (keys, bytes) = session.adds(&key, (key.len() + p.value.len()) as u64);
-            let most = adds.entry((session.id.as_ref(), key)).or_default();
-            *most = (most.0.max(keys), most.1.max(bytes));
-        }
-        let mut by_session: std::collections::HashMap<&str, (u64, u64)> = Default::default();
-        for ((id, _), (keys, bytes)) in adds {
-            let sum = by_session.entry(id).or_default();
-            *sum = (sum.0 + keys, sum.1 + bytes);
-        }
-        for (id, (keys, bytes)) in by_session {
-            state.admit_keys(id, keys, bytes)?;
-        }
-        let admitted = state.admit_writes(caller.as_deref(), &sizes).await?;
-        // A leased put is its session's even if no answer comes: recorded as unsettled
-        // first, as a put on its own is.
-        let pending: Vec<(Session, Grant)> = puts
-            .iter()
-            .filter_map(|p| {
-                let session = leased.get(&p.lease)?;
-                let key = leased_key(&p.key).ok()?;
-                let grant = Grant::unsettled_etcd_api_key(key, &session.id, &p.value);
-                Some((session.clone(), grant))
-            })
-            .collect();
-        for (session, grant) in &pending {
-            if !state
-                .sessions
-                .record_grant(&session.id, session.incarnation, grant.clone(), None)
-            {
-                return Err(Status::not_found(LEASE_NOT_FOUND));
-            }
-        }
-        // Each key a lease compare read is still as read: its client lease is.
-        let pins: Vec<Compare> = leases
-            .iter()
-            .map(|(key, (_, modified))| {
-                Compare::mod_revision(inner(key), CompareOp::Equal, *modified)
-            })
-            .collect();
-        let owners: Vec<&Session> = pending.iter().map(|(session, _)| session).collect();
-        let sent = self
-            .guarded_by(
-                &owners,
-                vec![TxnOp::txn(client_txn)],
-                map_revision,
-                pins,
-                txn_writes(req).then_some(&writer),
-            )
-            .await;
-        for (session, grant) in pending {
-            match &sent {
-                Err(e) if crate::unsettled::unknown_outcome(e) => {
-                    crate::unsettled::settle_unknown(state, &session, grant).await
-                }
-                _ => state.sessions.forget(&session.id, &grant),
-            }
-        }
-        let Some(outcome) = sent.map_err(super::etcd_error)? else {
-            admitted.landed(None);
-            return Ok(None);
-        };
-        let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
-        admitted.landed(Some(revision));
-        let mut reply = outcome
-            .responses
-            .into_iter()
-            .find_map(|op| match op.response {
-                Some(PbTxnOpResponse::ResponseTxn(t)) => Some(t),
-                _ => None,
-            })
-            .unwrap_or_default();
-        self.settle_txn(req, &mut reply, leased, revision)?;
-        // Only a range's leased keys take their client lease from the copy: a Txn
-        // with none (a lock recipe's put) is answered without waiting for it.
-        if ranges_leased_keys(&reply) {
-            self.caught_up(revision).await;
-        }
-        self.outward_txn(&mut reply);
-        reply.header = Some(self.header(revision));
-        Ok(Some(reply))
-    }
-
     /// Checks `right` on a client range: one key, a prefix (the key's successor as
     /// `range_end`), or any other range, which takes the right on every small key.
-    fn authorize_range<T>(
+    pub(super) fn authorize_range<T>(
         &self,
         request: &Request<T>,
         right: Right,
@@ -549,256 +309,33 @@ impl EtcdApi {
         super::auth::check_range(&grants, &identity, right, key, range_end)
     }
 
-    /// Checks every compare (read) and operation of a Txn, nested ones too.
-    fn authorize_txn<T>(&self, request: &Request<T>, txn: &PbTxnRequest) -> Result<(), Status> {
-        for c in &txn.compare {
-            self.authorize_range(request, Right::Read, &c.key, &c.range_end)?;
-        }
-        for op in txn.success.iter().chain(&txn.failure) {
-            match &op.request {
-                Some(PbTxnOpRequest::RequestRange(r)) => {
-                    self.authorize_range(request, Right::Read, &r.key, &r.range_end)?
-                }
-                Some(PbTxnOpRequest::RequestPut(p)) => {
-                    self.authorize_range(request, Right::Write, &p.key, &[])?
-                }
-                Some(PbTxnOpRequest::RequestDeleteRange(d)) => {
-                    self.authorize_range(request, Right::Write, &d.key, &d.range_end)?
-                }
-                Some(PbTxnOpRequest::RequestTxn(t)) => self.authorize_txn(request, t)?,
-                None => {}
-            }
-        }
-        Ok(())
-    }
-
-    /// The shard map revision a write over a client range is made under: a single key's
-    /// route, or, for a range, a cell without a shard map (a range cannot be checked
-    /// against routes).
-    pub(super) fn map_revision(&self, key: &[u8], range_end: &[u8]) -> Result<i64, Status> {
-        let routes = &self.state.routes;
-        if range_end.is_empty() {
-            return Ok(routes.serve_all([String::from_utf8_lossy(key).as_ref()])?);
-        }
-        match routes.copy() {
-            None => Ok(routes.serve_all(std::iter::empty())?),
-            Some(_) => Err(Status::failed_precondition(
-                "a range write or a Txn through the etcd API needs a cell without a shard map; this cell has one",
-            )),
-        }
-    }
-
-    /// Who writes, for the audit trail.
-    pub(super) fn writer(&self, caller: Option<String>, session: Option<&Session>) -> Writer {
-        Writer {
-            identity: session
-                .map(|s| s.identity.clone())
-                .or(caller)
-                .unwrap_or_default(),
-            session: session.map(|s| s.id.to_string()).unwrap_or_default(),
-            proxy: self.state.proxy_id.clone(),
-            ..Writer::default()
-        }
-    }
-
-    /// Runs `ops` in one transaction guarded by the shard map copy at `map_revision`,
-    /// with the proxy's writer record. A guard that fails is the map's change, never the
-    /// client's: it is an error, not a reply.
-    pub(super) async fn guarded(
+    /// A Put's reply, from the etcd transaction that wrote it (the put, then the key's
+    /// client lease record): records a leased put in its session, and answers the
+    /// previous value as the client sees it, if asked for.
+    fn put_reply(
         &self,
-        ops: Vec<TxnOp>,
-        map_revision: i64,
-        writer: &Writer,
-    ) -> Result<etcd_client::proto::PbTxnResponse, lockcell_cell::CellError> {
-        self.guarded_for(&[], ops, map_revision, writer).await
-    }
-
-    /// [`guarded`](EtcdApi::guarded), for a write that puts keys on the leases of
-    /// `owners`: sent only if each is still open when its turn comes.
-    async fn guarded_for(
-        &self,
-        owners: &[&Session],
-        ops: Vec<TxnOp>,
-        map_revision: i64,
-        writer: &Writer,
-    ) -> Result<etcd_client::proto::PbTxnResponse, lockcell_cell::CellError> {
-        let done = self
-            .guarded_by(owners, ops, map_revision, Vec::new(), Some(writer))
-            .await?;
-        // With no pins, only the map guard fails, and `guarded_by` says so.
-        done.ok_or(lockcell_cell::CellError::MapChanged { now: map_revision })
-    }
-
-    /// [`guarded`](EtcdApi::guarded), with `pins` besides the map guard: `None` when one
-    /// of them failed (and the map did not), so nothing was written.
-    async fn guarded_by(
-        &self,
-        owners: &[&Session],
-        ops: Vec<TxnOp>,
-        map_revision: i64,
-        pins: Vec<Compare>,
-        writer: Option<&Writer>,
-    ) -> Result<Option<etcd_client::proto::PbTxnResponse>, lockcell_cell::CellError> {
-        let mut then = ops;
-        if let Some(writer) = writer {
-            then.push(writer.op(&keyspace::writer_key(&self.state.proxy_id)));
-        }
-        let mut when = vec![map_guard(map_revision)];
-        when.extend(pins);
-        let txn = Txn::new()
-            .when(when)
-            .and_then(then)
-            .or_else([TxnOp::get(keyspace::shardmap_key(), None)]);
-        let state = &self.state;
-        let deadline = super::write_timeout(state.config.etcd_timeout);
-        let (_turn, waited) = self.turn_in_etcd("api write", deadline).await?;
-        // A lease revoked while the write waited has had its keys deleted and its
-        // revoke answered: as in etcd, a put on it now is refused, and nothing is sent.
-        if let Some(gone) = owners
-            .iter()
-            .find(|s| !state.sessions.is_open(&s.id, s.incarnation))
-        {
-            tracing::debug!(session.id = %gone.id, "a leased write's lease ended while it waited for its turn");
-            return Err(lockcell_cell::CellError::Etcd {
-                op: "api write",
-                source: etcd_client::Error::GRpcStatus(Status::not_found(LEASE_NOT_FOUND)),
-            });
-        }
-        // Out of time in etcd: said as the whole deadline, the wait for the turn in it.
-        let resp = with_timeout(
-            "api write",
-            deadline.saturating_sub(waited),
-            state.etcd.kv_client().txn(txn),
-        )
-        .await
-        .map_err(|e| match e {
-            lockcell_cell::CellError::Timeout { op, .. } => lockcell_cell::CellError::Timeout {
-                op,
-                after: deadline,
-            },
-            other => other,
-        })?;
-        if !resp.succeeded() {
-            check_map(resp.op_responses().as_slice(), map_revision)?;
-            return Ok(None);
-        }
-        Ok(Some(resp.0))
-    }
-
-    /// Waits, up to `deadline`, for a turn to have a client write (`op`) in etcd: no
-    /// more than `--etcd-writes-in-flight` at once, so a burst of them cannot queue in
-    /// etcd ahead of the proxy's own lease renewals. Returns the turn (hold it while the
-    /// write is in etcd) and how long it took.
-    pub(super) async fn turn_in_etcd(
-        &self,
-        op: &'static str,
-        deadline: std::time::Duration,
-    ) -> Result<(tokio::sync::SemaphorePermit<'_>, std::time::Duration), lockcell_cell::CellError>
-    {
-        if let Ok(turn) = self.in_etcd.try_acquire() {
-            return Ok((turn, std::time::Duration::ZERO));
-        }
-        ::metrics::counter!(crate::metrics::ETCD_API_WRITES_QUEUED).increment(1);
-        let _waiting = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_API_WRITES_WAITING);
-        let started = tokio::time::Instant::now();
-        match tokio::time::timeout(deadline, self.in_etcd.acquire()).await {
-            Ok(turn) => Ok((
-                turn.expect("the write turns are never closed"),
-                started.elapsed(),
-            )),
-            Err(_) => Err(lockcell_cell::CellError::Queued {
-                op,
-                waited: deadline,
-            }),
-        }
-    }
-
-    /// Waits (a moment at most) until the proxy's copy of the small keys has applied
-    /// `revision`, so the client leases it knows cover what etcd answered at it.
-    pub(super) async fn caught_up(&self, revision: i64) {
-        let feed = &self.state.reads.feed;
-        if feed.is_live() {
-            feed.applied_through(revision, self.state.config.etcd_timeout)
-                .await;
-        }
-    }
-
-    /// The session of every lease a Txn's puts name, each the caller's own.
-    async fn txn_sessions(
-        &self,
-        txn: &PbTxnRequest,
-        caller: Option<&str>,
-    ) -> Result<Sessions, Status> {
-        let mut sessions = Sessions::new();
-        for lease in txn_puts(txn).iter().map(|p| p.lease).filter(|l| *l != 0) {
-            if sessions.contains_key(&lease) {
-                continue;
-            }
-            sessions.insert(lease, self.lease_session(lease, caller).await?);
-        }
-        Ok(sessions)
-    }
-
-    /// After a Txn: answers each write of the branch that ran as etcd would (each went
-    /// with its client lease record, [`record_op`]), the client's keys and leases in
-    /// the previous values; records each leased put in its session; takes out the
-    /// previous values the client did not ask for.
-    fn settle_txn(
-        &self,
-        req: &PbTxnRequest,
-        reply: &mut PbTxnResponse,
-        leased: &Sessions,
-        revision: i64,
-    ) -> Result<(), Status> {
-        let ran = if reply.succeeded {
-            &req.success
-        } else {
-            &req.failure
+        req: &PbPutRequest,
+        leased: Option<(&Session, String)>,
+        outcome: etcd_client::proto::PbTxnResponse,
+    ) -> PbPutResponse {
+        let revision = outcome.header.as_ref().map_or(0, |h| h.revision);
+        let mut responses = outcome.responses.into_iter();
+        let (put, record) = (responses.next(), responses.next());
+        let mut prev_kv = match put.and_then(|op| op.response) {
+            Some(PbTxnOpResponse::ResponsePut(put)) => put.prev_kv,
+            _ => None,
         };
-        for (op, response) in ran.iter().zip(reply.responses.iter_mut()) {
-            let writes = matches!(
-                op.request,
-                Some(PbTxnOpRequest::RequestPut(_) | PbTxnOpRequest::RequestDeleteRange(_))
-            );
-            if writes {
-                if let Some(PbTxnOpResponse::ResponseTxn(pair)) = response.response.take() {
-                    let mut pair = pair.responses.into_iter();
-                    let (write, record) = (pair.next(), pair.next());
-                    let before = records_before(record.as_ref());
-                    response.response = write.and_then(|w| w.response);
-                    match response.response.as_mut() {
-                        Some(PbTxnOpResponse::ResponsePut(r)) => {
-                            if let Some(kv) = r.prev_kv.as_mut() {
-                                outward_prev(kv, &before);
-                            }
-                        }
-                        Some(PbTxnOpResponse::ResponseDeleteRange(d)) => {
-                            for kv in &mut d.prev_kvs {
-                                outward_prev(kv, &before);
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-            }
-            match (&op.request, response.response.as_mut()) {
-                (Some(PbTxnOpRequest::RequestPut(p)), Some(PbTxnOpResponse::ResponsePut(r))) => {
-                    if let Some(session) = leased.get(&p.lease) {
-                        let created = r.prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
-                        let key = leased_key(&p.key)?;
-                        self.record_leased(session, key, created, revision, p.value.len());
-                    }
-                    if !p.prev_kv {
-                        r.prev_kv = None;
-                    }
-                }
-                (Some(PbTxnOpRequest::RequestTxn(t)), Some(PbTxnOpResponse::ResponseTxn(r))) => {
-                    self.settle_txn(t, r, leased, revision)?
-                }
-                _ => {}
-            }
+        if let Some((session, key)) = leased {
+            let created = prev_kv.as_ref().map_or(revision, |kv| kv.create_revision);
+            self.record_leased(session, key, created, revision, req.value.len());
         }
-        Ok(())
+        if let Some(kv) = prev_kv.as_mut() {
+            outward_prev(kv, &records_before(record.as_ref()));
+        }
+        PbPutResponse {
+            header: Some(self.header(revision)),
+            prev_kv: if req.prev_kv { prev_kv } else { None },
+        }
     }
 
     /// A Range of now answered from the proxy's copy of the small keys: a linearizable
@@ -806,7 +343,7 @@ impl EtcdApi {
     /// shared by the reads of the moment), a serializable one at once. `None` when etcd
     /// must answer: a read at a past revision, a bound that is not text, or a copy that
     /// is loading or lags.
-    async fn range_from_mirror(
+    pub(super) async fn range_from_mirror(
         &self,
         req: &PbRangeRequest,
     ) -> Result<Option<PbRangeResponse>, Status> {
@@ -841,7 +378,7 @@ impl EtcdApi {
 
     /// Records a leased put in its session, for the session's clean-up, and remembers
     /// the client's lease for the key.
-    fn record_leased(
+    pub(super) fn record_leased(
         &self,
         session: &Session,
         key: String,
@@ -909,36 +446,11 @@ impl EtcdApi {
         })
     }
 
-    fn outward_range(&self, reply: &mut PbRangeResponse) {
+    pub(super) fn outward_range(&self, reply: &mut PbRangeResponse) {
         let revision = reply.header.as_ref().map_or(0, |h| h.revision);
         reply.header = Some(self.header(revision));
         for kv in &mut reply.kvs {
             self.outward_kv(kv);
-        }
-    }
-
-    fn outward_txn(&self, reply: &mut PbTxnResponse) {
-        let revision = reply.header.as_ref().map_or(0, |h| h.revision);
-        reply.header = Some(self.header(revision));
-        for op in &mut reply.responses {
-            self.outward_op(op);
-        }
-    }
-
-    fn outward_op(&self, op: &mut PbResponseOp) {
-        match op.response.as_mut() {
-            Some(PbTxnOpResponse::ResponseRange(r)) => self.outward_range(r),
-            // Their previous values are the client's already (`settle_txn`).
-            Some(PbTxnOpResponse::ResponsePut(p)) => {
-                let revision = p.header.as_ref().map_or(0, |h| h.revision);
-                p.header = Some(self.header(revision));
-            }
-            Some(PbTxnOpResponse::ResponseDeleteRange(d)) => {
-                let revision = d.header.as_ref().map_or(0, |h| h.revision);
-                d.header = Some(self.header(revision));
-            }
-            Some(PbTxnOpResponse::ResponseTxn(t)) => self.outward_txn(t),
-            None => {}
         }
     }
 }

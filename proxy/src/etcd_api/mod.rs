@@ -225,7 +225,7 @@ impl EtcdApi {
             lockcell_proto::etcd_election::election_server::ElectionServer::new(self.clone()),
         )
         .prepare();
-        let server = crate::client_server(&self.state.config);
+        let server = crate::listen::client_server(&self.state.config);
         let api = self;
         // etcd's JSON gateway beside the gRPC services, on HTTP/1.1 as well as HTTP/2:
         // base64 and JSON take up to 3 bytes of request for each byte of the call.
@@ -244,7 +244,7 @@ impl EtcdApi {
             }
             None => {
                 router
-                    .serve_with_incoming_shutdown(crate::incoming(listener), stopped)
+                    .serve_with_incoming_shutdown(crate::listen::incoming(listener), stopped)
                     .await
             }
         };
@@ -428,7 +428,7 @@ impl PbClusterService for EtcdApi {
         _: Request<PbMemberListRequest>,
     ) -> Result<Response<PbMemberListResponse>, Status> {
         let config = &self.state.config;
-        let scheme = if crate::tls_files(config).is_some() {
+        let scheme = if crate::listen::tls_files(config).is_some() {
             "https"
         } else {
             "http"

@@ -37,6 +37,12 @@ use crate::mirror::{EventKind, KeyEvent, Topic};
 use crate::state::ProxyState;
 use lockcell_cell::grants::Limit;
 
+mod range;
+mod source;
+
+use self::range::*;
+use self::source::*;
+
 /// Replies buffered per client stream before its sources wait (each at most about
 /// [`RESPONSE_BYTES`] of events).
 const BUFFER: usize = 16;
@@ -107,70 +113,6 @@ struct Watching {
     synced: Arc<AtomicBool>,
     /// Its place among the watches its identity may have open.
     _place: Taken,
-}
-
-/// Which events of its topic a watch delivers: those in its range, less the kinds its
-/// filters drop.
-#[derive(Debug, Clone)]
-struct Selection {
-    range: ClientRange,
-    no_put: bool,
-    no_delete: bool,
-}
-
-impl Selection {
-    fn wants(&self, event: &KeyEvent) -> bool {
-        let kind = match event.kind {
-            EventKind::Put => !self.no_put,
-            EventKind::Delete => !self.no_delete,
-        };
-        kind && self.range.contains(event.entry.name.as_bytes())
-    }
-}
-
-/// A client range as etcd's API spells it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct ClientRange {
-    key: Vec<u8>,
-    /// Empty: the key alone; `\0`: every key from `key` on; else the first key past.
-    end: Vec<u8>,
-}
-
-impl ClientRange {
-    fn contains(&self, name: &[u8]) -> bool {
-        match &self.end[..] {
-            [] => name == self.key,
-            [0] => name >= &self.key[..],
-            end => name >= &self.key[..] && name < end,
-        }
-    }
-
-    /// Whether no key can be in it (etcd refuses such a watch).
-    fn is_empty(&self) -> bool {
-        !matches!(&self.end[..], [] | [0]) && self.key >= self.end
-    }
-
-    /// The fan-out topic whose events include every key of the range: the key, or the
-    /// longest text both ends of the range start with.
-    fn topic(&self) -> Topic {
-        if self.end.is_empty() {
-            return Topic {
-                name: String::from_utf8_lossy(&self.key).into_owned(),
-                prefix: false,
-            };
-        }
-        let end: &[u8] = if self.end == [0] { &[] } else { &self.end };
-        let common = self.key.iter().zip(end).take_while(|(a, b)| a == b).count();
-        let shared = &self.key[..common];
-        let text = match std::str::from_utf8(shared) {
-            Ok(text) => text,
-            Err(e) => std::str::from_utf8(&shared[..e.valid_up_to()]).expect("valid up to"),
-        };
-        Topic {
-            name: text.to_owned(),
-            prefix: true,
-        }
-    }
 }
 
 /// What a watch's source delivers.
@@ -319,18 +261,18 @@ impl WatchStream<'_> {
         }
     }
 
-    async fn create(
-        &mut self,
+    /// Why a watch is refused as etcd refuses it, if it is, and under which ID: one
+    /// outside the grants under the ID asked for, one etcd's watch store turns down
+    /// under no ID at all.
+    fn refusal(
+        &self,
         asked_id: i64,
         start_revision: i64,
-        watching: Watching,
-    ) -> Result<(), Status> {
-        let state = &self.api.state;
-        // Refused as etcd refuses: a watch outside the grants under the ID asked for,
-        // one etcd's watch store turns down under no ID at all.
-        let refusal = if let Err(refused) = self.may_watch(&watching.select.range) {
+        range: &ClientRange,
+    ) -> Option<(i64, String)> {
+        if let Err(refused) = self.may_watch(range) {
             Some((asked_id, refused.message().to_owned()))
-        } else if watching.select.range.is_empty() {
+        } else if range.is_empty() {
             Some((NO_WATCH, "mvcc: watcher range is empty".to_owned()))
         } else if asked_id != 0 && self.watches.contains_key(&asked_id) {
             Some((
@@ -344,7 +286,29 @@ impl WatchStream<'_> {
             ))
         } else {
             None
-        };
+        }
+    }
+
+    /// The ID of a new watch: the one asked for, else the stream's next free one.
+    fn new_id(&mut self, asked_id: i64) -> i64 {
+        if asked_id != 0 {
+            return asked_id;
+        }
+        while self.watches.contains_key(&self.next_id) {
+            self.next_id += 1;
+        }
+        self.next_id += 1;
+        self.next_id - 1
+    }
+
+    async fn create(
+        &mut self,
+        asked_id: i64,
+        start_revision: i64,
+        watching: Watching,
+    ) -> Result<(), Status> {
+        let state = &self.api.state;
+        let refusal = self.refusal(asked_id, start_revision, &watching.select.range);
         // Past its identity's rate or open watches: refused under the ID asked for, as
         // a watch outside the grants is.
         let identity = self.identity.as_deref();
@@ -374,15 +338,7 @@ impl WatchStream<'_> {
             };
             return send(self.tx, reply).await;
         }
-        let id = if asked_id != 0 {
-            asked_id
-        } else {
-            while self.watches.contains_key(&self.next_id) {
-                self.next_id += 1;
-            }
-            self.next_id += 1;
-            self.next_id - 1
-        };
+        let id = self.new_id(asked_id);
         // From now: the store's revision now, so the watch sees exactly the changes
         // that come after the call, as etcd's does.
         let (start, created_at) = match start_revision {
@@ -513,186 +469,6 @@ async fn send(tx: &Replies, reply: PbWatchResponse) -> Result<(), Status> {
     // A client gone ends the stream quietly: the loop sees `tx` closed.
     let _ = tx.send(Ok(reply)).await;
     Ok(())
-}
-
-/// One watch's events, from the fan-out.
-struct Source {
-    state: Arc<ProxyState>,
-    topic: Topic,
-    select: Selection,
-    prev_kv: bool,
-    /// The first revision not yet delivered.
-    next: i64,
-    synced: Arc<AtomicBool>,
-    phase: Phase,
-    /// Responses' worth of events to deliver before anything else.
-    pending: std::collections::VecDeque<Arrival>,
-}
-
-enum Phase {
-    /// To join the fan-out, at `next`.
-    Join,
-    /// Joined in the past: etcd's history through the join position comes first.
-    CatchingUp {
-        sub: Subscription,
-        through: i64,
-        caught: mpsc::Receiver<CaughtUp>,
-        read: JoinHandle<Result<(), CatchUpError>>,
-    },
-    Following(Subscription),
-    Done,
-}
-
-impl Source {
-    fn into_stream(self) -> impl Stream<Item = Arrival> + Send {
-        let counted = metrics::Counted::in_gauge(metrics::WATCHERS);
-        futures_util::stream::unfold((self, counted), |(mut source, counted)| async move {
-            let arrival = source.next().await?;
-            Some((arrival, (source, counted)))
-        })
-    }
-
-    async fn next(&mut self) -> Option<Arrival> {
-        loop {
-            if let Some(arrival) = self.pending.pop_front() {
-                return Some(arrival);
-            }
-            match &mut self.phase {
-                Phase::Join => {
-                    if let Some(arrival) = self.join().await {
-                        return Some(arrival);
-                    }
-                }
-                Phase::CatchingUp { caught, .. } => {
-                    if let Some(CaughtUp {
-                        reached,
-                        mut events,
-                    }) = caught.recv().await
-                    {
-                        self.next = reached + 1;
-                        events.retain(|e| self.select.wants(e));
-                        return Some(Arrival::Events {
-                            revision: reached,
-                            events,
-                        });
-                    }
-                    let Phase::CatchingUp {
-                        sub, through, read, ..
-                    } = std::mem::replace(&mut self.phase, Phase::Done)
-                    else {
-                        unreachable!("matched above");
-                    };
-                    let result = read
-                        .await
-                        .unwrap_or_else(|e| Err(CatchUpError::Etcd(e.to_string())));
-                    match result {
-                        Ok(()) => {
-                            self.next = self.next.max(through + 1);
-                            self.synced.store(true, Ordering::Release);
-                            self.phase = Phase::Following(sub);
-                            return Some(Arrival::Synced);
-                        }
-                        // Its client stopped reading: the stream is not polled, and the
-                        // catch-up starts again from `next` once it is.
-                        Err(CatchUpError::Slow) => self.phase = Phase::Join,
-                        Err(CatchUpError::ClientGone) => return None,
-                        // etcd keeps the state at its compact revision but not the
-                        // deletes made at it: a watch can start one past it.
-                        Err(CatchUpError::Compacted(compacted)) => {
-                            return Some(Arrival::Compacted(compacted + 1));
-                        }
-                        Err(CatchUpError::Gap(gap)) => {
-                            return Some(Arrival::Compacted(gap.got));
-                        }
-                        Err(CatchUpError::Etcd(why)) => {
-                            return Some(Arrival::Failed(Status::unavailable(format!(
-                                "etcdserver: the watch could not read etcd's history from revision {}: {why}; watch again",
-                                self.next
-                            ))));
-                        }
-                    }
-                }
-                Phase::Following(sub) => match sub.batches.recv().await {
-                    Some(batch) => {
-                        if batch.revision < self.next {
-                            continue;
-                        }
-                        let events: Vec<KeyEvent> = batch
-                            .events
-                            .iter()
-                            .filter(|e| e.revision() >= self.next && self.select.wants(e))
-                            .cloned()
-                            .collect();
-                        self.next = batch.revision + 1;
-                        self.deliver(events, batch.revision);
-                    }
-                    // Cut off for a full backlog, or the proxy is loading its view of
-                    // the cell again: everything before `next` was delivered, so the
-                    // watch joins again from there, as an etcd watcher that fell
-                    // behind catches up.
-                    None => {
-                        self.synced.store(false, Ordering::Release);
-                        self.phase = Phase::Join;
-                    }
-                },
-                Phase::Done => return None,
-            }
-        }
-    }
-
-    /// Queues `events` (of the revisions through `through`) as responses of a bounded
-    /// size.
-    fn deliver(&mut self, events: Vec<KeyEvent>, through: i64) {
-        for (revision, events) in in_chunks(events, through, RESPONSE_BYTES) {
-            self.pending.push_back(Arrival::Events { revision, events });
-        }
-    }
-
-    /// Joins the fan-out at `next`; the events from before the join position come
-    /// from the fan-out's history or from a catch-up on etcd's.
-    async fn join(&mut self) -> Option<Arrival> {
-        let state = &self.state;
-        let feed = &state.reads.feed;
-        if !feed.live_within(state.config.etcd_timeout).await {
-            return None;
-        }
-        let (sub, kept) = feed
-            .fanout
-            .subscribe_from(self.topic.clone(), feed.backlog(), self.next);
-        if sub.end.get().is_some() {
-            // Between two views of the cell: the next one is moments away.
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            return None;
-        }
-        let joined = sub.joined_at;
-        if self.next > joined {
-            self.synced.store(true, Ordering::Release);
-            self.phase = Phase::Following(sub);
-            return Some(Arrival::Synced);
-        }
-        let catch_up = match Before::choose(state, self.next, joined, kept).await {
-            Before::Kept(mut events) => {
-                events.retain(|e| self.select.wants(e));
-                self.next = joined + 1;
-                self.synced.store(true, Ordering::Release);
-                self.phase = Phase::Following(sub);
-                self.deliver(events, joined);
-                self.pending.push_back(Arrival::Synced);
-                return self.pending.pop_front();
-            }
-            Before::Etcd(catch_up) => catch_up,
-        };
-        let (out, caught) = mpsc::channel(1);
-        let (topic, start, prev_kv) = (self.topic.clone(), self.next, self.prev_kv);
-        let read = tokio::spawn(async move { catch_up.run(&topic, start, prev_kv, out).await });
-        self.phase = Phase::CatchingUp {
-            sub,
-            through: joined,
-            caught,
-            read,
-        };
-        None
-    }
 }
 
 #[cfg(test)]

@@ -218,22 +218,7 @@ impl ElectionApi for ElectionService {
                     Ok(change) if change.revision <= seen => continue,
                     Ok(change) => {
                         seen = change.revision;
-                        let leader = change.value.and_then(|v| {
-                            let record = serde_json::from_slice::<HolderRecord>(&v).ok()?;
-                            Some(leader(
-                                &state,
-                                &election,
-                                Holder {
-                                    record,
-                                    revision: change.create_revision,
-                                    lease: 0,
-                                },
-                            ))
-                        });
-                        LeaderResponse {
-                            leader,
-                            revision: change.revision,
-                        }
+                        leader_after(&state, &election, change)
                     }
                     Err(broadcast::error::RecvError::Lagged(_)) => {
                         // Too far behind to replay: say where things stand now.
@@ -306,6 +291,31 @@ impl ElectionApi for ElectionService {
         )
         .await?;
         Ok(Response::new(ResignResponse { resigned }))
+    }
+}
+
+/// What an observer hears of a change of the election's holder: the new leader, if
+/// any.
+fn leader_after(
+    state: &ProxyState,
+    election: &LockName,
+    change: crate::events::HolderChange,
+) -> LeaderResponse {
+    let leader = change.value.and_then(|v| {
+        let record = serde_json::from_slice::<HolderRecord>(&v).ok()?;
+        Some(leader(
+            state,
+            election,
+            Holder {
+                record,
+                revision: change.create_revision,
+                lease: 0,
+            },
+        ))
+    });
+    LeaderResponse {
+        leader,
+        revision: change.revision,
     }
 }
 

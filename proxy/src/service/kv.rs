@@ -20,6 +20,7 @@ use tonic::{Request, Response, Status};
 use crate::access::Right;
 use crate::errors::ProxyError;
 use crate::mirror::WriteSize;
+use crate::sessions::Session;
 use crate::state::ProxyState;
 
 /// Most compares and writes, together, in one Txn. etcd refuses a transaction whose
@@ -56,6 +57,52 @@ fn unread(kv: KeyValue) -> KeyValue {
         lease: 0,
         ..kv
     }
+}
+
+/// The session a Put names, for an ephemeral key: open, and with room for the key
+/// (a new ephemeral key counts against the identity's keys; writing one the session
+/// has already does not; its bytes count past what they were). `None` for none.
+fn ephemeral_session(
+    state: &ProxyState,
+    req: &PutRequest,
+    name: &LockName,
+) -> Result<Option<Session>, ProxyError> {
+    if req.session_id.is_empty() {
+        return Ok(None);
+    }
+    let s = state
+        .sessions
+        .get(&req.session_id, Instant::now())
+        .map_err(|gone| ProxyError::session(&req.session_id, gone))?;
+    let key = lockcell_cell::keyspace::kv_key(name);
+    let (keys, bytes) = s.adds(&key, (key.len() + req.value.len()) as u64);
+    state.admit_keys(&s.id, keys, bytes)?;
+    Ok(Some(s))
+}
+
+/// Records an ephemeral key written with `session` for the session's clean-up; if
+/// the session ended meanwhile, the key goes with it, and the caller hears the
+/// session is gone.
+fn record_ephemeral(
+    state: &ProxyState,
+    session: &Session,
+    name: &LockName,
+    current: &Entry,
+    value_bytes: usize,
+) -> Result<(), ProxyError> {
+    let grant = Grant::ephemeral(name, current.create_revision, current.mod_revision)
+        .with_value_bytes(value_bytes);
+    if !state
+        .sessions
+        .record_grant(&session.id, session.incarnation, grant.clone(), None)
+    {
+        state.cleanup.push(session.lease, vec![grant]);
+        return Err(ProxyError::session(
+            &session.id,
+            crate::sessions::Gone::Unknown,
+        ));
+    }
+    Ok(())
 }
 
 #[tonic::async_trait]
@@ -121,20 +168,7 @@ impl KvApi for KvService {
         let write = WriteSize::put(name.as_str(), req.value.len(), req.session_id.is_empty());
         let admitted = state.admit_writes(caller.as_deref(), &[write]).await?;
         let condition = condition(&req.key, req.condition)?;
-        let session = if req.session_id.is_empty() {
-            None
-        } else {
-            let s = state
-                .sessions
-                .get(&req.session_id, Instant::now())
-                .map_err(|gone| ProxyError::session(&req.session_id, gone))?;
-            // A new ephemeral key counts against the identity's keys; writing one the
-            // session has already does not. Its bytes count past what they were.
-            let key = lockcell_cell::keyspace::kv_key(&name);
-            let (keys, bytes) = s.adds(&key, (key.len() + req.value.len()) as u64);
-            state.admit_keys(&s.id, keys, bytes)?;
-            Some(s)
-        };
+        let session = ephemeral_session(state, &req, &name)?;
         let served = state.routes.serve(name.as_str())?;
         let value_bytes = req.value.len();
         let pending = session
@@ -176,18 +210,7 @@ impl KvApi for KvService {
         if let (true, Some(session), Some(current)) =
             (written.succeeded, &session, &written.current)
         {
-            // The key goes with the session: record it for the session's clean-up.
-            let grant = Grant::ephemeral(&name, current.create_revision, current.mod_revision)
-                .with_value_bytes(value_bytes);
-            if !state
-                .sessions
-                .record_grant(&session.id, session.incarnation, grant.clone(), None)
-            {
-                state.cleanup.push(session.lease, vec![grant]);
-                return Err(
-                    ProxyError::session(&req.session_id, crate::sessions::Gone::Unknown).into(),
-                );
-            }
+            record_ephemeral(state, session, &name, current, value_bytes)?;
         }
         Ok(Response::new(PutResponse {
             succeeded: written.succeeded,

@@ -28,6 +28,10 @@ use crate::service::kv::wire;
 use crate::state::ProxyState;
 use lockcell_cell::grants::Limit;
 
+mod pump;
+
+use self::pump::Pump;
+
 /// Responses a watcher's stream holds before the fan-out backlog takes over.
 const STREAM_BUFFER: usize = 8;
 /// Shortest progress interval a watcher may ask for.
@@ -58,20 +62,7 @@ impl WatchApi for WatchService {
         let place = self.state.take(caller.as_deref(), Limit::Watches)?;
         let req = request.into_inner();
         let state = &self.state;
-        if req.start_revision < 0 {
-            return Err(ProxyError::BadArgument(format!(
-                "watch of {:?}: start revision {} is negative",
-                req.key, req.start_revision
-            ))
-            .into());
-        }
-        if req.prefix && req.key.trim_end_matches('/').is_empty() && !req.all_keys {
-            return Err(ProxyError::BadArgument(
-                "a watch on the empty prefix watches every small key; set all_keys to mean it (lockctl watch --all)"
-                    .to_owned(),
-            )
-            .into());
-        }
+        check_watch(&req)?;
         let topic = crate::reads::topic(&req.key, req.prefix)?;
         // Whether the names are served here as of what the feed applied, and the
         // position the watch's revisions are of: a watch is never set up in a cell its
@@ -82,25 +73,7 @@ impl WatchApi for WatchService {
         if !req.cell.is_empty() {
             crate::routes::check_position_syntax(&req.cell)?;
         }
-        if req.start_revision > 0 && !req.cell.is_empty() {
-            if req.cell != cell {
-                return Err(moved(&describe(&req), &req.cell, &cell));
-            }
-            let place = state.routes.place(&topic.name, topic.prefix);
-            if req.start_revision < place.since {
-                return Err(ProxyError::BeforePosition {
-                    what: format!(
-                        "watch of {} from revision {}",
-                        describe(&req),
-                        req.start_revision
-                    ),
-                    revision: req.start_revision,
-                    since: place.since,
-                    now: place.position,
-                }
-                .into());
-            }
-        }
+        check_position(state, &req, &topic, &cell)?;
         let feed = &state.reads.feed;
         if !feed.live_within(state.config.etcd_timeout).await {
             return Err(ProxyError::EtcdUnavailable(
@@ -124,21 +97,7 @@ impl WatchApi for WatchService {
             .into());
         }
         let joined = sub.joined_at;
-        let start = match req.start_revision {
-            0 => joined + 1,
-            r if r > joined + 1 => {
-                let now = state.reads.barrier().await?;
-                if r > now + 1 {
-                    return Err(ProxyError::BadArgument(format!(
-                        "watch of {:?} from revision {r}: that revision is in the future (the store is at {now})",
-                        req.key
-                    ))
-                    .into());
-                }
-                r
-            }
-            r => r,
-        };
+        let start = start_revision(state, &req, joined).await?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let pump = Pump {
             _place: place,
@@ -166,275 +125,83 @@ impl WatchApi for WatchService {
     }
 }
 
+/// A watch's own rules: a start revision of zero or more, and a watch of every small
+/// key only when asked for by `all_keys`.
+fn check_watch(req: &WatchRequest) -> Result<(), ProxyError> {
+    if req.start_revision < 0 {
+        return Err(ProxyError::BadArgument(format!(
+            "watch of {:?}: start revision {} is negative",
+            req.key, req.start_revision
+        )));
+    }
+    if req.prefix && req.key.trim_end_matches('/').is_empty() && !req.all_keys {
+        return Err(ProxyError::BadArgument(
+            "a watch on the empty prefix watches every small key; set all_keys to mean it (lockctl watch --all)"
+                .to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// A watch from a revision of a position (`req.cell`) is refused when its names moved
+/// since, to `cell` or from before where this cell's position starts.
+fn check_position(
+    state: &ProxyState,
+    req: &WatchRequest,
+    topic: &Topic,
+    cell: &str,
+) -> Result<(), Status> {
+    if req.start_revision > 0 && !req.cell.is_empty() {
+        if req.cell != cell {
+            return Err(moved(&describe(req), &req.cell, cell));
+        }
+        let place = state.routes.place(&topic.name, topic.prefix);
+        if req.start_revision < place.since {
+            return Err(ProxyError::BeforePosition {
+                what: format!(
+                    "watch of {} from revision {}",
+                    describe(req),
+                    req.start_revision
+                ),
+                revision: req.start_revision,
+                since: place.since,
+                now: place.position,
+            }
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// The first revision a watch delivers: the one after it joined the fan-out when it
+/// asked for none, else the one it asked for, if the store has reached it.
+async fn start_revision(
+    state: &ProxyState,
+    req: &WatchRequest,
+    joined: i64,
+) -> Result<i64, Status> {
+    Ok(match req.start_revision {
+        0 => joined + 1,
+        r if r > joined + 1 => {
+            let now = state.reads.barrier().await?;
+            if r > now + 1 {
+                return Err(ProxyError::BadArgument(format!(
+                    "watch of {:?} from revision {r}: that revision is in the future (the store is at {now})",
+                    req.key
+                ))
+                .into());
+            }
+            r
+        }
+        r => r,
+    })
+}
+
 fn describe(req: &WatchRequest) -> String {
     if req.prefix {
         format!("prefix {:?}", req.key)
     } else {
         format!("key {:?}", req.key)
-    }
-}
-
-/// One watcher's delivery: catch-up, then the fan-out's queue.
-struct Pump {
-    /// Its place among the watches its identity may have open.
-    _place: Taken,
-    /// The cell whose revisions these are (in the created response).
-    cell: String,
-    /// The cell's copy of the shard map, as of what the feed applied: once it moves
-    /// the names, the watch ends before the batch that would deliver later revisions
-    /// (the move's deletes of the copied keys among them).
-    routes: Arc<crate::routes::Routes>,
-    /// The copies taken in when the position was last found unchanged.
-    checked_copy: std::sync::atomic::AtomicI64,
-    tx: mpsc::Sender<Sent>,
-    what: String,
-    topic: Topic,
-    /// The first revision the watcher wants.
-    start: i64,
-    prev_kv: bool,
-    progress: Option<Duration>,
-    applied: watch::Receiver<i64>,
-    shutdown: watch::Receiver<bool>,
-    backlog: usize,
-}
-
-impl Pump {
-    async fn run(mut self, mut sub: Subscription, catch_up: Option<Before>) {
-        let _counted = metrics::Counted::in_gauge(metrics::WATCHERS);
-        self.deliver(&mut sub, catch_up).await;
-    }
-
-    async fn deliver(&mut self, sub: &mut Subscription, catch_up: Option<Before>) {
-        let mut last = self.start - 1;
-        let created = WatchResponse {
-            cell: self.cell.clone(),
-            ..response(true, last, Vec::new())
-        };
-        if !self.send(created).await {
-            return;
-        }
-        let catch_up = match catch_up {
-            Some(Before::Kept(events)) => {
-                for (revision, events) in in_chunks(events, sub.joined_at, RESPONSE_BYTES) {
-                    let events = events.iter().map(|e| self.event(e)).collect();
-                    if !self.send(response(false, revision, events)).await {
-                        return;
-                    }
-                }
-                last = sub.joined_at;
-                None
-            }
-            other => other,
-        };
-        if let Some(Before::Etcd(catch_up)) = catch_up {
-            let through = catch_up.through;
-            let mut shutdown = self.shutdown.clone();
-            let result = tokio::select! {
-                result = self.catch_up(*catch_up) => result,
-                _ = self.tx.closed() => Err(CatchUpError::ClientGone),
-                _ = async { let _ = shutdown.wait_for(|s| *s).await; } => {
-                    Err(CatchUpError::Etcd("this proxy is shutting down".into()))
-                }
-            };
-            match result {
-                Ok(()) => last = through,
-                Err(CatchUpError::ClientGone) => return,
-                Err(CatchUpError::Compacted(compacted)) => {
-                    // etcd keeps the state at its compact revision but not the deletes
-                    // made at it: a watch can start one past it at the earliest.
-                    let oldest = compacted + 1;
-                    let mut status = Status::out_of_range(format!(
-                        "watch of {} from revision {}: history through revision {compacted} is compacted, so a watch can start at revision {oldest} at the earliest; read the keys again and watch from the read's revision + 1",
-                        self.what, self.start
-                    ));
-                    insert(&mut status, "lockcell-compact-revision", oldest);
-                    let _ = self.tx.send(Err(status)).await;
-                    return;
-                }
-                Err(CatchUpError::Gap(gap)) => {
-                    let mut status = Status::out_of_range(format!(
-                        "watch of {} from revision {}: {gap}; read the keys again and watch from the read's revision + 1",
-                        self.what, self.start
-                    ));
-                    insert(&mut status, "lockcell-compact-revision", gap.got);
-                    let _ = self.tx.send(Err(status)).await;
-                    return;
-                }
-                Err(CatchUpError::Slow) => {
-                    let status = Status::unavailable(format!(
-                        "watch of {} from revision {}: the watcher took no events for {} s while catching up; resume from the revision after the last one received",
-                        self.what,
-                        self.start,
-                        crate::catchup::SLOW_READER.as_secs()
-                    ));
-                    let _ = self.tx.send(Err(status)).await;
-                    return;
-                }
-                Err(CatchUpError::Etcd(why)) => {
-                    let status = Status::unavailable(format!(
-                        "watch of {} could not catch up from revision {}: {why}; resume from the revision after the last one received",
-                        self.what, self.start
-                    ));
-                    let _ = self.tx.send(Err(status)).await;
-                    return;
-                }
-            }
-        }
-        let mut shutdown = self.shutdown.clone();
-        loop {
-            let quiet = async {
-                match self.progress {
-                    Some(every) => tokio::time::sleep(every).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                queued = sub.batches.recv() => {
-                    if !self.forward(queued, sub.end.get().copied(), &mut last).await {
-                        return;
-                    }
-                }
-                _ = quiet => {
-                    // Everything delivered up to `applied` is in the queue already.
-                    // Read before draining: a batch this watcher was cut off at was
-                    // dropped before `applied` reached it, so the drain then finds the
-                    // queue closed and no progress past it is claimed.
-                    let applied = *self.applied.borrow();
-                    loop {
-                        let queued = match sub.batches.try_recv() {
-                            Ok(batch) => Some(batch),
-                            Err(mpsc::error::TryRecvError::Empty) => break,
-                            Err(mpsc::error::TryRecvError::Disconnected) => None,
-                        };
-                        if !self.forward(queued, sub.end.get().copied(), &mut last).await {
-                            return;
-                        }
-                    }
-                    last = last.max(applied);
-                    if !self.send(response(false, last, Vec::new())).await {
-                        return;
-                    }
-                }
-                _ = self.tx.closed() => return,
-                _ = async { let _ = shutdown.wait_for(|s| *s).await; } => {
-                    let status = Status::unavailable(format!(
-                        "this proxy is shutting down; resume the watch of {} from revision {} on another proxy",
-                        self.what, last + 1
-                    ));
-                    let _ = self.tx.send(Err(status)).await;
-                    return;
-                }
-            }
-        }
-    }
-
-    /// Sends a queued batch on, or (`None`: the queue closed) the reason deliveries
-    /// ended. False when the stream is over.
-    async fn forward(&self, queued: Option<Arc<Batch>>, end: Option<End>, last: &mut i64) -> bool {
-        let Some(batch) = queued else {
-            let _ = self.tx.send(Err(self.ended(end, *last))).await;
-            return false;
-        };
-        match self.batch(&batch, *last) {
-            Some(response) => {
-                if let Some(now) = self.moved_away() {
-                    let _ = self.tx.send(Err(moved(&self.what, &self.cell, &now))).await;
-                    return false;
-                }
-                *last = batch.revision;
-                self.send(response).await
-            }
-            None => true,
-        }
-    }
-
-    /// The names' position now, if it is no longer the watch's (looked at only when the
-    /// cell's copy of the shard map changed since the last look).
-    fn moved_away(&self) -> Option<String> {
-        let copy = self.routes.copy_changes();
-        if copy == self.checked_copy.load(std::sync::atomic::Ordering::Relaxed) {
-            return None;
-        }
-        let now = self.routes.position(&self.topic.name, self.topic.prefix);
-        if now != self.cell {
-            return Some(now);
-        }
-        self.checked_copy
-            .store(copy, std::sync::atomic::Ordering::Relaxed);
-        None
-    }
-
-    /// The response for a fan-out batch: its events from the watcher's start on.
-    fn batch(&self, batch: &Batch, last: i64) -> Option<WatchResponse> {
-        if batch.revision <= last {
-            return None;
-        }
-        let events: Vec<WatchEvent> = batch
-            .events
-            .iter()
-            .filter(|e| e.revision() >= self.start && e.revision() > last)
-            .map(|e| self.event(e))
-            .collect();
-        (!events.is_empty()).then(|| response(false, batch.revision, events))
-    }
-
-    fn event(&self, e: &KeyEvent) -> WatchEvent {
-        WatchEvent {
-            kind: match e.kind {
-                EventKind::Put => Kind::Put,
-                EventKind::Delete => Kind::Delete,
-            } as i32,
-            kv: Some(wire(e.entry.clone())),
-            prev_kv: if self.prev_kv {
-                e.prev.clone().map(wire)
-            } else {
-                None
-            },
-        }
-    }
-
-    async fn send(&self, response: WatchResponse) -> bool {
-        if !response.events.is_empty() {
-            ::metrics::counter!(metrics::WATCH_EVENTS_SENT).increment(response.events.len() as u64);
-        }
-        self.tx.send(Ok(response)).await.is_ok()
-    }
-
-    fn ended(&self, end: Option<End>, last: i64) -> Status {
-        match end {
-            Some(End::CutOff { resume }) => {
-                // A watcher that asked to start past the join position was queued
-                // batches from before its start; it never resumes before it.
-                let resume = resume.max(self.start);
-                let mut status = Status::resource_exhausted(format!(
-                    "watch of {} cut off: the watcher fell more than {} batches of events behind; resume from revision {resume}",
-                    self.what, self.backlog
-                ));
-                insert(&mut status, "lockcell-resume-revision", resume);
-                status
-            }
-            Some(End::FeedLost) | None => Status::unavailable(format!(
-                "watch of {} ended: the proxy lost its view of the cell and is reloading it; resume from revision {}",
-                self.what,
-                last + 1
-            )),
-        }
-    }
-
-    /// Sends the watcher's events from its start through the catch-up's end.
-    async fn catch_up(&self, catch_up: CatchUp) -> Result<(), CatchUpError> {
-        let (out, mut caught) = mpsc::channel(1);
-        let read = catch_up.run(&self.topic, self.start, self.prev_kv, out);
-        // Owns `caught`: a relay that stops closes the channel, which ends the read.
-        let relay = async move {
-            while let Some(CaughtUp { reached, events }) = caught.recv().await {
-                let events = events.iter().map(|e| self.event(e)).collect();
-                if !self.send(response(false, reached, events)).await {
-                    return;
-                }
-            }
-        };
-        tokio::join!(read, relay).0
     }
 }
 

@@ -96,6 +96,28 @@ pub(super) fn check_txn(
     Ok(())
 }
 
+/// A Put's own rules: its key's, its value's size, and no `ignore_value` or
+/// `ignore_lease`, which lockcell does not serve.
+pub(super) fn check_put(req: &PbPutRequest, max_value_bytes: usize) -> Result<(), Status> {
+    if req.ignore_value || req.ignore_lease {
+        return Err(Status::invalid_argument(format!(
+            "put of key {:?}: ignore_value and ignore_lease are not supported through lockcell",
+            String::from_utf8_lossy(&req.key)
+        )));
+    }
+    key_within(&req.key)?;
+    if req.value.len() > max_value_bytes {
+        return Err(ProxyError::BadArgument(format!(
+            "the value for key {:?} is {} bytes, over the limit of {} bytes",
+            String::from_utf8_lossy(&req.key),
+            req.value.len(),
+            max_value_bytes
+        ))
+        .into());
+    }
+    Ok(())
+}
+
 /// A key a client writes: not empty, UTF-8 text, and within [`MAX_KEY_BYTES`].
 ///
 /// lockcell's small keys are text: the proxies' copy of them, which reads and watches

@@ -45,26 +45,7 @@ pub(super) fn mirror_range(mirror: &Mirror, req: &PbRangeRequest) -> Option<PbRa
             })
             .collect()
     };
-    let target = SortTarget::try_from(req.sort_target).ok()?;
-    let order = match SortOrder::try_from(req.sort_order).ok()? {
-        SortOrder::None if target != SortTarget::Key => SortOrder::Ascend,
-        order => order,
-    };
-    if order != SortOrder::None {
-        kvs.sort_by(|a, b| {
-            let by = match target {
-                SortTarget::Key => a.name.cmp(&b.name),
-                SortTarget::Version => a.version.cmp(&b.version),
-                SortTarget::Create => a.create_revision.cmp(&b.create_revision),
-                SortTarget::Mod => a.mod_revision.cmp(&b.mod_revision),
-                SortTarget::Value => a.value.cmp(&b.value),
-            };
-            match order {
-                SortOrder::Descend => by.reverse(),
-                _ => by,
-            }
-        });
-    }
+    sort(&mut kvs, req)?;
     let mut more = false;
     if let Ok(limit) = usize::try_from(req.limit) {
         if limit > 0 && kvs.len() > limit {
@@ -93,6 +74,32 @@ pub(super) fn mirror_range(mirror: &Mirror, req: &PbRangeRequest) -> Option<PbRa
         more,
         count,
     })
+}
+
+/// Sorts a range's keys as the request asks (etcd sorts by key, ascending, when asked
+/// to sort by another target in no order); `None` for a sort etcd does not know.
+fn sort(kvs: &mut [&Entry], req: &PbRangeRequest) -> Option<()> {
+    let target = SortTarget::try_from(req.sort_target).ok()?;
+    let order = match SortOrder::try_from(req.sort_order).ok()? {
+        SortOrder::None if target != SortTarget::Key => SortOrder::Ascend,
+        order => order,
+    };
+    if order != SortOrder::None {
+        kvs.sort_by(|a, b| {
+            let by = match target {
+                SortTarget::Key => a.name.cmp(&b.name),
+                SortTarget::Version => a.version.cmp(&b.version),
+                SortTarget::Create => a.create_revision.cmp(&b.create_revision),
+                SortTarget::Mod => a.mod_revision.cmp(&b.mod_revision),
+                SortTarget::Value => a.value.cmp(&b.value),
+            };
+            match order {
+                SortOrder::Descend => by.reverse(),
+                _ => by,
+            }
+        });
+    }
+    Some(())
 }
 
 /// Whether the proxy's copy shows no key in the client's range from `key` to
