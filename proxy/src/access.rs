@@ -14,6 +14,7 @@ use std::path::Path;
 use tonic::{Request, Status};
 
 use crate::declared::{Declared, FileError};
+use crate::errors::ProxyError;
 pub use lockcell_cell::grants::{covers, covers_prefix, Grant, Right, Rules};
 
 /// The grants in force, or none (every call allowed). Immutable: a reload builds a new
@@ -80,9 +81,10 @@ impl AccessRules {
                 .first()
                 .and_then(|cert| certificate_name(cert.as_ref()))
                 .ok_or_else(|| {
-                    Status::unauthenticated(
-                        "the client certificate has no single UTF-8 subject common name, nor (without one) a single URI subject alternative name, to know it by",
+                    ProxyError::Unauthenticated(
+                        "the client certificate has no single UTF-8 subject common name, nor (without one) a single URI subject alternative name, to know it by".to_owned(),
                     )
+                    .into()
                 });
         }
         let bearer = request
@@ -95,10 +97,11 @@ impl AccessRules {
                 .rules
                 .identity_of_token(token)
                 .map(str::to_owned)
-                .map_err(Status::unauthenticated),
-            None => Err(Status::unauthenticated(
-                "this proxy checks prefix grants: call with a TLS client certificate or a bearer token (authorization: Bearer TOKEN)",
-            )),
+                .map_err(|e| ProxyError::Unauthenticated(e.to_string()).into()),
+            None => Err(ProxyError::Unauthenticated(
+                "this proxy checks prefix grants: call with a TLS client certificate or a bearer token (authorization: Bearer TOKEN)".to_owned(),
+            )
+            .into()),
         }
     }
 
@@ -192,7 +195,8 @@ impl AccessRules {
                 Err(e) => refusal = Some(e),
             }
         }
-        Err(refusal.unwrap_or_else(|| Status::permission_denied("no right given")))
+        Err(refusal
+            .unwrap_or_else(|| ProxyError::PermissionDenied("no right given".to_owned()).into()))
     }
 
     /// Identifies the caller of a call that names nothing (sessions): any identified

@@ -69,22 +69,24 @@ fn id_bytes(id: &str) -> Option<[u8; ID_DIGITS / 2]> {
 /// the session (never the secret): PERMISSION_DENIED, since the caller may be anyone.
 pub fn check(id: &str, secret: &str, principal: Option<&str>) -> Result<(), tonic::Status> {
     if secret.is_empty() {
-        return Err(tonic::Status::permission_denied(format!(
+        return Err(ProxyError::PermissionDenied(format!(
             "a call on session {id:?} must carry the session_secret its Open returned"
-        )));
+        ))
+        .into());
     }
     // A secret far longer than any Open hands out is refused before it is hashed; the
     // rest are compared as bytes (every renewal is checked: no text is made for it).
     let proven =
         || id_bytes(id).is_some_and(|id| constant_time_eq(&digest(secret, principal), &id));
     if secret.len() > 2 * SECRET_BYTES || !proven() {
-        return Err(tonic::Status::permission_denied(format!(
+        return Err(ProxyError::PermissionDenied(format!(
             "session {id:?} was not opened with this session_secret{}: only its opener may use it",
             match principal {
                 Some(p) => format!(" by {p:?}"),
                 None => String::new(),
             }
-        )));
+        ))
+        .into());
     }
     Ok(())
 }

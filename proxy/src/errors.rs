@@ -1,4 +1,9 @@
 //! The proxy's errors and the one place they become gRPC statuses.
+//!
+//! Every status of the lockcell API is made here, from a [`ProxyError`]. The etcd API
+//! answers in etcd's own codes and words, which its clients match (`etcdserver:
+//! requested lease not found`): those statuses are made where `etcd_api` answers,
+//! beside the etcd behaviour they stand for.
 
 use lockcell_cell::{CellError, NameError};
 use tonic::Status;
@@ -73,6 +78,32 @@ pub enum ProxyError {
         revision: i64,
         lease: i64,
     },
+    /// The caller is not known: no certificate or token it can be known by.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// A watch's history from its start revision is gone (compacted, or a hole in
+    /// it): OUT_OF_RANGE, with the oldest revision it can start at in the metadata
+    /// ([`COMPACT_REVISION`]).
+    #[error("{message}")]
+    Compacted { message: String, oldest: i64 },
+    /// A watcher fell too far behind and was cut off: RESOURCE_EXHAUSTED, with the
+    /// revision to resume from in the metadata ([`RESUME_REVISION`]).
+    #[error("{message}")]
+    CutOff { message: String, resume: i64 },
+    /// A stream ends for a reason of the proxy's (it stops, reloads, or its catch-up
+    /// failed): UNAVAILABLE, and the text says where to resume.
+    #[error("{0}")]
+    StreamEnded(String),
+    /// A stream's names moved out of the cell it read them in: OUT_OF_RANGE, with the
+    /// names' position now in the metadata ([`WATCH_CELL`]) when one cell serves them.
+    #[error("{message}")]
+    MovedOut {
+        message: String,
+        now: Option<String>,
+    },
+    /// The caller left before its answer: CANCELLED (no one hears it).
+    #[error("{0}")]
+    Cancelled(String),
     /// The proxy's own fault (a task of the call's panicked): INTERNAL, never the
     /// caller's.
     #[error("{0}")]
@@ -109,6 +140,19 @@ pub const ALREADY_HELD: &str = "lockcell-already-held";
 /// Metadata of an OUT_OF_RANGE refusing a read or ending a watch whose revisions are
 /// another cell's than the one serving its names now: that cell's position.
 pub const WATCH_CELL: &str = "lockcell-watch-cell";
+/// Metadata of a watch refused for history that is gone: the oldest revision it can
+/// start at.
+pub const COMPACT_REVISION: &str = "lockcell-compact-revision";
+/// Metadata of a watch cut off for falling behind: the revision to resume from.
+pub const RESUME_REVISION: &str = "lockcell-resume-revision";
+
+/// `status`, with `revision` under `key` in its metadata.
+fn with_revision(mut status: Status, key: &'static str, revision: i64) -> Status {
+    status
+        .metadata_mut()
+        .insert(key, revision.to_string().parse().expect("digits"));
+    status
+}
 
 impl From<ProxyError> for Status {
     fn from(e: ProxyError) -> Status {
@@ -128,6 +172,22 @@ impl From<ProxyError> for Status {
             | ProxyError::Moving(_)
             | ProxyError::Busy(_) => Status::unavailable(message),
             ProxyError::OutOfRange(_) => Status::out_of_range(message),
+            ProxyError::Unauthenticated(_) => Status::unauthenticated(message),
+            ProxyError::Cancelled(_) => Status::cancelled(message),
+            ProxyError::StreamEnded(_) => Status::unavailable(message),
+            ProxyError::Compacted { oldest, .. } => {
+                with_revision(Status::out_of_range(message), COMPACT_REVISION, oldest)
+            }
+            ProxyError::CutOff { resume, .. } => {
+                with_revision(Status::resource_exhausted(message), RESUME_REVISION, resume)
+            }
+            ProxyError::MovedOut { now, .. } => {
+                let mut status = Status::out_of_range(message);
+                if let Some(value) = now.and_then(|now| now.parse().ok()) {
+                    status.metadata_mut().insert(WATCH_CELL, value);
+                }
+                status
+            }
             ProxyError::OtherCell { ref now, .. } | ProxyError::BeforePosition { ref now, .. } => {
                 let mut status = Status::out_of_range(message);
                 if let Ok(value) = now.parse() {
@@ -167,5 +227,70 @@ impl From<ProxyError> for Status {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    fn metadata(status: &Status, key: &str) -> Option<String> {
+        let value = status.metadata().get(key)?;
+        Some(value.to_str().expect("text").to_owned())
+    }
+
+    #[test]
+    fn a_stream_that_ends_says_where_to_go_on_in_its_code_and_metadata() {
+        let gone = Status::from(ProxyError::Compacted {
+            message: "history gone".to_owned(),
+            oldest: 41,
+        });
+        assert_eq!(gone.code(), Code::OutOfRange);
+        assert_eq!(gone.message(), "history gone");
+        assert_eq!(metadata(&gone, COMPACT_REVISION).as_deref(), Some("41"));
+        let cut = Status::from(ProxyError::CutOff {
+            message: "behind".to_owned(),
+            resume: 90,
+        });
+        assert_eq!(cut.code(), Code::ResourceExhausted);
+        assert_eq!(metadata(&cut, RESUME_REVISION).as_deref(), Some("90"));
+        let moved = Status::from(ProxyError::MovedOut {
+            message: "moved".to_owned(),
+            now: Some("c2@7".to_owned()),
+        });
+        assert_eq!(moved.code(), Code::OutOfRange);
+        assert_eq!(metadata(&moved, WATCH_CELL).as_deref(), Some("c2@7"));
+        let nowhere = Status::from(ProxyError::MovedOut {
+            message: "moved".to_owned(),
+            now: None,
+        });
+        assert_eq!(metadata(&nowhere, WATCH_CELL), None);
+        let ended = Status::from(ProxyError::StreamEnded("reloading".to_owned()));
+        assert_eq!(ended.code(), Code::Unavailable);
+        assert_eq!(ended.message(), "reloading");
+    }
+
+    #[test]
+    fn the_callers_faults_and_the_proxys_own_have_their_codes() {
+        let code = |e: ProxyError| Status::from(e).code();
+        assert_eq!(
+            code(ProxyError::Unauthenticated("who".into())),
+            Code::Unauthenticated
+        );
+        assert_eq!(
+            code(ProxyError::PermissionDenied("no".into())),
+            Code::PermissionDenied
+        );
+        assert_eq!(code(ProxyError::Cancelled("left".into())), Code::Cancelled);
+        // A task of the call's that panicked is the proxy's fault, never the caller's.
+        assert_eq!(
+            code(ProxyError::Internal("panicked".into())),
+            Code::Internal
+        );
+        assert_eq!(
+            code(ProxyError::BadArgument("bad".into())),
+            Code::InvalidArgument
+        );
     }
 }

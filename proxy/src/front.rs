@@ -445,21 +445,19 @@ impl Router {
                                     ),
                                 ),
                                 Ok(engine) => {
-                                    let mut status = Status::out_of_range(format!(
-                                        "the names of this stream ({name:?}) moved out of cell {left:?} (the shard map changed): revisions there are not the same; read them again and watch from that read's revision + 1",
-                                    ));
                                     let topic = crate::reads::topic(
                                         name,
                                         matches!(watched, Watched::Prefix(_)),
                                     );
-                                    if let Some(value) = topic.ok().and_then(|t| {
-                                        engine.position_id(&t.name, t.prefix).parse().ok()
-                                    }) {
-                                        status
-                                            .metadata_mut()
-                                            .insert(crate::service::watch::WATCH_CELL, value);
+                                    ProxyError::MovedOut {
+                                        message: format!(
+                                            "the names of this stream ({name:?}) moved out of cell {left:?} (the shard map changed): revisions there are not the same; read them again and watch from that read's revision + 1",
+                                        ),
+                                        now: topic
+                                            .ok()
+                                            .map(|t| engine.position_id(&t.name, t.prefix)),
                                     }
-                                    status
+                                    .into()
                                 }
                             };
                             let _ = tx.send(Err(status)).await;

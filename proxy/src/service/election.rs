@@ -203,7 +203,7 @@ impl ElectionApi for ElectionService {
         };
         tx.send(Ok(first))
             .await
-            .map_err(|_| Status::cancelled("observer left"))?;
+            .map_err(|_| ProxyError::Cancelled("observer left".to_owned()))?;
         // Owned by the stream: ends when the observer hangs up or the proxy stops.
         tokio::spawn(async move {
             let _place = place;

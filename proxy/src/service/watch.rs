@@ -14,7 +14,6 @@ use lockcell_proto::v1::watch_server::Watch as WatchApi;
 use lockcell_proto::v1::{WatchEvent, WatchRequest, WatchResponse};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
 use crate::access::Right;
@@ -226,9 +225,3 @@ pub fn moved(what: &str, was: &str, now: &str) -> Status {
 }
 
 pub use crate::errors::WATCH_CELL;
-
-fn insert(status: &mut Status, key: &'static str, revision: i64) {
-    if let Ok(value) = MetadataValue::try_from(revision.to_string()) {
-        status.metadata_mut().insert(key, value);
-    }
-}

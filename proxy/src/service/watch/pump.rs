@@ -87,42 +87,35 @@ impl Pump {
 
     /// Why a catch-up from etcd failed, as the watcher hears it.
     fn caught_up_not(&self, e: CatchUpError) -> Status {
+        let (what, start) = (&self.what, self.start);
         match e {
             CatchUpError::Compacted(compacted) => {
                 // etcd keeps the state at its compact revision but not the deletes
                 // made at it: a watch can start one past it at the earliest.
                 let oldest = compacted + 1;
-                let mut status = Status::out_of_range(format!(
-                    "watch of {} from revision {}: history through revision {compacted} is compacted, so a watch can start at revision {oldest} at the earliest; read the keys again and watch from the read's revision + 1",
-                    self.what, self.start
-                ));
-                insert(&mut status, "lockcell-compact-revision", oldest);
-                status
+                ProxyError::Compacted {
+                    message: format!(
+                        "watch of {what} from revision {start}: history through revision {compacted} is compacted, so a watch can start at revision {oldest} at the earliest; read the keys again and watch from the read's revision + 1"
+                    ),
+                    oldest,
+                }
             }
-            CatchUpError::Gap(gap) => {
-                let mut status = Status::out_of_range(format!(
-                    "watch of {} from revision {}: {gap}; read the keys again and watch from the read's revision + 1",
-                    self.what, self.start
-                ));
-                insert(&mut status, "lockcell-compact-revision", gap.got);
-                status
-            }
-            CatchUpError::Slow => {
-                Status::unavailable(format!(
-                    "watch of {} from revision {}: the watcher took no events for {} s while catching up; resume from the revision after the last one received",
-                    self.what,
-                    self.start,
-                    crate::catchup::SLOW_READER.as_secs()
-                ))
-            }
-            CatchUpError::Etcd(why) => {
-                Status::unavailable(format!(
-                    "watch of {} could not catch up from revision {}: {why}; resume from the revision after the last one received",
-                    self.what, self.start
-                ))
-            }
-            CatchUpError::ClientGone => Status::cancelled("the watcher hung up"),
+            CatchUpError::Gap(gap) => ProxyError::Compacted {
+                message: format!(
+                    "watch of {what} from revision {start}: {gap}; read the keys again and watch from the read's revision + 1"
+                ),
+                oldest: gap.got,
+            },
+            CatchUpError::Slow => ProxyError::StreamEnded(format!(
+                "watch of {what} from revision {start}: the watcher took no events for {} s while catching up; resume from the revision after the last one received",
+                crate::catchup::SLOW_READER.as_secs()
+            )),
+            CatchUpError::Etcd(why) => ProxyError::StreamEnded(format!(
+                "watch of {what} could not catch up from revision {start}: {why}; resume from the revision after the last one received"
+            )),
+            CatchUpError::ClientGone => ProxyError::Cancelled("the watcher hung up".to_owned()),
         }
+        .into()
     }
 
     /// Delivers the fan-out's batches from `last` on, and progress when quiet, until
@@ -165,11 +158,11 @@ impl Pump {
                 }
                 _ = self.tx.closed() => return,
                 _ = async { let _ = shutdown.wait_for(|s| *s).await; } => {
-                    let status = Status::unavailable(format!(
+                    let status = ProxyError::StreamEnded(format!(
                         "this proxy is shutting down; resume the watch of {} from revision {} on another proxy",
                         self.what, last + 1
                     ));
-                    let _ = self.tx.send(Err(status)).await;
+                    let _ = self.tx.send(Err(status.into())).await;
                     return;
                 }
             }
@@ -254,19 +247,21 @@ impl Pump {
                 // A watcher that asked to start past the join position was queued
                 // batches from before its start; it never resumes before it.
                 let resume = resume.max(self.start);
-                let mut status = Status::resource_exhausted(format!(
-                    "watch of {} cut off: the watcher fell more than {} batches of events behind; resume from revision {resume}",
-                    self.what, self.backlog
-                ));
-                insert(&mut status, "lockcell-resume-revision", resume);
-                status
+                ProxyError::CutOff {
+                    message: format!(
+                        "watch of {} cut off: the watcher fell more than {} batches of events behind; resume from revision {resume}",
+                        self.what, self.backlog
+                    ),
+                    resume,
+                }
             }
-            Some(End::FeedLost) | None => Status::unavailable(format!(
+            Some(End::FeedLost) | None => ProxyError::StreamEnded(format!(
                 "watch of {} ended: the proxy lost its view of the cell and is reloading it; resume from revision {}",
                 self.what,
                 last + 1
             )),
         }
+        .into()
     }
 
     /// Sends the watcher's events from its start through the catch-up's end.
