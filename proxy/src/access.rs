@@ -15,7 +15,7 @@ use tonic::{Request, Status};
 
 use crate::declared::{Declared, FileError};
 use crate::errors::ProxyError;
-pub use lockcell_cell::grants::{covers, covers_prefix, Grant, Right, Rules};
+pub use lockcell_cell::grants::{Right, Rules};
 
 /// The grants in force, or none (every call allowed). Immutable: a reload builds a new
 /// one.

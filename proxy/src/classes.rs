@@ -12,8 +12,6 @@ use std::time::Duration;
 
 use crate::declared::FileError;
 
-pub use loader::TTL_FLOOR;
-
 /// The rules for every lock whose name starts with `prefix`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LockClass {

@@ -98,11 +98,6 @@ pub fn is_ours(id: i64) -> bool {
     id > 0 && id >> 48 == MARK
 }
 
-/// Whether etcd member `member_id` could hand out lease IDs that look like ours.
-pub fn member_shares_mark(member_id: u64) -> bool {
-    (member_id & 0x7fff) as i64 == MARK
-}
-
 /// Takes the cell's next block: reads the count and raises it, guarded by the revision
 /// read, until the guard holds.
 async fn take_block(kv: &etcd_client::KvClient, timeout: Duration) -> Result<u64, ProxyError> {
@@ -162,6 +157,8 @@ mod tests {
 
     #[test]
     fn an_etcd_lease_id_is_not_ours_unless_its_member_bits_are_the_mark() {
+        // Whether etcd member `member_id` could hand out lease IDs that look like ours.
+        let member_shares_mark = |member_id: u64| (member_id & 0x7fff) as i64 == MARK;
         // etcd: member ID's low 16 bits at 48..63, bit 63 cleared.
         let etcd_id = |member: u64, n: u64| ((member << 48) as i64 & i64::MAX) | n as i64;
         assert!(!is_ours(etcd_id(0x8e2f, 7)));

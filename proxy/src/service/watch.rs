@@ -223,5 +223,3 @@ pub fn moved(what: &str, was: &str, now: &str) -> Status {
     }
     .into()
 }
-
-pub use crate::errors::WATCH_CELL;
