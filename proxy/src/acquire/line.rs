@@ -29,7 +29,6 @@ pub(super) async fn fair(
     let served = state.routes.serve(call.lock.as_str())?;
     // Out of line on every way out but a grant (which deletes the key itself).
     let line = join_line(state, call, &session, &id, served.map_revision).await?;
-    let _waiting = m::Counted::in_gauge(m::WAITERS);
     let mut run = FairRun {
         state,
         call,
@@ -40,6 +39,7 @@ pub(super) async fn fair(
         id,
         line,
         lock_changes: None,
+        _waiting: m::Counted::in_gauge(m::WAITERS),
         seen_at: 0,
     };
     let mut waiter = Waiter::default();
@@ -68,11 +68,14 @@ struct FairRun<'a> {
     /// The waiter key's id and create revision (its place).
     id: String,
     queued: i64,
-    line: LeaveLine,
     /// The lock's changes, watched from a head turn's first read on, and the revision
     /// of the last read.
     lock_changes: Option<crate::events::Subscription<LockName>>,
     seen_at: i64,
+    /// Counted in `lockcell_waiters` while it waits. Fields drop in this order: the
+    /// watch, the count, then the place in line.
+    _waiting: m::Counted,
+    line: LeaveLine,
 }
 
 impl FairRun<'_> {

@@ -65,6 +65,8 @@ pub(super) async fn follow(
                 continue;
             }
         };
+        // Counted until the pause after it ends is over, as the stream is held.
+        let _counted = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_WATCHES);
         if !apply_stream(feed, &mut stream, from, &mut failures).await {
             return;
         }
@@ -102,7 +104,6 @@ async fn apply_stream(
     from: i64,
     failures: &mut u32,
 ) -> bool {
-    let _counted = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_WATCHES);
     loop {
         let message = tokio::select! {
             message = stream.message() => message,
