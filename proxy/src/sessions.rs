@@ -223,7 +223,9 @@ impl SessionTable {
         Some(s)
     }
 
-    fn depart(&self, stay: &Session, now: Instant) {
+    /// Records that `stay` left the table at `now`: a later stay of its session avoids
+    /// its lease (see `departed`).
+    pub fn depart(&self, stay: &Session, now: Instant) {
         self.departed
             .entry(stay.id.clone())
             .or_default()
@@ -766,6 +768,15 @@ mod tests {
         assert!(
             !table.stay_leases("a").contains(&3),
             "a stay withdrawn before it held anything leaves nothing to avoid"
+        );
+        let mut moved = session("a", 4, 9 * S, t0);
+        moved.incarnation = 4;
+        table.replace(moved);
+        let left = table.withdraw("a", 4).expect("the stay that moved away");
+        table.depart(&left, t0);
+        assert!(
+            table.stay_leases("a").contains(&4),
+            "a stay that moved away leaving clean-ups behind leaves its lease to avoid"
         );
         table.prune_tombstones(t0 + TOMBSTONE_RETENTION + S);
         assert!(table.stay_leases("a").is_empty());

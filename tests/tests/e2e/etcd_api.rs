@@ -3398,3 +3398,80 @@ pub async fn a_catch_up_in_fragments_delivers_each_revision_whole() -> anyhow::R
     );
     Ok(())
 }
+
+/// A lease that Txns move to another proxy and back, again and again, goes on with its
+/// keys (each keeps its create revision and its lease) and is renewed at both proxies
+/// after every move; the proxy it returns to takes it in every time.
+pub async fn a_lease_moved_away_and_back_keeps_its_keys() -> anyhow::Result<()> {
+    use etcd_client::{PutOptions, Txn, TxnOp};
+    let etcd = EtcdCluster::start(1).await?;
+    let (_a, api_a) = proxy_with_etcd_api(&etcd).await?;
+    let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
+    let on_a = etcd_client::Client::connect([api_a.as_str()], None).await?;
+    let on_b = etcd_client::Client::connect([api_b.as_str()], None).await?;
+    let leased = |lease: i64| Some(PutOptions::new().with_lease(lease));
+    // A Txn runs where its lowest lease lives: the moving lease is granted after a
+    // lease of its own proxy, and above every lease of the other one.
+    let own_a = on_a.lease_client().grant(30, None).await?.id();
+    let own_b = on_b.lease_client().grant(30, None).await?.id();
+    let (home, away) = if own_a > own_b {
+        ((&on_a, own_a, "a"), (&on_b, own_b, "b"))
+    } else {
+        ((&on_b, own_b, "b"), (&on_a, own_a, "a"))
+    };
+    let moving = home.0.lease_client().grant(30, None).await?.id();
+    home.0
+        .kv_client()
+        .put("bounce/k", "v", leased(moving))
+        .await?;
+    let raw = etcd.client().await?;
+    let raw_lease = || {
+        let mut raw = raw.kv_client();
+        async move {
+            let got = raw.get("/k/bounce/k", None).await?;
+            anyhow::Ok(got.kvs().first().map(|kv| kv.lease()))
+        }
+    };
+    let mut on = raw_lease().await?;
+    let first = key_state(&on_a, "bounce/k").await?;
+    ensure!(
+        first.map(|(_, lease)| lease) == Some(moving),
+        "bounce/k was written as {first:?}"
+    );
+
+    for round in 0..6 {
+        let (client, own, at) = if round % 2 == 0 { away } else { home };
+        let done = client
+            .kv_client()
+            .txn(Txn::new().and_then([
+                TxnOp::put(format!("bounce/{round}/moving"), "m", leased(moving)),
+                TxnOp::put(format!("bounce/{round}/own"), "o", leased(own)),
+            ]))
+            .await
+            .with_context(|| format!("round {round}: the Txn at {at}"))?;
+        ensure!(done.succeeded(), "round {round}: the Txn at {at} failed");
+        let now = key_state(&on_a, "bounce/k").await?;
+        ensure!(
+            now == first,
+            "round {round}: bounce/k was {first:?} and is {now:?} after the lease moved to {at}"
+        );
+        // It moved: its key is on an etcd lease of the proxy it is at now.
+        let then = std::mem::replace(&mut on, raw_lease().await?);
+        ensure!(
+            on.is_some() && on != then,
+            "round {round}: bounce/k stayed on etcd lease {then:?} (now {on:?})"
+        );
+        for (name, client) in [("a", &on_a), ("b", &on_b)] {
+            ensure!(
+                renew_once(client, moving).await? > 0,
+                "round {round}: the lease was not renewed at {name} after it moved to {at}"
+            );
+        }
+    }
+    let (_, keys) = lease_keys(&on_b, moving).await?;
+    ensure!(
+        keys.len() == 7 && keys.contains(&"bounce/k".to_string()),
+        "the moving lease's keys are {keys:?}"
+    );
+    Ok(())
+}

@@ -36,7 +36,9 @@ impl EtcdApi {
         let Some((record, revision, left)) = self.record_to_take(&key, caller).await? else {
             return Ok(TakeOver::NoRecord);
         };
-        let (bucket, lease) = self.lease_to_take_on(record.acting_for_ms).await?;
+        let (bucket, lease) = self
+            .lease_to_take_on(&session_id, record.acting_for_ms)
+            .await?;
         let moving = record.moving();
         let incarnation = arrive(state, &session_id, &record, &moving, (bucket, lease), left);
         let name = LockName::parse(&session_id).expect("16 hex digits name a lock");
@@ -170,16 +172,23 @@ impl EtcdApi {
     }
 
     /// The proxy lease a lease taken over goes on: one that covers the `acting_for_ms`
-    /// its clients may still act for.
-    async fn lease_to_take_on(&self, acting_for_ms: u64) -> Result<(usize, i64), Status> {
+    /// its clients may still act for, and never one an earlier stay of it here used (a
+    /// delete still queued for that stay is guarded by that lease, and a moved key keeps
+    /// its create revision, so the guard would match the key the new stay holds).
+    async fn lease_to_take_on(
+        &self,
+        session_id: &str,
+        acting_for_ms: u64,
+    ) -> Result<(usize, i64), Status> {
         let state = &self.state;
         if state.is_draining() {
             return Err(Status::unavailable(
                 "etcdserver: this proxy is shutting down; use another endpoint",
             ));
         }
-        let (bucket, lease) = state.leases.assign().ok_or_else(|| {
-            Status::unavailable("etcdserver: no leader (this proxy holds no etcd lease right now)")
+        let avoid = state.sessions.stay_leases(session_id);
+        let (bucket, lease) = state.leases.assign_avoiding(&avoid).ok_or_else(|| {
+            Status::unavailable("etcdserver: no leader (this proxy holds no etcd lease it may use for this lease right now)")
         })?;
         if let Err(refused) = crate::handover::cover(state, bucket, lease, acting_for_ms).await {
             state.leases.unassign(bucket);
