@@ -44,7 +44,7 @@ impl LockLog {
                 .map(|(g, mark)| TxnOp::txn(guarded_delete(g, lease, *mark)))
                 .collect();
             let txn = Txn::new().and_then(nested);
-            let resp = with_timeout("clean-up txn", self.timeout, self.kv.clone().txn(txn)).await?;
+            let resp = with_timeout("clean-up txn", self.timeout, self.kv.txn(txn)).await?;
             // (A reply without a revision, which etcd never sends, leaves the markers be:
             // a guard on revision 0 holds for no key.)
             let revision = txn_revision(&resp).unwrap_or_default();
@@ -75,7 +75,7 @@ impl LockLog {
             let resp = with_timeout(
                 "settle read",
                 self.timeout,
-                self.kv.clone().get(grant.key.as_bytes(), None),
+                self.kv.get(grant.key.as_bytes().to_vec(), None),
             )
             .await?;
             let Some(kv) = resp.kvs().first().filter(|kv| kv.lease() == lease) else {

@@ -40,7 +40,7 @@ impl LockLog {
                 TxnOp::get(key.as_bytes(), None),
                 TxnOp::get(keyspace::shardmap_key(), None),
             ]);
-        let resp = with_timeout("enqueue txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        let resp = with_timeout("enqueue txn", self.timeout, self.kv.txn(txn)).await?;
         if !resp.succeeded() {
             check_map(&resp.op_responses(), map_revision)?;
         }
@@ -94,7 +94,7 @@ impl LockLog {
         let resp = with_timeout(
             "queue read",
             self.timeout,
-            self.kv.clone().get(prefix.as_bytes(), Some(options)),
+            self.kv.get(prefix.as_bytes().to_vec(), Some(options)),
         )
         .await?;
         let seen_at = resp.header().map(|h| h.revision()).unwrap_or_default();
@@ -121,7 +121,7 @@ impl LockLog {
         let resp = with_timeout(
             "holder read",
             self.timeout,
-            self.kv.clone().get(key.as_bytes(), None),
+            self.kv.get(key.as_bytes().to_vec(), None),
         )
         .await?;
         for kv in resp.kvs() {
@@ -150,7 +150,7 @@ impl LockLog {
         let resp = with_timeout(
             "queue read",
             self.timeout,
-            self.kv.clone().get(key.as_bytes(), None),
+            self.kv.get(key.as_bytes().to_vec(), None),
         )
         .await?;
         Ok(resp
@@ -175,7 +175,7 @@ impl LockLog {
                 queued,
             )])
             .and_then([TxnOp::delete(key.as_bytes(), None)]);
-        let resp = with_timeout("dequeue txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        let resp = with_timeout("dequeue txn", self.timeout, self.kv.txn(txn)).await?;
         Ok(resp.succeeded())
     }
 }

@@ -14,9 +14,13 @@
 //! - `line`: a fair class's waiting line (waiter keys);
 //! - `moves`: keys moving between leases (a session resuming on another proxy);
 //! - `cleanup`: guarded deletes (releases, ended sessions) and unsettled keys;
-//! - `grant`: [`Grant`], what a session holds in etcd.
+//! - `grant`: [`Grant`], what a session holds in etcd;
+//! - `store`: [`LockStore`], the calls the log makes of etcd, and `memory`, a store
+//!   that answers them as etcd does, in memory, for tests without etcd.
 
 use std::time::Duration;
+
+use std::sync::Arc;
 
 use etcd_client::{
     Compare, CompareOp, GetOptions, KvClient, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
@@ -29,12 +33,17 @@ use crate::keyspace::{self, LockName, Mode};
 mod cleanup;
 mod grant;
 mod line;
+pub mod memory;
 mod moves;
+#[cfg(test)]
+mod over_memory;
+mod store;
 mod txn;
 
 pub use cleanup::Deleted;
 pub use grant::{Grant, MadeBy, Proof, ETCD_API_KEYS};
 pub use moves::{Moved, Resume, NOT_ITS_OWN};
+pub use store::{LockStore, StoreFuture};
 pub use txn::{check_map, map_guard};
 use txn::{decode, guarded_delete, txn_revision};
 
@@ -110,8 +119,9 @@ pub enum Place {
 /// Runs lock-log transactions against one etcd cluster.
 #[derive(Clone)]
 pub struct LockLog {
-    /// Cheap to clone: a handle on the shared connection to etcd.
-    kv: KvClient,
+    /// Cheap to clone: etcd's client (a handle on the shared connection), or another
+    /// store that answers as etcd does.
+    kv: Arc<dyn LockStore>,
     /// Deadline for each etcd call, so a store that went away turns into an error.
     timeout: Duration,
     /// The mod revision of the epoch record this log's tokens are minted under; every
@@ -121,8 +131,13 @@ pub struct LockLog {
 
 impl LockLog {
     pub fn new(kv: KvClient, timeout: Duration) -> Self {
+        Self::over(Arc::new(kv), timeout)
+    }
+
+    /// A lock log over `store` (see [`memory::MemoryStore`] for tests without etcd).
+    pub fn over(store: Arc<dyn LockStore>, timeout: Duration) -> Self {
         LockLog {
-            kv,
+            kv: store,
             timeout,
             epoch_revision: None,
         }
@@ -162,12 +177,7 @@ impl LockLog {
             map_revision,
             epoch_revision: self.epoch_revision,
         };
-        let resp = with_timeout(
-            "acquire txn",
-            self.timeout,
-            self.kv.clone().txn(shape.txn()),
-        )
-        .await?;
+        let resp = with_timeout("acquire txn", self.timeout, self.kv.txn(shape.txn())).await?;
         shape.read(&resp)
     }
 
@@ -185,7 +195,7 @@ impl LockLog {
         let resp = with_timeout(
             "holder read",
             self.timeout,
-            self.kv.clone().get(key.as_bytes(), Some(options)),
+            self.kv.get(key.as_bytes().to_vec(), Some(options)),
         )
         .await?;
         let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
@@ -201,7 +211,7 @@ impl LockLog {
         let resp = with_timeout(
             "holder read",
             self.timeout,
-            self.kv.clone().get(key.as_bytes(), None),
+            self.kv.get(key.as_bytes().to_vec(), None),
         )
         .await?;
         let revision = resp.header().map(|h| h.revision()).unwrap_or_default();
@@ -223,9 +233,10 @@ impl LockLog {
         let held = with_timeout(
             "holders read",
             self.timeout,
-            self.kv
-                .clone()
-                .get(start.as_bytes(), Some(GetOptions::new().with_range(end))),
+            self.kv.get(
+                start.as_bytes().to_vec(),
+                Some(GetOptions::new().with_range(end)),
+            ),
         )
         .await?;
         let revision = held.header().map(|h| h.revision()).unwrap_or_default();
@@ -250,8 +261,8 @@ impl LockLog {
         let line = with_timeout(
             "waiters read",
             self.timeout,
-            self.kv.clone().get(
-                lock.queue_prefix(),
+            self.kv.get(
+                lock.queue_prefix().into_bytes(),
                 Some(
                     GetOptions::new()
                         .with_prefix()
@@ -298,7 +309,7 @@ impl LockLog {
     ) -> Result<Option<Grant>, CellError> {
         let hold = Grant::hold(lock, mode, session, revision);
         let txn = guarded_delete(&hold, lease, true);
-        let resp = with_timeout("release txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        let resp = with_timeout("release txn", self.timeout, self.kv.txn(txn)).await?;
         Ok(resp
             .succeeded()
             .then(|| Grant::release_marker(lock, txn_revision(&resp).unwrap_or_default())))
@@ -325,7 +336,7 @@ impl LockLog {
                 body,
                 Some(PutOptions::new().with_lease(lease)),
             )]);
-        let resp = with_timeout("proclaim txn", self.timeout, self.kv.clone().txn(txn)).await?;
+        let resp = with_timeout("proclaim txn", self.timeout, self.kv.txn(txn)).await?;
         Ok(resp.succeeded())
     }
 }

@@ -19,7 +19,7 @@ impl LockLog {
         let mut outcomes = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(MAX_DELETES_PER_TXN) {
             let txn = Txn::new().and_then(moves(chunk, to));
-            let resp = with_timeout("move txn", self.timeout, self.kv.clone().txn(txn)).await?;
+            let resp = with_timeout("move txn", self.timeout, self.kv.txn(txn)).await?;
             let revision = txn_revision(&resp)?;
             outcomes.extend(move_outcomes(chunk, &resp.op_responses(), revision));
         }
@@ -62,7 +62,7 @@ impl LockLog {
         let mut chunks = keys.chunks(MAX_DELETES_PER_TXN);
         let first = chunks.next().unwrap_or(&[]);
         let txn = resume_txn(&fence_key, fence, first, to, proxy, guard);
-        let resp = match with_timeout("resume txn", self.timeout, self.kv.clone().txn(txn)).await {
+        let resp = match with_timeout("resume txn", self.timeout, self.kv.txn(txn)).await {
             // Turned away before it was proposed: nothing moved.
             Err(e) if e.turned_away() => return Ok(Resume::TurnedAway(e.to_string())),
             other => other?,
@@ -91,7 +91,7 @@ impl LockLog {
                 )])
                 .and_then(moves(chunk, to))
                 .or_else([TxnOp::get(fence_key.as_bytes(), None)]);
-            let resp = with_timeout("resume txn", self.timeout, self.kv.clone().txn(txn)).await?;
+            let resp = with_timeout("resume txn", self.timeout, self.kv.txn(txn)).await?;
             if !resp.succeeded() {
                 if let Some(reason) = first_kv(&resp.op_responses()).and_then(ended) {
                     return Ok(Resume::Ended { reason });
@@ -124,9 +124,9 @@ impl LockLog {
         let resp = with_timeout(
             "end session fence",
             self.timeout,
-            self.kv.clone().put(
-                key,
-                format!("{ENDED}{reason}"),
+            self.kv.put(
+                key.into_bytes(),
+                format!("{ENDED}{reason}").into_bytes(),
                 Some(PutOptions::new().with_lease(lease).with_prev_key()),
             ),
         )

@@ -1,0 +1,213 @@
+//! A [`LockStore`] that answers as one etcd member does, in memory, for tests of the
+//! lock log and of the proxy's runtime above it that run without etcd (and with paused
+//! time). End-to-end tests stay on real etcd.
+//!
+//! What it keeps of etcd's semantics: one revision per write transaction, shared by
+//! every key it writes; create and mod revisions and versions; every version of every
+//! key, so a read at a past revision sees that revision; compares over a key or a range
+//! (a value compare on no key fails); ranges with limits, sorts and revision filters;
+//! nested transactions whose compares all see the state before the transaction; a put
+//! on a lease that does not exist refused, and a request that writes one key twice
+//! refused, both before anything is written. What it does not keep: compaction,
+//! watches, auth, lease TTLs (a lease lives until [`MemoryStore::revoke_lease`]).
+//!
+//! Faults a test can set: a store that answers nothing ([`MemoryStore::set_down`]), and
+//! writes applied whose answers are lost ([`MemoryStore::lose_answers`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+
+use etcd_client::proto::{PbKeyValue, PbTxnOpResponse, PbTxnRequest, PbTxnResponse};
+use etcd_client::{GetOptions, GetResponse, PutOptions, PutResponse, Txn, TxnOp, TxnResponse};
+use tonic::Status;
+
+use super::store::{LockStore, StoreFuture};
+
+mod eval;
+
+/// etcd's words for the refusals it shares with this store.
+pub const DUPLICATE_KEY: &str = "etcdserver: duplicate key given in txn request";
+pub const LEASE_NOT_FOUND: &str = "etcdserver: requested lease not found";
+pub const FUTURE_REVISION: &str = "etcdserver: mvcc: required revision is a future revision";
+
+/// One etcd member's key space, in memory.
+#[derive(Default)]
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    revision: i64,
+    /// Every version of every key, oldest first; `None` marks a deletion.
+    history: BTreeMap<Vec<u8>, Vec<(i64, Option<PbKeyValue>)>>,
+    leases: BTreeSet<i64>,
+    down: bool,
+    lose_answers: usize,
+    writes: u64,
+}
+
+/// A key range as etcd names one: one key (no end), every key from `key` (end `\0`), or
+/// `[key, end)`.
+struct Span<'a> {
+    key: &'a [u8],
+    end: &'a [u8],
+}
+
+impl Span<'_> {
+    fn holds(&self, k: &[u8]) -> bool {
+        match self.end {
+            [] => k == self.key,
+            [0] => k >= self.key,
+            end => k >= self.key && k < end,
+        }
+    }
+}
+
+impl MemoryStore {
+    pub fn new() -> Self {
+        MemoryStore {
+            inner: Mutex::new(Inner {
+                revision: 1,
+                ..Inner::default()
+            }),
+        }
+    }
+
+    /// Makes lease `id` exist, as a grant in etcd does.
+    pub fn grant_lease(&self, id: i64) {
+        self.inner.lock().expect("store").leases.insert(id);
+    }
+
+    /// Revokes lease `id`: its keys go, in one revision. Returns how many.
+    pub fn revoke_lease(&self, id: i64) -> usize {
+        let mut inner = self.inner.lock().expect("store");
+        inner.leases.remove(&id);
+        let keys: Vec<Vec<u8>> = inner
+            .current()
+            .filter(|kv| kv.lease == id)
+            .map(|kv| kv.key.clone())
+            .collect();
+        if !keys.is_empty() {
+            inner.revision += 1;
+            let at = inner.revision;
+            for key in &keys {
+                inner
+                    .history
+                    .entry(key.clone())
+                    .or_default()
+                    .push((at, None));
+            }
+        }
+        keys.len()
+    }
+
+    /// While `down`, every call fails as if etcd could not be reached, and writes
+    /// nothing.
+    pub fn set_down(&self, down: bool) {
+        self.inner.lock().expect("store").down = down;
+    }
+
+    /// The next `n` writes are applied, and their answers lost: the caller gets an
+    /// error and does not know the outcome.
+    pub fn lose_answers(&self, n: usize) {
+        self.inner.lock().expect("store").lose_answers = n;
+    }
+
+    /// The store's revision now.
+    pub fn revision(&self) -> i64 {
+        self.inner.lock().expect("store").revision
+    }
+
+    /// How many transactions and puts were applied (answered or not).
+    pub fn writes(&self) -> u64 {
+        self.inner.lock().expect("store").writes
+    }
+
+    /// The keys under `prefix` now, in key order.
+    pub fn keys_under(&self, prefix: &str) -> Vec<PbKeyValue> {
+        let inner = self.inner.lock().expect("store");
+        inner
+            .current()
+            .filter(|kv| kv.key.starts_with(prefix.as_bytes()))
+            .cloned()
+            .collect()
+    }
+
+    /// Key `key` now, if it is there.
+    pub fn key(&self, key: &str) -> Option<PbKeyValue> {
+        let inner = self.inner.lock().expect("store");
+        inner.at(key.as_bytes(), inner.revision).cloned()
+    }
+
+    /// Runs `request` as etcd would; `write` tells a lost answer's calls from reads.
+    fn answer(&self, request: PbTxnRequest, write: bool) -> Result<PbTxnResponse, Status> {
+        let mut inner = self.inner.lock().expect("store");
+        if inner.down {
+            return Err(Status::unavailable("etcdserver: the store is down"));
+        }
+        let before = inner.revision;
+        let answer = inner.txn(&request)?;
+        if inner.revision != before || write {
+            inner.writes += 1;
+            if inner.lose_answers > 0 {
+                inner.lose_answers -= 1;
+                return Err(Status::unavailable(
+                    "etcdserver: request timed out (applied; the answer was lost)",
+                ));
+            }
+        }
+        Ok(answer)
+    }
+}
+
+impl LockStore for MemoryStore {
+    fn txn(&self, txn: Txn) -> StoreFuture<'_, TxnResponse> {
+        let answer = self.answer(txn.into(), true);
+        Box::pin(async move { Ok(TxnResponse(answer?)) })
+    }
+
+    fn get(&self, key: Vec<u8>, options: Option<GetOptions>) -> StoreFuture<'_, GetResponse> {
+        let answer = self.answer(one_op(TxnOp::get(key, options)), false);
+        Box::pin(async move {
+            match only_response(answer?) {
+                Some(PbTxnOpResponse::ResponseRange(range)) => Ok(GetResponse(range)),
+                other => unreachable!("a range answered with {other:?}"),
+            }
+        })
+    }
+
+    fn put(
+        &self,
+        key: Vec<u8>,
+        value: Vec<u8>,
+        options: Option<PutOptions>,
+    ) -> StoreFuture<'_, PutResponse> {
+        let answer = self.answer(one_op(TxnOp::put(key, value, options)), true);
+        Box::pin(async move {
+            match only_response(answer?) {
+                Some(PbTxnOpResponse::ResponsePut(put)) => Ok(PutResponse(put)),
+                other => unreachable!("a put answered with {other:?}"),
+            }
+        })
+    }
+}
+
+fn one_op(op: TxnOp) -> PbTxnRequest {
+    Txn::new().and_then([op]).into()
+}
+
+fn only_response(mut txn: PbTxnResponse) -> Option<PbTxnOpResponse> {
+    let mut header = txn.header.take();
+    let mut response = txn.responses.pop()?.response?;
+    // A lone call's header is the transaction's.
+    match &mut response {
+        PbTxnOpResponse::ResponseRange(r) => r.header = header.take(),
+        PbTxnOpResponse::ResponsePut(r) => r.header = header.take(),
+        _ => {}
+    }
+    Some(response)
+}
+
+#[cfg(test)]
+mod tests;
