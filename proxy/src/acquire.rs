@@ -33,6 +33,8 @@ use crate::unsettled;
 
 mod grant;
 mod line;
+#[cfg(test)]
+mod over_memory;
 
 use self::grant::{decided_by_own_hold, grant};
 use self::line::fair;

@@ -154,7 +154,7 @@ impl CellPart {
 }
 
 /// A cell part's state: its own copy of the config (`config`), on `connection`.
-fn new_state(
+pub(crate) fn new_state(
     config: ProxyConfig,
     shared: &Shared,
     name: Option<String>,

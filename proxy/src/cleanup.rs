@@ -230,6 +230,176 @@ impl CleanupQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lockcell_cell::keyspace::{LockName, Mode};
+    use lockcell_cell::locklog::memory::MemoryStore;
+    use lockcell_cell::locklog::{Acquired, HolderRecord};
+
+    const LEASE: i64 = 0x1ea5e;
+
+    /// A queue, and the lock log, lease book and sessions it runs against, over an
+    /// in-memory store holding this proxy's one lease.
+    struct Bench {
+        store: Arc<MemoryStore>,
+        locklog: LockLog,
+        leases: LeaseBook,
+        sessions: SessionTable,
+        queue: CleanupQueue,
+    }
+
+    impl Bench {
+        fn new() -> Self {
+            let store = Arc::new(MemoryStore::new());
+            store.grant_lease(LEASE);
+            let now = Instant::now();
+            let leases = LeaseBook::new(1, Duration::from_millis(500), 0.0, now);
+            leases.install(
+                0,
+                LEASE,
+                (now, leases.generation()),
+                Duration::from_secs(10),
+            );
+            Bench {
+                locklog: LockLog::over(store.clone(), Duration::from_secs(1)),
+                store,
+                leases,
+                sessions: SessionTable::default(),
+                queue: CleanupQueue::default(),
+            }
+        }
+
+        async fn run(&self) {
+            self.queue
+                .run(&self.leases, &self.locklog, &self.sessions)
+                .await
+        }
+
+        /// `session`'s call `call` grants it `lock`, as a transaction applied late.
+        async fn grant(&self, lock: &LockName, session: &str, call: &str) -> i64 {
+            let record = HolderRecord {
+                session: session.into(),
+                call: call.into(),
+                ..HolderRecord::default()
+            };
+            match self
+                .locklog
+                .acquire(lock, Mode::Exclusive, LEASE, &record, None, 0)
+                .await
+            {
+                Ok(Acquired::Granted { revision, .. }) => revision,
+                other => panic!("not granted: {other:?}"),
+            }
+        }
+
+        fn held(&self, lock: &LockName, session: &str) -> bool {
+            self.store
+                .key(&lock.holder_key(Mode::Exclusive, session))
+                .is_some()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_whose_answer_never_came_is_deleted_when_it_lands_late() {
+        let bench = Bench::new();
+        let lock = LockName::parse("jobs/late").unwrap();
+        let unknown = Grant::unsettled_hold(&lock, Mode::Exclusive, "sa", "call-1");
+        bench.queue.push(LEASE, vec![unknown]);
+        bench.run().await;
+        assert_eq!(bench.queue.len(), 1, "not there yet: still looked for");
+        // Held up on its way, the transaction is applied 30 s later.
+        tokio::time::advance(Duration::from_secs(30)).await;
+        bench.grant(&lock, "sa", "call-1").await;
+        bench.run().await;
+        assert!(
+            !bench.held(&lock, "sa"),
+            "a key no call owns keeps its lock from everyone"
+        );
+        // Looked for until the lookout ends, in case another attempt is on its way.
+        assert_eq!(bench.queue.len(), 1);
+        tokio::time::advance(LOOKOUT).await;
+        bench.run().await;
+        assert!(bench.queue.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn another_calls_grant_at_the_same_key_is_left_be() {
+        let bench = Bench::new();
+        let lock = LockName::parse("jobs/other").unwrap();
+        let unknown = Grant::unsettled_hold(&lock, Mode::Exclusive, "sa", "call-1");
+        bench.queue.push(LEASE, vec![unknown]);
+        // The call never landed; a later call of the session holds the lock.
+        bench.grant(&lock, "sa", "call-2").await;
+        for _ in 0..3 {
+            tokio::time::advance(LOOK_EVERY).await;
+            bench.run().await;
+        }
+        assert!(bench.held(&lock, "sa"), "another call's grant was deleted");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_key_that_lands_after_the_lookout_is_no_longer_looked_for() {
+        let bench = Bench::new();
+        let lock = LockName::parse("jobs/later").unwrap();
+        let unknown = Grant::unsettled_hold(&lock, Mode::Exclusive, "sa", "call-1");
+        bench.queue.push(LEASE, vec![unknown]);
+        tokio::time::advance(LOOKOUT + LOOK_EVERY).await;
+        bench.run().await;
+        assert!(bench.queue.is_empty());
+        let writes = bench.store.writes();
+        bench.grant(&lock, "sa", "call-1").await;
+        bench.run().await;
+        assert_eq!(
+            bench.store.writes(),
+            writes + 1,
+            "only the late grant wrote"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_clean_up_etcd_did_not_take_is_tried_again_and_done_once() {
+        let bench = Bench::new();
+        let lock = LockName::parse("jobs/retry").unwrap();
+        let revision = bench.grant(&lock, "sa", "call-1").await;
+        let hold = Grant::hold(&lock, Mode::Exclusive, "sa", revision);
+        bench.queue.push(LEASE, vec![hold.clone()]);
+        bench.store.set_down(true);
+        bench.run().await;
+        assert_eq!(bench.queue.len(), 1, "kept for the next run");
+        bench.store.set_down(false);
+        // The delete applied, its answer lost: tried again, and found done.
+        bench.store.lose_answers(1);
+        bench.run().await;
+        assert!(!bench.held(&lock, "sa"));
+        assert_eq!(bench.queue.len(), 1);
+        // The session holds the lock again, at the same key, before the retry.
+        let again = bench.grant(&lock, "sa", "call-2").await;
+        bench.run().await;
+        assert!(bench.queue.is_empty());
+        assert!(again > revision);
+        assert!(
+            bench.held(&lock, "sa"),
+            "the retried delete took the later grant"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn clean_ups_on_a_lease_this_proxy_lost_are_dropped() {
+        let bench = Bench::new();
+        let lock = LockName::parse("jobs/lost-lease").unwrap();
+        let revision = bench.grant(&lock, "sa", "call-1").await;
+        bench.queue.push(
+            LEASE,
+            vec![Grant::hold(&lock, Mode::Exclusive, "sa", revision)],
+        );
+        assert!(bench.leases.clear(0, LEASE));
+        let writes = bench.store.writes();
+        bench.run().await;
+        assert!(bench.queue.is_empty());
+        assert_eq!(
+            bench.store.writes(),
+            writes,
+            "etcd removes the keys with the lease"
+        );
+    }
 
     #[test]
     fn a_claim_lasts_until_its_last_holder_lets_go() {

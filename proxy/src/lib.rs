@@ -60,6 +60,8 @@ pub mod settings;
 mod space;
 mod state;
 mod sweep;
+#[cfg(test)]
+mod testing;
 mod tls;
 mod unsettled;
 mod wire;

@@ -17,8 +17,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
-use etcd_client::proto::{PbKeyValue, PbTxnOpResponse, PbTxnRequest, PbTxnResponse};
-use etcd_client::{GetOptions, GetResponse, PutOptions, PutResponse, Txn, TxnOp, TxnResponse};
+use etcd_client::proto::{PbEvent, PbKeyValue, PbTxnOpResponse, PbTxnRequest, PbTxnResponse};
+use etcd_client::{
+    EventType, GetOptions, GetResponse, PutOptions, PutResponse, Txn, TxnOp, TxnResponse,
+};
 use tonic::Status;
 
 use super::store::{LockStore, StoreFuture};
@@ -138,6 +140,39 @@ impl MemoryStore {
     pub fn key(&self, key: &str) -> Option<PbKeyValue> {
         let inner = self.inner.lock().expect("store");
         inner.at(key.as_bytes(), inner.revision).cloned()
+    }
+
+    /// What a watch of every key would have told after revision `after`, in order: a
+    /// put with its key, a delete with the key and the revision that deleted it.
+    pub fn events_after(&self, after: i64) -> Vec<etcd_client::Event> {
+        let inner = self.inner.lock().expect("store");
+        let mut events: Vec<(i64, PbEvent)> = Vec::new();
+        for (key, versions) in &inner.history {
+            for (at, kv) in versions.iter().filter(|(at, _)| *at > after) {
+                let event = match kv {
+                    Some(kv) => PbEvent {
+                        r#type: EventType::Put as i32,
+                        kv: Some(kv.clone()),
+                        prev_kv: None,
+                    },
+                    None => PbEvent {
+                        r#type: EventType::Delete as i32,
+                        kv: Some(PbKeyValue {
+                            key: key.clone(),
+                            mod_revision: *at,
+                            ..PbKeyValue::default()
+                        }),
+                        prev_kv: None,
+                    },
+                };
+                events.push((*at, event));
+            }
+        }
+        events.sort_by_key(|(at, _)| *at);
+        events
+            .into_iter()
+            .map(|(_, e)| etcd_client::Event(e))
+            .collect()
     }
 
     /// Runs `request` as etcd would; `write` tells a lost answer's calls from reads.
