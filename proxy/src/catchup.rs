@@ -39,21 +39,22 @@ impl Before {
     /// from the fan-out's history: that history, used only as far back as etcd keeps
     /// its own (a watch from a compacted revision is answered as one), else a catch-up
     /// on etcd's.
+    /// `reads` tells how far back etcd keeps history; a catch-up watches with `etcd`.
     pub async fn choose(
-        state: &crate::state::ProxyState,
+        (reads, etcd): (&crate::reads::Reads, &etcd_client::Client),
         start: i64,
         joined: i64,
         kept: Option<Vec<KeyEvent>>,
     ) -> Before {
         if let Some(events) = kept {
-            if state.reads.history_kept_from(start - 1).await {
+            if reads.history_kept_from(start - 1).await {
                 ::metrics::counter!(metrics::WATCH_HISTORY_STARTS).increment(1);
                 return Before::Kept(events);
             }
         }
-        let feed = &state.reads.feed;
+        let feed = &reads.feed;
         Before::Etcd(Box::new(CatchUp {
-            client: state.etcd.watch_client(),
+            client: etcd.watch_client(),
             through: joined,
             slots: feed.catch_ups.clone(),
         }))

@@ -109,6 +109,15 @@ impl ProxyState {
         Ok(got.kvs().to_vec())
     }
 
+    /// The handles settling a write takes (see [`crate::unsettled`]).
+    pub fn owners(&self) -> crate::unsettled::Owners<'_> {
+        crate::unsettled::Owners {
+            sessions: &self.sessions,
+            locklog: &self.locklog,
+            cleanup: &self.cleanup,
+        }
+    }
+
     pub fn is_draining(&self) -> bool {
         *self.drain.borrow()
     }

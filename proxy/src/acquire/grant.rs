@@ -40,7 +40,7 @@ pub(super) async fn grant(
         let attempt = attempt_grant(&state, &lock, mode, &session, &record, queued);
         let unknown =
             |e: &ProxyError| matches!(e, ProxyError::Store(e) if unsettled::unknown_outcome(e));
-        unsettled::owned_write(&state, &session, pending, attempt, unknown)
+        unsettled::owned_write(state.owners(), &session, pending, attempt, unknown)
             .await
             .unwrap_or_else(|| Err(gone(&state, &session.id)))
     });

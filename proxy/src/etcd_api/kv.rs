@@ -144,7 +144,7 @@ impl PbKvService for EtcdApi {
             (Some(s), Some(key)) => {
                 let pending = Grant::unsettled_etcd_api_key(key.clone(), &s.id, &req.value);
                 crate::unsettled::owned_write(
-                    state,
+                    state.owners(),
                     s,
                     pending,
                     write,

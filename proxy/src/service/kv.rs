@@ -195,7 +195,7 @@ impl KvApi for KvService {
         let written = match (&session, pending) {
             // A write that goes with a session is the session's even if no answer comes.
             (Some(s), Some(pending)) => crate::unsettled::owned_write(
-                state,
+                state.owners(),
                 s,
                 pending,
                 put,

@@ -116,7 +116,7 @@ impl WatchApi for WatchService {
             backlog: feed.backlog(),
         };
         let catch_up = match start <= joined {
-            true => Some(Before::choose(state, start, joined, kept).await),
+            true => Some(Before::choose((&state.reads, &state.etcd), start, joined, kept).await),
             false => None,
         };
         tokio::spawn(pump.run(sub, catch_up));

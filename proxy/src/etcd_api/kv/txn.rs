@@ -139,7 +139,7 @@ impl EtcdApi {
         for (session, grant) in pending {
             match &sent {
                 Err(e) if crate::unsettled::unknown_outcome(e) => {
-                    crate::unsettled::settle_unknown(state, &session, grant).await
+                    crate::unsettled::settle_unknown(state.owners(), &session, grant).await
                 }
                 _ => state.sessions.forget(&session.id, &grant),
             }

@@ -171,18 +171,19 @@ impl Source {
             self.phase = Phase::Following(sub);
             return Some(Arrival::Synced);
         }
-        let catch_up = match Before::choose(state, self.next, joined, kept).await {
-            Before::Kept(mut events) => {
-                events.retain(|e| self.select.wants(e));
-                self.next = joined + 1;
-                self.synced.store(true, Ordering::Release);
-                self.phase = Phase::Following(sub);
-                self.deliver(events, joined);
-                self.pending.push_back(Arrival::Synced);
-                return self.pending.pop_front();
-            }
-            Before::Etcd(catch_up) => catch_up,
-        };
+        let catch_up =
+            match Before::choose((&state.reads, &state.etcd), self.next, joined, kept).await {
+                Before::Kept(mut events) => {
+                    events.retain(|e| self.select.wants(e));
+                    self.next = joined + 1;
+                    self.synced.store(true, Ordering::Release);
+                    self.phase = Phase::Following(sub);
+                    self.deliver(events, joined);
+                    self.pending.push_back(Arrival::Synced);
+                    return self.pending.pop_front();
+                }
+                Before::Etcd(catch_up) => catch_up,
+            };
         let (out, caught) = mpsc::channel(1);
         let (topic, start, prev_kv) = (self.topic.clone(), self.next, self.prev_kv);
         let read = tokio::spawn(async move { catch_up.run(&topic, start, prev_kv, out).await });
