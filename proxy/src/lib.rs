@@ -16,6 +16,8 @@
 //!   (the cell watch and its watchers), [`reads`], [`catchup`].
 //! - The lockcell API's services, one per proto service: [`service`]; errors become
 //!   statuses in [`errors`].
+//! - Tests only: `testing`, a proxy's state over the in-memory store, for tests of the
+//!   runtime with paused time and no etcd.
 #![forbid(unsafe_code)]
 
 mod access;
