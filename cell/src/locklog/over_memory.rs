@@ -306,3 +306,108 @@ async fn a_store_that_is_down_writes_nothing() {
     assert!(store.keys_under("").is_empty());
     assert_eq!(store.writes(), 0);
 }
+
+mod properties {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const SESSIONS: [(&str, i64); 3] = [("sa", A), ("sb", B), ("sc", 0xc)];
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Acquire {
+            session: usize,
+            call: usize,
+            shared: bool,
+        },
+        Release {
+            session: usize,
+        },
+        /// The next write is applied and its answer lost.
+        LoseAnswer,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0..3usize, 0..2usize, any::<bool>())
+                .prop_map(|(session, call, shared)| Op::Acquire { session, call, shared }),
+            2 => (0..3usize).prop_map(|session| Op::Release { session }),
+            1 => Just(Op::LoseAnswer),
+        ]
+    }
+
+    /// The holder keys of `lock` in etcd now: (exclusive?, session).
+    fn holders(store: &MemoryStore, lock: &LockName) -> Vec<(bool, String)> {
+        let (start, end) = lock.holders_range();
+        store
+            .keys_under("")
+            .into_iter()
+            .filter(|kv| {
+                kv.key.as_slice() >= start.as_bytes() && kv.key.as_slice() < end.as_bytes()
+            })
+            .map(|kv| {
+                let record: HolderRecord = serde_json::from_slice(&kv.value).expect("a record");
+                (kv.key == lock.exclusive_key().as_bytes(), record.session)
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// Whatever sessions ask, retry, release, and whichever answers are lost: the
+        /// holders in etcd are one exclusive or any shared ones, never both; every grant
+        /// a call is told of is that call's alone (no two calls share one); and a
+        /// grant is told fresh only once.
+        #[test]
+        fn grants_stay_one_calls_each_and_holders_compatible(ops in proptest::collection::vec(op(), 1..40)) {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+            runtime.block_on(async {
+                let (store, log) = log();
+                store.grant_lease(0xc);
+                let x = lock("prop/x");
+                // By the grant's revision: the session and call told of it, and its mode.
+                let mut told: HashMap<i64, (usize, usize, bool)> = HashMap::new();
+                // What each session knows it holds: revision and mode.
+                let mut known: HashMap<usize, (i64, bool)> = HashMap::new();
+                for op in ops {
+                    match op {
+                        Op::LoseAnswer => store.lose_answers(1),
+                        Op::Acquire { session, call, shared } => {
+                            let (name, lease) = SESSIONS[session];
+                            let mode = if shared { Mode::Shared } else { Mode::Exclusive };
+                            let call_id = format!("c{call}");
+                            match acquire(&log, &x, mode, lease, (name, &call_id)).await {
+                                Ok(Acquired::Granted { revision, fresh }) => {
+                                    let before = told.insert(revision, (session, call, shared));
+                                    prop_assert!(
+                                        before.is_none_or(|b| b == (session, call, shared)),
+                                        "grant {} told to {:?}, then to {:?}", revision, before, (session, call, shared)
+                                    );
+                                    prop_assert!(fresh == before.is_none() || !fresh, "a grant told fresh twice");
+                                    known.insert(session, (revision, shared));
+                                }
+                                Ok(Acquired::Busy { .. }) | Err(_) => {}
+                            }
+                        }
+                        Op::Release { session } => {
+                            if let Some((revision, shared)) = known.remove(&session) {
+                                let (name, lease) = SESSIONS[session];
+                                let mode = if shared { Mode::Shared } else { Mode::Exclusive };
+                                let _ = log.release(&x, mode, name, revision, lease).await;
+                            }
+                        }
+                    }
+                    let now = holders(&store, &x);
+                    let exclusive = now.iter().filter(|(e, _)| *e).count();
+                    prop_assert!(
+                        exclusive == 0 || now.len() == 1,
+                        "holders at once: {:?}", now
+                    );
+                }
+                Ok(())
+            })?;
+        }
+    }
+}
