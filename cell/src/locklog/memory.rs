@@ -1,15 +1,30 @@
 //! A [`LockStore`] that answers as one etcd member does, in memory, for tests of the
 //! lock log and of the proxy's runtime above it that run without etcd (and with paused
-//! time). End-to-end tests stay on real etcd.
+//! time). End-to-end tests stay on real etcd; one of them (`memory_store` in the e2e
+//! suite) sends a seeded run of requests to etcd and to this store and compares every
+//! answer.
 //!
 //! What it keeps of etcd's semantics: one revision per write transaction, shared by
 //! every key it writes; create and mod revisions and versions; every version of every
 //! key, so a read at a past revision sees that revision; compares over a key or a range
-//! (a value compare on no key fails); ranges with limits, sorts and revision filters;
-//! nested transactions whose compares all see the state before the transaction; a put
-//! on a lease that does not exist refused, and a request that writes one key twice
-//! refused, both before anything is written. What it does not keep: compaction,
-//! watches, auth, lease TTLs (a lease lives until [`MemoryStore::revoke_lease`]).
+//! (a value compare on no key fails); ranges with limits, sorts and revision filters as
+//! etcd applies them (equal keys stay in key order, either way; with no sort order
+//! named, a limit reads its keys in key order before a target's default sort; a
+//! count-only range tells no `more`); nested transactions whose compares all see the
+//! state before the transaction. And etcd's refusals, in etcd's order, before anything
+//! is written: its API's first (an empty key, a value with `ignore_value`, a lease with
+//! `ignore_lease`, more than [`MAX_TXN_OPS`] operations, a request that writes one key
+//! twice), then on the branches taken a put on a lease that does not exist or keeping
+//! the value or lease of a key that is not there, then a read of a revision still to
+//! come. As in etcd's check, a delete from a key onwards (range end `\0`) counts as
+//! writing no key twice.
+//!
+//! What it does not keep: compaction, watches, auth, lease TTLs (a lease lives until
+//! [`MemoryStore::revoke_lease`]), another `--max-txn-ops`. Nor what etcd does with two
+//! requests its callers must not send: a delete whose range ends before its key (etcd's
+//! check for a key written twice then depends on the shape of its interval tree), and a
+//! put keeping a key's value or lease after a delete from a key onwards removed the key
+//! in the same transaction (etcd stops with a panic).
 //!
 //! Faults a test can set: a store that answers nothing ([`MemoryStore::set_down`]), and
 //! writes applied whose answers are lost ([`MemoryStore::lose_answers`]).
@@ -31,6 +46,15 @@ mod eval;
 pub const DUPLICATE_KEY: &str = "etcdserver: duplicate key given in txn request";
 pub const LEASE_NOT_FOUND: &str = "etcdserver: requested lease not found";
 pub const FUTURE_REVISION: &str = "etcdserver: mvcc: required revision is a future revision";
+pub const EMPTY_KEY: &str = "etcdserver: key is not provided";
+pub const KEY_NOT_FOUND: &str = "etcdserver: key not found";
+pub const VALUE_PROVIDED: &str = "etcdserver: value is provided";
+pub const LEASE_PROVIDED: &str = "etcdserver: lease is provided";
+pub const TOO_MANY_OPS: &str = "etcdserver: too many operations in txn request";
+
+/// Most compares, or operations of a branch, in a transaction: etcd's default
+/// `--max-txn-ops`. A nested transaction has what its parent leaves.
+pub const MAX_TXN_OPS: usize = 128;
 
 /// One etcd member's key space, in memory.
 #[derive(Default)]
@@ -47,6 +71,15 @@ struct Inner {
     down: bool,
     lose_answers: usize,
     writes: u64,
+}
+
+/// Which call a request came as: a lone put looks its lease up before its key, as
+/// etcd's applier does; a get is no write.
+#[derive(Clone, Copy, PartialEq)]
+enum Call {
+    Get,
+    Put,
+    Txn,
 }
 
 /// A key range as etcd names one: one key (no end), every key from `key` (end `\0`), or
@@ -175,15 +208,15 @@ impl MemoryStore {
             .collect()
     }
 
-    /// Runs `request` as etcd would; `write` tells a lost answer's calls from reads.
-    fn answer(&self, request: PbTxnRequest, write: bool) -> Result<PbTxnResponse, Status> {
+    /// Runs `request`, made by `call`, as etcd would; a lost answer is a write's.
+    fn answer(&self, request: PbTxnRequest, call: Call) -> Result<PbTxnResponse, Status> {
         let mut inner = self.inner.lock().expect("store");
         if inner.down {
             return Err(Status::unavailable("etcdserver: the store is down"));
         }
         let before = inner.revision;
-        let answer = inner.txn(&request)?;
-        if inner.revision != before || write {
+        let answer = inner.txn(&request, call)?;
+        if inner.revision != before || call != Call::Get {
             inner.writes += 1;
             if inner.lose_answers > 0 {
                 inner.lose_answers -= 1;
@@ -198,12 +231,12 @@ impl MemoryStore {
 
 impl LockStore for MemoryStore {
     fn txn(&self, txn: Txn) -> StoreFuture<'_, TxnResponse> {
-        let answer = self.answer(txn.into(), true);
+        let answer = self.answer(txn.into(), Call::Txn);
         Box::pin(async move { Ok(TxnResponse(answer?)) })
     }
 
     fn get(&self, key: Vec<u8>, options: Option<GetOptions>) -> StoreFuture<'_, GetResponse> {
-        let answer = self.answer(one_op(TxnOp::get(key, options)), false);
+        let answer = self.answer(one_op(TxnOp::get(key, options)), Call::Get);
         Box::pin(async move {
             match only_response(answer?) {
                 Some(PbTxnOpResponse::ResponseRange(range)) => Ok(GetResponse(range)),
@@ -218,7 +251,7 @@ impl LockStore for MemoryStore {
         value: Vec<u8>,
         options: Option<PutOptions>,
     ) -> StoreFuture<'_, PutResponse> {
-        let answer = self.answer(one_op(TxnOp::put(key, value, options)), true);
+        let answer = self.answer(one_op(TxnOp::put(key, value, options)), Call::Put);
         Box::pin(async move {
             match only_response(answer?) {
                 Some(PbTxnOpResponse::ResponsePut(put)) => Ok(PutResponse(put)),

@@ -1,5 +1,7 @@
 //! How the store answers a transaction: its checks, its compares, its path through
-//! nested transactions, and each read and write, as etcd does them.
+//! nested transactions, and each read and write, as etcd does them. The checks follow
+//! etcd's order: its API's (`check_request`, then `check_writes` of each branch), then
+//! those of the branches taken (every put, then every read).
 
 use std::cmp::Ordering;
 use std::collections::BTreeSet;
@@ -12,7 +14,10 @@ use etcd_client::proto::{
 use etcd_client::{SortOrder, SortTarget};
 use tonic::Status;
 
-use super::{Inner, Span, DUPLICATE_KEY, FUTURE_REVISION, LEASE_NOT_FOUND};
+use super::{
+    Call, Inner, Span, DUPLICATE_KEY, EMPTY_KEY, FUTURE_REVISION, KEY_NOT_FOUND, LEASE_NOT_FOUND,
+    LEASE_PROVIDED, MAX_TXN_OPS, TOO_MANY_OPS, VALUE_PROVIDED,
+};
 
 impl Inner {
     pub(super) fn at(&self, key: &[u8], revision: i64) -> Option<&PbKeyValue> {
@@ -44,12 +49,20 @@ impl Inner {
 
     /// One transaction: checked whole, its compares read before anything is written,
     /// and every write at one new revision.
-    pub(super) fn txn(&mut self, request: &PbTxnRequest) -> Result<PbTxnResponse, Status> {
+    pub(super) fn txn(
+        &mut self,
+        request: &PbTxnRequest,
+        call: Call,
+    ) -> Result<PbTxnResponse, Status> {
+        check_request(request, MAX_TXN_OPS)?;
         check_writes(&request.success)?;
         check_writes(&request.failure)?;
         let path = self.path(request);
+        on_path(request, &mut path.iter(), &mut |op| {
+            self.check_put(op, call)
+        })?;
+        on_path(request, &mut path.iter(), &mut |op| self.check_read(op))?;
         let at = self.revision + 1;
-        self.check_path(request, &mut path.iter())?;
         let mut wrote = false;
         let mut path = path.into_iter();
         let mut response = self.run(request, &mut path, at, &mut wrote);
@@ -97,33 +110,35 @@ impl Inner {
         kvs.iter().all(|kv| compares(compare, kv))
     }
 
-    /// Refuses a transaction whose path puts on a lease that does not exist, or reads
-    /// a revision still to come.
-    fn check_path(
-        &self,
-        request: &PbTxnRequest,
-        path: &mut std::slice::Iter<'_, bool>,
-    ) -> Result<(), Status> {
-        let branch = if *path.next().unwrap_or(&false) {
-            &request.success
-        } else {
-            &request.failure
+    /// Refuses a put on a lease that does not exist, or keeping the value or lease of a
+    /// key that is not there; a lone put looks its lease up first, a transaction the key.
+    fn check_put(&self, op: &PbTxnOpRequest, call: Call) -> Result<(), Status> {
+        let PbTxnOpRequest::RequestPut(put) = op else {
+            return Ok(());
         };
-        for op in branch {
-            match &op.request {
-                Some(PbTxnOpRequest::RequestPut(put))
-                    if put.lease != 0 && !self.leases.contains(&put.lease) =>
-                {
-                    return Err(Status::not_found(LEASE_NOT_FOUND))
-                }
-                Some(PbTxnOpRequest::RequestRange(range)) if range.revision > self.revision => {
-                    return Err(Status::out_of_range(FUTURE_REVISION))
-                }
-                Some(PbTxnOpRequest::RequestTxn(nested)) => self.check_path(nested, path)?,
-                _ => {}
-            }
+        let lease = || match put.lease != 0 && !self.leases.contains(&put.lease) {
+            true => Err(Status::not_found(LEASE_NOT_FOUND)),
+            false => Ok(()),
+        };
+        let kept = put.ignore_value || put.ignore_lease;
+        let key = || match kept && self.at(&put.key, self.revision).is_none() {
+            true => Err(Status::invalid_argument(KEY_NOT_FOUND)),
+            false => Ok(()),
+        };
+        match call {
+            Call::Put => lease().and_then(|_| key()),
+            _ => key().and_then(|_| lease()),
         }
-        Ok(())
+    }
+
+    /// Refuses a read of a revision still to come.
+    fn check_read(&self, op: &PbTxnOpRequest) -> Result<(), Status> {
+        match op {
+            PbTxnOpRequest::RequestRange(range) if range.revision > self.revision => {
+                Err(Status::out_of_range(FUTURE_REVISION))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn run(
@@ -234,10 +249,18 @@ impl Inner {
     }
 
     /// A range as etcd reads one: `count` is every key in the span; the filters, the
-    /// sort and then the limit apply to what it returns.
+    /// sort and then the limit apply to what it returns (the first `limit + 1` keys when
+    /// no sort order and no filter is named), and a count-only range returns nothing
+    /// else, not even `more`.
     fn range(&self, ask: &RangeAsk<'_>, revision: i64) -> PbRangeResponse {
         let found = self.in_span(&ask.span, revision);
         let count = found.len() as i64;
+        if ask.count_only {
+            return PbRangeResponse {
+                count,
+                ..PbRangeResponse::default()
+            };
+        }
         let within =
             |n: i64, (min, max): (i64, i64)| (min == 0 || n >= min) && (max == 0 || n <= max);
         let mut kvs: Vec<PbKeyValue> = found
@@ -246,6 +269,12 @@ impl Inner {
             .filter(|kv| within(kv.create_revision, ask.create_revisions))
             .cloned()
             .collect();
+        // A request naming no sort order and no filter has etcd read only `limit + 1`
+        // keys, in key order: a target's default order then sorts those alone.
+        let filtered = ask.mod_revisions != (0, 0) || ask.create_revisions != (0, 0);
+        if ask.sort_order == 0 && !filtered && ask.limit > 0 {
+            kvs.truncate(ask.limit as usize + 1);
+        }
         let target = ask.sort_target;
         // etcd's SortOrder (NONE, ASCEND, DESCEND) and SortTarget (KEY, VERSION, CREATE,
         // MOD, VALUE); a target other than the key sorts ascending by default.
@@ -253,20 +282,19 @@ impl Inner {
             (0, t) if t != SortTarget::Key as i32 => SortOrder::Ascend as i32,
             (order, _) => order,
         };
-        if order != 0 {
-            kvs.sort_by(|a, b| {
-                let by = match target {
-                    1 => a.version.cmp(&b.version),
-                    2 => a.create_revision.cmp(&b.create_revision),
-                    3 => a.mod_revision.cmp(&b.mod_revision),
-                    4 => a.value.cmp(&b.value),
-                    _ => a.key.cmp(&b.key),
-                };
-                by.then_with(|| a.key.cmp(&b.key))
-            });
-            if order == SortOrder::Descend as i32 {
-                kvs.reverse();
-            }
+        let by = |a: &PbKeyValue, b: &PbKeyValue| match target {
+            1 => a.version.cmp(&b.version),
+            2 => a.create_revision.cmp(&b.create_revision),
+            3 => a.mod_revision.cmp(&b.mod_revision),
+            4 => a.value.cmp(&b.value),
+            _ => a.key.cmp(&b.key),
+        };
+        // A stable sort, reversed by its comparison: equal kvs stay in key order either
+        // way, as etcd's sort (insertion sort for up to 12) leaves them.
+        match order {
+            1 => kvs.sort_by(by),
+            2 => kvs.sort_by(|a, b| by(b, a)),
+            _ => {}
         }
         let more = ask.limit > 0 && kvs.len() as i64 > ask.limit;
         if more {
@@ -274,9 +302,6 @@ impl Inner {
         }
         if ask.keys_only {
             kvs.iter_mut().for_each(|kv| kv.value.clear());
-        }
-        if ask.count_only {
-            kvs.clear();
         }
         PbRangeResponse {
             header: None,
@@ -329,6 +354,69 @@ fn compares(compare: &PbCompare, kv: &PbKeyValue) -> bool {
     }
 }
 
+/// The checks etcd's API makes of a request before it is applied (its
+/// `checkTxnRequest`): at most `most` operations at this level, and a nested
+/// transaction at most what this one leaves; no empty key; a put with `ignore_value`
+/// sends no value, one with `ignore_lease` no lease. Both branches, taken or not.
+fn check_request(request: &PbTxnRequest, most: usize) -> Result<(), Status> {
+    let ops = request.compare.len();
+    let ops = ops.max(request.success.len()).max(request.failure.len());
+    if ops > most {
+        return Err(Status::invalid_argument(TOO_MANY_OPS));
+    }
+    let empty = || Err(Status::invalid_argument(EMPTY_KEY));
+    if request.compare.iter().any(|c| c.key.is_empty()) {
+        return empty();
+    }
+    for op in request.success.iter().chain(&request.failure) {
+        match &op.request {
+            Some(PbTxnOpRequest::RequestRange(r)) if r.key.is_empty() => return empty(),
+            Some(PbTxnOpRequest::RequestDeleteRange(d)) if d.key.is_empty() => return empty(),
+            Some(put @ PbTxnOpRequest::RequestPut(_)) => check_put_request(put)?,
+            Some(PbTxnOpRequest::RequestTxn(nested)) => check_request(nested, most - ops)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn check_put_request(op: &PbTxnOpRequest) -> Result<(), Status> {
+    let PbTxnOpRequest::RequestPut(put) = op else {
+        return Ok(());
+    };
+    if put.key.is_empty() {
+        return Err(Status::invalid_argument(EMPTY_KEY));
+    }
+    if put.ignore_value && !put.value.is_empty() {
+        return Err(Status::invalid_argument(VALUE_PROVIDED));
+    }
+    if put.ignore_lease && put.lease != 0 {
+        return Err(Status::invalid_argument(LEASE_PROVIDED));
+    }
+    Ok(())
+}
+
+/// Runs `check` on every operation of the branches `path` takes, nested ones included.
+fn on_path(
+    request: &PbTxnRequest,
+    path: &mut std::slice::Iter<'_, bool>,
+    check: &mut dyn FnMut(&PbTxnOpRequest) -> Result<(), Status>,
+) -> Result<(), Status> {
+    let branch = if *path.next().unwrap_or(&false) {
+        &request.success
+    } else {
+        &request.failure
+    };
+    for op in branch {
+        match &op.request {
+            Some(PbTxnOpRequest::RequestTxn(nested)) => on_path(nested, path, check)?,
+            Some(op) => check(op)?,
+            None => {}
+        }
+    }
+    Ok(())
+}
+
 /// Refuses a branch that writes one key twice, as etcd does: a put and another put or
 /// a delete of the same key, nested transactions included (the two branches of one
 /// nested transaction may put the same key, as only one of them runs).
@@ -349,10 +437,12 @@ fn writes_of(branch: &[PbTxnRequestOp]) -> Result<Writes, Status> {
             _ => None,
         })
         .collect();
+    // etcd's check reads a range end `\0` as a string, not as "every key onwards": a
+    // delete from a key onwards covers no key here.
     let deleted = |deletes: &[(Vec<u8>, Vec<u8>)], key: &[u8]| {
         deletes
             .iter()
-            .any(|(k, end)| Span { key: k, end }.holds(key))
+            .any(|(k, end)| end != &[0] && Span { key: k, end }.holds(key))
     };
     let mut puts: BTreeSet<Vec<u8>> = BTreeSet::new();
     for op in branch {
