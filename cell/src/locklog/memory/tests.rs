@@ -182,3 +182,35 @@ fn an_answer_lost_is_a_write_applied() {
     assert!(store.key("k").is_some());
     assert!(txn(&store, Txn::new().and_then([TxnOp::put("k", "w", None)])).is_ok());
 }
+
+#[test]
+fn etcds_own_checks_refuse_a_request_before_anything_is_written() {
+    let store = MemoryStore::new();
+    let empty = Txn::new().and_then([TxnOp::put("", "v", None)]);
+    assert!(refused_with(txn(&store, empty), EMPTY_KEY));
+    let keep = PutOptions::new().with_ignore_value();
+    let missing = Txn::new().and_then([TxnOp::put("absent", "", Some(keep))]);
+    assert!(refused_with(txn(&store, missing), KEY_NOT_FOUND));
+    put(&store, "k", "v", 0);
+    let given = Txn::new().and_then([TxnOp::put(
+        "k",
+        "w",
+        Some(PutOptions::new().with_ignore_value()),
+    )]);
+    assert!(refused_with(txn(&store, given), VALUE_PROVIDED));
+    let many: Vec<TxnOp> = (0..=MAX_TXN_OPS)
+        .map(|i| TxnOp::get(format!("k{i}"), None))
+        .collect();
+    assert!(refused_with(
+        txn(&store, Txn::new().and_then(many)),
+        TOO_MANY_OPS
+    ));
+    let revision = store.revision();
+    // A delete from a key onwards writes no key twice, as etcd reads it.
+    let onwards = Txn::new().and_then([
+        TxnOp::delete("a", Some(etcd_client::DeleteOptions::new().with_from_key())),
+        TxnOp::put("z", "v", None),
+    ]);
+    assert!(txn(&store, onwards).is_ok());
+    assert_eq!(store.revision(), revision + 1);
+}
