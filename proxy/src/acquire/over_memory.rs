@@ -37,6 +37,16 @@ async fn release(rig: &Rig, session: &str, lock: &str, granted: &Granted) {
     assert!(done, "the release found its hold");
 }
 
+/// Session `session`'s call `c1` for `lock`, waiting as long as it takes, in a task.
+fn wait(
+    rig: &Rig,
+    session: &str,
+    lock: &str,
+) -> tokio::task::JoinHandle<Result<Option<Granted>, ProxyError>> {
+    let (state, session, lock) = (rig.state.clone(), session.to_owned(), lock.to_owned());
+    tokio::spawn(async move { acquire(&state, call(&session, &lock, "c1", None)).await })
+}
+
 /// Lets every task that can run, run, with time standing still.
 async fn settle() {
     for _ in 0..50 {
@@ -49,11 +59,7 @@ async fn a_waiter_is_granted_as_soon_as_the_release_is_seen() {
     let rig = rig(&[], "").await;
     let (a, b) = (rig.open(TTL), rig.open(TTL));
     let first = granted(&rig, call(&a, "jobs/x", "c1", None)).await;
-    let state = rig.state.clone();
-    let waiting = tokio::spawn({
-        let b = b.clone();
-        async move { acquire(&state, call(&b, "jobs/x", "c1", None)).await }
-    });
+    let waiting = wait(&rig, &b, "jobs/x");
     settle().await;
     assert!(!waiting.is_finished(), "granted while the lock was held");
     release(&rig, &a, "jobs/x", &first).await;
@@ -73,11 +79,7 @@ async fn a_release_missed_by_the_watch_is_found_by_the_next_look() {
     let rig = rig(&[], "").await;
     let (a, b) = (rig.open(TTL), rig.open(TTL));
     let first = granted(&rig, call(&a, "jobs/x", "c1", None)).await;
-    let state = rig.state.clone();
-    let waiting = tokio::spawn({
-        let b = b.clone();
-        async move { acquire(&state, call(&b, "jobs/x", "c1", None)).await }
-    });
+    let waiting = wait(&rig, &b, "jobs/x");
     settle().await;
     release(&rig, &a, "jobs/x", &first).await;
     let released = Instant::now();
@@ -103,11 +105,7 @@ async fn a_wait_that_runs_out_leaves_nothing_and_no_one_behind_it_waits_for_it()
     assert!(gave_up.is_none());
     assert_eq!(Instant::now() - started, Duration::from_secs(2));
     assert_eq!(rig.store.keys_under(""), keys, "the wait left a key behind");
-    let state = rig.state.clone();
-    let waiting = tokio::spawn({
-        let c = c.clone();
-        async move { acquire(&state, call(&c, "jobs/x", "c1", None)).await }
-    });
+    let waiting = wait(&rig, &c, "jobs/x");
     settle().await;
     release(&rig, &a, "jobs/x", &first).await;
     let released = Instant::now();

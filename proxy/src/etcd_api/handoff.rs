@@ -400,16 +400,11 @@ impl EtcdApi {
         let state = &self.state;
         if let Some(left) = state.sessions.withdraw(&session.id, session.incarnation) {
             state.leases.unassign(left.bucket);
-            let unsettled: Vec<Grant> = left
-                .held
-                .iter()
-                .filter(|g| g.is_unsettled())
-                .cloned()
-                .collect();
-            if !unsettled.is_empty() {
+            if left.held.iter().any(Grant::is_unsettled) {
                 // Clean-ups guarded by its lease stay behind: a later stay avoids it.
                 state.sessions.depart(&left, Instant::now());
             }
+            let unsettled = left.held.into_iter().filter(Grant::is_unsettled).collect();
             state.cleanup.push(left.lease, unsettled);
         }
         if let Some(id) = lease_of(&session.id) {
