@@ -48,77 +48,15 @@ impl Election for EtcdApi {
         let caller = self.caller(&request)?;
         self.may(caller.as_deref(), Right::Lock, &request.get_ref().name)?;
         let (lease, campaign) = (request.get_ref().lease, "/v3electionpb.Election/Campaign");
-        if let Some(there) = self
-            .forward_unary(lease, campaign, &request, caller.as_deref(), |_| false)
-            .await?
-        {
-            return Ok(there);
-        }
-        let req = request.into_inner();
-        if req.lease == 0 {
-            return Err(Status::invalid_argument(format!(
-                "a campaign in {:?} needs a lease: grant one and name it",
-                String::from_utf8_lossy(&req.name)
-            )));
-        }
-        let in_progress =
-            self.admit_wait(caller.as_deref(), &req.name, req.lease, req.value.len())?;
-        let key = candidate_key(&req.name, req.lease);
-        // As a Lock call: the wait runs on its own, and a caller who hangs up takes out
-        // only a key this call made.
-        let (done, answer) = oneshot::channel();
-        let api = self.clone();
-        let (lease, value) = (req.lease, req.value);
-        tokio::spawn(async move {
-            let _in_progress = in_progress;
-            let mut done = done;
-            let placed = match api.place(caller.clone(), &key, lease, &value).await {
-                Ok(placed) => placed,
-                Err(refused) => {
-                    let _ = done.send(Err(refused));
-                    return;
-                }
-            };
-            // An earlier campaign of the lease stands with another value: this one
-            // proclaims its own, as etcd's does.
-            if !placed.created && placed.value != value {
-                let proclaimed = api
-                    .proclaim_as(caller, &key, placed.revision, lease, &value)
-                    .await;
-                if let Err(refused) = proclaimed {
-                    let _ = done.send(Err(refused));
-                    return;
-                }
-            }
-            let outcome = tokio::select! {
-                outcome = api.wait_first(&key, placed.revision, lease) => outcome,
-                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
-            };
-            let answered = match outcome {
-                Ok(revision) => done
-                    .send(Ok((key.clone(), placed.revision, revision)))
-                    .is_ok(),
-                Err(refused) => {
-                    let _ = done.send(Err(refused));
-                    false
-                }
-            };
-            if !answered && placed.created {
-                api.withdraw(&key, placed.revision).await;
-            }
-        });
-        let (key, created, revision) = answer
-            .await
-            .map_err(|_| Status::unavailable("the campaign's wait ended with the proxy"))??;
-        Ok(Response::new(CampaignResponse {
-            header: Some(self.election_header(revision)),
-            leader: Some(LeaderKey {
-                name: req.name,
-                key,
-                rev: created,
-                lease,
-            }),
-        }))
+        let here = || self.campaign_here(caller.clone(), request.get_ref());
+        self.on_lease(
+            (lease, campaign),
+            &request,
+            caller.as_deref(),
+            |_| false,
+            here,
+        )
+        .await
     }
 
     async fn proclaim(
@@ -236,6 +174,78 @@ impl Election for EtcdApi {
 }
 
 impl EtcdApi {
+    /// A Campaign run here: its lease is here (or nowhere).
+    async fn campaign_here(
+        &self,
+        caller: Option<String>,
+        req: &CampaignRequest,
+    ) -> Result<Response<CampaignResponse>, Status> {
+        if req.lease == 0 {
+            return Err(Status::invalid_argument(format!(
+                "a campaign in {:?} needs a lease: grant one and name it",
+                String::from_utf8_lossy(&req.name)
+            )));
+        }
+        let in_progress =
+            self.admit_wait(caller.as_deref(), &req.name, req.lease, req.value.len())?;
+        let key = candidate_key(&req.name, req.lease);
+        // As a Lock call: the wait runs on its own, and a caller who hangs up takes out
+        // only a key this call made.
+        let (done, answer) = oneshot::channel();
+        let api = self.clone();
+        let (lease, value) = (req.lease, req.value.clone());
+        tokio::spawn(async move {
+            let _in_progress = in_progress;
+            let mut done = done;
+            let placed = match api.place(caller.clone(), &key, lease, &value).await {
+                Ok(placed) => placed,
+                Err(refused) => {
+                    let _ = done.send(Err(refused));
+                    return;
+                }
+            };
+            // An earlier campaign of the lease stands with another value: this one
+            // proclaims its own, as etcd's does.
+            if !placed.created && placed.value != value {
+                let proclaimed = api
+                    .proclaim_as(caller, &key, placed.revision, lease, &value)
+                    .await;
+                if let Err(refused) = proclaimed {
+                    let _ = done.send(Err(refused));
+                    return;
+                }
+            }
+            let outcome = tokio::select! {
+                outcome = api.wait_first(&key, placed.revision, lease) => outcome,
+                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
+            };
+            let answered = match outcome {
+                Ok(revision) => done
+                    .send(Ok((key.clone(), placed.revision, revision)))
+                    .is_ok(),
+                Err(refused) => {
+                    let _ = done.send(Err(refused));
+                    false
+                }
+            };
+            if !answered && placed.created {
+                api.withdraw(&key, placed.revision).await;
+            }
+        });
+        let (key, created, revision) = answer
+            .await
+            .map_err(|_| Status::unavailable("the campaign's wait ended with the proxy"))??;
+        Ok(Response::new(CampaignResponse {
+            header: Some(self.election_header(revision)),
+            leader: Some(LeaderKey {
+                name: req.name.clone(),
+                key,
+                rev: created,
+                lease,
+            }),
+        }))
+    }
+
     fn election_header(&self, revision: i64) -> ResponseHeader {
         let h = self.header(revision);
         ResponseHeader {

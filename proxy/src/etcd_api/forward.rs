@@ -49,6 +49,7 @@ use crate::metrics as m;
 
 mod gather;
 mod signed;
+mod unary;
 
 use self::signed::*;
 
@@ -76,6 +77,11 @@ const UNREACHABLE: &str =
 /// unanswered before the proxy counts as hung and its calls fail.
 const PEER_PING: Duration = Duration::from_secs(2);
 const PEER_PING_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How many times a call on a lease is forwarded while the proxies it reaches say the
+/// lease is not there, and the pause before it is sent again to the same proxy.
+const FORWARD_LOOKS: u32 = 4;
+const FORWARD_PAUSE: Duration = Duration::from_millis(50);
 
 /// How long the presence records read are used before they are read again.
 const PRESENCE_FRESH: Duration = Duration::from_secs(1);
@@ -375,49 +381,6 @@ impl EtcdApi {
             md.insert(name, value);
         }
         Ok(out)
-    }
-
-    /// Runs unary call `path` on lease `id` at the proxy the lease lives at: `None`
-    /// when it runs here. A lease the proxy no longer has there (its answer is
-    /// NOT_FOUND or UNAVAILABLE, or `moved` says so) is looked for again, once.
-    pub(super) async fn forward_unary<Req, Resp>(
-        &self,
-        id: i64,
-        path: &'static str,
-        request: &Request<Req>,
-        caller: Option<&str>,
-        moved: impl Fn(&Resp) -> bool,
-    ) -> Result<Option<Response<Resp>>, Status>
-    where
-        Req: prost::Message + Clone + Send + 'static,
-        Resp: prost::Message + Default + Send + 'static,
-    {
-        for fresh in [false, true] {
-            let Some(peer) = self.route(id, request.metadata(), caller, fresh).await? else {
-                return Ok(None);
-            };
-            metrics::counter!(m::ETCD_API_FORWARDED).increment(1);
-            let call = self.forwarded(request.metadata(), request.get_ref().clone(), caller)?;
-            let got = peer.unary(path, call).await;
-            // Looked for again only when the peer did nothing: it does not have the
-            // lease (NOT_FOUND is answered before any write), it handed the lease over,
-            // or it could not be reached. Any other failure may have come after a
-            // write landed: the client hears it as it is.
-            let gone = match &got {
-                Ok(reply) => moved(reply.get_ref()),
-                Err(status) => {
-                    status.code() == tonic::Code::NotFound
-                        || status.message() == super::refused_handed_off().message()
-                        || status.message().starts_with(UNREACHABLE)
-                }
-            };
-            if gone && !fresh {
-                self.peers.forget(id);
-                continue;
-            }
-            return got.map(Some);
-        }
-        unreachable!("the second look returns")
     }
 }
 

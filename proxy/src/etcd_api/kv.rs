@@ -95,72 +95,10 @@ impl PbKvService for EtcdApi {
         self.authorize_range(&request, Right::Write, &request.get_ref().key, &[])?;
         let lease = request.get_ref().lease;
         let put = "/etcdserverpb.KV/Put";
-        if let Some(there) = self
-            .forward_unary(lease, put, &request, caller.as_deref(), |_| false)
-            .await?
-        {
-            return Ok(there);
-        }
-        self.state.pace(caller.as_deref())?;
-        let req = request.into_inner();
-        let state = &self.state;
-        check_put(&req, state.config.max_value_bytes)?;
-        let shown = String::from_utf8_lossy(&req.key).into_owned();
-        // A leased write holds off a hand-off until its key is recorded.
-        let _writes = match req.lease {
-            0 => None,
-            _ => Some(self.writes.read().await),
-        };
-        let session = match req.lease {
-            0 => None,
-            lease => Some(self.lease_session(lease, caller.as_deref()).await?),
-        };
-        // A leased key is recorded in its session, which keeps keys as text.
-        let key = match &session {
-            Some(_) => Some(leased_key(&req.key)?),
-            None => None,
-        };
-        // A key new to the lease counts against its identity's keys, and its bytes
-        // past what the lease's record of it counts.
-        if let (Some(s), Some(key)) = (&session, &key) {
-            let (keys, bytes) = s.adds(key, (key.len() + req.value.len()) as u64);
-            state.admit_keys(&s.id, keys, bytes)?;
-        }
-        let write = WriteSize::put(shown.as_str(), req.value.len(), session.is_none());
-        let admitted = state.admit_writes(caller.as_deref(), &[write]).await?;
-        let map_revision = state.routes.serve_all([shown.as_str()])?;
-        let writer = self.writer(caller, session.as_ref());
-        let options = PutOptions::new().with_prev_key();
-        let options = match &session {
-            Some(s) => options.with_lease(s.lease),
-            None => options,
-        };
-        let op = TxnOp::put(inner(&req.key), req.value.clone(), Some(options));
-        let record = record_op(&req.key, session.as_ref().map(|_| req.lease));
-        let owner = owner_op(&req.key, session.is_none(), &writer);
-        let owners: Vec<&Session> = session.iter().collect();
-        let write = self.guarded_for(&owners, vec![op, record, owner], map_revision, &writer);
-        let outcome = match (&session, &key) {
-            (Some(s), Some(key)) => {
-                let pending = Grant::unsettled_etcd_api_key(key.clone(), &s.id, &req.value);
-                crate::unsettled::owned_write(
-                    state.owners(),
-                    s,
-                    pending,
-                    write,
-                    crate::unsettled::unknown_outcome,
-                )
-                .await
-                .ok_or_else(|| Status::not_found(LEASE_NOT_FOUND))?
-            }
-            _ => write.await,
-        }
-        .map_err(super::etcd_error)?;
-        admitted.landed(Some(outcome.header.as_ref().map_or(0, |h| h.revision)));
-        let leased = session.as_ref().zip(key);
-        Ok(Response::new(self.put_reply(&req, leased, outcome)))
+        let here = || self.put_here(caller.clone(), request.get_ref());
+        self.on_lease((lease, put), &request, caller.as_deref(), |_| false, here)
+            .await
     }
-
     async fn delete_range(
         &self,
         request: Request<PbDeleteRequest>,
@@ -240,31 +178,12 @@ impl PbKvService for EtcdApi {
             .collect();
         leases.sort_unstable();
         leases.dedup();
-        if let Some(&first) = leases.first() {
-            let txn = "/etcdserverpb.KV/Txn";
-            if let Some(there) = self
-                .forward_unary(first, txn, &request, caller.as_deref(), |_| false)
-                .await?
-            {
-                return Ok(there);
-            }
-        }
-        self.state.pace(caller.as_deref())?;
-        // What the Txn's leased puts may add, each as a new key, for a gather's check.
-        let adding = txn_puts(request.get_ref())
-            .iter()
-            .filter(|p| p.lease != 0)
-            .fold((0, 0), |(keys, bytes), p| {
-                (keys + 1, bytes + (p.key.len() + 3 + p.value.len()) as u64)
-            });
-        let writes = self
-            .gather(&leases, request.metadata(), caller.as_deref(), adding)
-            .await?;
-        self.txn_holding(caller, request.into_inner(), writes)
+        let first = leases.first().copied().unwrap_or(0);
+        let txn = "/etcdserverpb.KV/Txn";
+        let here = || self.txn_here(caller.clone(), &leases, &request);
+        self.on_lease((first, txn), &request, caller.as_deref(), |_| false, here)
             .await
-            .map(Response::new)
     }
-
     type RangeStreamStream = std::pin::Pin<
         Box<
             dyn tokio_stream::Stream<
@@ -293,6 +212,95 @@ impl PbKvService for EtcdApi {
 }
 
 impl EtcdApi {
+    /// A Txn run here: the first of its `leases` is here (or nowhere); the others are
+    /// gathered here first.
+    async fn txn_here(
+        &self,
+        caller: Option<String>,
+        leases: &[i64],
+        request: &Request<PbTxnRequest>,
+    ) -> Result<Response<PbTxnResponse>, Status> {
+        self.state.pace(caller.as_deref())?;
+        // What the Txn's leased puts may add, each as a new key, for a gather's check.
+        let adding = txn_puts(request.get_ref())
+            .iter()
+            .filter(|p| p.lease != 0)
+            .fold((0, 0), |(keys, bytes), p| {
+                (keys + 1, bytes + (p.key.len() + 3 + p.value.len()) as u64)
+            });
+        let writes = self
+            .gather(leases, request.metadata(), caller.as_deref(), adding)
+            .await?;
+        self.txn_holding(caller, request.get_ref(), writes)
+            .await
+            .map(Response::new)
+    }
+
+    /// A Put run here: its lease, if it names one, is here (or nowhere).
+    async fn put_here(
+        &self,
+        caller: Option<String>,
+        req: &PbPutRequest,
+    ) -> Result<Response<PbPutResponse>, Status> {
+        self.state.pace(caller.as_deref())?;
+        let state = &self.state;
+        check_put(req, state.config.max_value_bytes)?;
+        let shown = String::from_utf8_lossy(&req.key).into_owned();
+        // A leased write holds off a hand-off until its key is recorded.
+        let _writes = match req.lease {
+            0 => None,
+            _ => Some(self.writes.read().await),
+        };
+        let session = match req.lease {
+            0 => None,
+            lease => Some(self.lease_session(lease, caller.as_deref()).await?),
+        };
+        // A leased key is recorded in its session, which keeps keys as text.
+        let key = match &session {
+            Some(_) => Some(leased_key(&req.key)?),
+            None => None,
+        };
+        // A key new to the lease counts against its identity's keys, and its bytes
+        // past what the lease's record of it counts.
+        if let (Some(s), Some(key)) = (&session, &key) {
+            let (keys, bytes) = s.adds(key, (key.len() + req.value.len()) as u64);
+            state.admit_keys(&s.id, keys, bytes)?;
+        }
+        let write = WriteSize::put(shown.as_str(), req.value.len(), session.is_none());
+        let admitted = state.admit_writes(caller.as_deref(), &[write]).await?;
+        let map_revision = state.routes.serve_all([shown.as_str()])?;
+        let writer = self.writer(caller, session.as_ref());
+        let options = PutOptions::new().with_prev_key();
+        let options = match &session {
+            Some(s) => options.with_lease(s.lease),
+            None => options,
+        };
+        let op = TxnOp::put(inner(&req.key), req.value.clone(), Some(options));
+        let record = record_op(&req.key, session.as_ref().map(|_| req.lease));
+        let owner = owner_op(&req.key, session.is_none(), &writer);
+        let owners: Vec<&Session> = session.iter().collect();
+        let write = self.guarded_for(&owners, vec![op, record, owner], map_revision, &writer);
+        let outcome = match (&session, &key) {
+            (Some(s), Some(key)) => {
+                let pending = Grant::unsettled_etcd_api_key(key.clone(), &s.id, &req.value);
+                crate::unsettled::owned_write(
+                    state.owners(),
+                    s,
+                    pending,
+                    write,
+                    crate::unsettled::unknown_outcome,
+                )
+                .await
+                .ok_or_else(|| Status::not_found(LEASE_NOT_FOUND))?
+            }
+            _ => write.await,
+        }
+        .map_err(super::etcd_error)?;
+        admitted.landed(Some(outcome.header.as_ref().map_or(0, |h| h.revision)));
+        let leased = session.as_ref().zip(key);
+        Ok(Response::new(self.put_reply(req, leased, outcome)))
+    }
+
     /// Checks `right` on a client range: one key, a prefix (the key's successor as
     /// `range_end`), or any other range, which takes the right on every small key.
     pub(super) fn authorize_range<T>(

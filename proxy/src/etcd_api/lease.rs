@@ -159,26 +159,9 @@ impl PbLeaseService for EtcdApi {
     ) -> Result<Response<PbLeaseRevokeResponse>, Status> {
         let caller = self.caller(&request)?;
         let id = request.get_ref().id;
-        if let Some(there) = self
-            .forward_unary(id, REVOKE, &request, caller.as_deref(), |_| false)
-            .await?
-        {
-            return Ok(there);
-        }
-        let session = session_of(id);
-        self.lease_session(id, caller.as_deref()).await?;
-        crate::service::session::close_stay(&self.state, &session, None)
+        let here = || self.revoke_here(id, caller.as_deref());
+        self.on_lease((id, REVOKE), &request, caller.as_deref(), |_| false, here)
             .await
-            .map_err(|e| match e {
-                crate::errors::ProxyError::UnknownSession { .. }
-                | crate::errors::ProxyError::ExpiredSession { .. } => {
-                    Status::not_found(LEASE_NOT_FOUND)
-                }
-                other => other.into(),
-            })?;
-        Ok(Response::new(PbLeaseRevokeResponse {
-            header: Some(self.header(self.state.cell.seen())),
-        }))
     }
 
     type LeaseKeepAliveStream =
@@ -212,60 +195,15 @@ impl PbLeaseService for EtcdApi {
         }
         let id = request.get_ref().id;
         let moved = |reply: &PbLeaseTimeToLiveResponse| reply.ttl == -1;
-        if let Some(there) = self
-            .forward_unary(
-                id,
-                forward::TIME_TO_LIVE,
-                &request,
-                caller.as_deref(),
-                moved,
-            )
-            .await?
-        {
-            return Ok(there);
-        }
-        // Another proxy asking for the lease, to run a Txn writing with it there
-        // (a signed call: `caller` checked its signature).
-        let hand_over = request.metadata().contains_key(forward::FORWARDED_FOR)
-            && request.metadata().contains_key(forward::HAND_OVER);
-        let req = request.into_inner();
-        let now = Instant::now();
-        let header = Some(self.header(self.state.cell.seen()));
-        let found = match self.lease_session(req.id, caller.as_deref()).await {
-            Ok(session) => Some(session),
-            Err(refused) if refused.code() == tonic::Code::NotFound => None,
-            Err(refused) => return Err(refused),
-        };
-        let Some(session) = found else {
-            // etcd: -1 for a lease it does not have.
-            return Ok(Response::new(PbLeaseTimeToLiveResponse {
-                header,
-                id: req.id,
-                ttl: -1,
-                granted_ttl: 0,
-                keys: Vec::new(),
-            }));
-        };
-        if hand_over {
-            self.hand_over_one(req.id).await?;
-        }
-        let keys = if req.keys {
-            session
-                .held
-                .iter()
-                .filter(|g| !g.is_unsettled())
-                .filter_map(|g| keys::outer(g.key.as_bytes()).map(<[u8]>::to_vec))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        Ok(Response::new(PbLeaseTimeToLiveResponse {
-            header,
-            id: req.id,
-            ttl: seconds(session.expires_at().saturating_duration_since(now)),
-            granted_ttl: seconds(session.ttl()),
-            keys,
-        }))
+        let here = || self.time_to_live_here(&request, caller.as_deref());
+        self.on_lease(
+            (id, forward::TIME_TO_LIVE),
+            &request,
+            caller.as_deref(),
+            moved,
+            here,
+        )
+        .await
     }
 
     async fn lease_leases(
@@ -302,6 +240,121 @@ impl PbLeaseService for EtcdApi {
 }
 
 impl EtcdApi {
+    /// A LeaseRevoke run here: answered once the lease's keys are gone.
+    async fn revoke_here(
+        &self,
+        id: i64,
+        caller: Option<&str>,
+    ) -> Result<Response<PbLeaseRevokeResponse>, Status> {
+        use crate::service::session::{close_now, release_closed};
+        let session = session_of(id);
+        // (A stay arriving here is closed once its keys are here, never while they
+        // are on their way: it counts as on its way until then.)
+        self.lease_session(id, caller).await?;
+        let closed = {
+            // No hand-off marks it between the look and the close.
+            let _writes = self.writes.read().await;
+            if self.state.sessions.is_handed_off(&session) {
+                // Handed over meanwhile: revoked where it goes.
+                return Err(super::refused_handed_off());
+            }
+            close_now(&self.state, &session, None)
+        };
+        let not_found = |e| match e {
+            crate::errors::ProxyError::UnknownSession { .. }
+            | crate::errors::ProxyError::ExpiredSession { .. } => {
+                Status::not_found(LEASE_NOT_FOUND)
+            }
+            other => other.into(),
+        };
+        let Some(mut stay) = closed.map_err(not_found)? else {
+            return Ok(Response::new(PbLeaseRevokeResponse {
+                header: Some(self.header(self.state.cell.seen())),
+            }));
+        };
+        // A leased write queued for etcd is refused now (its lease is closed); one
+        // already sent is waited for, and its key, if it landed, goes with the others:
+        // no key of the lease lands after the revoke answers.
+        drop(self.sending.write().await);
+        let unsettled: Vec<Grant> = stay
+            .held
+            .iter()
+            .filter(|g| g.is_unsettled())
+            .cloned()
+            .collect();
+        stay.held.retain(|g| !g.is_unsettled());
+        let landed = self.state.locklog.settle(&unsettled, stay.lease).await;
+        stay.held.extend(
+            landed
+                .as_ref()
+                .map_or(&[][..], Vec::as_slice)
+                .iter()
+                .cloned(),
+        );
+        release_closed(&self.state, stay).await.map_err(not_found)?;
+        if let Err(source) = landed {
+            // Still looked for by the clean-up, and deleted if they landed.
+            return Err(crate::errors::ProxyError::StoreDuring {
+                context: format!("lease {id:x} is revoked; writes on it that were on their way are deleted when etcd answers"),
+                source,
+            }
+            .into());
+        }
+        Ok(Response::new(PbLeaseRevokeResponse {
+            header: Some(self.header(self.state.cell.seen())),
+        }))
+    }
+
+    /// A LeaseTimeToLive run here: the lease is here, or nowhere (TTL -1).
+    async fn time_to_live_here(
+        &self,
+        request: &Request<PbLeaseTimeToLiveRequest>,
+        caller: Option<&str>,
+    ) -> Result<Response<PbLeaseTimeToLiveResponse>, Status> {
+        // Another proxy asking for the lease, to run a Txn writing with it there
+        // (a signed call: `caller` checked its signature).
+        let hand_over = request.metadata().contains_key(forward::FORWARDED_FOR)
+            && request.metadata().contains_key(forward::HAND_OVER);
+        let req = request.get_ref();
+        let now = Instant::now();
+        let header = Some(self.header(self.state.cell.seen()));
+        let found = match self.lease_session(req.id, caller).await {
+            Ok(session) => Some(session),
+            Err(refused) if refused.code() == tonic::Code::NotFound => None,
+            Err(refused) => return Err(refused),
+        };
+        let Some(session) = found else {
+            // etcd: -1 for a lease it does not have.
+            return Ok(Response::new(PbLeaseTimeToLiveResponse {
+                header,
+                id: req.id,
+                ttl: -1,
+                granted_ttl: 0,
+                keys: Vec::new(),
+            }));
+        };
+        if hand_over {
+            self.hand_over_one(req.id).await?;
+        }
+        let keys = if req.keys {
+            session
+                .held
+                .iter()
+                .filter(|g| !g.is_unsettled())
+                .filter_map(|g| keys::outer(g.key.as_bytes()).map(<[u8]>::to_vec))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Response::new(PbLeaseTimeToLiveResponse {
+            header,
+            id: req.id,
+            ttl: seconds(session.expires_at().saturating_duration_since(now)),
+            granted_ttl: seconds(session.ttl()),
+            keys,
+        }))
+    }
+
     /// Claims lease ID `id`, which a client chose, for a session on proxy lease `lease`:
     /// its claim key is created there, or the ID is taken (etcd's "lease already exists").
     /// Returns the claim as the session's key, deleted when the session ends.

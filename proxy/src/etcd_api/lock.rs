@@ -47,59 +47,9 @@ impl Lock for EtcdApi {
         let caller = self.caller(&request)?;
         let name = self.may(caller.as_deref(), Right::Lock, &request.get_ref().name)?;
         let (lease, lock) = (request.get_ref().lease, "/v3lockpb.Lock/Lock");
-        if let Some(there) = self
-            .forward_unary(lease, lock, &request, caller.as_deref(), |_| false)
-            .await?
-        {
-            return Ok(there);
-        }
-        let req = request.into_inner();
-        if req.lease == 0 {
-            return Err(Status::invalid_argument(format!(
-                "a lock on {name:?} needs a lease: grant one and name it"
-            )));
-        }
-        let in_progress = self.admit_wait(caller.as_deref(), &req.name, req.lease, 0)?;
-        let mut key = req.name.clone();
-        key.push(b'/');
-        key.extend_from_slice(format!("{:x}", req.lease).as_bytes());
-        // The wait runs on its own, so that a caller who hangs up does not leave its
-        // key in line: the wait takes it out (etcd's server does the same), but only a
-        // key this call made: one the lease had already is an earlier call's hold.
-        let (done, answer) = oneshot::channel();
-        let api = self.clone();
-        tokio::spawn(async move {
-            let _in_progress = in_progress;
-            let mut done = done;
-            let placed = match api.place(caller, &key, req.lease, b"").await {
-                Ok(placed) => placed,
-                Err(refused) => {
-                    let _ = done.send(Err(refused));
-                    return;
-                }
-            };
-            let outcome = tokio::select! {
-                outcome = api.wait_first(&key, placed.revision, req.lease) => outcome,
-                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
-            };
-            let answered = match outcome {
-                Ok(revision) => done.send(Ok((key.clone(), revision))).is_ok(),
-                Err(refused) => {
-                    let _ = done.send(Err(refused));
-                    false
-                }
-            };
-            if !answered && placed.created {
-                api.withdraw(&key, placed.revision).await;
-            }
-        });
-        let (key, revision) = answer
+        let here = || self.lock_here(caller.clone(), &name, request.get_ref());
+        self.on_lease((lease, lock), &request, caller.as_deref(), |_| false, here)
             .await
-            .map_err(|_| Status::unavailable("the lock's wait ended with the proxy"))??;
-        Ok(Response::new(LockResponse {
-            header: Some(self.lock_header(revision)),
-            key,
-        }))
     }
 
     async fn unlock(
@@ -149,6 +99,62 @@ impl Lock for EtcdApi {
 }
 
 impl EtcdApi {
+    /// A Lock run here: its lease is here (or nowhere).
+    async fn lock_here(
+        &self,
+        caller: Option<String>,
+        name: &str,
+        req: &LockRequest,
+    ) -> Result<Response<LockResponse>, Status> {
+        if req.lease == 0 {
+            return Err(Status::invalid_argument(format!(
+                "a lock on {name:?} needs a lease: grant one and name it"
+            )));
+        }
+        let in_progress = self.admit_wait(caller.as_deref(), &req.name, req.lease, 0)?;
+        let lease = req.lease;
+        let mut key = req.name.clone();
+        key.push(b'/');
+        key.extend_from_slice(format!("{:x}", req.lease).as_bytes());
+        // The wait runs on its own, so that a caller who hangs up does not leave its
+        // key in line: the wait takes it out (etcd's server does the same), but only a
+        // key this call made: one the lease had already is an earlier call's hold.
+        let (done, answer) = oneshot::channel();
+        let api = self.clone();
+        tokio::spawn(async move {
+            let _in_progress = in_progress;
+            let mut done = done;
+            let placed = match api.place(caller, &key, lease, b"").await {
+                Ok(placed) => placed,
+                Err(refused) => {
+                    let _ = done.send(Err(refused));
+                    return;
+                }
+            };
+            let outcome = tokio::select! {
+                outcome = api.wait_first(&key, placed.revision, lease) => outcome,
+                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
+            };
+            let answered = match outcome {
+                Ok(revision) => done.send(Ok((key.clone(), revision))).is_ok(),
+                Err(refused) => {
+                    let _ = done.send(Err(refused));
+                    false
+                }
+            };
+            if !answered && placed.created {
+                api.withdraw(&key, placed.revision).await;
+            }
+        });
+        let (key, revision) = answer
+            .await
+            .map_err(|_| Status::unavailable("the lock's wait ended with the proxy"))??;
+        Ok(Response::new(LockResponse {
+            header: Some(self.lock_header(revision)),
+            key,
+        }))
+    }
+
     /// Checks that `caller` (when the proxy checks grants) has `right` on the lock or
     /// election `name`; returns the name as text.
     pub(super) fn may(

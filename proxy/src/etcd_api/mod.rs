@@ -50,6 +50,10 @@ pub struct EtcdApi {
     /// Held shared by each leased write from its session's lookup until its key is
     /// recorded; a hand-off takes it alone, so its records name every key.
     writes: Arc<tokio::sync::RwLock<()>>,
+    /// Held shared by each leased write from its last look at its lease's session
+    /// until etcd answers it; a revoke takes it alone, after it closed the session, so
+    /// every write on the lease has then landed or will never be sent.
+    sending: Arc<tokio::sync::RwLock<()>>,
     /// By lease: the session fence's mod revision, for leases taken over here.
     fences: Arc<DashMap<i64, i64>>,
     /// By lease: the turn of each take-over under way.
@@ -102,6 +106,7 @@ impl EtcdApi {
             cluster_id,
             member_id,
             writes: Arc::default(),
+            sending: Arc::default(),
             fences: Arc::default(),
             taking: Arc::default(),
             placing: Arc::default(),
@@ -153,7 +158,10 @@ impl EtcdApi {
 
     /// The live session of lease `id`, the caller's own: here, or taken over now from
     /// a proxy that handed it off. NOT_FOUND (etcd's text) for any other lease;
-    /// UNAVAILABLE for one this proxy handed off (the client goes on elsewhere).
+    /// UNAVAILABLE ([`refused_handed_off`]) for one this proxy handed off, once a hand-over
+    /// to a proxy that asked for it has settled: nothing was done, and the call goes on
+    /// where the lease is ([`EtcdApi::on_lease`]), or, from a draining proxy, the client
+    /// goes on elsewhere.
     pub(super) async fn lease_session(
         &self,
         id: i64,
@@ -161,14 +169,20 @@ impl EtcdApi {
     ) -> Result<crate::sessions::Session, Status> {
         use crate::sessions::Gone;
         let not_found = || Status::not_found(lease::LEASE_NOT_FOUND);
-        let session = match self
-            .state
-            .sessions
-            .get(&lease::session_of(id), tokio::time::Instant::now())
-        {
+        let session_id = lease::session_of(id);
+        let sessions = &self.state.sessions;
+        let moving = sessions.is_handed_off(&session_id);
+        if moving {
+            // On its way to a proxy that asked for it, or arriving here: the call goes
+            // on where it ends up.
+            self.hand_over_settled(id).await;
+        }
+        let session = match sessions.get(&session_id, tokio::time::Instant::now()) {
             Ok(s) => s,
             Err(Gone::Unknown) => match self.take_over(id, caller).await? {
                 handoff::TakeOver::Taken(s) => s,
+                // Gone on to another proxy while the call waited.
+                handoff::TakeOver::NoRecord if moving => return Err(refused_handed_off()),
                 handoff::TakeOver::NoRecord => return Err(not_found()),
             },
             Err(Gone::Expired(_)) => return Err(not_found()),

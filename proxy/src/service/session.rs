@@ -151,13 +151,27 @@ pub async fn close_stay(
     id: &str,
     incarnation: Option<u64>,
 ) -> Result<u32, ProxyError> {
+    match close_now(state, id, incarnation)? {
+        Some(session) => release_closed(state, session).await,
+        // A later stay of the session is here: the close was for an earlier one.
+        None => Ok(0),
+    }
+}
+
+/// The first half of [`close_stay`], at once: takes the stay out of the table (no call
+/// finds it after this) and queues its unsettled keys. `None`: the session is here, but
+/// as a later stay.
+pub fn close_now(
+    state: &ProxyState,
+    id: &str,
+    incarnation: Option<u64>,
+) -> Result<Option<Session>, ProxyError> {
     let Some(session) = state
         .sessions
         .close(id, incarnation)
         .map_err(|gone| ProxyError::session(id, gone))?
     else {
-        // A later stay of the session is here: the close was for an earlier one.
-        return Ok(0);
+        return Ok(None);
     };
     state.leases.unassign(session.bucket);
     state.publish_sessions_open();
@@ -169,6 +183,11 @@ pub async fn close_stay(
         .cloned()
         .collect();
     state.cleanup.push(session.lease, unsettled);
+    Ok(Some(session))
+}
+
+/// The second half of [`close_stay`]: deletes what the closed stay `session` held.
+pub async fn release_closed(state: &ProxyState, session: Session) -> Result<u32, ProxyError> {
     if session.held.is_empty() {
         return Ok(0);
     }
@@ -185,6 +204,7 @@ pub async fn close_stay(
         }
         Err(source) => {
             let held = session.held.len();
+            let id = session.id.clone();
             state.cleanup.push(session.lease, session.held);
             Err(ProxyError::StoreDuring {
                 context: format!(

@@ -3475,3 +3475,151 @@ pub async fn a_lease_moved_away_and_back_keeps_its_keys() -> anyhow::Result<()> 
     );
     Ok(())
 }
+
+/// What one client of a racing lease saw: the puts acknowledged, and every refusal.
+#[derive(Default)]
+struct Raced {
+    acknowledged: Vec<String>,
+    refused: Vec<String>,
+}
+
+/// A lease that Txns keep moving between two proxies, with puts, renewals and, at the
+/// end, a revoke racing the moves at both proxies: every put acknowledged stays with
+/// the lease, no renewal of the live lease answers TTL 0, no call on it hears NOT_FOUND,
+/// and a revoke that answers leaves none of the lease's keys, and not its session
+/// fence, behind.
+pub async fn calls_racing_moves_of_a_lease_lose_nothing() -> anyhow::Result<()> {
+    use etcd_client::{Client, PutOptions, Txn, TxnOp};
+    let etcd = EtcdCluster::start(1).await?;
+    let (_a, api_a) = proxy_with_etcd_api(&etcd).await?;
+    let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
+    let on_a = Client::connect([api_a.as_str()], None).await?;
+    let on_b = Client::connect([api_b.as_str()], None).await?;
+    let raw = etcd.client().await?;
+    let leased = |lease: i64| Some(PutOptions::new().with_lease(lease));
+    // A Txn runs where its lowest lease lives: each moving lease is granted above both
+    // proxies' own leases, so a Txn at either proxy pulls it there.
+    let own_a = on_a.lease_client().grant(60, None).await?.id();
+    let own_b = on_b.lease_client().grant(60, None).await?.id();
+    let clients = [(&on_a, own_a, "a"), (&on_b, own_b, "b")];
+    let refusal = |e: etcd_client::Error| match e {
+        etcd_client::Error::GRpcStatus(s) => (s.code(), s.message().to_owned()),
+        other => (tonic::Code::Unknown, other.to_string()),
+    };
+
+    let home = if own_a > own_b { &on_a } else { &on_b };
+    for round in 0..6 {
+        let moving = home.lease_client().grant(60, None).await?.id();
+        let mover = async {
+            let mut seen = Raced::default();
+            for n in 0..8 {
+                let (client, own, at) = clients[n % 2];
+                let txn = Txn::new().and_then([
+                    TxnOp::put(format!("race/{round}/m/txn{n}"), "t", leased(moving)),
+                    TxnOp::put(format!("race/{round}/own/{n}"), "o", leased(own)),
+                ]);
+                match client.kv_client().txn(txn).await {
+                    Ok(_) => seen.acknowledged.push(format!("race/{round}/m/txn{n}")),
+                    Err(e) => seen
+                        .refused
+                        .push(format!("a Txn at {at}: {:?}", refusal(e))),
+                }
+            }
+            seen
+        };
+        let putter = async {
+            let mut seen = Raced::default();
+            for n in 0..16 {
+                let (client, _, at) = clients[(n / 2) % 2];
+                let key = format!("race/{round}/m/put{n}");
+                match client
+                    .kv_client()
+                    .put(key.as_str(), "p", leased(moving))
+                    .await
+                {
+                    Ok(_) => seen.acknowledged.push(key),
+                    Err(e) => seen
+                        .refused
+                        .push(format!("a put at {at}: {:?}", refusal(e))),
+                }
+            }
+            seen
+        };
+        let renewer = async {
+            let mut seen = Raced::default();
+            for n in 0..8 {
+                let (client, _, at) = clients[(n + 1) % 2];
+                match renew_once(client, moving).await {
+                    Ok(ttl) if ttl > 0 => {}
+                    other => seen.refused.push(format!("a renewal at {at}: {other:?}")),
+                }
+            }
+            seen
+        };
+        let (moved, put, renewed) = tokio::join!(mover, putter, renewer);
+        // A Txn may give up on a lease that keeps moving (UNAVAILABLE, nothing
+        // written); nothing else is refused.
+        let wrong: Vec<&String> = moved
+            .refused
+            .iter()
+            .filter(|r| !r.contains("Unavailable"))
+            .chain(put.refused.iter().chain(&renewed.refused))
+            .collect();
+        ensure!(wrong.is_empty(), "round {round}: refused: {wrong:?}");
+        let prefix = format!("/k/race/{round}/m/");
+        for key in moved.acknowledged.iter().chain(&put.acknowledged) {
+            let got = raw.kv_client().get(format!("/k/{key}"), None).await?;
+            ensure!(
+                got.kvs().len() == 1,
+                "round {round}: {key} was acknowledged and is gone, its lease alive"
+            );
+        }
+        let (_, keys) = lease_keys(&on_b, moving).await?;
+        for key in moved.acknowledged.iter().chain(&put.acknowledged) {
+            ensure!(
+                keys.contains(key),
+                "round {round}: {key} is not among the lease's keys {keys:?}"
+            );
+        }
+
+        // A revoke racing one more move: once it answers, the lease has nothing left.
+        let (client, own, _) = clients[round % 2];
+        let (mut puller, mut revoker) = (
+            client.kv_client(),
+            clients[(round + 1) % 2].0.lease_client(),
+        );
+        let (pulled, revoked) = tokio::join!(
+            puller.txn(Txn::new().and_then([
+                TxnOp::put(format!("race/{round}/m/last"), "l", leased(moving)),
+                TxnOp::put(format!("race/{round}/own/last"), "o", leased(own)),
+            ])),
+            revoker.revoke(moving)
+        );
+        revoked.with_context(|| format!("round {round}: the revoke (the Txn: {pulled:?})"))?;
+        let left = raw
+            .kv_client()
+            .get(
+                prefix.as_str(),
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await?;
+        let left: Vec<String> = left
+            .kvs()
+            .iter()
+            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+            .collect();
+        ensure!(
+            left.is_empty(),
+            "round {round}: the revoke answered and left {left:?} (the Txn: {pulled:?})"
+        );
+        let fence = raw
+            .kv_client()
+            .get(format!("/s/{moving:016x}"), None)
+            .await?;
+        ensure!(
+            fence.kvs().is_empty(),
+            "round {round}: the revoke answered and left the lease's session fence"
+        );
+    }
+    Ok(())
+}

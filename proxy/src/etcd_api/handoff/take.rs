@@ -12,16 +12,24 @@ impl EtcdApi {
         id: i64,
         caller: Option<&str>,
     ) -> Result<TakeOver, Status> {
-        let turn = self.taking.entry(id).or_default().clone();
-        let _turn = turn.lock().await;
-        let taken = self.take_over_now(id, caller).await;
-        drop(_turn);
-        self.taking
-            .remove_if(&id, |_, t| std::sync::Arc::strong_count(t) <= 2);
-        taken
+        let _turn = self.take_turn(id).await;
+        self.take_over_now(id, caller).await
     }
 
-    pub(super) async fn take_over_now(
+    /// Waits for lease `id`'s take-over turn: held by a take-over from its first read
+    /// until its keys are here.
+    async fn take_turn(&self, id: i64) -> TakeTurn {
+        let mut turn = TakeTurn {
+            taking: self.taking.clone(),
+            id,
+            held: None,
+        };
+        let lock = self.taking.entry(id).or_default().clone();
+        turn.held = Some(lock.lock_owned().await);
+        turn
+    }
+
+    pub(in crate::etcd_api) async fn take_over_now(
         &self,
         id: i64,
         caller: Option<&str>,
@@ -66,18 +74,16 @@ impl EtcdApi {
             }
             // Unknown whether the keys moved: the stay stays, to clean up what did.
             Err(source) => {
+                state.sessions.keep(&session_id);
                 return Err(crate::errors::ProxyError::StoreDuring {
                     context: format!("taking lease {id:x} over"),
                     source,
                 }
-                .into())
+                .into());
             }
         };
-        state
-            .sessions
-            .record_grant(&session_id, incarnation, fence, None);
-        self.fences.insert(id, fence_revision);
-        let kept = self.settle_moved(&session_id, incarnation, &moving, &outcomes);
+        let fence = (fence, fence_revision);
+        let kept = self.arrived(id, (incarnation, lease), &moving, &outcomes, fence)?;
         metrics::counter!(m::SESSIONS_RESUMED).increment(1);
         metrics::counter!(m::KEYS_MOVED).increment(kept as u64);
         state.publish_sessions_open();
@@ -93,6 +99,47 @@ impl EtcdApi {
             .get(&session_id, Instant::now())
             .map(TakeOver::Taken)
             .map_err(|_| Status::not_found(LEASE_NOT_FOUND))
+    }
+
+    /// Completes the arrival of lease `id`'s stay `incarnation` on proxy lease `lease`
+    /// once the keys `moving` moved (`outcomes`) with the session fence `fence` (and
+    /// its mod revision): the stay records what moved here and takes calls. Returns how
+    /// many keys moved.
+    fn arrived(
+        &self,
+        id: i64,
+        (incarnation, lease): (u64, i64),
+        moving: &[(Grant, i64)],
+        outcomes: &[lockcell_cell::locklog::Moved],
+        (fence, fence_revision): (Grant, i64),
+    ) -> Result<usize, Status> {
+        let state = &self.state;
+        let session_id = session_of(id);
+        if !state
+            .sessions
+            .record_grant(&session_id, incarnation, fence.clone(), None)
+        {
+            // The stay ended while its keys were on their way (it expired): what
+            // moved here goes with it.
+            let mut moved = moved_keys(moving, outcomes);
+            moved.push(fence);
+            state.cleanup.push(lease, moved);
+            return Err(Status::not_found(LEASE_NOT_FOUND));
+        }
+        self.fences.insert(id, fence_revision);
+        let kept = self.settle_moved(&session_id, incarnation, moving, outcomes);
+        // Here now: its calls go on (see `arrive`).
+        state.sessions.keep(&session_id);
+        if state.is_draining() {
+            // A drain began while the keys moved here: handed over as the drain's
+            // others were (once the write that took it, if any, is recorded).
+            let api = self.clone();
+            tokio::spawn(async move {
+                let written = api.hand_off(|s| lease_of(&s.id) == Some(id)).await;
+                api.follow(written, None).await;
+            });
+        }
+        Ok(kept)
     }
 
     /// The hand-off record at `key`, its mod revision and how long the lease has left,
@@ -150,14 +197,7 @@ impl EtcdApi {
             match outcome {
                 Ok(written) => {
                     kept += 1;
-                    let now = Grant {
-                        written: if *written != 0 {
-                            *written
-                        } else {
-                            grant.written
-                        },
-                        ..grant.clone()
-                    };
+                    let now = as_moved(grant, *written);
                     state
                         .sessions
                         .record_grant(session_id, incarnation, now, None);
@@ -205,6 +245,39 @@ impl EtcdApi {
     }
 }
 
+/// A lease's take-over turn ([`EtcdApi::take_turn`]); the lease's entry goes once no
+/// call holds or waits for it.
+struct TakeTurn {
+    taking: std::sync::Arc<dashmap::DashMap<i64, std::sync::Arc<tokio::sync::Mutex<()>>>>,
+    id: i64,
+    held: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for TakeTurn {
+    fn drop(&mut self) {
+        self.held.take();
+        self.taking
+            .remove_if(&self.id, |_, t| std::sync::Arc::strong_count(t) <= 1);
+    }
+}
+
+/// The keys of `moving` that a take-over moved, as written on the new lease.
+fn moved_keys(moving: &[(Grant, i64)], outcomes: &[lockcell_cell::locklog::Moved]) -> Vec<Grant> {
+    moving
+        .iter()
+        .zip(outcomes)
+        .filter_map(|((grant, _), outcome)| Some(as_moved(grant, *outcome.as_ref().ok()?)))
+        .collect()
+}
+
+/// `grant` as a move wrote it (`written`, or 0 when the move rewrote nothing).
+fn as_moved(grant: &Grant, written: i64) -> Grant {
+    Grant {
+        written: if written != 0 { written } else { grant.written },
+        ..grant.clone()
+    }
+}
+
 /// Opens the session of a lease taken over here, on `(bucket, lease)`, holding the
 /// keys `moving` and lapsing when it would have at the proxy that handed it off
 /// (`left` from now): a take-over is no renewal. Returns its incarnation.
@@ -229,6 +302,10 @@ fn arrive(
     );
     session.principal = record.principal.as_deref().map(Into::into);
     session.life = session.life.clone().lapsing_in(now, left);
+    // Until its keys are here it counts as on its way: its calls wait (a put on it
+    // would write on a lease the take-over may yet give up), and it is renewed here
+    // only once it has arrived.
+    session.life.hand_off();
     let incarnation = session.incarnation;
     state.sessions.insert(session);
     incarnation

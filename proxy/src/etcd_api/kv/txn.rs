@@ -16,7 +16,7 @@ impl EtcdApi {
             true => Some(self.writes.read().await),
             false => None,
         };
-        self.txn_holding(caller, req, writes).await
+        self.txn_holding(caller, &req, writes).await
     }
 
     /// Runs a checked and authorized Txn for `caller`, holding off hand-offs with
@@ -24,17 +24,17 @@ impl EtcdApi {
     pub(super) async fn txn_holding(
         &self,
         caller: Option<String>,
-        req: PbTxnRequest,
+        req: &PbTxnRequest,
         _writes: Option<tokio::sync::RwLockReadGuard<'_, ()>>,
     ) -> Result<PbTxnResponse, Status> {
         let map_revision = self.map_revision(b"\0", b"\0")?;
-        let leased = self.txn_sessions(&req, caller.as_deref()).await?;
+        let leased = self.txn_sessions(req, caller.as_deref()).await?;
         let mut tries = 0;
         loop {
             tries += 1;
-            let leases = self.leases_compared(&req).await?;
+            let leases = self.leases_compared(req).await?;
             match self
-                .txn_once(caller.clone(), &req, &leased, &leases, map_revision)
+                .txn_once(caller.clone(), req, &leased, &leases, map_revision)
                 .await?
             {
                 Some(reply) => return Ok(reply),

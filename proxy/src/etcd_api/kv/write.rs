@@ -92,6 +92,10 @@ impl EtcdApi {
         let state = &self.state;
         let deadline = crate::etcd_api::write_timeout(state.config.etcd_timeout);
         let (_turn, waited) = self.turn_in_etcd("api write", deadline).await?;
+        let _sending = match owners.is_empty() {
+            true => None,
+            false => Some(self.sending.read().await),
+        };
         // A lease revoked while the write waited has had its keys deleted and its
         // revoke answered: as in etcd, a put on it now is refused, and nothing is sent.
         if let Some(gone) = owners

@@ -4,10 +4,11 @@
 
 use super::*;
 
-/// How often, and how many times, a renewal of a lease that moved is looked for again
-/// while it is still found at the proxy that said it moved.
+/// How long a renewal of a lease that moved waits before it is relayed again to the
+/// proxy that said it moved, when it is still found there (it may have moved away and
+/// back), and how many times a renewal is relayed again before the client hears TTL 0.
 const MOVED_LOOK: Duration = Duration::from_millis(50);
-const MOVED_LOOKS: u32 = 3;
+const MOVED_LOOKS: u32 = 4;
 
 /// What a proxy answers to a renewal forwarded by another proxy for a lease it does
 /// not have (it moved away, or was revoked, or is not the caller's), as against 0 for
@@ -113,8 +114,15 @@ pub(super) struct Relays {
 /// A keepalive stream's replies to its client.
 pub(super) type Replies = mpsc::Sender<Result<PbLeaseKeepAliveResponse, Status>>;
 
-/// The leases sent on a stream to another proxy and not yet answered.
-type Waiting = Arc<std::sync::Mutex<Vec<i64>>>;
+/// The leases sent on a stream to another proxy and not yet answered, each with how
+/// many proxies have said of this renewal that the lease is not there.
+type Waiting = Arc<std::sync::Mutex<Vec<(i64, u32)>>>;
+
+/// A proxy that answered a renewal that the lease is not there, and how many have.
+struct Denied {
+    proxy: String,
+    times: u32,
+}
 
 /// A stream to another proxy: its requests, and the leases sent on it and not yet
 /// answered.
@@ -249,48 +257,46 @@ impl Relays {
     /// Answers a renewal of lease `id`, which this proxy does not have: forwarded to
     /// the proxy it lives at, or taken over here (or TTL 0, as etcd answers, when it is
     /// nowhere). `denied` is the proxy that has just answered it does not have the
-    /// lease: it is looked for again, a few times while it is still found there (it may
-    /// have moved away and back), and then the client is told TTL 0.
-    async fn unknown(self: Arc<Self>, id: i64, denied: Option<String>) {
+    /// lease: it is looked for afresh, and relayed again even where it was denied (it
+    /// may have moved away and back) after a pause, until [`MOVED_LOOKS`] proxies have
+    /// denied it; then the client is told TTL 0.
+    async fn unknown(self: Arc<Self>, id: i64, denied: Option<Denied>) {
         let api = &self.api;
         let caller = self.caller.as_deref();
-        let mut look = tokio::time::interval(MOVED_LOOK);
-        let mut looks = 0;
-        let peer = loop {
-            if denied.is_some() {
-                look.tick().await;
-            }
-            let peer = match api
-                .route(id, &self.metadata, caller, denied.is_some())
-                .await
-            {
-                Ok(Some(peer)) => peer,
-                Ok(None) => return take_over_and_answer(self.clone(), id).await,
-                // The client hears why (its stream ends; clients open another).
-                Err(refused) => {
-                    tracing::warn!(error = %refused.message(), lease = format_args!("{id:x}"), "could not find where a lease lives");
-                    let _ = self.tx.send(Err(refused)).await;
-                    return;
-                }
-            };
-            if denied.as_deref() != Some(peer.proxy.as_str()) {
-                break peer;
-            }
-            looks += 1;
-            if looks == MOVED_LOOKS {
-                // Still found only there: it has no such lease (ended, or not the
-                // caller's), as etcd answers.
-                let _ = self.tx.send(Ok(api.kept_alive(id, 0))).await;
+        let times = denied.as_ref().map_or(0, |d| d.times);
+        if times >= MOVED_LOOKS {
+            // Denied everywhere it was found: it has no such lease (ended, or not the
+            // caller's), as etcd answers.
+            let _ = self.tx.send(Ok(api.kept_alive(id, 0))).await;
+            return;
+        }
+        let peer = match api
+            .route(id, &self.metadata, caller, denied.is_some())
+            .await
+        {
+            Ok(Some(peer)) => peer,
+            Ok(None) => return take_over_and_answer(self.clone(), id).await,
+            // The client hears why (its stream ends; clients open another).
+            Err(refused) => {
+                tracing::warn!(error = %refused.message(), lease = format_args!("{id:x}"), "could not find where a lease lives");
+                let _ = self.tx.send(Err(refused)).await;
                 return;
             }
         };
+        if denied.is_some_and(|d| d.proxy == peer.proxy) {
+            tokio::time::sleep(MOVED_LOOK).await;
+        }
         let request = PbLeaseKeepAliveRequest { id };
         for _ in 0..2 {
             let Some(relayed) = self.stream_to(&peer) else {
                 return;
             };
             metrics::counter!(m::ETCD_API_FORWARDED).increment(1);
-            relayed.waiting.lock().expect("waiting lock").push(id);
+            relayed
+                .waiting
+                .lock()
+                .expect("waiting lock")
+                .push((id, times));
             if relayed.requests.send(request).await.is_ok() {
                 return;
             }
@@ -298,7 +304,7 @@ impl Relays {
                 .waiting
                 .lock()
                 .expect("waiting lock")
-                .retain(|w| *w != id);
+                .retain(|w| w.0 != id);
             self.open.lock().expect("relays lock").remove(&peer.proxy);
         }
     }
@@ -380,10 +386,11 @@ async fn relay(
             Ok(replies) => replies.message().await,
             Err(status) => Err(status.clone()),
         };
+        let mut times = 0;
         if let Ok(Some(reply)) = &reply {
             let mut waiting = waiting.lock().expect("waiting lock");
-            if let Some(at) = waiting.iter().position(|w| *w == reply.id) {
-                waiting.remove(at);
+            if let Some(at) = waiting.iter().position(|w| w.0 == reply.id) {
+                times = waiting.remove(at).1;
             }
         }
         match reply {
@@ -403,7 +410,11 @@ async fn relay(
                 // The client may have half-closed its stream since: it still hears.
                 let relays = relays.upgrade().unwrap_or_else(|| detached.detached());
                 relays.api.peers.forget(reply.id);
-                tokio::spawn(relays.unknown(reply.id, Some(peer.proxy.clone())));
+                let denied = Denied {
+                    proxy: peer.proxy.clone(),
+                    times: times + 1,
+                };
+                tokio::spawn(relays.unknown(reply.id, Some(denied)));
             }
             // The peer is gone, draining or refusing: its leases are looked for again
             // at their next renewal.
