@@ -449,6 +449,11 @@ impl SessionTable {
 
     fn bury(&self, stay: &Session, reason: Arc<str>, now: Instant) {
         self.depart(stay, now);
+        if stay.life.is_handed_off() {
+            // Handed over (or still arriving): it may live on at another proxy, so
+            // this one must not answer that it expired; it is only gone from here.
+            return;
+        }
         self.tombstones.insert(stay.id.clone(), reason);
         self.tombstone_order
             .lock()
@@ -505,6 +510,28 @@ mod tests {
         let gone = table.take_expired(t0 + 3 * S);
         assert_eq!(gone.len(), 1);
         assert_eq!(table.gone("a"), Gone::Expired("stuck".into()));
+    }
+
+    #[test]
+    fn a_stay_handed_over_that_lapses_here_leaves_no_tombstone() {
+        let t0 = Instant::now();
+        let table = SessionTable::default();
+        table.insert(session("moved", 1, 2 * S, t0));
+        table.insert(session("stayed", 2, 2 * S, t0));
+        assert_eq!(table.hand_off(|s| &*s.id == "moved").len(), 1);
+        let gone = table.take_expired(t0 + 2 * S);
+        assert_eq!(gone.len(), 2);
+        // It may live on at the proxy that took it: unknown here, not expired.
+        assert_eq!(table.gone("moved"), Gone::Unknown);
+        assert_eq!(
+            table.gone("stayed"),
+            Gone::Expired(crate::core::life::NOT_RENEWED.into())
+        );
+        assert_eq!(
+            table.stay_leases("moved"),
+            vec![1],
+            "a later stay avoids its lease"
+        );
     }
 
     #[test]

@@ -80,7 +80,7 @@ const PEER_PING_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How many times a call on a lease is forwarded while the proxies it reaches say the
 /// lease is not there, and the pause before it is sent again to the same proxy.
-const FORWARD_LOOKS: u32 = 4;
+const FORWARD_LOOKS: u32 = 8;
 const FORWARD_PAUSE: Duration = Duration::from_millis(50);
 
 /// How long the presence records read are used before they are read again.

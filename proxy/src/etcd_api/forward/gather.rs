@@ -120,6 +120,8 @@ impl EtcdApi {
         caller: Option<&str>,
     ) -> Result<(), Status> {
         let mut look = tokio::time::interval(GATHER_LOOK);
+        // How many times running the proxy still named has said it does not have it.
+        let mut denied = 0;
         for _ in 0..GATHER_LOOKS {
             look.tick().await;
             let ask = PbLeaseTimeToLiveRequest { id, keys: false };
@@ -150,7 +152,19 @@ impl EtcdApi {
                 }
             }
             match self.route(id, &MetadataMap::new(), caller, true).await? {
-                Some(now) => peer = now,
+                // Denied twice by the proxy still named (its ID block's, once a
+                // revoke deleted its fence): it is nowhere, and the Txn finds it
+                // unknown.
+                Some(now) if now.proxy == peer.proxy && !handed => {
+                    denied += 1;
+                    if denied == 2 {
+                        return Ok(());
+                    }
+                }
+                Some(now) => {
+                    denied = 0;
+                    peer = now;
+                }
                 // Here now, or nowhere (the Txn finds it unknown).
                 None => return Ok(()),
             }

@@ -4,11 +4,15 @@
 
 use super::*;
 
+mod relay;
+
+use self::relay::relay;
+
 /// How long a renewal of a lease that moved waits before it is relayed again to the
 /// proxy that said it moved, when it is still found there (it may have moved away and
 /// back), and how many times a renewal is relayed again before the client hears TTL 0.
 const MOVED_LOOK: Duration = Duration::from_millis(50);
-const MOVED_LOOKS: u32 = 4;
+const MOVED_LOOKS: u32 = 8;
 
 /// What a proxy answers to a renewal forwarded by another proxy for a lease it does
 /// not have (it moved away, or was revoked, or is not the caller's), as against 0 for
@@ -361,81 +365,6 @@ impl Relays {
             relayed.waiting.clone(),
         ));
         Some(relayed)
-    }
-}
-
-/// Relays the replies of the keepalive stream to `peer` to the client: a lease the
-/// peer no longer has is looked for again before the client hears TTL 0. A stream that
-/// fails or ends with renewals unanswered ends the client's stream with why, so the
-/// client opens another and renews again (looked for afresh). Holds the relays weakly,
-/// so the stream ends with the client's.
-async fn relay(
-    relays: std::sync::Weak<Relays>,
-    detached: Arc<Relays>,
-    peer: crate::etcd_api::forward::Peer,
-    call: Request<ReceiverStream<PbLeaseKeepAliveRequest>>,
-    waiting: Waiting,
-) {
-    let tx = detached.tx.clone();
-    let opened = peer
-        .streaming::<_, PbLeaseKeepAliveRequest, PbLeaseKeepAliveResponse>(KEEP_ALIVE, call)
-        .await;
-    let mut replies = opened.map(Response::into_inner);
-    loop {
-        let reply = match &mut replies {
-            Ok(replies) => replies.message().await,
-            Err(status) => Err(status.clone()),
-        };
-        let mut times = 0;
-        if let Ok(Some(reply)) = &reply {
-            let mut waiting = waiting.lock().expect("waiting lock");
-            if let Some(at) = waiting.iter().position(|w| w.0 == reply.id) {
-                times = waiting.remove(at).1;
-            }
-        }
-        match reply {
-            // Renewed there, or expired there (a lease that expired never lives again).
-            Ok(Some(reply)) if reply.ttl >= 0 => {
-                if reply.ttl == 0 {
-                    if let Some(relays) = relays.upgrade() {
-                        relays.api.peers.forget(reply.id);
-                    }
-                }
-                if tx.send(Ok(reply)).await.is_err() {
-                    return;
-                }
-            }
-            // Not there: it moved.
-            Ok(Some(reply)) => {
-                // The client may have half-closed its stream since: it still hears.
-                let relays = relays.upgrade().unwrap_or_else(|| detached.detached());
-                relays.api.peers.forget(reply.id);
-                let denied = Denied {
-                    proxy: peer.proxy.clone(),
-                    times: times + 1,
-                };
-                tokio::spawn(relays.unknown(reply.id, Some(denied)));
-            }
-            // The peer is gone, draining or refusing: its leases are looked for again
-            // at their next renewal.
-            ended => {
-                if let Some(relays) = relays.upgrade() {
-                    relays.open.lock().expect("relays lock").remove(&peer.proxy);
-                    relays.api.peers.forget_proxy(&peer.proxy);
-                }
-                if !waiting.lock().expect("waiting lock").is_empty() {
-                    let why = match ended {
-                        Err(status) => status,
-                        _ => Status::unavailable(format!(
-                            "etcdserver: proxy {}, where a lease of this stream lives, ended its stream; renew again",
-                            peer.proxy
-                        )),
-                    };
-                    let _ = tx.send(Err(why)).await;
-                }
-                return;
-            }
-        }
     }
 }
 
