@@ -44,7 +44,9 @@ pub struct Life {
     valid_until: Instant,
     /// Set when an operator ended the session.
     ended: Option<Arc<str>>,
-    /// Set when a draining proxy handed the session over.
+    /// Set while the session takes no calls here: a draining proxy handed it over, or
+    /// (etcd API) a lease's stay is arriving by take-over and its keys are not here yet.
+    /// Cleared when a hand-over is taken back, or the keys have arrived.
     handed_off: bool,
 }
 
@@ -150,7 +152,7 @@ impl Life {
         true
     }
 
-    /// Takes a hand-over back: renewed here again.
+    /// Takes a hand-over back, or ends an arrival: renewed here again.
     pub fn keep(&mut self) {
         self.handed_off = false;
     }

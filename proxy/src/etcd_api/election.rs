@@ -196,7 +196,6 @@ impl EtcdApi {
         let (lease, value) = (req.lease, req.value.clone());
         tokio::spawn(async move {
             let _in_progress = in_progress;
-            let mut done = done;
             let placed = match api.place(caller.clone(), &key, lease, &value).await {
                 Ok(placed) => placed,
                 Err(refused) => {
@@ -215,22 +214,8 @@ impl EtcdApi {
                     return;
                 }
             }
-            let outcome = tokio::select! {
-                outcome = api.wait_first(&key, placed.revision, lease) => outcome,
-                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
-            };
-            let answered = match outcome {
-                Ok(revision) => done
-                    .send(Ok((key.clone(), placed.revision, revision)))
-                    .is_ok(),
-                Err(refused) => {
-                    let _ = done.send(Err(refused));
-                    false
-                }
-            };
-            if !answered && placed.created {
-                api.withdraw(&key, placed.revision).await;
-            }
+            let granted = |revision| (key.clone(), placed.revision, revision);
+            api.wait_turn(&key, &placed, lease, done, granted).await;
         });
         let (key, created, revision) = answer
             .await

@@ -78,10 +78,22 @@ const UNREACHABLE: &str =
 const PEER_PING: Duration = Duration::from_secs(2);
 const PEER_PING_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// How many times a call on a lease is forwarded while the proxies it reaches say the
-/// lease is not there, and the pause before it is sent again to the same proxy.
-const FORWARD_LOOKS: u32 = 8;
-const FORWARD_PAUSE: Duration = Duration::from_millis(50);
+/// How many times a call on a lease (a unary call, or a keepalive's renewal) is sent
+/// on while the proxies it reaches say the lease is not there: it may be moving
+/// between proxies, Txns gathering it. Then it ends as etcd answers an unknown lease.
+pub(in crate::etcd_api) const MOVED_LOOKS: u32 = 8;
+
+/// The pause before a call is sent again to the proxy that has just said its lease is
+/// not there (the lease may have moved away and back).
+const MOVED_PAUSE: Duration = Duration::from_millis(50);
+
+/// Pauses before a call on a lease goes to `proxy` when `proxy` is the one that has
+/// just `denied` having the lease.
+pub(in crate::etcd_api) async fn pause_if_denied_by(denied: Option<&str>, proxy: &str) {
+    if denied == Some(proxy) {
+        tokio::time::sleep(MOVED_PAUSE).await;
+    }
+}
 
 /// How long the presence records read are used before they are read again.
 const PRESENCE_FRESH: Duration = Duration::from_secs(1);

@@ -123,7 +123,6 @@ impl EtcdApi {
         let api = self.clone();
         tokio::spawn(async move {
             let _in_progress = in_progress;
-            let mut done = done;
             let placed = match api.place(caller, &key, lease, b"").await {
                 Ok(placed) => placed,
                 Err(refused) => {
@@ -131,20 +130,10 @@ impl EtcdApi {
                     return;
                 }
             };
-            let outcome = tokio::select! {
-                outcome = api.wait_first(&key, placed.revision, lease) => outcome,
-                _ = done.closed() => Err(Status::cancelled("the caller hung up")),
-            };
-            let answered = match outcome {
-                Ok(revision) => done.send(Ok((key.clone(), revision))).is_ok(),
-                Err(refused) => {
-                    let _ = done.send(Err(refused));
-                    false
-                }
-            };
-            if !answered && placed.created {
-                api.withdraw(&key, placed.revision).await;
-            }
+            api.wait_turn(&key, &placed, lease, done, |revision| {
+                (key.clone(), revision)
+            })
+            .await;
         });
         let (key, revision) = answer
             .await
@@ -231,15 +220,8 @@ impl EtcdApi {
         lease: i64,
         value: &[u8],
     ) -> Result<Placed, Status> {
-        let turn = self.placing.entry(key.to_vec()).or_default().clone();
-        let placed = {
-            let _turn = turn.lock().await;
-            self.place_now(caller, key, lease, value).await
-        };
-        drop(turn);
-        self.placing
-            .remove_if(key, |_, t| std::sync::Arc::strong_count(t) <= 1);
-        placed
+        let _turn = self.placing.take(key.to_vec()).await;
+        self.place_now(caller, key, lease, value).await
     }
 
     async fn place_now(
@@ -303,16 +285,39 @@ impl EtcdApi {
         }
     }
 
+    /// The wait of a Lock or Campaign whose key is placed: until the key is first or
+    /// the caller hangs up. The caller hears the outcome through `done`, `granted`
+    /// making its answer from the revision the key was found first at. A key this call
+    /// made is taken out again unless the caller heard it was first.
+    pub(super) async fn wait_turn<T>(
+        &self,
+        key: &[u8],
+        placed: &Placed,
+        lease: i64,
+        mut done: oneshot::Sender<Result<T, Status>>,
+        granted: impl FnOnce(i64) -> T,
+    ) {
+        let outcome = tokio::select! {
+            outcome = self.wait_first(key, placed.revision, lease) => outcome,
+            _ = done.closed() => Err(Status::cancelled("the caller hung up")),
+        };
+        let answered = match outcome {
+            Ok(revision) => done.send(Ok(granted(revision))).is_ok(),
+            Err(refused) => {
+                let _ = done.send(Err(refused));
+                false
+            }
+        };
+        if !answered && placed.created {
+            self.withdraw(key, placed.revision).await;
+        }
+    }
+
     /// Waits until no key under the lock's name has an earlier create revision than
     /// `mine`, each in turn, the nearest first, while the caller's own key is still
     /// there (as etcd's recipe checks: a key deleted by hand, or with its lease, holds
     /// nothing). Returns the revision it was found first at.
-    pub(super) async fn wait_first(
-        &self,
-        key: &[u8],
-        mine: i64,
-        lease: i64,
-    ) -> Result<i64, Status> {
+    async fn wait_first(&self, key: &[u8], mine: i64, lease: i64) -> Result<i64, Status> {
         let slash = key.iter().rposition(|b| *b == b'/').unwrap_or(0);
         let prefix = &key[..=slash];
         loop {
@@ -412,7 +417,7 @@ impl EtcdApi {
 
     /// Takes a wait's key out of line (a caller who hung up, a wait that failed): the
     /// key this call created at `created`, unless someone wrote it since.
-    pub(super) async fn withdraw(&self, key: &[u8], created: i64) {
+    async fn withdraw(&self, key: &[u8], created: i64) {
         let state = &self.state;
         let Ok(map_revision) = self.map_revision(key, &[]) else {
             return;

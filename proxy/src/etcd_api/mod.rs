@@ -13,6 +13,8 @@
 //! - [`watch`]: client watch streams relayed to etcd's.
 //! - [`lock`]: etcd's Lock service, as etcd's own recipe on the caller's lease.
 //! - [`election`]: etcd's Election service, the same way.
+//! - [`turns`]: calls on one key (a lease's take-over, a lock key's placing) taking
+//!   turns.
 //! - [`gateway`]: etcd's JSON gateway (`POST /v3/kv/range`, …) over the services above.
 //! - this file: Maintenance and Cluster, what they refuse, and the server.
 
@@ -26,6 +28,7 @@ pub mod keys;
 pub mod kv;
 pub mod lease;
 pub mod lock;
+mod turns;
 pub mod watch;
 
 use std::pin::Pin;
@@ -57,10 +60,10 @@ pub struct EtcdApi {
     /// By lease: the session fence's mod revision, for leases taken over here.
     fences: Arc<DashMap<i64, i64>>,
     /// By lease: the turn of each take-over under way.
-    taking: Arc<DashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
+    taking: Arc<turns::Turns<i64>>,
     /// By lock key: the turn of each Lock or Campaign placing it, so a second call of
     /// one lease finds the first's key recorded as the lease's.
-    placing: Arc<DashMap<Vec<u8>, Arc<tokio::sync::Mutex<()>>>>,
+    placing: Arc<turns::Turns<Vec<u8>>>,
     /// Turns true once a drain's hand-off is written ([`ProxyState::handed_off`]).
     handed_off: Arc<tokio::sync::watch::Sender<bool>>,
     /// The other proxies, for calls on leases that live there.

@@ -22,7 +22,7 @@ impl EtcdApi {
         Resp: prost::Message + Default + Send + 'static,
         Here: std::future::Future<Output = Result<Response<Resp>, Status>>,
     {
-        for look in 1..=FORWARD_LOOKS {
+        for look in 1..=MOVED_LOOKS {
             if let Some(there) = self
                 .forward_unary(id, path, request, caller, &moved)
                 .await?
@@ -32,7 +32,7 @@ impl EtcdApi {
             match here().await {
                 // (A forwarded call runs here only: its forwarding proxy looks again.)
                 Err(refused)
-                    if look < FORWARD_LOOKS
+                    if look < MOVED_LOOKS
                         && !request.metadata().contains_key(FORWARDED_FOR)
                         && self.moved_on(&refused) =>
                 {
@@ -55,7 +55,7 @@ impl EtcdApi {
     /// Runs unary call `path` on lease `id` at the proxy the lease lives at: `None`
     /// when it runs here. A lease the proxy no longer has there (its answer is
     /// NOT_FOUND or UNAVAILABLE, or `moved` says so) is looked for again, up to
-    /// [`FORWARD_LOOKS`] times: a lease moving between proxies (Txns gathering it) is
+    /// [`MOVED_LOOKS`] times: a lease moving between proxies (Txns gathering it) is
     /// followed. Found again at the proxy that said it was not there, it is asked again
     /// after a pause (it may have moved away and back).
     pub(in crate::etcd_api) async fn forward_unary<Req, Resp>(
@@ -71,14 +71,12 @@ impl EtcdApi {
         Resp: prost::Message + Default + Send + 'static,
     {
         let mut denied: Option<String> = None;
-        for look in 1..=FORWARD_LOOKS {
+        for look in 1..=MOVED_LOOKS {
             let fresh = denied.is_some();
             let Some(peer) = self.route(id, request.metadata(), caller, fresh).await? else {
                 return Ok(None);
             };
-            if denied.as_deref() == Some(peer.proxy.as_str()) {
-                tokio::time::sleep(FORWARD_PAUSE).await;
-            }
+            pause_if_denied_by(denied.as_deref(), &peer.proxy).await;
             metrics::counter!(m::ETCD_API_FORWARDED).increment(1);
             let call = self.forwarded(request.metadata(), request.get_ref().clone(), caller)?;
             let got = peer.unary(path, call).await;
@@ -94,7 +92,7 @@ impl EtcdApi {
                         || status.message().starts_with(UNREACHABLE)
                 }
             };
-            if gone && look < FORWARD_LOOKS {
+            if gone && look < MOVED_LOOKS {
                 self.peers.forget(id);
                 denied = Some(peer.proxy);
                 continue;

@@ -12,21 +12,8 @@ impl EtcdApi {
         id: i64,
         caller: Option<&str>,
     ) -> Result<TakeOver, Status> {
-        let _turn = self.take_turn(id).await;
+        let _turn = self.taking.take(id).await;
         self.take_over_now(id, caller).await
-    }
-
-    /// Waits for lease `id`'s take-over turn: held by a take-over from its first read
-    /// until its keys are here.
-    async fn take_turn(&self, id: i64) -> TakeTurn {
-        let mut turn = TakeTurn {
-            taking: self.taking.clone(),
-            id,
-            held: None,
-        };
-        let lock = self.taking.entry(id).or_default().clone();
-        turn.held = Some(lock.lock_owned().await);
-        turn
     }
 
     pub(in crate::etcd_api) async fn take_over_now(
@@ -242,22 +229,6 @@ impl EtcdApi {
         if self.state.sessions.withdraw(id, incarnation).is_some() {
             self.state.leases.unassign(bucket);
         }
-    }
-}
-
-/// A lease's take-over turn ([`EtcdApi::take_turn`]); the lease's entry goes once no
-/// call holds or waits for it.
-struct TakeTurn {
-    taking: std::sync::Arc<dashmap::DashMap<i64, std::sync::Arc<tokio::sync::Mutex<()>>>>,
-    id: i64,
-    held: Option<tokio::sync::OwnedMutexGuard<()>>,
-}
-
-impl Drop for TakeTurn {
-    fn drop(&mut self) {
-        self.held.take();
-        self.taking
-            .remove_if(&self.id, |_, t| std::sync::Arc::strong_count(t) <= 1);
     }
 }
 

@@ -8,11 +8,7 @@ mod relay;
 
 use self::relay::relay;
 
-/// How long a renewal of a lease that moved waits before it is relayed again to the
-/// proxy that said it moved, when it is still found there (it may have moved away and
-/// back), and how many times a renewal is relayed again before the client hears TTL 0.
-const MOVED_LOOK: Duration = Duration::from_millis(50);
-const MOVED_LOOKS: u32 = 8;
+use crate::etcd_api::forward::{pause_if_denied_by, MOVED_LOOKS};
 
 /// What a proxy answers to a renewal forwarded by another proxy for a lease it does
 /// not have (it moved away, or was revoked, or is not the caller's), as against 0 for
@@ -287,9 +283,7 @@ impl Relays {
                 return;
             }
         };
-        if denied.is_some_and(|d| d.proxy == peer.proxy) {
-            tokio::time::sleep(MOVED_LOOK).await;
-        }
+        pause_if_denied_by(denied.as_ref().map(|d| d.proxy.as_str()), &peer.proxy).await;
         let request = PbLeaseKeepAliveRequest { id };
         for _ in 0..2 {
             let Some(relayed) = self.stream_to(&peer) else {
