@@ -3623,3 +3623,99 @@ pub async fn calls_racing_moves_of_a_lease_lose_nothing() -> anyhow::Result<()> 
     }
     Ok(())
 }
+
+/// Lock calls whose callers give up while Txns move the caller's lease between
+/// proxies leave nothing in line: the line ends up holding only its holder's key, the
+/// lease keeps the keys it was given, and the next caller takes the lock as soon as
+/// the holder unlocks.
+pub async fn lock_calls_given_up_while_their_lease_moves_leave_nothing_in_line(
+) -> anyhow::Result<()> {
+    use etcd_client::{Client, GetOptions, LockOptions, PutOptions, Txn, TxnOp};
+    let etcd = EtcdCluster::start(1).await?;
+    let (_a, api_a) = proxy_with_etcd_api(&etcd).await?;
+    let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
+    let on_a = Client::connect([api_a.as_str()], None).await?;
+    let on_b = Client::connect([api_b.as_str()], None).await?;
+    let leased = |lease: i64| Some(PutOptions::new().with_lease(lease));
+    let on = |lease: i64| Some(LockOptions::new().with_lease(lease));
+    // As in the racing test: each moving lease is granted above both proxies' own
+    // leases, so a Txn at either proxy pulls it there.
+    let own_a = on_a.lease_client().grant(60, None).await?.id();
+    let own_b = on_b.lease_client().grant(60, None).await?.id();
+    let clients = [(&on_a, own_a), (&on_b, own_b)];
+    let home = if own_a > own_b { &on_a } else { &on_b };
+    let holder = on_a.lease_client().grant(60, None).await?.id();
+    let held = on_a.lock_client().lock("moving-line", on(holder)).await?;
+    let held = held.key().to_vec();
+    let line = |client: Client| async move {
+        let got = client
+            .kv_client()
+            .get("moving-line/", Some(GetOptions::new().with_prefix()))
+            .await?;
+        anyhow::Ok(
+            got.kvs()
+                .iter()
+                .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+                .collect::<Vec<_>>(),
+        )
+    };
+
+    let mut movers = Vec::new();
+    for round in 0..8usize {
+        let moving = home.lease_client().grant(60, None).await?.id();
+        home.kv_client()
+            .put(format!("moving-own/{round}"), "k", leased(moving))
+            .await?;
+        let mover = async {
+            for n in 0..4 {
+                let (client, own) = clients[(n + round) % 2];
+                let _ = client
+                    .kv_client()
+                    .txn(Txn::new().and_then([
+                        TxnOp::put(format!("moving/{round}/{n}"), "m", leased(moving)),
+                        TxnOp::put(format!("moving-by/{round}/{n}"), "o", leased(own)),
+                    ]))
+                    .await;
+            }
+        };
+        // Given up at a different moment each round: before, while or after the
+        // lease moves.
+        let mut locks = clients[(round + 1) % 2].0.lock_client();
+        let given_up = tokio::time::timeout(
+            Duration::from_millis(20 + 40 * round as u64),
+            locks.lock("moving-line", on(moving)),
+        );
+        let ((), outcome) = tokio::join!(mover, given_up);
+        ensure!(
+            !matches!(outcome, Ok(Ok(_))),
+            "round {round}: a held lock was granted: {outcome:?}"
+        );
+        movers.push(moving);
+    }
+    let holder_only = vec![String::from_utf8_lossy(&held).into_owned()];
+    eventually(
+        "the given-up calls' keys leave the line",
+        Duration::from_secs(10),
+        || {
+            let (client, want) = (on_a.clone(), holder_only.clone());
+            async move { Ok((line(client).await? == want).then_some(())) }
+        },
+    )
+    .await?;
+    for (round, moving) in movers.iter().enumerate() {
+        let (_, keys) = lease_keys(&on_b, *moving).await?;
+        ensure!(
+            keys.contains(&format!("moving-own/{round}")),
+            "round {round}: the lease lost the key it was given: {keys:?}"
+        );
+    }
+    on_a.lock_client().unlock(held).await?;
+    let next = on_b.lease_client().grant(60, None).await?.id();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        on_b.lock_client().lock("moving-line", on(next)),
+    )
+    .await
+    .context("the next caller waited on a lock no one holds")??;
+    Ok(())
+}

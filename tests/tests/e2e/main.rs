@@ -191,6 +191,7 @@ fn main() {
         etcd_api::a_txn_writing_with_leases_of_two_proxies_runs_as_one,
         etcd_api::a_lease_moved_away_and_back_keeps_its_keys,
         etcd_api::calls_racing_moves_of_a_lease_lose_nothing,
+        etcd_api::lock_calls_given_up_while_their_lease_moves_leave_nothing_in_line,
         memory_store::the_memory_store_answers_every_request_as_etcd_does,
         operations::a_hold_lost_on_a_move_and_asked_for_again_at_once_waits_out_the_old_deadline,
         operations_doc::the_operations_guides_commands_run_against_a_real_cell,
