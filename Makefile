@@ -2,7 +2,7 @@
 CARGO ?= cargo
 DEV_DIR ?= .lockcell-dev
 
-.PHONY: setup build dev test lint fmt clean bench bench-full chaos api-doc config-doc
+.PHONY: setup build dev test lint fmt clean bench bench-full chaos api-doc config-doc image
 
 setup:
 	@sh deploy/setup.sh
@@ -24,6 +24,12 @@ test: build
 
 # The load test, side by side with bare etcd and etcd's grpc-proxy (release build).
 # Reports, tables and plots land in target/loadtest/.
+# The container image (Containerfile) from the release binaries, with podman, tagged
+# as deploy/kubernetes/kustomization.yaml names it; docs/deployment.md, "The image".
+image: setup
+	$(CARGO) build --release --workspace --bins
+	sh deploy/image/image.sh build target/release
+
 bench: setup
 	$(CARGO) build --release --workspace --bins
 	./target/release/lockcell-loadtest bench

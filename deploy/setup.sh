@@ -8,7 +8,9 @@
 # .lockcell-tools/venv), kubernetes-validate (PyPI, same virtualenv), which checks
 # the manifests of deploy/kubernetes/ against the Kubernetes schemas it bundles, offline,
 # promtool (the Debian package prometheus), which runs the alert rules' unit tests,
-# and the etcd client aetcd with its own test suite (PyPI, same virtualenv).
+# the etcd client aetcd with its own test suite (PyPI, same virtualenv), and podman,
+# runc and mmdebstrap (Debian packages) with the container image's base built from
+# Debian's packages, for `make image` and the test that runs the image.
 # These are optional: if they cannot be installed, setup says so and succeeds, and
 # those tests report themselves skipped.
 set -eu
@@ -129,5 +131,22 @@ if ! command -v promtool >/dev/null 2>&1; then
     else
         echo "lockcell setup: missing: promtool (Debian package prometheus); the deploy test's alert rule tests will be skipped" >&2
     fi
+fi
+
+# Optional: podman to build and run the container image, runc where podman's default
+# runtime cannot start containers, mmdebstrap to build the image's base from Debian's
+# packages (no registry needed), and that base (about a minute, once).
+if ! command -v podman >/dev/null 2>&1 || ! command -v mmdebstrap >/dev/null 2>&1 \
+    || ! command -v runc >/dev/null 2>&1; then
+    if can_apt && echo "lockcell setup: installing podman, runc and mmdebstrap" \
+        && apt_install podman runc mmdebstrap; then
+        :
+    else
+        echo "lockcell setup: missing: podman, runc or mmdebstrap (Debian packages); make image cannot run and the image test will be skipped" >&2
+    fi
+fi
+if command -v podman >/dev/null 2>&1 && command -v mmdebstrap >/dev/null 2>&1; then
+    sh "$root/deploy/image/image.sh" base \
+        || echo "lockcell setup: the container image's base could not be built; the image test will be skipped" >&2
 fi
 exit 0

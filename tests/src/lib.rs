@@ -14,6 +14,7 @@ pub mod client_suites;
 pub mod etcd;
 pub mod fenced;
 pub mod fenced_server;
+pub mod image;
 pub mod kvcheck;
 pub mod ports;
 pub mod process;

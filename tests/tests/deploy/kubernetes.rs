@@ -51,9 +51,24 @@ impl Doc {
     }
 }
 
+/// The kustomization: which manifests make up the cell, and the lockcell image's name
+/// and tag. Not a Kubernetes object: the schema validator does not know it.
+const KUSTOMIZATION: &str = "kustomization.yaml";
+
+/// The name the manifests give lockcell's image, which the kustomization replaces.
+const IMAGE: &str = "lockcell";
+
+/// The manifest files: every YAML file but the kustomization.
+fn manifest_files() -> Result<Vec<PathBuf>> {
+    Ok(files("deploy/kubernetes", "yaml")?
+        .into_iter()
+        .filter(|path| !path.ends_with(KUSTOMIZATION))
+        .collect())
+}
+
 pub(crate) fn manifests() -> Result<Vec<Doc>> {
     let mut docs = Vec::new();
-    for path in files("deploy/kubernetes", "yaml")? {
+    for path in manifest_files()? {
         let file = path.file_name().unwrap().to_string_lossy().into_owned();
         let text = std::fs::read_to_string(&path)?;
         for document in serde_yaml::Deserializer::from_str(&text) {
@@ -282,7 +297,7 @@ pub(crate) fn kubernetes_validate() -> Result<PathBuf, String> {
 }
 
 pub(crate) fn manifests_pass_the_schema_validator(validator: PathBuf) -> Result<()> {
-    let manifests = files("deploy/kubernetes", "yaml")?;
+    let manifests = manifest_files()?;
     for version in [Some(OLDEST_KUBERNETES), None] {
         let mut command = Command::new(&validator);
         command.args(["--strict", "--quiet"]);
@@ -306,5 +321,74 @@ pub(crate) fn manifests_pass_the_schema_validator(validator: PathBuf) -> Result<
             out.status
         );
     }
+    Ok(())
+}
+
+/// The kustomization applies every manifest, every container that runs a lockcell
+/// binary names the image as the kustomization replaces it, and `make image` tags the
+/// image it builds with the name and tag the kustomization sets.
+pub(crate) fn the_kustomization_applies_every_manifest_and_names_the_image() -> Result<()> {
+    let text = read(&format!("deploy/kubernetes/{KUSTOMIZATION}"))?;
+    let kustomization: Value = serde_yaml::from_str(&text)?;
+    let mut listed: Vec<&str> = kustomization["resources"]
+        .as_array()
+        .context("the kustomization lists no resources")?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    listed.sort();
+    let files = manifest_files()?;
+    let mut names: Vec<String> = files
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    ensure!(
+        listed == names,
+        "the kustomization lists {listed:?}; the manifests are {names:?}"
+    );
+    let images = kustomization["images"]
+        .as_array()
+        .context("the kustomization sets no image")?;
+    let image = images
+        .iter()
+        .find(|i| i["name"] == IMAGE)
+        .with_context(|| format!("the kustomization sets no image named {IMAGE:?}"))?;
+    let (name, tag) = (image["newName"].as_str(), image["newTag"].as_str());
+    let (Some(name), Some(tag)) = (name, tag) else {
+        anyhow::bail!("the kustomization's {IMAGE:?} image needs newName and newTag as strings");
+    };
+    for doc in manifests()? {
+        let Some(pod) = doc.pod() else { continue };
+        for container in containers(pod) {
+            let line = command_line(container);
+            let program = line.first().map(String::as_str).unwrap_or_default();
+            let ours = ["lockcell-proxy", "lockcell-cell", "lockctl", "chown"].contains(&program);
+            let image_of = container["image"].as_str().unwrap_or_default();
+            ensure!(
+                !ours || image_of == IMAGE,
+                "{}: container {} runs {program} from image {image_of:?}, not {IMAGE:?} (which the kustomization sets)",
+                doc.name(),
+                container["name"]
+            );
+            ensure!(
+                ours || image_of != IMAGE,
+                "{}: container {} runs {program:?} from lockcell's image",
+                doc.name(),
+                container["name"]
+            );
+        }
+    }
+    let out = Command::new("sh")
+        .arg(root().join("deploy/image/image.sh"))
+        .arg("name")
+        .output()
+        .context("running deploy/image/image.sh name")?;
+    let tagged = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    ensure!(
+        out.status.success() && tagged == format!("{name}:{tag}"),
+        "make image tags {tagged:?} (stderr: {}), the kustomization sets {name}:{tag}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
     Ok(())
 }

@@ -51,6 +51,7 @@ fn main() {
         check!(kubernetes::proxy_pods_and_units_outlast_their_drain),
         check!(kubernetes::probes_and_the_drain_hook_use_the_servers_paths),
         check!(kubernetes::no_max_unavailable_budget_covers_a_daemonset),
+        check!(kubernetes::the_kustomization_applies_every_manifest_and_names_the_image),
         needs!(
             kubernetes::manifests_pass_the_schema_validator,
             kubernetes::kubernetes_validate()

@@ -21,6 +21,7 @@ mod faults;
 mod grants;
 mod guide;
 mod handover;
+mod image;
 mod kv;
 mod limits;
 mod locks;
@@ -209,6 +210,7 @@ fn main() {
         audit_stores::archive_on_s3_covers_every_revision_once_per_class,
         audit::the_trail_of_a_scripted_run_is_complete_in_order_and_rebuilt_from_the_archive,
         audit::with_clickhouse_and_s3_the_trail_is_complete_and_rebuilt,
+        image::the_images_proxy_serves_a_lock_and_drains_on_sigterm,
     ];
     // Tests that need a server besides etcd: the name they start with, and why they
     // skip when it is missing.
@@ -248,6 +250,10 @@ fn main() {
             "etcd_api::",
             "no etcdctl; install the etcd-client package (`make setup`)",
         ));
+    }
+    let no_containers = lockcell_tests::image::run_flags().err();
+    if let Some(why) = &no_containers {
+        missing.push(("image::", why));
     }
     for (prefix, why) in &missing {
         eprintln!("e2e: skipped {prefix}*: {why}");
