@@ -53,6 +53,9 @@ pub struct LockEvents {
     started: Instant,
     /// The local queues whose heads a release wakes.
     queues: Arc<Queues>,
+    /// The revision of the last change under the locks root applied. The root is
+    /// followed in order, so every change of a lock up to it has been applied.
+    lock_log: watch::Sender<i64>,
 }
 
 /// A waiter's interest in one channel; dropping it forgets the channel when nobody waits.
@@ -78,6 +81,7 @@ impl LockEvents {
             unclean: DashMap::new(),
             started: Instant::now(),
             queues: Arc::default(),
+            lock_log: watch::channel(0).0,
         }
     }
 
@@ -145,6 +149,17 @@ impl LockEvents {
             .max()
     }
 
+    /// Waits until the changes under the locks root are applied through `revision`, for
+    /// at most `patience`; whether they were. Then every holder that vanished before
+    /// `revision` counts in [`Self::delayed_until`].
+    pub async fn lock_log_through(&self, revision: i64, patience: Duration) -> bool {
+        let mut rx = self.lock_log.subscribe();
+        let reached = tokio::time::timeout(patience, rx.wait_for(|seen| *seen >= revision))
+            .await
+            .is_ok_and(|seen| seen.is_ok());
+        reached
+    }
+
     /// Forgets vanished holders older than `longest` delay.
     pub fn prune(&self, longest: Duration) {
         let now = Instant::now();
@@ -208,8 +223,13 @@ impl LockEvents {
                 _ => None,
             })
             .collect();
+        let locks_root = keyspace::locks_root().as_bytes();
+        let mut lock_log = None;
         for event in events {
             let Some(kv) = event.kv() else { continue };
+            if kv.key().starts_with(locks_root) {
+                lock_log = lock_log.max(Some(kv.mod_revision()));
+            }
             let Some((lock, kind)) = keyspace::parse_key(kv.key()) else {
                 continue;
             };
@@ -233,6 +253,13 @@ impl LockEvents {
                     },
                 );
             }
+        }
+        if let Some(last) = lock_log {
+            self.lock_log.send_if_modified(|seen| {
+                let later = last > *seen;
+                *seen = (*seen).max(last);
+                later
+            });
         }
     }
 }

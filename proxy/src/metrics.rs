@@ -27,6 +27,7 @@ pub const ETCD_SPACE_LIMIT_BYTES: &str = "lockcell_etcd_space_limit_bytes";
 pub const ETCD_SPACE_REFUSALS: &str = "lockcell_etcd_space_refusals_total";
 pub const WAITERS: &str = "lockcell_waiters";
 pub const GRANT_ATTEMPTS: &str = "lockcell_grant_attempts_total";
+pub const GRANTS_TAKEN_BACK: &str = "lockcell_grants_taken_back_total";
 pub const WATCHERS: &str = "lockcell_watchers";
 pub const WAIT_RETRIES: &str = "lockcell_wait_retries_total";
 pub const WATCH_EVENTS_SENT: &str = "lockcell_watch_events_sent_total";
@@ -258,6 +259,10 @@ fn describe_locks() {
     counter(
         GRANT_ATTEMPTS,
         "Grant transactions tried (a waiter's turn, or an acquire's first try).",
+    );
+    counter(
+        GRANTS_TAKEN_BACK,
+        "Grants taken back before any caller saw them: made inside the lock's lock-delay, for a holder that vanished just before (the call waits on, or finds the lock busy).",
     );
     describe_gauge!(
         RESIDENT_BYTES,

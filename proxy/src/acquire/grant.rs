@@ -84,6 +84,10 @@ async fn attempt_grant(
             );
             return Err(e.into());
         }
+        if inside_lock_delay(state, lock, revision).await {
+            take_back(state, lock, mode, session, revision).await;
+            return Ok(None);
+        }
     }
     if *state.shutdown.borrow() {
         // The proxy's leases are about to be revoked with every key on them.
@@ -116,6 +120,49 @@ async fn attempt_grant(
         valid_for,
         fresh,
     }))
+}
+
+/// Whether a fresh grant of `lock` at `revision` fell inside the lock's lock-delay.
+/// The check before the attempt knew of vanished holders only as far as this proxy had
+/// followed the lock log, so a holder that vanished just before the attempt (its
+/// session expired here, or its proxy's lease ran out) can have been missed. Once the
+/// log is followed through the grant, every earlier vanishing is known. A log not
+/// followed that far within etcd's timeout counts as inside the delay.
+async fn inside_lock_delay(state: &ProxyState, lock: &LockName, revision: i64) -> bool {
+    let delay = state.classes.current().class_for(lock.as_str()).lock_delay;
+    if delay.is_zero() {
+        return false;
+    }
+    let followed = state
+        .events
+        .lock_log_through(revision, state.config.etcd_timeout)
+        .await;
+    !followed || state.events.delayed_until(lock, delay).is_some()
+}
+
+/// Takes back a grant made inside its lock-delay, which no caller has seen: released as
+/// a holder releases (a clean release starts no delay of its own), or, if etcd does not
+/// answer, deleted by the clean-up.
+async fn take_back(
+    state: &ProxyState,
+    lock: &LockName,
+    mode: Mode,
+    session: &Session,
+    revision: i64,
+) {
+    metrics::counter!(m::GRANTS_TAKEN_BACK).increment(1);
+    match state
+        .locklog
+        .release(lock, mode, &session.id, revision, session.lease)
+        .await
+    {
+        Ok(Some(marker)) => state.cleanup.push(session.lease, vec![marker]),
+        Ok(None) => {}
+        Err(_) => state.cleanup.push(
+            session.lease,
+            vec![Grant::hold(lock, mode, &session.id, revision)],
+        ),
+    }
 }
 
 /// The grant transaction of one attempt: `Some((revision, fresh, epoch))` when the

@@ -314,3 +314,101 @@ pub async fn lock_delay_holds_back_a_vanished_holders_lock_but_not_a_released_on
     ensure!(later.token().revision > grant.token.context("token")?.revision);
     Ok(())
 }
+
+/// Tries that spin on a delayed lock while its holder's session expires, on the
+/// holder's own proxy, never get it inside the lock-delay: not even a try that lands
+/// between the holder key's delete and the proxy's sight of it. Each grant comes at
+/// least the delay after the end of the vanished holder's validity, and a clean release
+/// afterwards lets the next in at once.
+pub async fn tries_racing_a_holders_expiry_wait_out_the_lock_delay() -> anyhow::Result<()> {
+    const DELAY: Duration = Duration::from_secs(4);
+    const SPINNERS: usize = 4;
+    let (_etcd, proxies, _) = classed_cell(CLASSES).await?;
+    let clients = connect_all(&proxies).await?;
+    let (mut sessions, mut locks) = raw(&proxies[0]).await?;
+    let mut contenders = Vec::new();
+    for _ in 0..SPINNERS {
+        contenders.push(
+            clients[0]
+                .open_session(short_session(Duration::from_secs(30)))
+                .await?,
+        );
+    }
+    // A proxy that just started counts every delayed lock as vanished at its start.
+    let warm = contenders[0]
+        .acquire("delayed/warm", Wait::Timeout(Duration::from_secs(15)))
+        .await?
+        .context("free lock refused after the start's lock-delay")?;
+    warm.release().await?;
+
+    for round in 0..6 {
+        let lock = format!("delayed/race-{round}");
+        let silent = sessions
+            .open(OpenRequest {
+                ttl_ms: 1_000,
+                identity: "silent".into(),
+            })
+            .await?
+            .into_inner();
+        let sent = tokio::time::Instant::now();
+        let grant = locks
+            .acquire(AcquireRequest {
+                session_id: silent.session_id.clone(),
+                session_secret: silent.session_secret.clone(),
+                lock: lock.clone(),
+                wait_timeout_ms: Some(0),
+                mode: LockMode::Exclusive as i32,
+                call_id: String::new(),
+            })
+            .await?
+            .into_inner();
+        ensure!(
+            grant.granted,
+            "round {round}: the silent holder got no grant"
+        );
+        // The holder may act until here, never renews, and its session then expires.
+        let holder_deadline = sent + Duration::from_millis(grant.valid_for_ms);
+        // Every spinner tries without pause until one is granted.
+        let won = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut spins = tokio::task::JoinSet::new();
+        for contender in &contenders {
+            let (contender, lock, won) = (contender.clone(), lock.clone(), won.clone());
+            spins.spawn(async move {
+                while !won.load(std::sync::atomic::Ordering::SeqCst) {
+                    if let Some(held) = contender.acquire(&lock, Wait::Try).await? {
+                        won.store(true, std::sync::atomic::Ordering::SeqCst);
+                        return anyhow::Ok(Some((tokio::time::Instant::now(), held)));
+                    }
+                    ensure!(
+                        sent.elapsed() < Duration::from_secs(30),
+                        "round {round}: never granted after the lock-delay"
+                    );
+                }
+                Ok(None)
+            });
+        }
+        let mut granted = Vec::new();
+        while let Some(spun) = spins.join_next().await {
+            granted.extend(spun??);
+        }
+        ensure!(
+            granted.len() == 1,
+            "round {round}: {} spinners were granted",
+            granted.len()
+        );
+        let (at, _) = &granted[0];
+        ensure!(
+            *at >= holder_deadline + DELAY,
+            "round {round}: granted {:?} after the vanished holder's validity ended, inside the {DELAY:?} lock-delay",
+            at.saturating_duration_since(holder_deadline)
+        );
+        for (_, held) in granted {
+            held.release().await?;
+        }
+        ensure!(
+            contenders[0].acquire(&lock, Wait::Try).await?.is_some(),
+            "round {round}: a clean release was followed by a delay"
+        );
+    }
+    Ok(())
+}
