@@ -10,13 +10,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockcell_cell::locklog::NOT_ITS_OWN;
-use lockcell_cell::locklog::{Grant, Moved, Resume};
+use lockcell_cell::keyspace;
+use lockcell_cell::locklog::{Grant, Moved, Resume, NOT_ITS_OWN};
 use lockcell_proto::v1::{HeldKey, HeldKind, LostKey, ResumeRequest, ResumeResponse};
 use tokio::time::Instant;
 
 use crate::access::Right;
-use crate::core::moving::{check_session_id, Landed, Plan};
+use crate::core::moving::{check_session_id, refusal, Landed, Plan};
 use crate::errors::ProxyError;
 use crate::metrics as m;
 use crate::sessions::Session;
@@ -24,6 +24,8 @@ use crate::state::ProxyState;
 use crate::wire::millis;
 
 pub use crate::core::moving::MAX_RESUME_KEYS;
+#[cfg(test)]
+mod over_memory;
 
 /// Share of the drain timeout over which a draining proxy spreads its requests to move,
 /// so its clients' resumes reach etcd as a stream rather than all at once.
@@ -235,12 +237,20 @@ async fn resume_named(
             );
         }
         Ok(refused) => refusal(&req.session_id, refused),
-        // Unknown whether keys moved: the stay stays, to clean up what did.
+        // Unknown whether keys moved: the stay stays, to clean up what did. What the
+        // earlier stay had that the client did not name moved nowhere and is no stay's.
         Err(source) => {
+            if let Some(earlier) = earlier {
+                state.leases.unassign(earlier.bucket);
+                let fence = keyspace::session_fence_key(session_name.as_str());
+                state
+                    .cleanup
+                    .push(earlier.lease, plan.unnamed(earlier.held, &fence));
+            }
             return Err(ProxyError::StoreDuring {
                 context: format!("resuming session {:?}", req.session_id),
                 source,
-            })
+            });
         }
     };
     // Nothing moved: the stay that was here (if any) is here again.
@@ -282,25 +292,6 @@ async fn lease_for(
         return Err(e);
     }
     Ok((bucket, lease))
-}
-
-/// Why a resume of `session` that moved nothing was refused.
-fn refusal(session: &str, refused: Resume) -> ProxyError {
-    match refused {
-        Resume::Ended { reason } => ProxyError::ExpiredSession {
-            id: session.to_owned(),
-            reason,
-        },
-        Resume::FenceMoved { revision, lease } => ProxyError::FencedOut {
-            session: session.to_owned(),
-            revision,
-            lease,
-        },
-        Resume::TurnedAway(why) => ProxyError::Refused(format!(
-            "etcd is too busy to resume session {session:?} now ({why}); resume later"
-        )),
-        Resume::Moved { .. } => unreachable!("a move is not a refusal"),
-    }
 }
 
 /// Marks every exclusive holder key among `moving` that is not proven `session`'s own

@@ -41,12 +41,17 @@ pub(crate) async fn rig(flags: &[&str], classes: &str) -> Rig {
     let dir = tempfile::tempdir().expect("a temporary folder");
     let classes_file = dir.path().join("classes.toml");
     std::fs::write(&classes_file, classes).expect("the classes file");
-    let mut argv = vec!["lockcell-proxy", "--etcd", "127.0.0.1:9", "--leases", "1"];
+    let mut argv = vec!["lockcell-proxy", "--etcd", "127.0.0.1:9"];
+    if !flags.contains(&"--leases") {
+        argv.extend(["--leases", "1"]);
+    }
     argv.extend_from_slice(flags);
     let config = ProxyConfig::try_parse_from(argv).expect("the flags parse");
 
     let store = Arc::new(MemoryStore::new());
-    store.grant_lease(LEASE);
+    for bucket in 0..config.leases {
+        store.grant_lease(LEASE + bucket as i64);
+    }
     let record = EpochRecord {
         cluster_id: "0123456789abcdef".into(),
         epoch: 1,
@@ -93,9 +98,12 @@ pub(crate) async fn rig(flags: &[&str], classes: &str) -> Rig {
         LockLog::over(store.clone(), parts.config.etcd_timeout).with_epoch_guard(epoch_revision);
     let now = Instant::now();
     let generation = parts.leases.generation();
-    parts
-        .leases
-        .install(0, LEASE, (now, generation), parts.config.lease_ttl);
+    for bucket in 0..usize::from(parts.config.leases) {
+        let lease = LEASE + bucket as i64;
+        parts
+            .leases
+            .install(bucket, lease, (now, generation), parts.config.lease_ttl);
+    }
     Rig {
         fed: std::sync::Mutex::new(store.revision()),
         store,
@@ -131,13 +139,18 @@ impl Rig {
 
     /// Opens a session of `ttl`; returns its id.
     pub(crate) fn open(&self, ttl: Duration) -> String {
-        let (id, _) = crate::credential::new_session(None);
+        self.open_with_secret(ttl).0
+    }
+
+    /// Opens a session of `ttl`; returns its id and secret.
+    pub(crate) fn open_with_secret(&self, ttl: Duration) -> (String, String) {
+        let (id, secret) = crate::credential::new_session(None);
         let request = OpenRequest {
             ttl_ms: ttl.as_millis() as u64,
             identity: "test".into(),
         };
-        crate::service::session::open_stay(&self.state, None, &request, id.into())
-            .expect("a session opens")
-            .session_id
+        crate::service::session::open_stay(&self.state, None, &request, id.as_str().into())
+            .expect("a session opens");
+        (id, secret)
     }
 }

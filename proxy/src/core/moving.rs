@@ -5,7 +5,7 @@
 //! [`Plan`] holds only these decisions; `handover::resume_named` does the I/O around
 //! them (reading exclusive holders, choosing the lease, the move transactions).
 
-use lockcell_cell::locklog::{Grant, Moved, NOT_ITS_OWN};
+use lockcell_cell::locklog::{Grant, Moved, Resume, NOT_ITS_OWN};
 use lockcell_cell::{LockName, Mode};
 use lockcell_proto::v1::{HeldKey, HeldKind, LostKey};
 
@@ -130,6 +130,19 @@ impl Plan {
         landed
     }
 
+    /// What an earlier stay of the session here had that this move does not name, nor
+    /// the session's fence `fence_key`: keys the client never heard of (a grant whose
+    /// reply was lost, an attempt still unsettled). After a move whose outcome is
+    /// unknown these alone are known to be where they were and no stay's any more, so
+    /// they are deleted under the earlier stay's lease; a named key may have moved, and
+    /// the client may still act on it.
+    pub fn unnamed(&self, earlier: Vec<Grant>, fence_key: &str) -> Vec<Grant> {
+        earlier
+            .into_iter()
+            .filter(|g| g.key != fence_key && !self.moving.iter().any(|(m, _)| m.key == g.key))
+            .collect()
+    }
+
     /// What an earlier stay of the session here had that did not move here (keys the
     /// client never heard of, such as a grant whose reply was lost): deleted under that
     /// stay's lease. Never a key that moved, nor the session's fence `fence_key`.
@@ -145,6 +158,25 @@ impl Plan {
                 !matches!(self.outcome(outcomes, &g.key), Some(Ok(_))) && g.key != fence_key
             })
             .collect()
+    }
+}
+
+/// Why a resume of `session` that moved nothing was refused.
+pub fn refusal(session: &str, refused: Resume) -> ProxyError {
+    match refused {
+        Resume::Ended { reason } => ProxyError::ExpiredSession {
+            id: session.to_owned(),
+            reason,
+        },
+        Resume::FenceMoved { revision, lease } => ProxyError::FencedOut {
+            session: session.to_owned(),
+            revision,
+            lease,
+        },
+        Resume::TurnedAway(why) => ProxyError::Refused(format!(
+            "etcd is too busy to resume session {session:?} now ({why}); resume later"
+        )),
+        Resume::Moved { .. } => unreachable!("a move is not a refusal"),
     }
 }
 
@@ -328,6 +360,32 @@ mod tests {
             &fence.key,
         );
         assert_eq!(behind, vec![lost_reply]);
+    }
+
+    #[test]
+    fn a_move_without_an_answer_leaves_behind_only_what_it_does_not_name() {
+        let keys = vec![held(HeldKind::Exclusive, "jobs/a", 7)];
+        let plan = Plan::new("ab12", &keys, 0x55).unwrap();
+        // Named: it may have moved, and the client may act on it still.
+        let named = plan.named[0].0.clone();
+        let lost_reply = Grant::hold(
+            &LockName::parse("jobs/z").unwrap(),
+            Mode::Exclusive,
+            "ab12",
+            40,
+        );
+        let on_its_way = Grant::unsettled_hold(
+            &LockName::parse("jobs/y").unwrap(),
+            Mode::Exclusive,
+            "ab12",
+            "c9",
+        );
+        let fence = Grant::fence(&LockName::parse("ab12").unwrap(), 41);
+        let behind = plan.unnamed(
+            vec![named, lost_reply.clone(), on_its_way.clone(), fence.clone()],
+            &fence.key,
+        );
+        assert_eq!(behind, vec![lost_reply, on_its_way]);
     }
 
     mod properties {
