@@ -8,7 +8,7 @@
 #   image.sh run-flags         what `podman run` needs on this machine besides its arguments
 #
 # BASE names another base image (for example one from your registry); then `base` is
-# not built. Run from anywhere: paths are the repository's.
+# not built. Run from anywhere: BINS is a path from the current folder.
 set -eu
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -18,6 +18,10 @@ base=${BASE:-$default_base}
 die() {
     echo "image.sh: $*" >&2
     exit 1
+}
+
+need_podman() {
+    command -v podman >/dev/null 2>&1 || die "no podman: install the podman package (make setup does)"
 }
 
 # The name and tag kustomize gives the manifests' `lockcell` image.
@@ -77,8 +81,11 @@ build() {
     bins=$1
     tag=${2:-$(name)}
     for bin in lockcell-proxy lockcell-cell lockctl; do
-        [ -x "$bins/$bin" ] || die "no $bins/$bin: build the binaries first (cargo build --release --workspace --bins)"
+        [ -e "$bins/$bin" ] || die "no $bins/$bin: build the binaries first (cargo build --release --workspace --bins)"
+        [ -x "$bins/$bin" ] || die "$bins/$bin is not executable"
     done
+    version=$("$bins/lockctl" --version | sed -n 's/^lockctl //p')
+    revision=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)
     build_base
     flags=$(run_flags)
     # The build context is a folder of its own: the Containerfile and the binaries.
@@ -93,6 +100,9 @@ build() {
     started=$(date +%s)
     # shellcheck disable=SC2086
     podman build --quiet $flags --build-arg BASE="$base" --build-arg BINS=bins \
+        --label org.opencontainers.image.title=lockcell \
+        --label org.opencontainers.image.version="$version" \
+        --label org.opencontainers.image.revision="$revision" \
         --tag "$tag" "$context" >/dev/null
     took=$(($(date +%s) - started))
     # What the build leaves behind: the first stage, and the image the tag named before.
@@ -107,11 +117,18 @@ build() {
 
 case "${1:-}" in
 name) name ;;
-base) build_base ;;
+base)
+    need_podman
+    build_base
+    ;;
 build)
     [ $# -ge 2 ] || die "usage: image.sh build BINS [TAG]"
+    need_podman
     build "$2" "${3:-}"
     ;;
-run-flags) run_flags ;;
+run-flags)
+    need_podman
+    run_flags
+    ;;
 *) die "usage: image.sh name | base | build BINS [TAG] | run-flags" ;;
 esac
