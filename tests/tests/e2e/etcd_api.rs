@@ -606,24 +606,7 @@ pub async fn a_lock_wait_given_up_leaves_only_what_it_made() -> anyhow::Result<(
         .key()
         .to_vec();
 
-    let keys = |mut client: etcd_client::Client| async move {
-        let got = client
-            .get(
-                "m/",
-                Some(
-                    etcd_client::GetOptions::new()
-                        .with_prefix()
-                        .with_keys_only(),
-                ),
-            )
-            .await?;
-        anyhow::Ok(
-            got.kvs()
-                .iter()
-                .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
-                .collect::<Vec<_>>(),
-        )
-    };
+    let keys = |client: etcd_client::Client| async move { line_keys(&client, "m/").await };
     // A wait given up: its key goes.
     let gave_up =
         tokio::time::timeout(Duration::from_millis(800), client.lock("m", on(waiter))).await;
@@ -845,18 +828,7 @@ pub async fn a_lock_call_standing_on_a_withdrawn_key_is_refused() -> anyhow::Res
         .key()
         .to_vec();
     let in_line = |client: etcd_client::Client| async move {
-        let got = client
-            .kv_client()
-            .get(
-                "n/",
-                Some(
-                    etcd_client::GetOptions::new()
-                        .with_prefix()
-                        .with_keys_only(),
-                ),
-            )
-            .await?;
-        anyhow::Ok(got.kvs().len())
+        anyhow::Ok(line_keys(&client, "n/").await?.len())
     };
     // The first call makes the waiter's key; the second finds it there.
     let mut a_client = client.lock_client();
@@ -1741,14 +1713,7 @@ pub async fn a_forwarded_lock_wait_given_up_leaves_nothing_in_line() -> anyhow::
     let held = on_a.lock_client().lock("jobs/z", on(holder)).await?;
     let held = held.key().to_vec();
     let line = |client: etcd_client::Client| async move {
-        let got = client
-            .kv_client()
-            .get(
-                "jobs/z/",
-                Some(etcd_client::GetOptions::new().with_prefix()),
-            )
-            .await?;
-        anyhow::Ok(got.kvs().len())
+        anyhow::Ok(line_keys(&client, "jobs/z/").await?.len())
     };
     // Two calls of the waiter's lease at once, through b and c; both given up.
     let (mut lock_b, mut lock_c) = (on_b.lock_client(), on_c.lock_client());
@@ -2910,6 +2875,20 @@ pub async fn a_keys_client_lease_shows_at_every_proxy_and_in_lease_compares() ->
 }
 
 /// How many keys etcd holds under `prefix`.
+/// The keys under `prefix` (a lock's line: the Lock service's keys are `name/lease`),
+/// as `client` reads them.
+async fn line_keys(client: &etcd_client::Client, prefix: &str) -> anyhow::Result<Vec<String>> {
+    let options = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_keys_only();
+    let got = client.kv_client().get(prefix, Some(options)).await?;
+    Ok(got
+        .kvs()
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .collect())
+}
+
 async fn keys_under(etcd: &etcd_client::Client, prefix: &str) -> anyhow::Result<i64> {
     let options = etcd_client::GetOptions::new()
         .with_prefix()
@@ -3630,7 +3609,7 @@ pub async fn calls_racing_moves_of_a_lease_lose_nothing() -> anyhow::Result<()> 
 /// the holder unlocks.
 pub async fn lock_calls_given_up_while_their_lease_moves_leave_nothing_in_line(
 ) -> anyhow::Result<()> {
-    use etcd_client::{Client, GetOptions, LockOptions, PutOptions, Txn, TxnOp};
+    use etcd_client::{Client, LockOptions, PutOptions, Txn, TxnOp};
     let etcd = EtcdCluster::start(1).await?;
     let (_a, api_a) = proxy_with_etcd_api(&etcd).await?;
     let (_b, api_b) = proxy_with_etcd_api(&etcd).await?;
@@ -3647,18 +3626,7 @@ pub async fn lock_calls_given_up_while_their_lease_moves_leave_nothing_in_line(
     let holder = on_a.lease_client().grant(60, None).await?.id();
     let held = on_a.lock_client().lock("moving-line", on(holder)).await?;
     let held = held.key().to_vec();
-    let line = |client: Client| async move {
-        let got = client
-            .kv_client()
-            .get("moving-line/", Some(GetOptions::new().with_prefix()))
-            .await?;
-        anyhow::Ok(
-            got.kvs()
-                .iter()
-                .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
-                .collect::<Vec<_>>(),
-        )
-    };
+    let line = |client: Client| async move { line_keys(&client, "moving-line/").await };
 
     let mut movers = Vec::new();
     for round in 0..8usize {

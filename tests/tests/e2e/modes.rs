@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use lockcell_client::{Error, Wait};
-use lockcell_proto::v1::{AcquireRequest, LockMode, OpenRequest};
+use lockcell_proto::v1::{AcquireRequest, AcquireResponse, LockMode, OpenRequest};
 use lockcell_tests::eventually;
 use tonic::Code;
 
@@ -276,25 +276,8 @@ pub async fn lock_delay_holds_back_a_vanished_holders_lock_but_not_a_released_on
     .await?;
 
     // A holder whose session expires (raw, never renewed) vanishes uncleanly.
-    let (mut sessions, mut locks) = raw(&proxies[0]).await?;
-    let silent = sessions
-        .open(OpenRequest {
-            ttl_ms: 1_000,
-            identity: "silent".into(),
-        })
-        .await?
-        .into_inner();
-    let grant = locks
-        .acquire(AcquireRequest {
-            session_id: silent.session_id.clone(),
-            session_secret: silent.session_secret.clone(),
-            lock: "delayed/vanish".into(),
-            wait_timeout_ms: Some(0),
-            mode: LockMode::Exclusive as i32,
-            call_id: String::new(),
-        })
-        .await?
-        .into_inner();
+    let raw = raw(&proxies[0]).await?;
+    let (_, grant) = silent_holder(raw, "delayed/vanish").await?;
     ensure!(grant.granted);
     // Wait until the key is gone, then the lock must still be refused for a while.
     let store = etcd.client().await?;
@@ -315,6 +298,39 @@ pub async fn lock_delay_holds_back_a_vanished_holders_lock_but_not_a_released_on
     Ok(())
 }
 
+/// A session of 1 s that is never renewed, opened through `raw`, tries `lock`: when
+/// the try was sent, and its answer. Granted, the holder vanishes uncleanly.
+async fn silent_holder(
+    (mut sessions, mut locks): Raw,
+    lock: &str,
+) -> anyhow::Result<(tokio::time::Instant, AcquireResponse)> {
+    let silent = sessions
+        .open(OpenRequest {
+            ttl_ms: 1_000,
+            identity: "silent".into(),
+        })
+        .await?
+        .into_inner();
+    let sent = tokio::time::Instant::now();
+    let grant = locks
+        .acquire(AcquireRequest {
+            session_id: silent.session_id,
+            session_secret: silent.session_secret,
+            lock: lock.into(),
+            wait_timeout_ms: Some(0),
+            mode: LockMode::Exclusive as i32,
+            call_id: String::new(),
+        })
+        .await?
+        .into_inner();
+    Ok((sent, grant))
+}
+
+type Raw = (
+    lockcell_proto::v1::session_client::SessionClient<tonic::transport::Channel>,
+    lockcell_proto::v1::lock_client::LockClient<tonic::transport::Channel>,
+);
+
 /// Tries that spin on a delayed lock while its holder's session expires, on the
 /// holder's own proxy, never get it inside the lock-delay: not even a try that lands
 /// between the holder key's delete and the proxy's sight of it. Each grant comes at
@@ -325,7 +341,7 @@ pub async fn tries_racing_a_holders_expiry_wait_out_the_lock_delay() -> anyhow::
     const SPINNERS: usize = 4;
     let (_etcd, proxies, _) = classed_cell(CLASSES).await?;
     let clients = connect_all(&proxies).await?;
-    let (mut sessions, mut locks) = raw(&proxies[0]).await?;
+    let raw = raw(&proxies[0]).await?;
     let mut contenders = Vec::new();
     for _ in 0..SPINNERS {
         contenders.push(
@@ -343,25 +359,7 @@ pub async fn tries_racing_a_holders_expiry_wait_out_the_lock_delay() -> anyhow::
 
     for round in 0..6 {
         let lock = format!("delayed/race-{round}");
-        let silent = sessions
-            .open(OpenRequest {
-                ttl_ms: 1_000,
-                identity: "silent".into(),
-            })
-            .await?
-            .into_inner();
-        let sent = tokio::time::Instant::now();
-        let grant = locks
-            .acquire(AcquireRequest {
-                session_id: silent.session_id.clone(),
-                session_secret: silent.session_secret.clone(),
-                lock: lock.clone(),
-                wait_timeout_ms: Some(0),
-                mode: LockMode::Exclusive as i32,
-                call_id: String::new(),
-            })
-            .await?
-            .into_inner();
+        let (sent, grant) = silent_holder(raw.clone(), &lock).await?;
         ensure!(
             grant.granted,
             "round {round}: the silent holder got no grant"
