@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockcell_cell::keyspace;
+use lockcell_cell::keyspace::{self, LockName};
 use lockcell_cell::locklog::{Grant, Moved, Resume, NOT_ITS_OWN};
 use lockcell_proto::v1::{HeldKey, HeldKind, LostKey, ResumeRequest, ResumeResponse};
 use tokio::time::Instant;
@@ -240,25 +240,37 @@ async fn resume_named(
         // Unknown whether keys moved: the stay stays, to clean up what did. What the
         // earlier stay had that the client did not name moved nowhere and is no stay's.
         Err(source) => {
-            if let Some(earlier) = earlier {
-                state.leases.unassign(earlier.bucket);
-                let fence = keyspace::session_fence_key(session_name.as_str());
-                state
-                    .cleanup
-                    .push(earlier.lease, plan.unnamed(earlier.held, &fence));
-            }
+            let_go(state, earlier, &plan, &session_name);
             return Err(ProxyError::StoreDuring {
                 context: format!("resuming session {:?}", req.session_id),
                 source,
             });
         }
     };
-    // Nothing moved: the stay that was here (if any) is here again.
-    forget(state, &id, incarnation, bucket);
-    if let Some(earlier) = earlier {
-        state.sessions.replace(earlier);
+    // Nothing moved: the stay that was here (if any) is here again, unless a newer
+    // resume of the session took this one's place meanwhile. That resume's stay is the
+    // session's now, and the earlier one is gone as after a move.
+    if forget(state, &id, incarnation, bucket) {
+        if let Some(earlier) = earlier {
+            state.sessions.replace(earlier);
+        }
+    } else {
+        let_go(state, earlier, &plan, &session_name);
     }
     Err(refused)
+}
+
+/// Lets go of the stay a resume took the place of, when the resume's move may not have
+/// named all it had: what the client did not name is deleted under that stay's lease
+/// ([`Plan::unnamed`]).
+fn let_go(state: &ProxyState, earlier: Option<Session>, plan: &Plan, session: &LockName) {
+    if let Some(earlier) = earlier {
+        state.leases.unassign(earlier.bucket);
+        let fence = keyspace::session_fence_key(session.as_str());
+        state
+            .cleanup
+            .push(earlier.lease, plan.unnamed(earlier.held, &fence));
+    }
 }
 
 /// The lease a session resuming here moves onto: never one another stay of the session
@@ -417,12 +429,15 @@ fn resumed_here(
     })
 }
 
-/// Drops the stay a refused resume recorded (nothing moved onto its lease).
-fn forget(state: &ProxyState, id: &str, incarnation: u64, bucket: usize) {
-    if state.sessions.withdraw(id, incarnation).is_some() {
-        state.leases.unassign(bucket);
-        state.publish_sessions_open();
+/// Drops the stay a refused resume recorded (nothing moved onto its lease). False if
+/// it was no longer there: another stay of the session took its place.
+fn forget(state: &ProxyState, id: &str, incarnation: u64, bucket: usize) -> bool {
+    if state.sessions.withdraw(id, incarnation).is_none() {
+        return false;
     }
+    state.leases.unassign(bucket);
+    state.publish_sessions_open();
+    true
 }
 
 /// Makes sure the lease the keys move onto outlives what the client may still do on its

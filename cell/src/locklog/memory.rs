@@ -26,8 +26,10 @@
 //! put keeping a key's value or lease after a delete from a key onwards removed the key
 //! in the same transaction (etcd stops with a panic).
 //!
-//! Faults a test can set: a store that answers nothing ([`MemoryStore::set_down`]), and
-//! writes applied whose answers are lost ([`MemoryStore::lose_answers`]).
+//! Faults a test can set: a store that answers nothing ([`MemoryStore::set_down`]),
+//! writes applied whose answers are lost ([`MemoryStore::lose_answers`]), and
+//! transactions held in flight until the test lets them through
+//! ([`MemoryStore::hold_txns`]), to order two calls that race.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -57,9 +59,10 @@ pub const TOO_MANY_OPS: &str = "etcdserver: too many operations in txn request";
 pub const MAX_TXN_OPS: usize = 128;
 
 /// One etcd member's key space, in memory.
-#[derive(Default)]
 pub struct MemoryStore {
     inner: Mutex<Inner>,
+    /// Open while true: held transactions wait for it ([`MemoryStore::hold_txns`]).
+    gate: tokio::sync::watch::Sender<bool>,
 }
 
 #[derive(Default)]
@@ -70,6 +73,9 @@ struct Inner {
     leases: BTreeSet<i64>,
     down: bool,
     lose_answers: usize,
+    /// How many of the next transactions are held at the gate, and how many wait there.
+    to_hold: usize,
+    at_gate: usize,
     writes: u64,
 }
 
@@ -99,6 +105,12 @@ impl Span<'_> {
     }
 }
 
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore::new()
+    }
+}
+
 impl MemoryStore {
     pub fn new() -> Self {
         MemoryStore {
@@ -106,6 +118,7 @@ impl MemoryStore {
                 revision: 1,
                 ..Inner::default()
             }),
+            gate: tokio::sync::watch::Sender::new(true),
         }
     }
 
@@ -147,6 +160,26 @@ impl MemoryStore {
     /// error and does not know the outcome.
     pub fn lose_answers(&self, n: usize) {
         self.inner.lock().expect("store").lose_answers = n;
+    }
+
+    /// Holds the next `n` transactions in flight, unapplied, until [`release`]: each is
+    /// applied when let through, in the order they are polled, as etcd applies a
+    /// request that was slow to arrive.
+    ///
+    /// [`release`]: MemoryStore::release
+    pub fn hold_txns(&self, n: usize) {
+        self.inner.lock().expect("store").to_hold = n;
+        self.gate.send_replace(false);
+    }
+
+    /// Lets every held transaction through.
+    pub fn release(&self) {
+        self.gate.send_replace(true);
+    }
+
+    /// How many transactions wait at the gate now.
+    pub fn at_gate(&self) -> usize {
+        self.inner.lock().expect("store").at_gate
     }
 
     /// The store's revision now.
@@ -231,8 +264,27 @@ impl MemoryStore {
 
 impl LockStore for MemoryStore {
     fn txn(&self, txn: Txn) -> StoreFuture<'_, TxnResponse> {
-        let answer = self.answer(txn.into(), Call::Txn);
-        Box::pin(async move { Ok(TxnResponse(answer?)) })
+        let held = {
+            let mut inner = self.inner.lock().expect("store");
+            let held = inner.to_hold > 0;
+            if held {
+                inner.to_hold -= 1;
+                inner.at_gate += 1;
+            }
+            held
+        };
+        if !held {
+            let answer = self.answer(txn.into(), Call::Txn);
+            return Box::pin(async move { Ok(TxnResponse(answer?)) });
+        }
+        let mut open = self.gate.subscribe();
+        Box::pin(async move {
+            // Dropped while held, the transaction was never applied (nor is it counted
+            // as waiting any more, which a test of a cancel would have to allow for).
+            let _ = open.wait_for(|open| *open).await;
+            self.inner.lock().expect("store").at_gate -= 1;
+            Ok(TxnResponse(self.answer(txn.into(), Call::Txn)?))
+        })
     }
 
     fn get(&self, key: Vec<u8>, options: Option<GetOptions>) -> StoreFuture<'_, GetResponse> {
