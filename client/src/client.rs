@@ -161,18 +161,32 @@ impl Client {
     /// The session is valid until `send time of the Open + valid_for` and is kept valid
     /// by renewals; see [`Session::jeopardy`] for what the application must watch.
     pub async fn open_session(&self, opts: SessionOptions) -> Result<Session, Error> {
-        let mut request = tonic::Request::new(OpenRequest {
-            ttl_ms: u64::try_from(opts.ttl.as_millis()).unwrap_or(u64::MAX),
-            identity: opts.identity.clone(),
-        });
-        request.set_timeout(UNARY_TIMEOUT);
-        let generation = self.inner.proxies.generation();
-        let sent = Stamp::now();
-        let reply = SessionClient::new(self.channel())
-            .open(request)
-            .await
-            .map_err(|status| Error::from_status(status, Call::Unbound))?
-            .into_inner();
+        // A proxy that refuses ("use another proxy": draining, no lease, etcd away) or
+        // does not answer is left for the next that takes the client, each at most once.
+        let mut others = self.inner.proxies.count() - 1;
+        let (reply, sent, generation) = loop {
+            let mut request = tonic::Request::new(OpenRequest {
+                ttl_ms: u64::try_from(opts.ttl.as_millis()).unwrap_or(u64::MAX),
+                identity: opts.identity.clone(),
+            });
+            request.set_timeout(UNARY_TIMEOUT);
+            let generation = self.inner.proxies.generation();
+            let sent = Stamp::now();
+            match SessionClient::new(self.channel()).open(request).await {
+                Ok(reply) => break (reply.into_inner(), sent, generation),
+                Err(status) => {
+                    let error = Error::from_status(status, Call::Unbound);
+                    if !matches!(error, Error::Unavailable(_)) || others == 0 {
+                        return Err(error);
+                    }
+                    others -= 1;
+                    tracing::info!(proxy = %self.addr(), %error, "cannot open a session there; trying another proxy");
+                    if !self.inner.keepalive.move_away(generation).await {
+                        return Err(error);
+                    }
+                }
+            }
+        };
         if reply.session_id.is_empty() || reply.session_secret.is_empty() {
             return Err(Error::Protocol(
                 "Open answered without a session id and secret".into(),

@@ -37,19 +37,22 @@ impl Session {
         wait: Wait,
     ) -> Result<Option<Leadership>, Error> {
         self.before_grant_of(election).await?;
-        let mut request = tonic::Request::new(CampaignRequest {
-            session_id: self.id().to_owned(),
-            session_secret: self.secret().to_owned(),
-            election: election.to_owned(),
-            value: value.to_owned(),
-            wait_timeout_ms: wait.wait_timeout_ms(),
-            call_id: crate::lock::call_id(),
-        });
-        if let Some(timeout) = wait.call_timeout() {
-            request.set_timeout(timeout);
-        }
-        let call = |channel| async move { ElectionClient::new(channel).campaign(request).await };
-        let (reply, sent) = self.grant_request(call).await?;
+        let call_id = crate::lock::call_id();
+        let call = |wait: Wait, channel| {
+            let mut request = tonic::Request::new(CampaignRequest {
+                session_id: self.id().to_owned(),
+                session_secret: self.secret().to_owned(),
+                election: election.to_owned(),
+                value: value.to_owned(),
+                wait_timeout_ms: wait.wait_timeout_ms(),
+                call_id: call_id.clone(),
+            });
+            if let Some(timeout) = wait.call_timeout() {
+                request.set_timeout(timeout);
+            }
+            async move { ElectionClient::new(channel).campaign(request).await }
+        };
+        let (reply, sent) = self.grant_moving(election, wait, call).await?;
         if !reply.elected {
             return Ok(None);
         }

@@ -10,6 +10,7 @@ use tonic::{Code, Status};
 /// bug to fix, an unavailable proxy is worth retrying, an expired session must be
 /// reopened (and everything it held is lost).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The address did not parse or nothing answered there.
     #[error("cannot reach the lockcell proxy at {addr}: {reason}")]
@@ -110,9 +111,55 @@ pub enum Error {
     Status(Status),
 }
 
+/// What a caller can do about an [`Error`] ([`Error::kind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Try the call again after a pause: no proxy answered, the proxy or its etcd could
+    /// not serve it now, or a limit refused it that may free up (a call rate, sessions
+    /// or keys others end). The SDK has already retried what it safely could: across
+    /// proxies, the waits of acquires and campaigns whose proxy went away.
+    Retry,
+    /// The session is gone and everything it held with it: open a new session.
+    NewSession,
+    /// Trying again changes nothing: a request to fix, a refusal to take (grants, a lock
+    /// already held), a hold that has ended, a watch to start again from a fresh read.
+    Fatal,
+}
+
+impl Error {
+    /// What a caller can do about this error: retry, open a new session, or give up.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Connect { .. }
+            | Error::Unavailable(_)
+            | Error::ResourceExhausted(_)
+            | Error::WatchCutOff { .. } => ErrorKind::Retry,
+            Error::SessionExpired { .. } => ErrorKind::NewSession,
+            Error::Status(status) => match status.code() {
+                Code::Unavailable
+                | Code::DeadlineExceeded
+                | Code::Aborted
+                | Code::Cancelled
+                | Code::Unknown
+                | Code::ResourceExhausted => ErrorKind::Retry,
+                _ => ErrorKind::Fatal,
+            },
+            Error::InvalidArgument(_)
+            | Error::NotHolder(_)
+            | Error::AlreadyHeld(_)
+            | Error::PermissionDenied(_)
+            | Error::Unauthenticated(_)
+            | Error::Compacted { .. }
+            | Error::WatchMoved { .. }
+            | Error::Protocol(_) => ErrorKind::Fatal,
+        }
+    }
+}
+
 impl From<Status> for Error {
     fn from(status: Status) -> Self {
-        Error::Status(status)
+        Error::from_status(status, Call::Unbound)
     }
 }
 
@@ -143,6 +190,14 @@ pub(crate) const ALREADY_HELD: &str = "lockcell-already-held";
 /// no gap and no duplicate.
 pub(crate) const RESUME_REVISION: &str = "lockcell-resume-revision";
 
+/// Whether `status` is no answer of the proxy's: the connection broke, or the call
+/// timed out, before a reply came. tonic makes such a status itself, with the
+/// transport's error as its source, under whatever code it picks (UNKNOWN "transport
+/// error" when a TLS connection ends mid-call); a status the proxy sent has no source.
+pub(crate) fn no_answer(status: &Status) -> bool {
+    StdError::source(status).is_some()
+}
+
 impl Error {
     /// Maps a gRPC status to an [`Error`], given what the call was for.
     ///
@@ -158,6 +213,13 @@ impl Error {
     /// (tonic says the same codes about oversized messages) and stays a plain status.
     pub(crate) fn from_status(status: Status, call: Call<'_>) -> Error {
         let status = with_tls_hint(status);
+        if no_answer(&status) {
+            return Error::Unavailable(format!(
+                "no answer from the proxy ({:?}: {})",
+                status.code(),
+                chain(&status)
+            ));
+        }
         let gone = |id: &str| Error::SessionExpired {
             session: id.to_owned(),
         };
@@ -214,21 +276,26 @@ impl Error {
     /// A transport error, with its causes, for [`Error::Connect`]: tonic's own text is
     /// often just "transport error", the useful part is further down the chain.
     pub(crate) fn connect(addr: &str, err: &(dyn StdError + 'static)) -> Error {
-        let mut reason = err.to_string();
-        let mut source = err.source();
-        while let Some(cause) = source {
-            let text = cause.to_string();
-            if !reason.contains(&text) {
-                reason.push_str(": ");
-                reason.push_str(&text);
-            }
-            source = cause.source();
-        }
         Error::Connect {
             addr: addr.to_owned(),
-            reason,
+            reason: chain(err),
         }
     }
+}
+
+/// `err`'s text followed by its causes' that say something more.
+fn chain(err: &(dyn StdError + 'static)) -> String {
+    let mut reason = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !reason.contains(&text) {
+            reason.push_str(": ");
+            reason.push_str(&text);
+        }
+        source = cause.source();
+    }
+    reason
 }
 
 /// The revision in metadata entry `name` of `status`, if there is a well-formed one.
@@ -286,6 +353,78 @@ mod tests {
                 "the kind of error stays"
             );
         }
+    }
+
+    /// What tonic makes of a TLS connection that ended mid-call: UNKNOWN, with the
+    /// transport's error as its source.
+    fn broken_mid_call() -> Status {
+        let eof = std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "peer closed connection without sending TLS close_notify",
+        );
+        let mut status = Status::unknown("transport error");
+        status.set_source(std::sync::Arc::new(eof));
+        status
+    }
+
+    #[test]
+    fn no_answer_is_unavailable_whatever_code_tonic_gave_it() {
+        for call in [Call::Unbound, Call::Session("s1"), Call::Grant("s1")] {
+            let e = Error::from_status(broken_mid_call(), call);
+            assert!(
+                matches!(e, Error::Unavailable(ref m) if m.contains("transport error") && m.contains("close_notify")),
+                "{e:?}"
+            );
+            assert_eq!(e.kind(), ErrorKind::Retry);
+        }
+        // The proxy's own UNKNOWN (no source) is its answer, not a broken connection.
+        let e = Error::from_status(Status::unknown("transport error"), Call::Unbound);
+        assert!(matches!(e, Error::Status(_)), "{e:?}");
+        assert!(no_answer(&broken_mid_call()));
+        assert!(!no_answer(&Status::unavailable("draining")));
+    }
+
+    #[test]
+    fn every_error_says_what_to_do_about_it() {
+        let kind = |status, call| Error::from_status(status, call).kind();
+        assert_eq!(
+            kind(Status::unavailable("draining"), Call::Unbound),
+            ErrorKind::Retry
+        );
+        assert_eq!(
+            kind(
+                Status::resource_exhausted("identity \"x\" calls too often"),
+                Call::Unbound
+            ),
+            ErrorKind::Retry
+        );
+        assert_eq!(
+            kind(Status::failed_precondition(EXPIRED), Call::Session("s1")),
+            ErrorKind::NewSession
+        );
+        assert_eq!(
+            kind(
+                Status::failed_precondition("lock \"x\" passed on"),
+                Call::Grant("s1")
+            ),
+            ErrorKind::Fatal
+        );
+        assert_eq!(
+            kind(Status::invalid_argument("bad"), Call::Unbound),
+            ErrorKind::Fatal
+        );
+        assert_eq!(
+            kind(Status::permission_denied("no"), Call::Unbound),
+            ErrorKind::Fatal
+        );
+        assert_eq!(
+            kind(Status::internal("bug"), Call::Unbound),
+            ErrorKind::Fatal
+        );
+        assert_eq!(
+            kind(Status::deadline_exceeded("slow"), Call::Unbound),
+            ErrorKind::Retry
+        );
     }
 
     const EXPIRED: &str = "session \"s1\" has expired: missed renewals";

@@ -25,7 +25,7 @@ use lockcell_proto::v1::{
     CellStay, CloseRequest, HeldKey, HeldKind, KeepAliveRequest, KeepAliveResponse, ResumeRequest,
     SessionState as WireState,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, Instant};
 use tokio_stream::wrappers::ReceiverStream;
@@ -83,6 +83,13 @@ enum Command {
         id: String,
         first_due: Instant,
         generation: u64,
+    },
+    /// The proxy the client was on at `generation` refused to open a session, or gave
+    /// no answer: move the client (its sessions, if any) to another proxy unless it
+    /// has moved since, and say whether it is elsewhere now.
+    Move {
+        generation: u64,
+        moved: oneshot::Sender<bool>,
     },
 }
 
@@ -160,6 +167,18 @@ impl KeepAlive {
             ));
         }
         Ok(())
+    }
+
+    /// Moves the client away from the proxy it was on at `generation`, which refused to
+    /// open a session ("use another proxy") or did not answer. Returns whether the
+    /// client is on another proxy now.
+    pub(crate) async fn move_away(&self, generation: u64) -> bool {
+        let (moved, answer) = oneshot::channel();
+        let command = Command::Move { generation, moved };
+        if self.commands.send(command).await.is_err() {
+            return false;
+        }
+        answer.await.unwrap_or(false)
     }
 
     /// Stops renewing a session. Synchronous so that `Drop` can call it.
@@ -296,6 +315,11 @@ impl Driver {
                             self.orphans.insert(id.clone());
                         }
                         self.book.schedule(&id, first_due);
+                    }
+                    Some(Command::Move { generation, moved }) => {
+                        let elsewhere = generation != self.proxies.generation()
+                            || self.relocate(true).await;
+                        let _ = moved.send(elsewhere);
                     }
                     None => return, // the client is gone
                 },

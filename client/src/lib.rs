@@ -65,7 +65,7 @@ mod watch;
 
 pub use client::{Client, ClientOptions};
 pub use election::{LeaderInfo, LeaderStream, Leadership};
-pub use error::Error;
+pub use error::{Error, ErrorKind};
 pub use holdings::{Held, SessionEvent, SessionEvents};
 pub use kv::{CellRevision, Condition, Entry, Snapshot, Txn, TxnOutcome, Written};
 pub use lock::{LockGuard, LockHolder, LockState, LockWaiter, Mode, Sequencer, Wait};

@@ -149,12 +149,8 @@ impl Session {
         wait: Wait,
     ) -> Result<Option<LockGuard>, Error> {
         self.before_grant_of(lock).await?;
-        // The same id on every retry: a retry gets the call's grant back, and a fair
-        // waiter keeps its place in line.
         let call_id = call_id();
-        let started = tokio::time::Instant::now();
-        let (reply, sent) = loop {
-            let wait = wait.remaining(started.elapsed());
+        let call = |wait: Wait, channel| {
             let mut request = tonic::Request::new(AcquireRequest {
                 session_id: self.id().to_owned(),
                 session_secret: self.secret().to_owned(),
@@ -166,22 +162,9 @@ impl Session {
             if let Some(timeout) = wait.call_timeout() {
                 request.set_timeout(timeout);
             }
-            let generation = self.client().proxies().generation();
-            let call = |channel| async move { LockClient::new(channel).acquire(request).await };
-            match self.grant_call(call).await {
-                // The proxy went away mid-call: once the session has moved, ask the new
-                // one (an acquire is idempotent for its session).
-                Err(failed)
-                    if failed.left_behind
-                        && self.moved_since(generation).await
-                        && !wait.is_over(started.elapsed()) =>
-                {
-                    tracing::debug!(lock.name = lock, error = %failed.error, "acquire retried on the session's new proxy");
-                }
-                Err(failed) => return Err(failed.error),
-                Ok(granted) => break granted,
-            }
+            async move { LockClient::new(channel).acquire(request).await }
         };
+        let (reply, sent) = self.grant_moving(lock, wait, call).await?;
         if !reply.granted {
             return Ok(None);
         }

@@ -163,6 +163,11 @@ impl Proxies {
         self.current.lock().expect("current proxy").0
     }
 
+    /// How many proxies the client was given.
+    pub(crate) fn count(&self) -> usize {
+        self.addrs.len()
+    }
+
     pub(crate) fn addr(&self, index: usize) -> &str {
         &self.addrs[index]
     }

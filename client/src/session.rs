@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use crate::client::{Client, UNARY_TIMEOUT};
-use crate::error::{Call, Error};
+use crate::error::{no_answer, Call, Error};
 use crate::holdings::{Held, Holding, SessionEvents};
 use crate::shared::SessionShared;
 use crate::validity::{SessionState, Stamp};
@@ -49,13 +49,10 @@ fn default_identity() -> String {
     format!("{host}/{}", std::process::id())
 }
 
-/// Whether a failed call got no answer from its proxy (the connection failed: such a
-/// status has a source, not a code the proxy chose) or the proxy does not know the
-/// session: the proxy is gone, or the session has left it.
+/// Whether a failed call got no answer from its proxy ([`no_answer`]) or the proxy does
+/// not know the session: the proxy is gone, or the session has left it.
 pub(crate) fn left_behind(status: &Status) -> bool {
-    status.code() == tonic::Code::NotFound
-        || (status.code() == tonic::Code::Unavailable
-            && std::error::Error::source(status).is_some())
+    status.code() == tonic::Code::NotFound || no_answer(status)
 }
 
 /// A call that may grant, failed.
@@ -223,6 +220,38 @@ impl Session {
         self.grant_call(call).await.map_err(|failed| failed.error)
     }
 
+    /// Sends a call that may grant (an Acquire, a Campaign), made by `call` for what is
+    /// left of `wait`, and asks again on the session's new proxy whenever the one asked
+    /// went away mid-call ([`left_behind`]) and the session has moved, until `wait` is
+    /// over. `call` must send the same call id every time: a retry then gets the call's
+    /// grant back, and a fair waiter keeps its place in line. `name` is for logs.
+    pub(crate) async fn grant_moving<T, F>(
+        &self,
+        name: &str,
+        wait: crate::Wait,
+        mut call: impl FnMut(crate::Wait, Channel) -> F,
+    ) -> Result<(T, Sent), Error>
+    where
+        F: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let started = Instant::now();
+        loop {
+            let left = wait.remaining(started.elapsed());
+            let generation = self.client().proxies().generation();
+            match self.grant_call(|channel| call(left, channel)).await {
+                Err(failed)
+                    if failed.left_behind
+                        && self.moved_since(generation).await
+                        && !wait.is_over(started.elapsed()) =>
+                {
+                    tracing::debug!(name, error = %failed.error, "asked again on the session's new proxy");
+                }
+                Err(failed) => return Err(failed.error),
+                Ok(granted) => return Ok(granted),
+            }
+        }
+    }
+
     /// As [`grant_request`](Session::grant_request), saying also whether the call
     /// failed because its proxy is gone or the session has left it (worth asking again
     /// once the session has moved).
@@ -307,10 +336,18 @@ impl Session {
     /// Whether the client moves to another proxy (after `generation`) within a TTL, with
     /// the session still alive: a call that failed because its proxy went away can then
     /// be asked again.
+    ///
+    /// It waits for the move to end, too: a call sent while the move still runs may get
+    /// a grant that does not count until the session is resumed again (see
+    /// [`accept_grant`](Session::accept_grant)).
     pub(crate) async fn moved_since(&self, generation: u64) -> bool {
         let proxies = self.client().proxies();
         let patience = self.ttl().min(MOVE_PATIENCE);
-        proxies.switched_since(generation, patience).await && !self.shared().is_expired()
+        if !proxies.switched_since(generation, patience).await {
+            return false;
+        }
+        let _ = tokio::time::timeout(patience, self.shared().move_over()).await;
+        !self.shared().is_expired()
     }
 
     /// Turns a failed request's status (Acquire, Campaign) into an [`Error`]; when the

@@ -50,6 +50,8 @@ pub(crate) struct SessionShared {
     /// on the proxy it is leaving, on that proxy's lease.
     move_epoch: AtomicU64,
     moving: AtomicBool,
+    /// Told when a move ends.
+    move_ended: tokio::sync::Notify,
     /// The last `seq` used in a renewal; each renewal takes the next one, so a reply
     /// names exactly one request.
     seq: AtomicU64,
@@ -71,6 +73,7 @@ impl SessionShared {
             holdings: Holdings::default(),
             move_epoch: AtomicU64::new(0),
             moving: AtomicBool::new(false),
+            move_ended: tokio::sync::Notify::new(),
             seq: AtomicU64::new(0),
             last_valid_for_ms: AtomicU64::new(valid_for_ms),
             validity: watch::Sender::new(Validity::new(
@@ -147,6 +150,21 @@ impl SessionShared {
     pub(crate) fn end_move(&self) {
         self.move_epoch.fetch_add(1, Ordering::SeqCst);
         self.moving.store(false, Ordering::SeqCst);
+        self.move_ended.notify_waiters();
+    }
+
+    /// Resolves once no move of the session runs: a call sent from then on counts as
+    /// sent where the session lives.
+    pub(crate) async fn move_over(&self) {
+        loop {
+            let ended = self.move_ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if !self.moving.load(Ordering::SeqCst) {
+                return;
+            }
+            ended.await;
+        }
     }
 
     pub(crate) fn move_epoch(&self) -> u64 {

@@ -525,3 +525,161 @@ pub async fn a_resume_the_client_gave_up_on_cannot_land_after_a_later_one() -> a
     );
     Ok(())
 }
+
+/// A service waits for a lock held elsewhere, over TLS, and its proxy is SIGKILLed
+/// under the wait. Over TLS a connection that breaks mid-call surfaces in tonic as
+/// UNKNOWN "transport error", not UNAVAILABLE: the SDK must still see a proxy that gave
+/// no answer, move the session and wait on where it went, and the lock must come to it
+/// once the holder lets go.
+pub async fn a_wait_over_tls_goes_on_after_its_proxy_is_killed() -> anyhow::Result<()> {
+    let etcd = lockcell_tests::EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let ca = lockcell_tests::certs::Authority::new(&dir.path().join("certs"))?;
+    let server = ca.server("proxy")?;
+    let mut proxies = Vec::new();
+    for zone in ["a", "b"] {
+        let mut options = ProxyOptions::new(zone, etcd.endpoints());
+        options.extra_args = vec![
+            "--tls-cert".into(),
+            server.cert.display().to_string(),
+            "--tls-key".into(),
+            server.key.display().to_string(),
+        ];
+        proxies.push(ProxyProcess::start(&options, &etcd.dir).await?);
+    }
+    let tls = || lockcell_client::ClientTls {
+        ca_pem: std::fs::read(&ca.ca).expect("the CA"),
+        identity_pem: None,
+        domain: Some("localhost".into()),
+    };
+    let on = |addrs: Vec<String>| ClientOptions::new(addrs).tls(tls());
+    let holder_client = Client::connect_with(on(vec![proxies[1].addr.clone()])).await?;
+    let holder = holder_client.open_session(short_session(TTL)).await?;
+    let held = holder
+        .acquire("tls-wait/x", Wait::Try)
+        .await?
+        .context("a free lock was not granted")?;
+    let led = holder
+        .campaign("tls-wait/e", "holder", Wait::Try)
+        .await?
+        .context("an election with no leader was not won")?;
+
+    let addrs = proxies.iter().map(|p| p.addr.clone()).collect();
+    let client = Client::connect_with(on(addrs)).await?;
+    let session = client.open_session(short_session(TTL)).await?;
+    ensure!(
+        session.proxy_id().starts_with("a-"),
+        "{}",
+        session.proxy_id()
+    );
+    let mut events = session.events();
+    let candidate = client.open_session(short_session(TTL)).await?;
+    let mut waiting = tokio::spawn(async move {
+        let granted = session
+            .acquire("tls-wait/x", Wait::Timeout(Duration::from_secs(60)))
+            .await;
+        (session, granted)
+    });
+    let campaigning = tokio::spawn(async move {
+        let elected = candidate
+            .campaign("tls-wait/e", "candidate", Wait::Forever)
+            .await;
+        (candidate, elected)
+    });
+    eventually(
+        "the acquire and the campaign wait on proxy a",
+        Duration::from_secs(10),
+        || async { Ok((proxies[0].metric("lockcell_waiters").await? >= 2.0).then_some(())) },
+    )
+    .await?;
+    proxies[0].signal(Signal::SIGKILL)?;
+    let moved = eventually(
+        "the waiting session moves to proxy b",
+        Duration::from_secs(15),
+        || async { Ok((proxies[1].metric("lockcell_waiters").await? >= 2.0).then_some(())) },
+    );
+    tokio::select! {
+        moved = moved => moved?,
+        ended = &mut waiting => {
+            anyhow::bail!("the wait ended on its proxy's death: {:?}", ended?.1.map(|g| g.is_some()))
+        }
+    }
+    let token = held.token();
+    held.release().await?;
+    let (session, granted) = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .context("the wait did not end once the lock was free")??;
+    let guard = granted
+        .map_err(|e| anyhow::anyhow!("the wait failed on its proxy's death: {e:?}"))?
+        .context("a wait of 60 s answered 'not granted'")?;
+    ensure!(
+        guard.is_valid() && guard.token().revision > token.revision,
+        "the grant after the holder's release is current: {} after {}; session {:?}, events {:?}",
+        guard.token(),
+        token,
+        session.state(),
+        events_so_far(&mut events).await,
+    );
+    ensure!(
+        session.proxy_id().starts_with("b-"),
+        "{}",
+        session.proxy_id()
+    );
+    ensure!(
+        !campaigning.is_finished(),
+        "the campaign ended while another led"
+    );
+    led.resign().await?;
+    let (_candidate, elected) = tokio::time::timeout(Duration::from_secs(20), campaigning)
+        .await
+        .context("the campaign did not end once the leader resigned")??;
+    let leadership = elected
+        .map_err(|e| anyhow::anyhow!("the campaign failed on its proxy's death: {e:?}"))?
+        .context("a campaign waiting forever answered 'not elected'")?;
+    ensure!(
+        leadership.is_valid(),
+        "the new leader's leadership is valid"
+    );
+    Ok(())
+}
+
+/// `lockctl --proxy A,B lock` started while A, the first proxy named, drains: A refuses
+/// new sessions but still answers (a session that cannot move keeps it up). The command
+/// must run through B, as it would were A down, not exit "unavailable".
+pub async fn a_new_lockctl_passes_over_a_draining_first_proxy() -> anyhow::Result<()> {
+    let etcd = lockcell_tests::EtcdCluster::start(1).await?;
+    let mut proxies = Vec::new();
+    for zone in ["a", "b"] {
+        let mut options = ProxyOptions::new(zone, etcd.endpoints());
+        options.drain_timeout = Duration::from_secs(20);
+        proxies.push(ProxyProcess::start(&options, &etcd.dir).await?);
+    }
+    let only_a = || Client::connect_with(ClientOptions::new([proxies[0].url()]));
+    let stuck = only_a().await?;
+    let _stays = stuck.open_session(short_session(TTL)).await?;
+    proxies[0].signal(Signal::SIGTERM)?;
+    eventually(
+        "proxy a refuses new sessions",
+        Duration::from_secs(10),
+        || async {
+            let refused = only_a().await?.open_session(short_session(TTL)).await;
+            Ok(matches!(refused, Err(lockcell_client::Error::Unavailable(_))).then_some(()))
+        },
+    )
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let both = format!("{},{}", proxies[0].addr, proxies[1].addr);
+    let command =
+        crate::faults::lockctl_command(&both, ("2s", "1s"), "drain/x", "echo held", dir.path());
+    let out = tokio::time::timeout(Duration::from_secs(20), command?.output())
+        .await
+        .context("lockctl did not finish within 20 s")??;
+    ensure!(
+        out.status.code() == Some(0) && String::from_utf8_lossy(&out.stdout).trim() == "held",
+        "lockctl exited {:?}: {}{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}

@@ -138,6 +138,8 @@ fn main() {
         handover::a_rolling_restart_of_every_proxy_loses_no_session_and_no_lock,
         handover::a_proxy_cut_off_from_etcd_sends_its_clients_elsewhere_before_its_lease_ends,
         handover::a_resume_the_client_gave_up_on_cannot_land_after_a_later_one,
+        handover::a_wait_over_tls_goes_on_after_its_proxy_is_killed,
+        handover::a_new_lockctl_passes_over_a_draining_first_proxy,
         chaos::a_fault_run_of_every_kind_breaks_no_rule,
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
         chaos::a_clock_within_the_bound_breaks_nothing_and_beyond_it_is_caught,
