@@ -7,7 +7,8 @@
 
 use lockcell_proto::v1::election_client::ElectionClient;
 use lockcell_proto::v1::{
-    CampaignRequest, Leader, LeaderRequest, LeaderResponse, ProclaimRequest, ResignRequest,
+    CampaignRequest, CampaignResponse, Leader, LeaderRequest, LeaderResponse, ProclaimRequest,
+    ResignRequest,
 };
 use lockcell_proto::FencingToken;
 use tonic::Streaming;
@@ -17,8 +18,9 @@ use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
 use crate::holdings::{Held, Holding};
 use crate::lock::Wait;
-use crate::session::Session;
+use crate::session::{Sent, Session};
 use crate::validity::SessionState;
+use crate::withdraw::{Asked, Withdraw};
 
 impl Session {
     /// Waits until this session leads `election` with `value`, as `wait` says.
@@ -28,8 +30,10 @@ impl Session {
     /// [`Leadership::is_valid`] or race the work against [`Session::jeopardy`], and
     /// pass [`Leadership::token`] to every resource the leader changes.
     ///
-    /// If this future is dropped while the proxy is deciding, the session may still
-    /// have been elected; it then resigns when the session closes.
+    /// Cancel-safe: if this future is dropped before it answers (a timeout around it,
+    /// a `select!`), the campaign is withdrawn in the background. A leadership the proxy
+    /// granted as the caller gave up is resigned, and the session's next campaign of
+    /// `election` waits for that.
     pub async fn campaign(
         &self,
         election: &str,
@@ -38,21 +42,12 @@ impl Session {
     ) -> Result<Option<Leadership>, Error> {
         self.before_grant_of(election).await?;
         let call_id = crate::lock::call_id();
-        let call = |wait: Wait, channel| {
-            let mut request = tonic::Request::new(CampaignRequest {
-                session_id: self.id().to_owned(),
-                session_secret: self.secret().to_owned(),
-                election: election.to_owned(),
-                value: value.to_owned(),
-                wait_timeout_ms: wait.wait_timeout_ms(),
-                call_id: call_id.clone(),
-            });
-            if let Some(timeout) = wait.call_timeout() {
-                request.set_timeout(timeout);
-            }
-            async move { ElectionClient::new(channel).campaign(request).await }
-        };
-        let (reply, sent) = self.grant_moving(election, wait, call).await?;
+        // Dropped before the answer (a timeout, a `select!`), the call is withdrawn.
+        let value = value.to_owned();
+        let withdraw = Withdraw::arm(self, election, Asked::Election(value.clone()), &call_id);
+        let asked = ask_campaign(self, election, &value, &call_id, wait).await;
+        withdraw.disarm();
+        let (reply, sent) = asked?;
         if !reply.elected {
             return Ok(None);
         }
@@ -195,7 +190,37 @@ impl Drop for Leadership {
     }
 }
 
-async fn resign(session: &Session, election: &str, token: FencingToken) -> Result<bool, Error> {
+/// Campaigns in `election` with `value` as call `call_id`, waiting up to `wait`, on
+/// whichever proxy the session lives on ([`Session::grant_moving`]).
+pub(crate) async fn ask_campaign(
+    session: &Session,
+    election: &str,
+    value: &str,
+    call_id: &str,
+    wait: Wait,
+) -> Result<(CampaignResponse, Sent), Error> {
+    let call = |wait: Wait, channel| {
+        let mut request = tonic::Request::new(CampaignRequest {
+            session_id: session.id().to_owned(),
+            session_secret: session.secret().to_owned(),
+            election: election.to_owned(),
+            value: value.to_owned(),
+            wait_timeout_ms: wait.wait_timeout_ms(),
+            call_id: call_id.to_owned(),
+        });
+        if let Some(timeout) = wait.call_timeout() {
+            request.set_timeout(timeout);
+        }
+        async move { ElectionClient::new(channel).campaign(request).await }
+    };
+    session.grant_moving(election, wait, call).await
+}
+
+pub(crate) async fn resign(
+    session: &Session,
+    election: &str,
+    token: FencingToken,
+) -> Result<bool, Error> {
     let mut request = tonic::Request::new(ResignRequest {
         session_id: session.id().to_owned(),
         session_secret: session.secret().to_owned(),

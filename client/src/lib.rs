@@ -62,6 +62,7 @@ mod session;
 mod shared;
 mod validity;
 mod watch;
+mod withdraw;
 
 pub use client::{Client, ClientOptions};
 pub use election::{LeaderInfo, LeaderStream, Leadership};

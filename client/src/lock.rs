@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use lockcell_proto::v1::lock_client::LockClient;
 use lockcell_proto::v1::{
-    AcquireRequest, CheckSequencerRequest, DescribeRequest, LockMode, ReleaseRequest,
+    AcquireRequest, AcquireResponse, CheckSequencerRequest, DescribeRequest, LockMode,
+    ReleaseRequest,
 };
 use lockcell_proto::FencingToken;
 use tracing::Instrument as _;
@@ -15,8 +16,9 @@ use std::sync::Arc;
 use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
 use crate::holdings::{Held, Holding};
-use crate::session::Session;
+use crate::session::{Sent, Session};
 use crate::validity::SessionState;
+use crate::withdraw::{Asked, Withdraw};
 
 /// Extra time the gRPC deadline of a waiting Acquire gets beyond the wait itself, so the
 /// proxy's "not granted" answer arrives before the call is cut off.
@@ -129,8 +131,11 @@ impl Session {
     /// A guard dropped just before is no obstacle: its release is sent in the
     /// background, and this acquire waits for it first.
     ///
-    /// If this future is dropped while the proxy is deciding, the lock may still have
-    /// been granted to the session; it is then released when the session closes.
+    /// Cancel-safe: if this future is dropped before it answers (a timeout around it,
+    /// a `select!`), the call is withdrawn in the background. A grant the proxy made as
+    /// the caller gave up is released, and the session's next acquire of `lock` waits
+    /// for that. Without a tokio runtime to send from, such a grant is released when
+    /// the session ends.
     pub async fn acquire(&self, lock: &str, wait: Wait) -> Result<Option<LockGuard>, Error> {
         self.acquire_mode(lock, Mode::Exclusive, wait).await
     }
@@ -150,21 +155,11 @@ impl Session {
     ) -> Result<Option<LockGuard>, Error> {
         self.before_grant_of(lock).await?;
         let call_id = call_id();
-        let call = |wait: Wait, channel| {
-            let mut request = tonic::Request::new(AcquireRequest {
-                session_id: self.id().to_owned(),
-                session_secret: self.secret().to_owned(),
-                lock: lock.to_owned(),
-                wait_timeout_ms: wait.wait_timeout_ms(),
-                mode: mode.wire().into(),
-                call_id: call_id.clone(),
-            });
-            if let Some(timeout) = wait.call_timeout() {
-                request.set_timeout(timeout);
-            }
-            async move { LockClient::new(channel).acquire(request).await }
-        };
-        let (reply, sent) = self.grant_moving(lock, wait, call).await?;
+        // Dropped before the answer (a timeout, a `select!`), the call is withdrawn.
+        let withdraw = Withdraw::arm(self, lock, Asked::Lock(mode), &call_id);
+        let asked = ask_acquire(self, lock, mode, &call_id, wait).await;
+        withdraw.disarm();
+        let (reply, sent) = asked?;
         if !reply.granted {
             return Ok(None);
         }
@@ -300,7 +295,33 @@ impl Drop for LockGuard {
     }
 }
 
-async fn release(
+/// Asks for `lock` in `mode` as call `call_id`, waiting up to `wait`, on whichever
+/// proxy the session lives on ([`Session::grant_moving`]).
+pub(crate) async fn ask_acquire(
+    session: &Session,
+    lock: &str,
+    mode: Mode,
+    call_id: &str,
+    wait: Wait,
+) -> Result<(AcquireResponse, Sent), Error> {
+    let call = |wait: Wait, channel| {
+        let mut request = tonic::Request::new(AcquireRequest {
+            session_id: session.id().to_owned(),
+            session_secret: session.secret().to_owned(),
+            lock: lock.to_owned(),
+            wait_timeout_ms: wait.wait_timeout_ms(),
+            mode: mode.wire().into(),
+            call_id: call_id.to_owned(),
+        });
+        if let Some(timeout) = wait.call_timeout() {
+            request.set_timeout(timeout);
+        }
+        async move { LockClient::new(channel).acquire(request).await }
+    };
+    session.grant_moving(lock, wait, call).await
+}
+
+pub(crate) async fn release(
     session: &Session,
     lock: &str,
     mode: Mode,

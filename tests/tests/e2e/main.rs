@@ -9,6 +9,7 @@ mod audit;
 mod audit_stores;
 mod auth_tokens;
 mod bad_input;
+mod cancels;
 mod cell;
 mod chaos;
 mod check_config;
@@ -140,6 +141,7 @@ fn main() {
         handover::a_resume_the_client_gave_up_on_cannot_land_after_a_later_one,
         handover::a_wait_over_tls_goes_on_after_its_proxy_is_killed,
         handover::a_new_lockctl_passes_over_a_draining_first_proxy,
+        cancels::a_cancelled_acquire_or_campaign_never_leaves_a_grant_without_a_guard,
         chaos::a_fault_run_of_every_kind_breaks_no_rule,
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
         chaos::a_clock_within_the_bound_breaks_nothing_and_beyond_it_is_caught,

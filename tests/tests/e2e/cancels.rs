@@ -1,0 +1,119 @@
+//! Acquires and campaigns given up on (their futures dropped, as `tokio::time::timeout`
+//! and `select!` do) at random moments around the holder's release: none may leave the
+//! session holding a grant the application has no guard for. Locks of an arbitrated
+//! class and of a fair one (whose waiters are keys in etcd), and elections.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use lockcell_client::{Client, Session, Wait};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::support::short_session;
+
+/// Rounds of one run: a third each of arbitrated locks, elections and fair locks.
+const ROUNDS: usize = 36;
+
+const CLASSES: &str = r#"
+[[class]]
+name = "fair"
+prefix = "cancels/fair/"
+fair = true
+"#;
+/// Long enough that a grant left behind would outlive the check by far.
+const TTL: Duration = Duration::from_secs(30);
+
+pub async fn a_cancelled_acquire_or_campaign_never_leaves_a_grant_without_a_guard(
+) -> anyhow::Result<()> {
+    let (_etcd, proxies, _) = crate::contention::classed_cell(CLASSES).await?;
+    let client = Client::connect(&proxies[0].url()).await?;
+    let holder = client.open_session(short_session(TTL)).await?;
+    let waiter = client.open_session(short_session(TTL)).await?;
+    let prober = client.open_session(short_session(TTL)).await?;
+    let seed: u64 = rand::random();
+    println!("seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut cancelled = 0;
+    for round in 0..ROUNDS {
+        let election = round % 3 == 1;
+        let name = match round % 3 {
+            2 => format!("cancels/fair/{round}"),
+            _ => format!("cancels/{round}"),
+        };
+        let release_in = Duration::from_millis(rng.random_range(20..60));
+        // The waiter gives up within 15 ms either side of the release.
+        let give_up_in =
+            release_in + Duration::from_millis(rng.random_range(0..30)) - Duration::from_millis(15);
+        let waited = if election {
+            let led = holder
+                .campaign(&name, "holder", Wait::Try)
+                .await?
+                .context("an election with no leader was not won")?;
+            let resign = tokio::spawn(async move {
+                tokio::time::sleep(release_in).await;
+                led.resign().await
+            });
+            let waited =
+                tokio::time::timeout(give_up_in, waiter.campaign(&name, "waiter", Wait::Forever))
+                    .await;
+            resign.await??;
+            match waited {
+                Ok(Ok(Some(led))) => led.resign().await.map(|_| false)?,
+                Ok(other) => bail!("round {round}: the campaign ended with {other:?}"),
+                Err(_) => true,
+            }
+        } else {
+            let held = holder
+                .acquire(&name, Wait::Try)
+                .await?
+                .context("a free lock was not granted")?;
+            let release = tokio::spawn(async move {
+                tokio::time::sleep(release_in).await;
+                held.release().await
+            });
+            let waited =
+                tokio::time::timeout(give_up_in, waiter.acquire(&name, Wait::Forever)).await;
+            release.await??;
+            match waited {
+                Ok(Ok(Some(guard))) => guard.release().await.map(|_| false)?,
+                Ok(other) => bail!("round {round}: the acquire ended with {other:?}"),
+                Err(_) => true,
+            }
+        };
+        cancelled += usize::from(waited);
+        free_soon(&prober, &name, election)
+            .await
+            .with_context(|| format!("round {round} (seed {seed}, cancelled: {waited})"))?;
+    }
+    println!("{cancelled} of {ROUNDS} waits given up on; every lock and election was free after");
+    Ok(())
+}
+
+/// Waits until `prober` can take `name` (a lock, or an election), and lets go of it:
+/// no one holds it, and no grant is left with no guard.
+async fn free_soon(prober: &Session, name: &str, election: bool) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let taken = if election {
+            match prober.campaign(name, "prober", Wait::Try).await? {
+                Some(led) => led.resign().await.map(|_| true)?,
+                None => false,
+            }
+        } else {
+            match prober.acquire(name, Wait::Try).await? {
+                Some(guard) => guard.release().await.map(|_| true)?,
+                None => false,
+            }
+        };
+        if taken {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!(
+                "{name} is still held 5 s after the wait on it was given up: a grant with no guard"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
