@@ -2,12 +2,14 @@
 //! driver, shared by every session opened through it, that moves them all to another
 //! proxy when that one fails.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::proxies::Channel;
 use lockcell_proto::v1::session_client::SessionClient;
 use lockcell_proto::v1::OpenRequest;
+use tokio_util::task::TaskTracker;
 
 use crate::error::{Call, Error};
 use crate::keepalive::KeepAlive;
@@ -120,6 +122,8 @@ pub struct Client {
 struct ClientInner {
     proxies: Arc<Proxies>,
     keepalive: KeepAlive,
+    /// What drops started and still runs: releases, resignations, closes, withdrawals.
+    background: TaskTracker,
 }
 
 impl Client {
@@ -152,7 +156,11 @@ impl Client {
             options.move_stall,
         );
         Ok(Client {
-            inner: Arc::new(ClientInner { proxies, keepalive }),
+            inner: Arc::new(ClientInner {
+                proxies,
+                keepalive,
+                background: TaskTracker::new(),
+            }),
         })
     }
 
@@ -237,6 +245,63 @@ impl Client {
 
     pub(crate) fn keepalive(&self) -> &KeepAlive {
         &self.inner.keepalive
+    }
+
+    /// Runs `task` on `runtime`: a release, resignation, close or withdrawal that a drop
+    /// started. Counted until it ends, so that [`Client::shutdown`] waits for it.
+    pub(crate) fn spawn_background(
+        &self,
+        runtime: &tokio::runtime::Handle,
+        task: impl Future<Output = ()> + Send + 'static,
+    ) {
+        runtime.spawn(self.inner.background.track_future(task));
+    }
+
+    /// Lets go of everything before the program ends: waits for the releases and
+    /// resignations of the guards dropped so far (and the withdrawals of calls given up
+    /// on), then closes every session of this client still open, which releases what
+    /// it holds. Each call is bounded by its own timeout.
+    ///
+    /// Call it before `main` returns. A runtime that shuts down drops the tasks that
+    /// would have released dropped guards, and their locks then pass on only when their
+    /// sessions' TTLs run out. After it, the client's sessions are expired: open new
+    /// ones to go on. Returns the first error of a close (the others are still sent);
+    /// a session whose close failed expires on the proxy after its TTL.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), lockcell_client::Error> {
+    /// let client = lockcell_client::Client::connect("127.0.0.1:7420").await?;
+    /// let session = client.open_session(Default::default()).await?;
+    /// let _guard = session.acquire("jobs/nightly", lockcell_client::Wait::Try).await?;
+    /// // ... the work; the guard and the session are dropped here or earlier ...
+    /// client.shutdown().await
+    /// # }
+    /// ```
+    pub async fn shutdown(&self) -> Result<(), Error> {
+        let background = &self.inner.background;
+        background.close();
+        background.wait().await;
+        background.reopen();
+        let mut closes = tokio::task::JoinSet::new();
+        for session in self.inner.keepalive.open_sessions() {
+            self.inner.keepalive.unregister(&session.id);
+            session.expire("closed by Client::shutdown");
+            let channel = self.channel();
+            closes.spawn(async move {
+                let closed = crate::session::close(channel, &session).await;
+                closed.map_err(|status| Error::from_status(status, Call::Session(&session.id)))
+            });
+        }
+        let mut first = Ok(());
+        while let Some(closed) = closes.join_next().await {
+            if let Ok(Err(e)) = closed {
+                tracing::warn!(error = %e, "a session did not close at shutdown");
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
     }
 }
 

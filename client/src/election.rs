@@ -173,6 +173,7 @@ impl Drop for Leadership {
         let resigning = holdings.releasing(&self.election);
         holdings.remove(&self.holding);
         let session = self.session.clone();
+        let client = session.client().clone();
         let election = std::mem::take(&mut self.election);
         let token = self.token;
         // Owned by its own bound: the call answers or times out. It holds the session,
@@ -186,7 +187,7 @@ impl Drop for Leadership {
                 Err(error) => tracing::warn!(%error, "dropped leadership not resigned"),
             }
         };
-        runtime.spawn(task.instrument(span));
+        client.spawn_background(&runtime, task.instrument(span));
     }
 }
 

@@ -181,6 +181,11 @@ impl KeepAlive {
         answer.await.unwrap_or(false)
     }
 
+    /// The sessions renewed now.
+    pub(crate) fn open_sessions(&self) -> Vec<Arc<SessionShared>> {
+        self.sessions.iter().map(|s| s.value().clone()).collect()
+    }
+
     /// Stops renewing a session. Synchronous so that `Drop` can call it.
     pub(crate) fn unregister(&self, id: &str) {
         self.sessions.remove(id);

@@ -279,6 +279,7 @@ impl Drop for LockGuard {
         let releasing = holdings.releasing(&self.lock);
         holdings.remove(&self.holding);
         let session = self.session.clone();
+        let client = session.client().clone();
         let lock = std::mem::take(&mut self.lock);
         let (mode, token) = (self.mode, self.token);
         // Owned by its own bound: the call answers or times out. It holds the session,
@@ -291,7 +292,7 @@ impl Drop for LockGuard {
                 Err(error) => tracing::warn!(%error, "dropped guard not released"),
             }
         };
-        runtime.spawn(task.instrument(span));
+        client.spawn_background(&runtime, task.instrument(span));
     }
 }
 

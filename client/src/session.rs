@@ -181,18 +181,9 @@ impl Session {
         inner.closed.store(true, Ordering::Relaxed);
         inner.client.keepalive().unregister(&inner.shared.id);
         inner.shared.expire("closed by the application");
-        let mut request = tonic::Request::new(CloseRequest {
-            session_id: inner.shared.id.clone(),
-            incarnation: 0,
-            cells: Vec::new(),
-            session_secret: inner.shared.secret.clone(),
-        });
-        request.set_timeout(UNARY_TIMEOUT);
-        let reply = SessionClient::new(inner.client.channel())
-            .close(request)
+        close(inner.client.channel(), &inner.shared)
             .await
-            .map_err(|status| Error::from_status(status, Call::Session(self.id())))?;
-        Ok(reply.into_inner().released)
+            .map_err(|status| Error::from_status(status, Call::Session(self.id())))
     }
 
     pub(crate) fn client(&self) -> &Client {
@@ -405,28 +396,33 @@ impl Drop for SessionInner {
             return;
         };
         let channel = self.client.channel();
-        let id = self.shared.id.clone();
-        let secret = self.shared.secret.clone();
+        let shared = self.shared.clone();
         // Owned by its own bound: it ends when the call answers or times out.
-        runtime.spawn(async move {
-            let mut request = tonic::Request::new(CloseRequest {
-                session_id: id.clone(),
-                incarnation: 0,
-                cells: Vec::new(),
-                session_secret: secret,
-            });
-            request.set_timeout(UNARY_TIMEOUT);
-            match SessionClient::new(channel).close(request).await {
-                Ok(reply) => {
-                    let released = reply.into_inner().released;
-                    tracing::debug!(session.id = %id, released, "dropped session closed");
+        self.client.spawn_background(&runtime, async move {
+            match close(channel, &shared).await {
+                Ok(released) => {
+                    tracing::debug!(session.id = %shared.id, released, "dropped session closed");
                 }
                 Err(status) => {
-                    tracing::debug!(session.id = %id, %status, "dropped session not closed");
+                    tracing::debug!(session.id = %shared.id, %status, "dropped session not closed");
                 }
             }
         });
     }
+}
+
+/// Closes `session` on the proxy at `channel` (whichever stay it has there); how many of
+/// its keys the close deleted.
+pub(crate) async fn close(channel: Channel, session: &SessionShared) -> Result<u32, Status> {
+    let mut request = tonic::Request::new(CloseRequest {
+        session_id: session.id.clone(),
+        incarnation: 0,
+        cells: Vec::new(),
+        session_secret: session.secret.clone(),
+    });
+    request.set_timeout(UNARY_TIMEOUT);
+    let reply = SessionClient::new(channel).close(request).await?;
+    Ok(reply.into_inner().released)
 }
 
 #[cfg(test)]

@@ -56,6 +56,7 @@ impl Drop for Withdraw {
             return;
         };
         let releasing = session.shared().holdings.releasing(&name);
+        let client = session.client().clone();
         let span = tracing::debug_span!("withdraw", session.id = %session.id(), name = %name);
         let task = async move {
             let _releasing = releasing;
@@ -67,7 +68,7 @@ impl Drop for Withdraw {
                 }
             }
         };
-        runtime.spawn(task.instrument(span));
+        client.spawn_background(&runtime, task.instrument(span));
     }
 }
 

@@ -449,3 +449,62 @@ pub async fn release_markers_do_not_pile_up() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A program takes a lock and a leadership and returns from `main` with its guards
+/// dropped and a session still open, calling `Client::shutdown` last: its runtime then
+/// ends (dropping every task it still had), and another client must find the lock and
+/// the election free at once, not a TTL later.
+pub async fn a_client_shut_down_as_main_returns_leaves_nothing_held() -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a"]).await?;
+    let url = proxies[0].url();
+    let program = {
+        let url = url.clone();
+        std::thread::spawn(move || -> anyhow::Result<()> {
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime.block_on(async {
+                let client = Client::connect(&url).await?;
+                let session = client
+                    .open_session(short_session(Duration::from_secs(30)))
+                    .await?;
+                let lock = session
+                    .acquire("shutdown/x", Wait::Try)
+                    .await?
+                    .context("x")?;
+                let kept = session
+                    .acquire("shutdown/kept", Wait::Try)
+                    .await?
+                    .context("kept")?;
+                let led = session
+                    .campaign("shutdown/e", "v", Wait::Try)
+                    .await?
+                    .context("e")?;
+                drop((lock, led));
+                // `kept` and the session live on: the close must let go of them.
+                client.shutdown().await?;
+                drop((kept, session));
+                anyhow::Ok(())
+            })?;
+            drop(runtime);
+            Ok(())
+        })
+    };
+    program.join().expect("the program thread")?;
+    let other = Client::connect(&url).await?;
+    let session = other
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    for lock in ["shutdown/x", "shutdown/kept"] {
+        ensure!(
+            session.acquire(lock, Wait::Try).await?.is_some(),
+            "{lock} was still held after the program shut its client down and ended"
+        );
+    }
+    ensure!(
+        session
+            .campaign("shutdown/e", "w", Wait::Try)
+            .await?
+            .is_some(),
+        "the election was still led after the program shut its client down and ended"
+    );
+    Ok(())
+}

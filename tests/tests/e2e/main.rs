@@ -59,6 +59,7 @@ fn main() {
     }
     let trials: Vec<Trial> = trials![
         sessions::thousand_sessions_use_k_leases_and_write_nothing,
+        locks::a_client_shut_down_as_main_returns_leaves_nothing_held,
         locks::release_markers_do_not_pile_up,
         locks::holder_that_stops_renewing_loses_its_lock,
         locks::two_clients_hammering_one_lock_are_fenced,
