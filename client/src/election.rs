@@ -18,9 +18,11 @@ use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
 use crate::holdings::{Held, Holding};
 use crate::lock::Wait;
+use crate::revoked::Revoked;
 use crate::session::{Sent, Session};
 use crate::validity::SessionState;
 use crate::withdraw::{Asked, Withdraw};
+use tokio_util::sync::CancellationToken;
 
 impl Session {
     /// Waits until this session leads `election` with `value`, as `wait` says.
@@ -69,6 +71,7 @@ impl Session {
             election: election.to_owned(),
             token,
             resigned: false,
+            ended: CancellationToken::new(),
         }))
     }
 }
@@ -88,6 +91,8 @@ pub struct Leadership {
     token: FencingToken,
     /// Set once resigned, so `Drop` does not resign again.
     resigned: bool,
+    /// Cancelled when the hold is let go: ends the tokens of [`cancellation`](Self::cancellation).
+    ended: CancellationToken,
 }
 
 impl Leadership {
@@ -113,6 +118,32 @@ impl Leadership {
     /// [`Session::jeopardy`] too.)
     pub async fn lost(&self) -> String {
         self.session.hold_lost(&self.holding).await
+    }
+
+    /// Resolves as soon as the leadership may no longer be acted on: the session fell into
+    /// jeopardy ([`Revoked::Jeopardy`], which may pass: see [`Session::valid`]) or the
+    /// leadership is gone for good ([`Revoked::Lost`], with why). At once if that is so now.
+    /// Race the work done as leader against it.
+    pub async fn revoked(&self) -> Revoked {
+        crate::revoked::revoked(self.session.shared(), &self.holding).await
+    }
+
+    /// Until when the leadership may be acted on, as far as the client knows now (the
+    /// session's deadline; renewals push it on); `None` once it may not.
+    pub fn valid_until(&self) -> Option<tokio::time::Instant> {
+        crate::revoked::valid_until(self.session.shared(), &self.holding)
+    }
+
+    /// A token for worker tasks that act as leader: cancelled as soon as
+    /// [`revoked`](Self::revoked) would resolve, or once the leadership is let go (or its
+    /// handle dropped). It stays cancelled: after a jeopardy that passed, ask for a new
+    /// one. Needs a tokio runtime.
+    pub fn cancellation(&self) -> CancellationToken {
+        crate::revoked::cancellation(
+            self.session.shared().clone(),
+            self.holding.clone(),
+            &self.ended,
+        )
     }
 
     /// The session this leadership was won through.
@@ -158,6 +189,7 @@ impl Leadership {
 
 impl Drop for Leadership {
     fn drop(&mut self) {
+        self.ended.cancel();
         let holdings = &self.session.shared().holdings;
         if self.resigned || self.session.shared().is_expired() || self.holding.is_lost() {
             holdings.remove(&self.holding);

@@ -118,6 +118,11 @@ impl Holding {
         self.lost.borrow().is_some()
     }
 
+    /// Why the hold was reported lost, if it was.
+    pub(crate) fn lost_reason(&self) -> Option<String> {
+        self.lost.borrow().as_deref().map(str::to_owned)
+    }
+
     /// Resolves with the reason once the hold is reported lost.
     pub(crate) async fn lost(&self) -> Arc<str> {
         let mut rx = self.lost.subscribe();

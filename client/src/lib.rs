@@ -58,6 +58,7 @@ mod lock;
 mod members;
 mod proxies;
 mod renewals;
+mod revoked;
 mod session;
 mod shared;
 mod validity;
@@ -73,6 +74,7 @@ pub use lock::{LockGuard, LockHolder, LockState, LockWaiter, Mode, Sequencer, Wa
 pub use lockcell_proto::FencingToken;
 pub use members::{MemberChange, Members};
 pub use proxies::ClientTls;
+pub use revoked::Revoked;
 pub use session::{Session, SessionOptions};
 pub use validity::SessionState;
 pub use watch::{EventKind, WatchBatch, WatchEvent, WatchOptions, Watcher};

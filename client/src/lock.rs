@@ -16,9 +16,11 @@ use std::sync::Arc;
 use crate::client::{Client, UNARY_TIMEOUT};
 use crate::error::{Call, Error};
 use crate::holdings::{Held, Holding};
+use crate::revoked::Revoked;
 use crate::session::{Sent, Session};
 use crate::validity::SessionState;
 use crate::withdraw::{Asked, Withdraw};
+use tokio_util::sync::CancellationToken;
 
 /// Extra time the gRPC deadline of a waiting Acquire gets beyond the wait itself, so the
 /// proxy's "not granted" answer arrives before the call is cut off.
@@ -187,6 +189,7 @@ impl Session {
             mode,
             token,
             released: false,
+            ended: CancellationToken::new(),
         }))
     }
 }
@@ -207,6 +210,8 @@ pub struct LockGuard {
     token: FencingToken,
     /// Set once released, so `Drop` does not release again.
     released: bool,
+    /// Cancelled when the hold is let go: ends the tokens of [`cancellation`](Self::cancellation).
+    ended: CancellationToken,
 }
 
 impl LockGuard {
@@ -243,6 +248,32 @@ impl LockGuard {
         self.session.hold_lost(&self.holding).await
     }
 
+    /// Resolves as soon as the lock may no longer be acted on: the session fell into
+    /// jeopardy ([`Revoked::Jeopardy`], which may pass: see [`Session::valid`]) or the
+    /// lock is gone for good ([`Revoked::Lost`], with why). At once if that is so now.
+    /// Race the work done as holder against it.
+    pub async fn revoked(&self) -> Revoked {
+        crate::revoked::revoked(self.session.shared(), &self.holding).await
+    }
+
+    /// Until when the lock may be acted on, as far as the client knows now (the
+    /// session's deadline; renewals push it on); `None` once it may not.
+    pub fn valid_until(&self) -> Option<tokio::time::Instant> {
+        crate::revoked::valid_until(self.session.shared(), &self.holding)
+    }
+
+    /// A token for worker tasks that act as holder: cancelled as soon as
+    /// [`revoked`](Self::revoked) would resolve, or once the lock is let go (or its
+    /// handle dropped). It stays cancelled: after a jeopardy that passed, ask for a new
+    /// one. Needs a tokio runtime.
+    pub fn cancellation(&self) -> CancellationToken {
+        crate::revoked::cancellation(
+            self.session.shared().clone(),
+            self.holding.clone(),
+            &self.ended,
+        )
+    }
+
     /// Releases the lock. `Ok(false)`: it was no longer held by this grant (e.g. the
     /// session had already lost it); the proxy may also say so with
     /// [`Error::NotHolder`].
@@ -261,6 +292,7 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        self.ended.cancel();
         if self.released || self.session.shared().is_expired() {
             return;
         }

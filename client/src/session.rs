@@ -170,6 +170,17 @@ impl Session {
         self.inner.shared.jeopardy().await
     }
 
+    /// Resolves once the session is valid: at once if it is, or when a renewal or a move
+    /// brings it back from jeopardy with everything still held (each hold's own
+    /// `is_valid` says whether it survived). Fails if the session expires instead.
+    pub async fn valid(&self) -> Result<(), Error> {
+        if self.inner.shared.valid().await {
+            Ok(())
+        } else {
+            Err(self.expired_error())
+        }
+    }
+
     /// Stops renewals and closes the session, releasing everything it holds. Returns
     /// how many of its keys the close deleted (holds, ephemeral keys, and its fence once
     /// it has moved between proxies).

@@ -264,6 +264,26 @@ impl SessionShared {
     }
 
     /// Resolves once the session has expired (not merely past its deadline).
+    /// Resolves once the session is valid (before its deadline, settled): at once if it
+    /// is. False if it expired instead.
+    pub(crate) async fn valid(&self) -> bool {
+        let mut rx = self.validity.subscribe();
+        loop {
+            match rx
+                .borrow_and_update()
+                .state_at(Instant::now(), suspend::generation())
+            {
+                SessionState::Valid => return true,
+                SessionState::Expired => return false,
+                // Only a renewal (a change) brings it back.
+                SessionState::Jeopardy => {}
+            }
+            if rx.changed().await.is_err() {
+                return false;
+            }
+        }
+    }
+
     pub(crate) async fn expired(&self) {
         let mut rx = self.validity.subscribe();
         // An error means the sender is gone, which cannot happen while `self` lives.

@@ -60,7 +60,7 @@ pub async fn run_the_nightly_report(proxy: &str, store: &ReportStore) -> Result<
                 eprintln!("the store refused a stale token: {refused}");
             }
         }
-        _ = session.jeopardy() => eprintln!("lost the right to act; stopping"),
+        revoked = guard.revoked() => eprintln!("stopping: {revoked}"),
     }
     guard.release().await?;
     session.close().await?;

@@ -22,6 +22,7 @@ mod faults;
 mod grants;
 mod guide;
 mod handover;
+mod holds;
 mod image;
 mod kv;
 mod limits;
@@ -143,6 +144,8 @@ fn main() {
         handover::a_wait_over_tls_goes_on_after_its_proxy_is_killed,
         handover::a_new_lockctl_passes_over_a_draining_first_proxy,
         cancels::a_cancelled_acquire_or_campaign_never_leaves_a_grant_without_a_guard,
+        holds::revoked_fires_in_jeopardy_and_valid_tells_when_it_passed,
+        holds::revoked_says_why_a_hold_was_lost,
         chaos::a_fault_run_of_every_kind_breaks_no_rule,
         chaos::a_paused_client_loses_its_lock_and_does_not_act_after_its_deadline,
         chaos::a_clock_within_the_bound_breaks_nothing_and_beyond_it_is_caught,
