@@ -26,8 +26,10 @@
 //! grants and election wins alike); past it the session is in
 //! [jeopardy](SessionState::Jeopardy) and the proxy may hand its locks and leaderships
 //! to someone else at any moment, so the application must stop acting as holder or
-//! leader. Race work done under a lock against [`Session::jeopardy`], and pass the
-//! token to every resource.
+//! leader. Race work done under a lock against [`LockGuard::revoked`] (or hand worker
+//! tasks its [`cancellation`](LockGuard::cancellation) token), and pass the token to
+//! every resource. Acquires and campaigns are cancel-safe, and
+//! [`Client::shutdown`] lets go of everything before the program ends.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), lockcell_client::Error> {
@@ -38,11 +40,10 @@
 //! if let Some(guard) = session.acquire("billing/nightly-run", Wait::Forever).await? {
 //!     tokio::select! {
 //!         _ = do_the_work(guard.token()) => {}
-//!         _ = session.jeopardy() => eprintln!("lost the right to act; stopping"),
+//!         revoked = guard.revoked() => eprintln!("stopping: {revoked}"),
 //!     }
-//!     guard.release().await?;
 //! }
-//! session.close().await?;
+//! client.shutdown().await?;
 //! # Ok(()) }
 //! # async fn do_the_work(_token: lockcell_client::FencingToken) {}
 //! ```
@@ -50,6 +51,7 @@
 
 mod client;
 mod election;
+mod env;
 mod error;
 mod holdings;
 mod keepalive;
@@ -67,6 +69,7 @@ mod withdraw;
 
 pub use client::{Client, ClientOptions};
 pub use election::{LeaderInfo, LeaderStream, Leadership};
+pub use env::{ConnectSettings, DEFAULT_PROXY};
 pub use error::{Error, ErrorKind};
 pub use holdings::{Held, SessionEvent, SessionEvents};
 pub use kv::{CellRevision, Condition, Entry, Snapshot, Txn, TxnOutcome, Written};

@@ -66,7 +66,7 @@ struct Cli {
     #[arg(
         long,
         env = "LOCKCELL_PROXY",
-        default_value = "127.0.0.1:7420",
+        default_value = lockcell_client::DEFAULT_PROXY,
         global = true
     )]
     proxy: String,

@@ -3,8 +3,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use anyhow::Context;
-use lockcell_client::{Client, ClientOptions, ClientTls, Error};
+use lockcell_client::{Client, ClientOptions, ConnectSettings, Error};
 
 /// The `--proxy` list with the TLS and token options that go with it.
 #[derive(Debug, Clone, clap::Args)]
@@ -57,36 +56,19 @@ pub(crate) struct Target {
 
 impl Target {
     pub(crate) fn new(addrs: &str, args: &TargetArgs) -> anyhow::Result<Target> {
-        let list = addrs.split(',').map(str::trim).filter(|a| !a.is_empty());
-        let mut options = ClientOptions::new(list);
-        if let Some(ca) = &args.tls_ca {
-            let read = |path: &PathBuf, what: &str| {
-                std::fs::read(path).with_context(|| format!("reading {what} {}", path.display()))
-            };
-            let identity_pem = match (&args.tls_cert, &args.tls_key) {
-                (Some(cert), Some(key)) => Some((
-                    read(cert, "the client certificate (--tls-cert)")?,
-                    read(key, "the client key (--tls-key)")?,
-                )),
-                _ => None,
-            };
-            options = options.tls(ClientTls {
-                ca_pem: read(ca, "the CA certificate (--tls-ca)")?,
-                identity_pem,
-                domain: args.tls_domain.clone(),
-            });
-        } else if args.tls_cert.is_some() {
+        if args.tls_cert.is_some() && args.tls_ca.is_none() {
             anyhow::bail!(
                 "--tls-cert needs --tls-ca (the CA that signed the proxies' certificates)"
             );
         }
-        // An empty LOCKCELL_AUTH_TOKEN= is no token, not an empty one.
-        if let Some(token) = args.auth_token.as_ref().filter(|t| !t.is_empty()) {
-            options = options.token(token.clone());
-        }
+        let mut settings = ConnectSettings::new(addrs);
+        settings.tls_ca = args.tls_ca.clone();
+        settings.tls_identity = args.tls_cert.clone().zip(args.tls_key.clone());
+        settings.tls_domain = args.tls_domain.clone();
+        settings.auth_token = args.auth_token.clone();
         Ok(Target {
             addrs: addrs.to_owned(),
-            options,
+            options: settings.options()?,
         })
     }
 
