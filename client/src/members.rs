@@ -9,9 +9,12 @@
 //! name is one segment: not empty, no `/`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tokio::sync::watch;
 
 use crate::client::Client;
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 use crate::kv::{Condition, Written};
 use crate::session::Session;
 use crate::watch::{EventKind, WatchEvent, WatchOptions, Watcher};
@@ -181,7 +184,48 @@ impl Members {
             }
         }
     }
+
+    /// Keeps the group current in a task of its own and returns a receiver of it, as a
+    /// cache: `borrow()` it whenever, `changed().await` to wake on a change. The task
+    /// ends when every receiver is dropped, or on an error that asking again would not
+    /// cure (a refusal by the grants; the receivers then see the sender gone). A proxy
+    /// out of reach only delays it. Needs a tokio runtime.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let web = client.members("web").await?.watch();
+    /// let backends: Vec<String> = web.borrow().keys().cloned().collect();
+    /// # Ok(()) }
+    /// ```
+    pub fn watch(mut self) -> watch::Receiver<Arc<BTreeMap<String, Vec<u8>>>> {
+        let (tx, rx) = watch::channel(Arc::new(self.current.clone()));
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    changed = self.changed() => match changed {
+                        Ok(_) => {
+                            tx.send_replace(Arc::new(self.current.clone()));
+                        }
+                        Err(error) if error.kind() == ErrorKind::Retry => {
+                            tracing::warn!(members.group = %self.prefix, %error, "membership cache waiting for the proxy");
+                            tokio::time::sleep(CACHE_RETRY).await;
+                        }
+                        Err(error) => {
+                            tracing::warn!(members.group = %self.prefix, %error, "membership cache stopped");
+                            return;
+                        }
+                    },
+                }
+            }
+        });
+        rx
+    }
 }
+
+/// How long a membership cache waits before asking again after the proxy could not be
+/// reached (the watch under it already waited a while before saying so).
+const CACHE_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Applies `events` to `current` and says what changed, in order. A write that leaves
 /// a member's value as it was is no change.

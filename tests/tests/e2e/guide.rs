@@ -153,6 +153,18 @@ pub async fn follow_the_primary(client: &Client) -> Result<Option<String>, Error
         None => Ok(None),
     }
 }
+
+pub async fn lead_the_reports(session: &Session, store: &ReportStore) -> Result<(), Error> {
+    // Campaign, write as leader, let go, campaign again (others get their turn). The
+    // work is dropped the moment the term is revoked; the token fences what it wrote.
+    session
+        .lead("reports/leader", "host-7", |term| async move {
+            if let Err(refused) = store.write(term.token, "written by the leader").await {
+                eprintln!("the store refused a stale token: {refused}");
+            }
+        })
+        .await
+}
 // --- end ---
 
 // --- guide: membership ---
@@ -166,6 +178,13 @@ pub async fn join_the_web_group(proxy: &str) -> Result<Vec<String>, Error> {
     let names = members.current().keys().cloned().collect();
     session.close().await?;
     Ok(names)
+}
+
+pub async fn web_backends(client: &Client) -> Result<Vec<String>, Error> {
+    // A cache of the group, kept current by a task of its own while `web` lives.
+    let web = client.members("web").await?.watch();
+    let backends = web.borrow().keys().cloned().collect();
+    Ok(backends)
 }
 // --- end ---
 
@@ -317,6 +336,30 @@ pub async fn the_client_guides_examples_run_against_a_real_cell() -> anyhow::Res
         join_the_web_group(&addr).await? == ["host-7"],
         "the member did not show"
     );
+    let member = client.open_session(SessionOptions::default()).await?;
+    member.announce("web", "host-8", b"10.0.0.8:8080").await?;
+    ensure!(
+        web_backends(&client).await? == ["host-8"],
+        "the member cache did not show the member"
+    );
+    member.close().await?;
+    let leading = client.open_session(SessionOptions::default()).await?;
+    let terms = ReportStore::default();
+    let three_terms = async {
+        while terms.reports.lock().unwrap().len() < 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::select! {
+        ended = lead_the_reports(&leading, &terms) => anyhow::bail!("the lead loop ended: {ended:?}"),
+        _ = tokio::time::timeout(Duration::from_secs(20), three_terms) => {}
+    }
+    let tokens: Vec<FencingToken> = terms.reports.lock().unwrap().iter().map(|r| r.0).collect();
+    ensure!(
+        tokens.len() >= 3 && tokens.windows(2).all(|w| w[0] < w[1]),
+        "each term of the lead loop had a new token: {tokens:?}"
+    );
+    leading.close().await?;
     tokio::time::timeout(Duration::from_secs(20), follow_the_rates(&addr))
         .await
         .context("the watch example saw nothing within 20 s")??;

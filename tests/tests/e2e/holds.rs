@@ -2,10 +2,12 @@
 //! the session falls into jeopardy and when the hold is lost for good, say which, and
 //! `Session::valid()` tells when a jeopardy has passed.
 
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
-use lockcell_client::{Client, Revoked, Wait};
+use lockcell_client::{Client, ClientOptions, Revoked, Wait};
 use lockcell_tests::{eventually, EtcdCluster, ProxyOptions, ProxyProcess};
 use nix::sys::signal::Signal;
 
@@ -100,5 +102,118 @@ pub async fn revoked_says_why_a_hold_was_lost() -> anyhow::Result<()> {
     })
     .await?;
     ensure!(led.valid_until().is_none() && session.valid().await.is_err());
+    Ok(())
+}
+
+/// What the candidates of [`a_lead_loop_keeps_one_term_at_a_time_through_a_proxy_kill`]
+/// share: who is in a term now, what went wrong, and the fenced resource they write.
+#[derive(Default)]
+struct Terms {
+    active: std::sync::Mutex<Option<String>>,
+    overlaps: std::sync::Mutex<Vec<String>>,
+    begun: std::sync::atomic::AtomicUsize,
+    resource: lockcell_tests::FencedResource,
+}
+
+/// Ends a term in [`Terms`] when its work ends or is dropped.
+struct InTerm<'a>(&'a Terms, String);
+
+impl Drop for InTerm<'_> {
+    fn drop(&mut self) {
+        let mut active = self.0.active.lock().expect("terms");
+        if active.as_deref() == Some(self.1.as_str()) {
+            *active = None;
+        }
+    }
+}
+
+/// Candidate `name` leads `lead/e` through `addrs` with `Session::lead`; each term
+/// writes the fenced resource ten times, 20 ms apart, then lets go.
+async fn candidate(
+    name: &'static str,
+    addrs: Vec<String>,
+    terms: Arc<Terms>,
+) -> anyhow::Result<()> {
+    let client = Client::connect_with(ClientOptions::new(addrs)).await?;
+    let session = client
+        .open_session(short_session(Duration::from_secs(2)))
+        .await?;
+    session
+        .lead("lead/e", name, |term| {
+            let terms = terms.clone();
+            async move {
+                {
+                    let mut active = terms.active.lock().expect("terms");
+                    if let Some(other) = active.as_ref() {
+                        terms.overlaps.lock().expect("terms").push(format!(
+                            "{name}'s term {} began while {other}'s ran",
+                            term.token
+                        ));
+                    }
+                    *active = Some(name.to_owned());
+                }
+                terms.begun.fetch_add(1, Ordering::SeqCst);
+                let _in_term = InTerm(&terms, name.to_owned());
+                for _ in 0..10 {
+                    terms.resource.write(name, term.token);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        })
+        .await?;
+    Ok(())
+}
+
+/// Two services lead one election with `Session::lead` through two proxies; the proxy
+/// the leader of the moment lives on is SIGKILLed. Terms go on (the loop requeues), and no two terms
+/// ever run at once, nor does a write with an older term's token reach the resource
+/// after a newer one's.
+pub async fn a_lead_loop_keeps_one_term_at_a_time_through_a_proxy_kill() -> anyhow::Result<()> {
+    let (_etcd, proxies) = crate::support::cell(&["a", "b"]).await?;
+    let (a, b) = (proxies[0].addr.clone(), proxies[1].addr.clone());
+    let terms = Arc::new(Terms::default());
+    let first = tokio::spawn(candidate("one", vec![a.clone(), b.clone()], terms.clone()));
+    let second = tokio::spawn(candidate("two", vec![b, a], terms.clone()));
+    let begun = |at_least: usize| {
+        let terms = terms.clone();
+        move || {
+            let terms = terms.clone();
+            async move { Ok((terms.begun.load(Ordering::SeqCst) >= at_least).then_some(())) }
+        }
+    };
+    eventually("four terms", Duration::from_secs(20), begun(4)).await?;
+    // The proxy of whoever leads now dies under its term.
+    let leader = eventually("a term running", Duration::from_secs(10), || async {
+        Ok(terms.active.lock().expect("terms").clone())
+    })
+    .await?;
+    let dead = usize::from(leader == "two");
+    proxies[dead].signal(Signal::SIGKILL)?;
+    let before = terms.begun.load(Ordering::SeqCst);
+    eventually(
+        "four more terms after the kill",
+        Duration::from_secs(30),
+        begun(before + 4),
+    )
+    .await?;
+    first.abort();
+    second.abort();
+    let overlaps = terms.overlaps.lock().expect("terms").clone();
+    ensure!(overlaps.is_empty(), "terms overlapped: {overlaps:?}");
+    let refused = terms.resource.refused();
+    ensure!(
+        refused.is_empty(),
+        "stale writes reached the resource: {refused:?}"
+    );
+    let writers: std::collections::BTreeSet<String> = terms
+        .resource
+        .accepted()
+        .into_iter()
+        .map(|(w, _)| w)
+        .collect();
+    ensure!(
+        writers.len() == 2,
+        "both candidates led in turn: {writers:?}"
+    );
     Ok(())
 }

@@ -338,3 +338,47 @@ pub async fn a_re_announced_member_survives_its_previous_sessions_end() -> anyho
     }
     Ok(())
 }
+
+/// `Members::watch` as a cache: it starts with the group as read and follows a join, a
+/// value and a leave.
+pub async fn a_member_cache_follows_joins_and_leaves() -> anyhow::Result<()> {
+    let (_etcd, proxies) = cell(&["a"]).await?;
+    let client = Client::connect(&proxies[0].url()).await?;
+    let first = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    first.announce("cache", "host-1", b"10.0.0.1").await?;
+    let cache = client.members("cache").await?.watch();
+    ensure!(
+        cache.borrow().keys().eq(["host-1"]),
+        "the cache starts with the group as read: {:?}",
+        cache.borrow()
+    );
+    let second = client
+        .open_session(short_session(Duration::from_secs(5)))
+        .await?;
+    second.announce("cache", "host-2", b"10.0.0.2").await?;
+    let seen = |want: &'static [&'static str]| {
+        let mut cache = cache.clone();
+        async move {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                cache.wait_for(|members| {
+                    members.keys().map(String::as_str).eq(want.iter().copied())
+                }),
+            )
+            .await
+            .with_context(|| format!("the cache never showed {want:?}"))?
+            .context("the cache's task ended")?;
+            anyhow::Ok(())
+        }
+    };
+    seen(&["host-1", "host-2"]).await?;
+    ensure!(
+        cache.borrow()["host-2"] == b"10.0.0.2",
+        "the value announced"
+    );
+    first.close().await?;
+    seen(&["host-2"]).await?;
+    Ok(())
+}
