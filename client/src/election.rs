@@ -5,6 +5,8 @@
 //! the same timing rule as a lock: it may be acted on only while its session is valid,
 //! and its fencing token goes to every resource the leader changes.
 
+use std::time::Duration;
+
 use lockcell_proto::v1::election_client::ElectionClient;
 use lockcell_proto::v1::{
     CampaignRequest, CampaignResponse, Leader, LeaderRequest, LeaderResponse, ProclaimRequest,
@@ -15,7 +17,7 @@ use tonic::Streaming;
 use tracing::Instrument as _;
 
 use crate::client::{Client, UNARY_TIMEOUT};
-use crate::error::{Call, Error};
+use crate::error::{Call, Error, ErrorKind};
 use crate::holdings::{Held, Holding};
 use crate::lock::Wait;
 use crate::revoked::Revoked;
@@ -323,6 +325,16 @@ impl Client {
     /// An observer learns of a change after it happened: to act *as* leader, campaign;
     /// to act *on* a leader, pass its token along.
     pub async fn observe(&self, election: &str) -> Result<LeaderStream, Error> {
+        Ok(LeaderStream {
+            client: self.clone(),
+            election: election.to_owned(),
+            stream: Some(self.observe_stream(election).await?),
+            last: None,
+            done: false,
+        })
+    }
+
+    async fn observe_stream(&self, election: &str) -> Result<Streaming<LeaderResponse>, Error> {
         let stream = ElectionClient::new(self.channel())
             .observe(LeaderRequest {
                 election: election.to_owned(),
@@ -330,38 +342,100 @@ impl Client {
             .await
             .map_err(|status| Error::from_status(status, Call::Unbound))?
             .into_inner();
-        Ok(LeaderStream {
-            election: election.to_owned(),
-            stream: Some(stream),
-        })
+        Ok(stream)
     }
 }
+
+/// How long a broken [`LeaderStream`] tries to observe again before it reports the proxy
+/// unreachable (the next call tries again).
+const REOBSERVE_FOR: Duration = Duration::from_secs(30);
 
 /// The leaders of one election, as [`Client::observe`] reports them.
 #[derive(Debug)]
 pub struct LeaderStream {
-    /// For error messages.
+    client: Client,
     election: String,
-    /// `None` once the stream has ended (after its error was handed out).
+    /// `None` while broken: the next call observes again.
     stream: Option<Streaming<LeaderResponse>>,
+    /// The last leader handed out: a stream observed again starts with the leader of
+    /// that moment, which is not repeated if it is the same.
+    last: Option<Option<LeaderInfo>>,
+    /// Set after an error that observing again would not cure.
+    done: bool,
 }
 
 impl LeaderStream {
-    /// The next leader (`Some(Ok(None))`: nobody leads now). A stream that breaks, or
-    /// that the proxy ends, yields one error and then `None`: changes are no longer
-    /// being reported, so observe again.
+    /// The next leader (`Some(Ok(None))`: nobody leads now), the current one first.
+    ///
+    /// A stream that breaks, or that the proxy ends, is observed again (on the proxy the
+    /// client uses then) and goes on with the leader of that moment: changes in between
+    /// fold into it, and the same leader is not reported twice (a leader whose session
+    /// only moved to another proxy is the same leader). If no proxy answers for 30 s,
+    /// [`Error::Unavailable`]; a later call tries again. An error that observing again
+    /// would not cure (a refusal) is handed out once, then `None`.
+    ///
+    /// Cancel-safe: a call dropped before it returns loses nothing.
     pub async fn next(&mut self) -> Option<Result<Option<LeaderInfo>, Error>> {
-        let stream = self.stream.as_mut()?;
-        let item = match stream.message().await {
-            Ok(Some(reply)) => return Some(leader_info(&self.election, reply.leader)),
-            Ok(None) => Error::Unavailable(format!(
-                "the proxy stopped reporting the leaders of election {:?}; observe again",
-                self.election
-            )),
-            Err(status) => Error::from_status(status, Call::Unbound),
-        };
-        self.stream = None;
-        Some(Err(item))
+        if self.done {
+            return None;
+        }
+        let mut broken_since: Option<tokio::time::Instant> = None;
+        // The pace of a broken watch's retries.
+        let mut pauses = crate::watch::backoff();
+        loop {
+            let failed = match self.stream.as_mut() {
+                None => match self.client.observe_stream(&self.election).await {
+                    Ok(stream) => {
+                        self.stream = Some(stream);
+                        continue;
+                    }
+                    Err(error) => error,
+                },
+                Some(stream) => match stream.message().await {
+                    Ok(Some(reply)) => match leader_info(&self.election, reply.leader) {
+                        Ok(leader) if self.last.as_ref().is_some_and(|l| same(l, &leader)) => {
+                            continue
+                        }
+                        Ok(leader) => {
+                            self.last = Some(leader.clone());
+                            return Some(Ok(leader));
+                        }
+                        Err(error) => error,
+                    },
+                    Ok(None) => Error::Unavailable(format!(
+                        "the proxy stopped reporting the leaders of election {:?}",
+                        self.election
+                    )),
+                    Err(status) => Error::from_status(status, Call::Unbound),
+                },
+            };
+            self.stream = None;
+            // OUT_OF_RANGE: the election's name moved to another cell; observed again,
+            // its new cell answers.
+            let moved = matches!(&failed, Error::Status(s) if s.code() == tonic::Code::OutOfRange);
+            if failed.kind() != ErrorKind::Retry && !moved {
+                self.done = true;
+                return Some(Err(failed));
+            }
+            let since = *broken_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= REOBSERVE_FOR {
+                return Some(Err(failed));
+            }
+            tracing::debug!(election.name = %self.election, error = %failed, "observing again");
+            tokio::time::sleep(pauses.next().unwrap_or(REOBSERVE_FOR)).await;
+        }
+    }
+}
+
+/// Whether two reports name the same leader: the same grant with the same value (where
+/// its session lives does not matter).
+fn same(a: &Option<LeaderInfo>, b: &Option<LeaderInfo>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => {
+            a.token == b.token && a.session_id == b.session_id && a.value == b.value
+        }
+        _ => false,
     }
 }
 

@@ -501,7 +501,7 @@ async fn open(
     }
 }
 
-fn backoff() -> ExponentialBackoff {
+pub(crate) fn backoff() -> ExponentialBackoff {
     ExponentialBuilder::default()
         .with_min_delay(RECONNECT_MIN)
         .with_max_delay(RECONNECT_MAX)

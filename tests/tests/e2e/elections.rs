@@ -253,3 +253,44 @@ pub async fn sequencer_checks_and_refusals_name_the_rule() -> anyhow::Result<()>
     ensure!(led.resign().await?);
     Ok(())
 }
+
+/// The next report of `observer`, within 20 s.
+async fn next(observer: &mut lockcell_client::LeaderStream) -> anyhow::Result<Option<LeaderInfo>> {
+    tokio::time::timeout(Duration::from_secs(20), observer.next())
+        .await
+        .context("no report within 20 s")?
+        .context("the observer ended")?
+        .map_err(anyhow::Error::from)
+}
+
+/// An observer whose proxy is SIGKILLed goes on through the next proxy: it reports the
+/// next change, neither an error nor the leader it already reported.
+pub async fn an_observer_goes_on_through_its_proxys_death() -> anyhow::Result<()> {
+    use lockcell_client::{Client, ClientOptions};
+    use nix::sys::signal::Signal;
+    let (_etcd, proxies) = crate::support::cell(&["a", "b"]).await?;
+    let both = [proxies[0].addr.clone(), proxies[1].addr.clone()];
+    let watching = Client::connect_with(ClientOptions::new(both)).await?;
+    let mut observer = watching.observe("observed/e").await?;
+    ensure!(next(&mut observer).await?.is_none(), "nobody leads yet");
+    let leading = Client::connect(&proxies[1].url()).await?;
+    let session = leading
+        .open_session(short_session(Duration::from_secs(10)))
+        .await?;
+    let leader = session
+        .campaign("observed/e", "v1", Wait::Try)
+        .await?
+        .context("an uncontested campaign lost")?;
+    ensure!(
+        next(&mut observer).await?.is_some_and(|l| l.value == "v1"),
+        "the leader"
+    );
+    proxies[0].signal(Signal::SIGKILL)?;
+    leader.proclaim("v2").await?;
+    let after = next(&mut observer).await?;
+    ensure!(
+        after.as_ref().is_some_and(|l| l.value == "v2"),
+        "after the kill the observer reported {after:?}, not the new value"
+    );
+    Ok(())
+}

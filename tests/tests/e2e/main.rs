@@ -105,6 +105,7 @@ fn main() {
         modes::a_bad_classes_file_is_refused_and_the_last_good_one_stays,
         modes::lock_delay_holds_back_a_vanished_holders_lock_but_not_a_released_one,
         modes::tries_racing_a_holders_expiry_wait_out_the_lock_delay,
+        elections::an_observer_goes_on_through_its_proxys_death,
         elections::one_leader_at_a_time_and_observers_see_every_change_in_order,
         elections::a_leader_whose_session_expires_is_replaced,
         elections::sequencer_checks_and_refusals_name_the_rule,

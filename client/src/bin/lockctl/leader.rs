@@ -36,12 +36,12 @@ Print who leads election NAME, then every change.
 
 Prints the current leader, then one line each time the leader or its value changes, in
 order, in the format of lockctl leader (\"no leader\" when nobody leads; with --json, one
-JSON object per line). Runs until Ctrl-C (SIGINT) or SIGTERM, or until the stream of
-changes breaks.
+JSON object per line). Runs until Ctrl-C (SIGINT) or SIGTERM. A stream that breaks (a
+proxy restarting or dying) is observed again through the next proxy, going on with the
+leader of that moment; the same leader is not printed twice.
 
-Exit statuses: 0 stopped by SIGINT or SIGTERM, 69 the proxy is unreachable or the stream
-broke (changes are no longer being reported; observe again), 64 the proxy refused the
-election name, 1 anything else.
+Exit statuses: 0 stopped by SIGINT or SIGTERM, 69 no proxy could be reached for 30 s, 64
+the proxy refused the election name, 1 anything else.
 
 Example:
   lockctl observe db/primary
