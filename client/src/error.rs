@@ -213,12 +213,17 @@ impl Error {
     /// (tonic says the same codes about oversized messages) and stays a plain status.
     pub(crate) fn from_status(status: Status, call: Call<'_>) -> Error {
         let status = with_tls_hint(status);
-        if no_answer(&status) {
-            return Error::Unavailable(format!(
-                "no answer from the proxy ({:?}: {})",
-                status.code(),
-                chain(&status)
-            ));
+        if let Some(cause) = StdError::source(&status) {
+            // No answer (see `no_answer`): tonic's message, then what the transport said.
+            let mut text = status.message().to_owned();
+            let causes = chain(cause);
+            if !text.contains(&causes) {
+                text = format!("{text}: {causes}");
+            }
+            return Error::Unavailable(tls_hint(format!(
+                "no answer from the proxy ({:?}: {text})",
+                status.code()
+            )));
         }
         let gone = |id: &str| Error::SessionExpired {
             session: id.to_owned(),
@@ -314,15 +319,24 @@ fn revision_in(status: &Status, name: &str) -> Option<i64> {
 /// answer (the TLS record read as a frame header).
 fn with_tls_hint(status: Status) -> Status {
     let message = status.message();
-    if !(message.contains("frame with invalid size") || message.contains("FRAME_SIZE_ERROR")) {
+    if !reads_tls_as_http2(message) {
         return status;
     }
-    Status::new(
-        status.code(),
-        format!(
-            "{message} (the proxy may serve TLS: give the CA that signed its certificate, ClientOptions::tls or lockctl --tls-ca / LOCKCELL_TLS_CA)"
-        ),
+    Status::new(status.code(), tls_hint(message.to_owned()))
+}
+
+/// `text`, saying what to do when it is what plain HTTP/2 makes of a TLS server's answer.
+fn tls_hint(text: String) -> String {
+    if !reads_tls_as_http2(&text) {
+        return text;
+    }
+    format!(
+        "{text} (the proxy may serve TLS: give the CA that signed its certificate, ClientOptions::tls or lockctl --tls-ca / LOCKCELL_TLS_CA)"
     )
+}
+
+fn reads_tls_as_http2(text: &str) -> bool {
+    text.contains("frame with invalid size") || text.contains("FRAME_SIZE_ERROR")
 }
 
 /// Whether the proxy's message says the session itself is gone (expired, or unknown to
