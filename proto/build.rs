@@ -4,6 +4,11 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Named here because `etcd_descriptor_set` names its own folder: once a build script
+    // names one path, cargo reruns it only for the paths it names.
+    println!("cargo:rerun-if-changed=proto/lockcell");
+    println!("cargo:rerun-if-changed=proto/etcd");
+    println!("cargo:rerun-if-changed=build.rs");
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .build_client(true)

@@ -234,6 +234,19 @@ pub(crate) async fn ask_campaign(
     call_id: &str,
     wait: Wait,
 ) -> Result<(CampaignResponse, Sent), Error> {
+    send_campaign(session, election, value, call_id, wait, false).await
+}
+
+/// [`ask_campaign`], or with `withdraw` the withdrawal of call `call_id` (see the
+/// proto's `CampaignRequest.withdraw`).
+pub(crate) async fn send_campaign(
+    session: &Session,
+    election: &str,
+    value: &str,
+    call_id: &str,
+    wait: Wait,
+    withdraw: bool,
+) -> Result<(CampaignResponse, Sent), Error> {
     let call = |wait: Wait, channel| {
         let mut request = tonic::Request::new(CampaignRequest {
             session_id: session.id().to_owned(),
@@ -242,6 +255,7 @@ pub(crate) async fn ask_campaign(
             value: value.to_owned(),
             wait_timeout_ms: wait.wait_timeout_ms(),
             call_id: call_id.to_owned(),
+            withdraw,
         });
         if let Some(timeout) = wait.call_timeout() {
             request.set_timeout(timeout);

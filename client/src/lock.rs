@@ -337,6 +337,19 @@ pub(crate) async fn ask_acquire(
     call_id: &str,
     wait: Wait,
 ) -> Result<(AcquireResponse, Sent), Error> {
+    send_acquire(session, lock, mode, call_id, wait, false).await
+}
+
+/// [`ask_acquire`], or with `withdraw` the withdrawal of call `call_id` (see the
+/// proto's `AcquireRequest.withdraw`).
+pub(crate) async fn send_acquire(
+    session: &Session,
+    lock: &str,
+    mode: Mode,
+    call_id: &str,
+    wait: Wait,
+    withdraw: bool,
+) -> Result<(AcquireResponse, Sent), Error> {
     let call = |wait: Wait, channel| {
         let mut request = tonic::Request::new(AcquireRequest {
             session_id: session.id().to_owned(),
@@ -345,6 +358,7 @@ pub(crate) async fn ask_acquire(
             wait_timeout_ms: wait.wait_timeout_ms(),
             mode: mode.wire().into(),
             call_id: call_id.to_owned(),
+            withdraw,
         });
         if let Some(timeout) = wait.call_timeout() {
             request.set_timeout(timeout);

@@ -4,13 +4,15 @@
 //! Nothing would then let go of that grant until the session ends, and a long-lived
 //! session would keep the lock from everyone.
 //!
-//! [`Withdraw`] is armed while such a call runs. Dropped armed, it asks the proxy once
-//! more, with the call's id and no wait: a call that was granted gets its grant back
-//! (the proxy's rule: idempotent per call), which is then released or resigned. A call
-//! still deciding on the proxy is found by its id as well: the proxy runs each grant
-//! attempt to completion and records it in the session before it goes out. Until that is
-//! done, the session's next acquire or campaign of the name waits, as after a dropped
-//! guard.
+//! [`Withdraw`] is armed while such a call runs. Dropped armed, it sends the proxy the
+//! call's withdrawal (the proto's `withdraw`, with the call's id): the proxy ends the
+//! call's wait if it still waits, lets a grant attempt of it that already went to etcd
+//! finish, and then releases whatever grant the call holds. (Asking again with the same
+//! call id would not do: a call still in line could be granted after the second ask
+//! was answered.) A proxy too old to know withdrawals takes it as a try with the call's
+//! id, which returns the call's grant if it has one; that is then released here. Until
+//! all that is done, the session's next acquire or campaign of the name waits, as after
+//! a dropped guard.
 
 use tracing::Instrument as _;
 
@@ -83,7 +85,7 @@ async fn withdraw(
     match asked {
         Asked::Lock(mode) => {
             let (reply, _) =
-                crate::lock::ask_acquire(session, name, mode, call_id, Wait::Try).await?;
+                crate::lock::send_acquire(session, name, mode, call_id, Wait::Try, true).await?;
             match reply.token.filter(|_| reply.granted) {
                 Some(token) => crate::lock::release(session, name, mode, token.into())
                     .await
@@ -93,7 +95,8 @@ async fn withdraw(
         }
         Asked::Election(value) => {
             let (reply, _) =
-                crate::election::ask_campaign(session, name, &value, call_id, Wait::Try).await?;
+                crate::election::send_campaign(session, name, &value, call_id, Wait::Try, true)
+                    .await?;
             match reply.token.filter(|_| reply.elected) {
                 Some(token) => crate::election::resign(session, name, token.into())
                     .await

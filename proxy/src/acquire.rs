@@ -135,10 +135,20 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
         (call.lock.as_str().len() + call.value.len()) as u64,
     )?;
     let _in_progress = state.take(principal.as_deref(), Limit::Waiting)?;
-    let result = if class.fair {
-        fair(state, &call, &class, give_up, session).await
-    } else {
-        arbitrated(state, &call, &class, give_up, session).await
+    // A call the client withdrew waits no more (a grant attempt it sent runs on).
+    let Some(running) = state.calls.enter(&call.session_id, &call.call_id) else {
+        return Ok(None);
+    };
+    let waiting = async {
+        if class.fair {
+            fair(state, &call, &class, give_up, session).await
+        } else {
+            arbitrated(state, &call, &class, give_up, session).await
+        }
+    };
+    let result = tokio::select! {
+        result = waiting => result,
+        _ = running.withdrawn() => Ok(None),
     };
     if let Ok(Some(g)) = &result {
         if g.fresh {
@@ -147,6 +157,23 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
         }
     }
     result
+}
+
+/// Withdraws `call`, which its client gave up on: its wait ends, a grant attempt of it
+/// under way finishes first (within etcd's timeout), and then the grant the call holds,
+/// if any, is returned for the caller to release. Nothing is ever granted by it.
+pub async fn withdraw(state: &Arc<ProxyState>, call: &Call) -> Result<Option<Granted>, ProxyError> {
+    let patience = state.config.etcd_timeout * 2;
+    state
+        .calls
+        .withdraw(&call.session_id, &call.call_id, patience)
+        .await;
+    let session = live(state, &call.session_id)?;
+    match grant::own_grant(state, call, &session).await {
+        // Another call's hold of the lock: nothing of this call's.
+        Err(ProxyError::Store(CellError::AlreadyHeld { .. })) => Ok(None),
+        found => found,
+    }
 }
 
 /// Waits in the proxy's local queue; only the head tries when the lock is released.

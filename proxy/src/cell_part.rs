@@ -203,6 +203,7 @@ pub(crate) fn new_state(
             config.etcd_space_limit_percent,
         )),
         queues: events.queues().clone(),
+        calls: Default::default(),
         events,
         classes: shared.classes.clone(),
         grants: shared.grants.clone(),

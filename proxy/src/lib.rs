@@ -10,7 +10,8 @@
 //!   [`listen`] holds what every client connection is bounded by.
 //! - Decisions, with no I/O: [`core`] (a waiter's turns, a session's life and move).
 //! - Bookkeeping, in memory: [`sessions`], [`leases`], [`classes`], [`queues`],
-//!   [`mirror`] (the copy of the small keys), [`limits`], [`kvbudget`], [`space`].
+//!   [`calls`] (acquires under way, for their withdrawal), [`mirror`] (the copy of the
+//!   small keys), [`limits`], [`kvbudget`], [`space`].
 //! - The runtime that carries decisions out against etcd: [`acquire`], [`handover`],
 //!   [`lease_keeper`], [`reaper`], [`cleanup`], [`events`], [`feed`] and [`fanout`]
 //!   (the cell watch and its watchers), [`reads`], [`catchup`].
@@ -24,6 +25,7 @@ mod access;
 mod acquire;
 pub mod admin;
 mod barrier;
+mod calls;
 mod catchup;
 mod cell_part;
 mod cellguard;

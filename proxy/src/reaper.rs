@@ -41,6 +41,7 @@ pub async fn run(state: Arc<ProxyState>) {
             }
         }
         state.sessions.prune_tombstones(now);
+        state.calls.prune();
         state.events.prune(state.classes.current().max_lock_delay());
         state.publish_sessions_open();
         if !state.cleanup.is_empty() {

@@ -50,6 +50,8 @@ pub struct ProxyState {
     pub events: Arc<LockEvents>,
     /// Local wait queues of classes that are not fair.
     pub queues: Arc<Queues>,
+    /// Acquires and campaigns under way, for their withdrawal.
+    pub calls: crate::calls::Calls,
     /// The lock classes in force.
     pub classes: Arc<ClassBook>,
     /// The prefix grants in force (everything allowed without `--grants`).

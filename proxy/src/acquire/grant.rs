@@ -32,7 +32,10 @@ pub(super) async fn grant(
     let (state, lock, mode, session) =
         (state.clone(), call.lock.clone(), call.mode, session.clone());
     let queued = queued.map(|(id, rev)| (id.to_owned(), rev));
+    // A withdrawal of the call waits for this attempt to end.
+    let running = caller.calls.part(&call.session_id, &call.call_id);
     let attempt = tokio::spawn(async move {
+        let _running = running;
         metrics::counter!(m::GRANT_ATTEMPTS).increment(1);
         let pending = Grant::unsettled_hold(&lock, mode, &session.id, &record.call)
             .with_value_bytes(record.value.len());

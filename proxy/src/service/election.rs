@@ -52,6 +52,13 @@ impl ElectionApi for ElectionService {
         let req = request.into_inner();
         let election = LockName::parse(&req.election).map_err(ProxyError::from)?;
         check_value(&election, &req.value)?;
+        let withdraw = req.withdraw;
+        if withdraw && req.call_id.is_empty() {
+            return Err(ProxyError::BadArgument(
+                "a withdrawal names the call it withdraws, and call_id is empty".into(),
+            )
+            .into());
+        }
         let call = Call {
             session_id: req.session_id,
             lock: election,
@@ -61,6 +68,10 @@ impl ElectionApi for ElectionService {
             election: true,
             call_id: acquire::call_id(req.call_id)?,
         };
+        if withdraw {
+            crate::service::lock::withdrawn(&self.state, &call).await?;
+            return Ok(Response::new(CampaignResponse::default()));
+        }
         let reply = match acquire::acquire(&self.state, call).await? {
             Some(granted) => CampaignResponse {
                 elected: true,

@@ -41,6 +41,13 @@ impl LockApi for LockService {
             &request.get_ref().session_secret,
         )?;
         let req = request.into_inner();
+        let withdraw = req.withdraw;
+        if withdraw && req.call_id.is_empty() {
+            return Err(ProxyError::BadArgument(
+                "a withdrawal names the call it withdraws, and call_id is empty".into(),
+            )
+            .into());
+        }
         let call = Call {
             mode: mode(req.mode)?,
             lock: LockName::parse(&req.lock).map_err(ProxyError::from)?,
@@ -50,6 +57,10 @@ impl LockApi for LockService {
             election: false,
             call_id: acquire::call_id(req.call_id)?,
         };
+        if withdraw {
+            withdrawn(&self.state, &call).await?;
+            return Ok(Response::new(AcquireResponse::default()));
+        }
         let reply = match acquire::acquire(&self.state, call).await? {
             Some(granted) => AcquireResponse {
                 granted: true,
@@ -162,6 +173,24 @@ impl LockApi for LockService {
             revision: described.revision,
         }))
     }
+}
+
+/// Withdraws `call` (an acquire or a campaign its client gave up on) and releases what
+/// it holds; see [`acquire::withdraw`].
+pub async fn withdrawn(state: &Arc<ProxyState>, call: &Call) -> Result<(), ProxyError> {
+    if let Some(held) = acquire::withdraw(state, call).await? {
+        let token = Some(held.token().into());
+        let released = release(
+            state,
+            &call.session_id,
+            call.lock.as_str(),
+            call.mode,
+            token,
+        )
+        .await?;
+        tracing::info!(session.id = %call.session_id, lock.name = %call.lock.as_str(), released, "a call given up on had a grant; released");
+    }
+    Ok(())
 }
 
 /// Releases `session`'s `mode` hold of `lock` granted with `token`; idempotent.

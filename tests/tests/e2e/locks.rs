@@ -148,6 +148,7 @@ pub async fn retried_acquire_and_release_are_idempotent() -> anyhow::Result<()> 
         wait_timeout_ms: Some(0),
         mode: mode as i32,
         call_id: call.into(),
+        withdraw: false,
     };
     // As if the first reply were lost: the same call again.
     let first = locks
@@ -257,6 +258,7 @@ pub async fn a_lost_acquire_reply_and_its_retry_make_one_grant() -> anyhow::Resu
         wait_timeout_ms: Some(wait),
         mode: 0,
         call_id: "lostreply".into(),
+        withdraw: false,
     };
     let held = locks.acquire(request(&holder, 0)).await?.into_inner();
     ensure!(held.granted);

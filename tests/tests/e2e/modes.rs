@@ -152,6 +152,7 @@ pub async fn class_rules_refuse_a_mode_and_a_ttl() -> anyhow::Result<()> {
             wait_timeout_ms: Some(0),
             mode: LockMode::Shared as i32,
             call_id: String::new(),
+            withdraw: false,
         })
         .await
         .expect_err("a shared hold on an exclusive-only class was granted");
@@ -175,6 +176,7 @@ pub async fn class_rules_refuse_a_mode_and_a_ttl() -> anyhow::Result<()> {
             wait_timeout_ms: Some(0),
             mode: LockMode::Exclusive as i32,
             call_id: String::new(),
+            withdraw: false,
         })
         .await
         .expect_err("a session TTL outside the class bounds was accepted");
@@ -320,6 +322,7 @@ async fn silent_holder(
             wait_timeout_ms: Some(0),
             mode: LockMode::Exclusive as i32,
             call_id: String::new(),
+            withdraw: false,
         })
         .await?
         .into_inner();

@@ -206,6 +206,7 @@ pub async fn a_grant_etcd_applied_after_the_deadline_is_still_the_sessions() -> 
         wait_timeout_ms: Some(0),
         mode: 0,
         call_id: call.into(),
+        withdraw: false,
     };
 
     for (lock, call) in [("late/a", "c1"), ("late/b", "c2")] {
@@ -323,6 +324,7 @@ pub async fn a_waiter_rides_out_grant_attempts_etcd_does_not_answer() -> anyhow:
         wait_timeout_ms: Some(wait_ms),
         mode: 0,
         call_id: "c1".into(),
+        withdraw: false,
     };
     let held = locks
         .clone()
@@ -473,6 +475,7 @@ pub async fn a_waiter_whose_call_ended_while_etcd_was_away_leaves_the_line_when_
                 wait_timeout_ms: Some(2_000),
                 mode: 0,
                 call_id: "w1".into(),
+                withdraw: false,
             })
             .await
     });
@@ -520,6 +523,7 @@ pub async fn a_waiter_that_hung_up_during_its_enqueue_leaves_no_key_in_line() ->
         wait_timeout_ms: Some(20_000),
         mode: 0,
         call_id: "w1".into(),
+        withdraw: false,
     });
     ask.set_timeout(Duration::from_millis(500));
     let gave_up = locks.acquire(ask).await;
@@ -669,6 +673,7 @@ pub async fn an_enqueue_etcd_applied_after_the_deadline_leaves_no_waiter_in_line
             wait_timeout_ms: Some(20_000),
             mode: 0,
             call_id: "w1".into(),
+            withdraw: false,
         })
         .await;
     ensure!(
@@ -802,6 +807,7 @@ pub async fn a_second_call_is_refused_at_once_in_line_and_in_the_other_mode() ->
         wait_timeout_ms: Some(wait),
         mode: mode as i32,
         call_id: call.into(),
+        withdraw: false,
     };
     let refused_at_once =
         |what: &str, outcome: Result<tonic::Response<_>, tonic::Status>| match outcome {
@@ -855,6 +861,7 @@ pub async fn a_second_call_is_refused_at_once_in_line_and_in_the_other_mode() ->
                 wait_timeout_ms: Some(15_000),
                 mode: 0,
                 call_id: "w".into(),
+                withdraw: false,
             })
             .await
     });
@@ -947,6 +954,7 @@ pub async fn a_resume_naming_another_sessions_grant_moves_nothing() -> anyhow::R
             wait_timeout_ms: Some(0),
             mode: 0,
             call_id: "t".into(),
+            withdraw: false,
         })
         .await?
         .into_inner();
@@ -1065,6 +1073,7 @@ async fn victim_holding(
             wait_timeout_ms: Some(0),
             mode: 0,
             call_id: "v1".into(),
+            withdraw: false,
         })
         .await?
         .into_inner();
@@ -1096,6 +1105,7 @@ pub async fn concurrent_calls_of_one_session_make_one_grant() -> anyhow::Result<
             wait_timeout_ms: Some(1_000),
             mode: 0,
             call_id: format!("c{i}"),
+            withdraw: false,
         };
         calls.spawn(async move { locks.acquire(request).await });
     }
