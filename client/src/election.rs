@@ -181,11 +181,15 @@ impl Leadership {
         let holdings = &self.session.shared().holdings;
         // A campaign of this election by another task of the session waits for this.
         let _resigning = holdings.releasing(&self.election);
-        holdings.remove(&self.holding);
         if self.session.shared().is_expired() {
+            holdings.remove(&self.holding);
             return Err(self.session.expired_error());
         }
-        resign(&self.session, &self.election, self.token).await
+        // Named by a move of the session until answered, as a lock's release is.
+        self.holding.let_go();
+        let resigned = resign(&self.session, &self.election, self.token).await;
+        holdings.remove(&self.holding);
+        resigned
     }
 }
 
@@ -205,7 +209,8 @@ impl Drop for Leadership {
         // Counted before the hold is forgotten: the session's next campaign (or
         // acquire) of this name waits for the resignation.
         let resigning = holdings.releasing(&self.election);
-        holdings.remove(&self.holding);
+        self.holding.let_go();
+        let holding = self.holding.clone();
         let session = self.session.clone();
         let client = session.client().clone();
         let election = std::mem::take(&mut self.election);
@@ -220,6 +225,7 @@ impl Drop for Leadership {
                 Ok(resigned) => tracing::debug!(resigned, "dropped leadership resigned"),
                 Err(error) => tracing::warn!(%error, "dropped leadership not resigned"),
             }
+            session.shared().holdings.remove(&holding);
         };
         client.spawn_background(&runtime, task.instrument(span));
     }
@@ -270,18 +276,41 @@ pub(crate) async fn resign(
     election: &str,
     token: FencingToken,
 ) -> Result<bool, Error> {
-    let mut request = tonic::Request::new(ResignRequest {
+    let request = ResignRequest {
         session_id: session.id().to_owned(),
         session_secret: session.secret().to_owned(),
         election: election.to_owned(),
         token: Some(token.into()),
-    });
-    request.set_timeout(UNARY_TIMEOUT);
-    let reply = ElectionClient::new(session.client().channel())
-        .resign(request)
-        .await
-        .map_err(|status| session.grant_call_failed(status))?;
-    Ok(reply.into_inner().resigned)
+    };
+    // Sent again when the session moved to another proxy meanwhile: the leadership moved
+    // with it and must be resigned there.
+    for again in 0..crate::lock::MOVES_FOLLOWED {
+        let generation = session.client().proxies().generation();
+        let mut sent = tonic::Request::new(request.clone());
+        sent.set_timeout(UNARY_TIMEOUT);
+        match ElectionClient::new(session.client().channel())
+            .resign(sent)
+            .await
+        {
+            Err(status)
+                if crate::session::left_behind(&status)
+                    && session.moved_since(generation).await =>
+            {
+                continue
+            }
+            Err(status) => {
+                return match session.grant_call_failed(status) {
+                    // Resigned before the move: nothing of it was left to move.
+                    Error::NotHolder(_) if again > 0 => Ok(false),
+                    error => Err(error),
+                };
+            }
+            Ok(reply) => return Ok(reply.into_inner().resigned),
+        }
+    }
+    Err(Error::Unavailable(format!(
+        "the resignation of election {election:?} kept meeting proxies the session had left"
+    )))
 }
 
 /// Who leads an election, as the proxy saw it when it answered.

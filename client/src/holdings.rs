@@ -3,7 +3,7 @@
 //! jeopardy, safe again, moved, a hold lost, expired.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lockcell_proto::v1::{HeldKey, HeldKind};
@@ -104,9 +104,18 @@ pub(crate) struct Holding {
     /// the key only while it has not been written since.
     written: AtomicI64,
     lost: watch::Sender<Option<Arc<str>>>,
+    /// Its guard let go and the release (or resignation) is under way: still named by
+    /// the session's moves, so the key moves with the session and the release sent again
+    /// on the new proxy finds it; its loss is no news to anyone.
+    releasing: AtomicBool,
 }
 
 impl Holding {
+    /// Marks the hold as being released by its guard (see `releasing`).
+    pub(crate) fn let_go(&self) {
+        self.releasing.store(true, Ordering::Relaxed);
+    }
+
     fn wire(&self) -> HeldKey {
         HeldKey {
             mod_revision: self.written.load(Ordering::Relaxed),
@@ -182,6 +191,7 @@ impl Holdings {
             held,
             lease: AtomicI64::new(lease),
             lost: watch::Sender::new(None),
+            releasing: AtomicBool::new(false),
         });
         let mut all = self.held.lock().expect("holdings");
         if let Held::Ephemeral { key, .. } = &holding.held {
@@ -289,9 +299,13 @@ impl Holdings {
             lost
         };
         for holding in lost {
-            self.losses.fetch_add(1, Ordering::Relaxed);
             let reason: Arc<str> = reason.into();
             holding.lost.send_replace(Some(reason.clone()));
+            if holding.releasing.load(Ordering::Relaxed) {
+                // Already released, most likely: what its guard let go is no loss.
+                continue;
+            }
+            self.losses.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(held = ?holding.held, %reason, "hold lost");
             self.publish(SessionEvent::Lost {
                 held: holding.held.clone(),

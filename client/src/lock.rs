@@ -282,11 +282,16 @@ impl LockGuard {
         let holdings = &self.session.shared().holdings;
         // An acquire of this lock by another task of the session waits for this.
         let _releasing = holdings.releasing(&self.lock);
-        holdings.remove(&self.holding);
         if self.session.shared().is_expired() {
+            holdings.remove(&self.holding);
             return Err(self.session.expired_error());
         }
-        release(&self.session, &self.lock, self.mode, self.token).await
+        // Still named by a move of the session until answered: the key moves with it,
+        // and the release sent again on the new proxy finds it there.
+        self.holding.let_go();
+        let released = release(&self.session, &self.lock, self.mode, self.token).await;
+        holdings.remove(&self.holding);
+        released
     }
 }
 
@@ -309,7 +314,8 @@ impl Drop for LockGuard {
         // Counted before the hold is forgotten: the session's next acquire of this
         // lock waits for this release.
         let releasing = holdings.releasing(&self.lock);
-        holdings.remove(&self.holding);
+        self.holding.let_go();
+        let holding = self.holding.clone();
         let session = self.session.clone();
         let client = session.client().clone();
         let lock = std::mem::take(&mut self.lock);
@@ -323,6 +329,7 @@ impl Drop for LockGuard {
                 Ok(released) => tracing::debug!(released, "dropped guard released"),
                 Err(error) => tracing::warn!(%error, "dropped guard not released"),
             }
+            session.shared().holdings.remove(&holding);
         };
         client.spawn_background(&runtime, task.instrument(span));
     }
@@ -406,7 +413,7 @@ pub(crate) async fn release(
 }
 
 /// How many moves of its session one call follows before giving up.
-const MOVES_FOLLOWED: usize = 4;
+pub(crate) const MOVES_FOLLOWED: usize = 4;
 
 fn clone_request<T: Clone>(request: &tonic::Request<T>) -> tonic::Request<T> {
     let mut copy = tonic::Request::new(request.get_ref().clone());

@@ -495,7 +495,7 @@ async fn observe_prints_every_change_until_ctrl_c() {
 }
 
 #[tokio::test]
-async fn observe_exits_69_when_the_stream_breaks() {
+async fn observe_goes_on_after_the_stream_breaks() {
     let proxy = start(5_000).await;
     let mut child = lockctl(&proxy.addr, &["observe", "--json", "db"])
         .spawn()
@@ -506,16 +506,29 @@ async fn observe_exits_69_when_the_stream_breaks() {
         "{\"election\":\"db\",\"leader\":null}\n"
     );
     proxy.fake.cut_observers.send_replace(Cut::WithError);
-    let mut stderr = String::new();
-    let mut pipe = child.stderr.take().unwrap();
-    timeout(PATIENCE, pipe.read_to_string(&mut stderr))
+    let mut cut = proxy.fake.cut_observers.subscribe();
+    timeout(PATIENCE, cut.wait_for(|c| *c == Cut::Not))
         .await
-        .expect("stderr closed")
+        .expect("the fake cut the stream")
         .unwrap();
-    let status = timeout(PATIENCE, child.wait())
+    let client = Client::connect(&proxy.addr).await.unwrap();
+    let session = client
+        .open_session(SessionOptions {
+            ttl: std::time::Duration::from_secs(5),
+            identity: "a/1".into(),
+        })
         .await
-        .expect("ended")
         .unwrap();
-    assert_eq!(status.code(), Some(69), "{stderr}");
-    assert!(stderr.contains("observing election db stopped"), "{stderr}");
+    let _lead = session
+        .campaign("db", "after-the-break", Wait::Try)
+        .await
+        .unwrap()
+        .expect("elected");
+    let line = read_line(&mut stdout).await;
+    assert!(line.contains("after-the-break"), "{line}");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "lockctl observe goes on"
+    );
+    child.kill().await.unwrap();
 }

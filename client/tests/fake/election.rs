@@ -164,6 +164,7 @@ impl Election for FakeProxy {
         let election = request.into_inner().election;
         let mut leaders = self.0.leaders.subscribe();
         let mut cut = self.0.cut_observers.subscribe();
+        let fake = self.0.clone();
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(async move {
             let mut last: Option<Option<Leader>> = None;
@@ -189,6 +190,8 @@ impl Election for FakeProxy {
                         if how == Cut::WithError {
                             let _ = tx.send(Err(Status::unavailable("observation cut by the test"))).await;
                         }
+                        // One cut: a client that observes again is served.
+                        fake.cut_observers.send_replace(Cut::Not);
                         return;
                     }
                 }

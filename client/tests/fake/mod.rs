@@ -59,7 +59,7 @@ pub struct Fake {
     pub leaders: watch::Sender<HashMap<String, Leader>>,
     /// Elections resigned, in order.
     pub resigned: watch::Sender<Vec<String>>,
-    /// Set to end every Observe stream.
+    /// Set to end the Observe streams open now (then set back to `Not`).
     pub cut_observers: watch::Sender<Cut>,
     /// The small keys, with their history; watchers wake on every change.
     pub store: watch::Sender<Store>,

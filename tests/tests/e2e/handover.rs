@@ -683,3 +683,55 @@ pub async fn a_new_lockctl_passes_over_a_draining_first_proxy() -> anyhow::Resul
     );
     Ok(())
 }
+
+/// A lock released, and a leadership resigned, just after their proxy was SIGKILLed:
+/// the release and the resignation follow the session to the next proxy and find the
+/// keys there (the move named them), so another session gets both at once, not when
+/// the dead proxy's etcd lease (30 s here) runs out.
+pub async fn a_release_sent_to_a_killed_proxy_releases_where_the_session_went() -> anyhow::Result<()>
+{
+    let etcd = lockcell_tests::EtcdCluster::start(1).await?;
+    let mut proxies = Vec::new();
+    for zone in ["a", "b"] {
+        let mut options = ProxyOptions::new(zone, etcd.endpoints());
+        options.lease_ttl = Duration::from_secs(30);
+        proxies.push(ProxyProcess::start(&options, &etcd.dir).await?);
+    }
+    let both = vec![proxies[0].addr.clone(), proxies[1].addr.clone()];
+    let client = Client::connect_with(ClientOptions::new(both)).await?;
+    let session = client.open_session(short_session(TTL)).await?;
+    ensure!(
+        session.proxy_id().starts_with("a-"),
+        "{}",
+        session.proxy_id()
+    );
+    let guard = session
+        .acquire("released/x", Wait::Try)
+        .await?
+        .context("a free lock was not granted")?;
+    let led = session
+        .campaign("released/e", "v", Wait::Try)
+        .await?
+        .context("an election with no leader was not won")?;
+    proxies[0].signal(Signal::SIGKILL)?;
+    let released = guard.release().await?;
+    let resigned = led.resign().await?;
+    ensure!(
+        released && resigned,
+        "released {released}, resigned {resigned}"
+    );
+    let other = Client::connect(&proxies[1].url()).await?;
+    let second = other.open_session(short_session(TTL)).await?;
+    ensure!(
+        second.acquire("released/x", Wait::Try).await?.is_some(),
+        "the released lock is still held"
+    );
+    ensure!(
+        second
+            .campaign("released/e", "w", Wait::Try)
+            .await?
+            .is_some(),
+        "the resigned election is still led"
+    );
+    Ok(())
+}
