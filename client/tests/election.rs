@@ -177,16 +177,11 @@ async fn observe_reports_the_leader_then_every_change_and_goes_on_after_a_break(
     assert_eq!(next(&mut leaders).await.expect("a leads").value, "v2");
 
     // A break: observed again, the same leader is not reported twice, the next change is.
-    proxy.fake.cut_observers.send_replace(Cut::WithError);
     let reported = tokio::spawn(async move {
         let next = next(&mut leaders).await;
         (leaders, next)
     });
-    let mut cut = proxy.fake.cut_observers.subscribe();
-    timeout(PATIENCE, cut.wait_for(|c| *c == Cut::Not))
-        .await
-        .expect("the fake cut the stream")
-        .unwrap();
+    proxy.fake.cut_observers_once(Cut::WithError).await;
     assert!(lead.resign().await.unwrap());
     let (mut leaders, after) = timeout(PATIENCE, reported)
         .await
@@ -209,12 +204,7 @@ async fn an_observation_the_proxy_ends_is_observed_again() {
     let a = client.open_session(opts("a/1")).await.unwrap();
     let mut leaders = client.observe("db").await.unwrap();
     assert_eq!(next(&mut leaders).await, None);
-    proxy.fake.cut_observers.send_replace(Cut::Cleanly);
-    let mut cut = proxy.fake.cut_observers.subscribe();
-    timeout(PATIENCE, cut.wait_for(|c| *c == Cut::Not))
-        .await
-        .expect("the fake ended the stream")
-        .unwrap();
+    proxy.fake.cut_observers_once(Cut::Cleanly).await;
     let lead = a
         .campaign("db", "v1", Wait::Try)
         .await

@@ -505,12 +505,7 @@ async fn observe_goes_on_after_the_stream_breaks() {
         read_line(&mut stdout).await,
         "{\"election\":\"db\",\"leader\":null}\n"
     );
-    proxy.fake.cut_observers.send_replace(Cut::WithError);
-    let mut cut = proxy.fake.cut_observers.subscribe();
-    timeout(PATIENCE, cut.wait_for(|c| *c == Cut::Not))
-        .await
-        .expect("the fake cut the stream")
-        .unwrap();
+    proxy.fake.cut_observers_once(Cut::WithError).await;
     let client = Client::connect(&proxy.addr).await.unwrap();
     let session = client
         .open_session(SessionOptions {

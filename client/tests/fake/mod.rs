@@ -83,6 +83,16 @@ pub enum Cut {
 }
 
 impl Fake {
+    /// Cuts the Observe streams open now, `how`, and waits until one of them has.
+    pub async fn cut_observers_once(&self, how: Cut) {
+        self.cut_observers.send_replace(how);
+        let mut cut = self.cut_observers.subscribe();
+        tokio::time::timeout(PATIENCE, cut.wait_for(|c| *c == Cut::Not))
+            .await
+            .expect("an observation was cut")
+            .unwrap();
+    }
+
     fn next_revision(&self) -> i64 {
         self.revision.fetch_add(1, Ordering::Relaxed) as i64 + 100
     }

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::{bail, ensure, Context};
 use lockcell_client::{Client, Session, Wait};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -122,8 +122,8 @@ async fn lane_of_rounds(client: Client, lane: u64, seed: u64) -> anyhow::Result<
 /// Waits until `prober` can take `name` (a lock, or an election), and lets go of it:
 /// no one holds it, and no grant is left with no guard.
 async fn free_soon(prober: &Session, name: &str, election: bool) -> anyhow::Result<()> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
+    let what = format!("{name} free after the wait on it was given up (no grant without a guard)");
+    lockcell_tests::eventually(&what, Duration::from_secs(5), || async {
         let taken = if election {
             match prober.campaign(name, "prober", Wait::Try).await? {
                 Some(led) => led.resign().await.map(|_| true)?,
@@ -135,14 +135,64 @@ async fn free_soon(prober: &Session, name: &str, election: bool) -> anyhow::Resu
                 None => false,
             }
         };
-        if taken {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() >= deadline {
-            bail!(
-                "{name} is still held 5 s after the wait on it was given up: a grant with no guard"
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        Ok(taken.then_some(()))
+    })
+    .await
+}
+
+/// Two tasks of one session wait for one lock; one gives up just as the holder lets go.
+/// The withdrawal is keyed by its call: whichever way the race goes, the other task's
+/// wait ends granted with a valid guard (a withdrawal never takes another call's grant),
+/// and once that guard is released the lock is free.
+pub async fn a_given_up_call_never_takes_the_grant_of_another_call_of_its_session(
+) -> anyhow::Result<()> {
+    let (_etcd, proxies) = crate::support::cell(&["a"]).await?;
+    let client = Client::connect(&proxies[0].url()).await?;
+    let holder = client.open_session(short_session(TTL)).await?;
+    let waiter = client.open_session(short_session(TTL)).await?;
+    let prober = client.open_session(short_session(TTL)).await?;
+    for round in 0..12u64 {
+        let name = format!("cancels/two/{round}");
+        let held = holder
+            .acquire(&name, Wait::Try)
+            .await?
+            .context("a free lock was not granted")?;
+        let staying = tokio::spawn({
+            let (waiter, name) = (waiter.clone(), name.clone());
+            async move {
+                waiter
+                    .acquire(&name, Wait::Timeout(Duration::from_secs(20)))
+                    .await
+            }
+        });
+        let release_in = Duration::from_millis(20 + round * 3);
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(release_in).await;
+            held.release().await
+        });
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(20 + round * 2),
+            waiter.acquire(&name, Wait::Forever),
+        )
+        .await;
+        release.await??;
+        let staying = tokio::time::timeout(Duration::from_secs(20), staying)
+            .await
+            .context("the other task's wait did not end")??;
+        // The given-up call lost the race (or the session's second call was refused as
+        // a second hold); the staying task holds the lock, or the given-up one does.
+        let guard = match (gave_up, staying) {
+            (Ok(Ok(Some(_))), Ok(Some(_))) => bail!("round {round}: both calls were granted"),
+            (Ok(Ok(Some(guard))), _) => guard,
+            // Given up, or refused as a second hold of the lock by the session.
+            (_, Ok(Some(guard))) => guard,
+            (gave_up, staying) => bail!("round {round}: given up {gave_up:?}, staying {staying:?}"),
+        };
+        ensure!(guard.is_valid(), "round {round}: the guard is valid");
+        guard.release().await?;
+        free_soon(&prober, &name, false)
+            .await
+            .with_context(|| format!("round {round}"))?;
     }
+    Ok(())
 }

@@ -345,14 +345,13 @@ pub async fn the_client_guides_examples_run_against_a_real_cell() -> anyhow::Res
     member.close().await?;
     let leading = client.open_session(SessionOptions::default()).await?;
     let terms = ReportStore::default();
-    let three_terms = async {
-        while terms.reports.lock().unwrap().len() < 3 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
+    let three_terms =
+        lockcell_tests::eventually("three terms", Duration::from_secs(20), || async {
+            Ok((terms.reports.lock().unwrap().len() >= 3).then_some(()))
+        });
     tokio::select! {
         ended = lead_the_reports(&leading, &terms) => anyhow::bail!("the lead loop ended: {ended:?}"),
-        _ = tokio::time::timeout(Duration::from_secs(20), three_terms) => {}
+        _ = three_terms => {}
     }
     let tokens: Vec<FencingToken> = terms.reports.lock().unwrap().iter().map(|r| r.0).collect();
     ensure!(

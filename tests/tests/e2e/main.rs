@@ -148,6 +148,7 @@ fn main() {
         handover::a_new_lockctl_passes_over_a_draining_first_proxy,
         handover::a_release_sent_to_a_killed_proxy_releases_where_the_session_went,
         cancels::a_cancelled_acquire_or_campaign_never_leaves_a_grant_without_a_guard,
+        cancels::a_given_up_call_never_takes_the_grant_of_another_call_of_its_session,
         holds::revoked_fires_in_jeopardy_and_valid_tells_when_it_passed,
         holds::revoked_says_why_a_hold_was_lost,
         holds::a_lead_loop_keeps_one_term_at_a_time_through_a_proxy_kill,
