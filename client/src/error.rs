@@ -283,7 +283,7 @@ impl Error {
     pub(crate) fn connect(addr: &str, err: &(dyn StdError + 'static)) -> Error {
         Error::Connect {
             addr: addr.to_owned(),
-            reason: chain(err),
+            reason: tls_hint(chain(err)),
         }
     }
 }

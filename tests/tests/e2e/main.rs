@@ -79,7 +79,6 @@ fn main() {
         safety::a_resume_naming_another_sessions_grant_moves_nothing,
         safety::another_session_on_the_same_lease_can_neither_release_nor_take_a_grant,
         safety::concurrent_calls_of_one_session_make_one_grant,
-        security::a_client_without_tls_to_a_tls_proxy_is_told_to_give_the_ca,
         security::another_identity_cannot_take_over_a_session_by_its_public_id,
         security::a_write_only_identity_never_reads_a_value_through_a_failed_write,
         security::the_admin_drain_answers_only_a_trusted_caller,

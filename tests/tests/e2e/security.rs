@@ -918,33 +918,3 @@ pub async fn a_renewed_certificate_applies_without_a_restart() -> anyhow::Result
     ensure!(reloads >= 1.0, "lockcell_tls_reloads_total is {reloads}");
     Ok(())
 }
-
-/// A client that forgets TLS against a proxy that serves it is told to give the CA, by
-/// the first call that fails (the connection itself may open: HTTP/2 starts lazily).
-pub async fn a_client_without_tls_to_a_tls_proxy_is_told_to_give_the_ca() -> anyhow::Result<()> {
-    let etcd = EtcdCluster::start(1).await?;
-    let dir = tempfile::tempdir()?;
-    let ca = lockcell_tests::certs::Authority::new(&dir.path().join("certs"))?;
-    let server = ca.server("proxy")?;
-    let mut options = ProxyOptions::new("a", etcd.endpoints());
-    options.extra_args = vec![
-        "--tls-cert".into(),
-        server.cert.display().to_string(),
-        "--tls-key".into(),
-        server.key.display().to_string(),
-    ];
-    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
-    let failed = match lockcell_client::Client::connect(&proxy.addr).await {
-        Err(e) => e,
-        Ok(client) => match client.get("any/key").await {
-            Err(e) => e,
-            Ok(_) => anyhow::bail!("a plaintext call to a TLS proxy succeeded"),
-        },
-    };
-    let text = failed.to_string();
-    ensure!(
-        text.contains("--tls-ca"),
-        "the error does not say to give the CA: {text} ({failed:?})"
-    );
-    Ok(())
-}
