@@ -201,6 +201,14 @@ impl Client {
             ));
         }
         let ttl = Duration::from_millis(reply.ttl_ms);
+        if ttl != opts.ttl {
+            tracing::warn!(
+                session.id = %reply.session_id,
+                asked = %humantime::format_duration(opts.ttl),
+                granted = %humantime::format_duration(ttl),
+                "the proxy granted another session TTL than asked (its bounds for sessions)"
+            );
+        }
         let mut shared = SessionShared::new(reply.session_id, ttl, sent, reply.valid_for_ms)
             .with_identity(opts.identity);
         shared.secret = reply.session_secret;

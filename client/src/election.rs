@@ -5,6 +5,8 @@
 //! the same timing rule as a lock: it may be acted on only while its session is valid,
 //! and its fencing token goes to every resource the leader changes.
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use lockcell_proto::v1::election_client::ElectionClient;
@@ -17,11 +19,12 @@ use tonic::Streaming;
 use tracing::Instrument as _;
 
 use crate::client::{Client, UNARY_TIMEOUT};
-use crate::error::{Call, Error, ErrorKind};
+use crate::error::{Call, Error, ErrorKind, StatusCode};
 use crate::holdings::{Held, Holding};
 use crate::lock::Wait;
 use crate::revoked::Revoked;
 use crate::session::{Sent, Session};
+use crate::stream::{Steps, Stream};
 use crate::validity::SessionState;
 use crate::withdraw::{Asked, Withdraw};
 use tokio_util::sync::CancellationToken;
@@ -320,7 +323,9 @@ pub struct LeaderInfo {
     pub session_id: String,
     /// The identity the leader's session gave when it opened.
     pub identity: String,
-    /// The proxy holding the leader's session.
+    /// The proxy the leader won (or last proclaimed) through. A session that moved
+    /// since keeps its leadership and token on another proxy, and this field is not
+    /// rewritten by the move: it is for logs, not for finding the leader.
     pub proxy_id: String,
     /// The value the leader campaigned with or last proclaimed.
     pub value: String,
@@ -367,13 +372,33 @@ impl Client {
     ///
     /// An observer learns of a change after it happened: to act *as* leader, campaign;
     /// to act *on* a leader, pass its token along.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let mut leaders = client.observe("reports").await?;
+    /// while let Some(leader) = leaders.next().await {
+    ///     match leader? {
+    ///         Some(leader) => println!("{} leads with token {}", leader.identity, leader.token),
+    ///         None => println!("nobody leads"),
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn observe(&self, election: &str) -> Result<LeaderStream, Error> {
-        Ok(LeaderStream {
+        let observing = Observing {
             client: self.clone(),
             election: election.to_owned(),
             stream: Some(self.observe_stream(election).await?),
             last: None,
             done: false,
+        };
+        Ok(LeaderStream {
+            steps: Steps::new(observing, |mut observing| {
+                Box::pin(async move {
+                    let leader = observing.next().await;
+                    (observing, leader)
+                })
+            }),
         })
     }
 
@@ -393,9 +418,25 @@ impl Client {
 /// unreachable (the next call tries again).
 const REOBSERVE_FOR: Duration = Duration::from_secs(30);
 
-/// The leaders of one election, as [`Client::observe`] reports them.
+/// The leaders of one election, as [`Client::observe`] reports them: a
+/// [`Stream`](tokio_stream::Stream), as every stream of the SDK is.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// let mut leaders = client.observe("reports").await?;
+/// if let Some(Ok(Some(leader))) = leaders.next().await {
+///     println!("reports are written by {}", leader.identity);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct LeaderStream {
+    steps: Steps<Observing, Result<Option<LeaderInfo>, Error>>,
+}
+
+/// What a [`LeaderStream`] keeps between leaders.
+#[derive(Debug)]
+struct Observing {
     client: Client,
     election: String,
     /// `None` while broken: the next call observes again.
@@ -418,7 +459,32 @@ impl LeaderStream {
     /// would not cure (a refusal) is handed out once, then `None`.
     ///
     /// Cancel-safe: a call dropped before it returns loses nothing.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let mut leaders = client.observe("reports").await?;
+    /// while let Some(leader) = leaders.next().await {
+    ///     let token = leader?.map(|leader| leader.token);
+    ///     println!("accept writes fenced by {token:?}");
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn next(&mut self) -> Option<Result<Option<LeaderInfo>, Error>> {
+        crate::stream::next(self).await
+    }
+}
+
+impl Stream for LeaderStream {
+    type Item = Result<Option<LeaderInfo>, Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.steps.poll_step(cx)
+    }
+}
+
+impl Observing {
+    /// The next item of [`LeaderStream::next`].
+    async fn next(&mut self) -> Option<Result<Option<LeaderInfo>, Error>> {
         if self.done {
             return None;
         }
@@ -455,7 +521,13 @@ impl LeaderStream {
             self.stream = None;
             // OUT_OF_RANGE: the election's name moved to another cell; observed again,
             // its new cell answers.
-            let moved = matches!(&failed, Error::Status(s) if s.code() == tonic::Code::OutOfRange);
+            let moved = matches!(
+                &failed,
+                Error::Status {
+                    code: StatusCode::OutOfRange,
+                    ..
+                }
+            );
             if failed.kind() != ErrorKind::Retry && !moved {
                 self.done = true;
                 return Some(Err(failed));

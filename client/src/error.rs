@@ -105,10 +105,122 @@ pub enum Error {
     /// The proxy's reply broke the protocol (a bug on one side or the other).
     #[error("protocol violation by the proxy: {0}")]
     Protocol(String),
-    /// Any other gRPC failure. (Not the error's source: the message says all of it,
-    /// and an error chain would say it twice.)
-    #[error("lockcell call failed ({:?}): {}", .0.code(), .0.message())]
-    Status(Status),
+    /// Any other refusal or failure the proxy answered with: its gRPC code, in the
+    /// SDK's own terms, and its message, which names what it is about.
+    #[error("lockcell call failed ({code}): {message}")]
+    Status {
+        /// The gRPC code of the proxy's answer.
+        code: StatusCode,
+        /// The proxy's text.
+        message: String,
+    },
+}
+
+/// The gRPC code of an answer the SDK has no variant of its own for
+/// ([`Error::Status`]), so that a caller can match it without depending on a gRPC
+/// crate. Shown as gRPC names it (`FAILED_PRECONDITION`).
+///
+/// ```
+/// use lockcell_client::{Error, ErrorKind, StatusCode};
+///
+/// let refused = Error::Status {
+///     code: StatusCode::FailedPrecondition,
+///     message: "lock class \"jobs/\" allows no shared locks".into(),
+/// };
+/// assert_eq!(refused.kind(), ErrorKind::Fatal);
+/// assert!(refused.to_string().contains("FAILED_PRECONDITION"));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StatusCode {
+    /// The call was cancelled (by the caller, or by the proxy stopping it).
+    Cancelled,
+    /// An error the proxy could not classify.
+    Unknown,
+    /// The request's content was refused.
+    InvalidArgument,
+    /// The call's deadline passed before an answer.
+    DeadlineExceeded,
+    /// What the call names does not exist.
+    NotFound,
+    /// What the call would create exists already.
+    AlreadyExists,
+    /// The caller may not do that.
+    PermissionDenied,
+    /// A limit or quota would be passed.
+    ResourceExhausted,
+    /// The state does not allow the call now.
+    FailedPrecondition,
+    /// The call was abandoned, usually for a conflict; it may be retried.
+    Aborted,
+    /// A position outside the valid range (such as a compacted revision).
+    OutOfRange,
+    /// The proxy does not implement the call.
+    Unimplemented,
+    /// The proxy broke an invariant of its own.
+    Internal,
+    /// The proxy cannot serve now.
+    Unavailable,
+    /// Data was lost or corrupted.
+    DataLoss,
+    /// The caller's identity could not be established.
+    Unauthenticated,
+}
+
+impl StatusCode {
+    fn of(code: Code) -> StatusCode {
+        match code {
+            Code::Cancelled => StatusCode::Cancelled,
+            Code::InvalidArgument => StatusCode::InvalidArgument,
+            Code::DeadlineExceeded => StatusCode::DeadlineExceeded,
+            Code::NotFound => StatusCode::NotFound,
+            Code::AlreadyExists => StatusCode::AlreadyExists,
+            Code::PermissionDenied => StatusCode::PermissionDenied,
+            Code::ResourceExhausted => StatusCode::ResourceExhausted,
+            Code::FailedPrecondition => StatusCode::FailedPrecondition,
+            Code::Aborted => StatusCode::Aborted,
+            Code::OutOfRange => StatusCode::OutOfRange,
+            Code::Unimplemented => StatusCode::Unimplemented,
+            Code::Internal => StatusCode::Internal,
+            Code::Unavailable => StatusCode::Unavailable,
+            Code::DataLoss => StatusCode::DataLoss,
+            Code::Unauthenticated => StatusCode::Unauthenticated,
+            // OK is no failure; a failure that says it is one is unclassifiable.
+            Code::Ok | Code::Unknown => StatusCode::Unknown,
+        }
+    }
+
+    /// The code as gRPC names it.
+    ///
+    /// ```
+    /// assert_eq!(lockcell_client::StatusCode::OutOfRange.as_str(), "OUT_OF_RANGE");
+    /// ```
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StatusCode::Cancelled => "CANCELLED",
+            StatusCode::Unknown => "UNKNOWN",
+            StatusCode::InvalidArgument => "INVALID_ARGUMENT",
+            StatusCode::DeadlineExceeded => "DEADLINE_EXCEEDED",
+            StatusCode::NotFound => "NOT_FOUND",
+            StatusCode::AlreadyExists => "ALREADY_EXISTS",
+            StatusCode::PermissionDenied => "PERMISSION_DENIED",
+            StatusCode::ResourceExhausted => "RESOURCE_EXHAUSTED",
+            StatusCode::FailedPrecondition => "FAILED_PRECONDITION",
+            StatusCode::Aborted => "ABORTED",
+            StatusCode::OutOfRange => "OUT_OF_RANGE",
+            StatusCode::Unimplemented => "UNIMPLEMENTED",
+            StatusCode::Internal => "INTERNAL",
+            StatusCode::Unavailable => "UNAVAILABLE",
+            StatusCode::DataLoss => "DATA_LOSS",
+            StatusCode::Unauthenticated => "UNAUTHENTICATED",
+        }
+    }
+}
+
+impl std::fmt::Display for StatusCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// What a caller can do about an [`Error`] ([`Error::kind`]).
@@ -136,13 +248,13 @@ impl Error {
             | Error::ResourceExhausted(_)
             | Error::WatchCutOff { .. } => ErrorKind::Retry,
             Error::SessionExpired { .. } => ErrorKind::NewSession,
-            Error::Status(status) => match status.code() {
-                Code::Unavailable
-                | Code::DeadlineExceeded
-                | Code::Aborted
-                | Code::Cancelled
-                | Code::Unknown
-                | Code::ResourceExhausted => ErrorKind::Retry,
+            Error::Status { code, .. } => match code {
+                StatusCode::Unavailable
+                | StatusCode::DeadlineExceeded
+                | StatusCode::Aborted
+                | StatusCode::Cancelled
+                | StatusCode::Unknown
+                | StatusCode::ResourceExhausted => ErrorKind::Retry,
                 _ => ErrorKind::Fatal,
             },
             Error::InvalidArgument(_)
@@ -212,6 +324,10 @@ impl Error {
     /// in the metadata. Without it, the status did not come from the proxy's watch
     /// (tonic says the same codes about oversized messages) and stays a plain status.
     pub(crate) fn from_status(status: Status, call: Call<'_>) -> Error {
+        let plain = |status: Status| Error::Status {
+            code: StatusCode::of(status.code()),
+            message: status.message().to_owned(),
+        };
         let status = with_tls_hint(status);
         if let Some(cause) = StdError::source(&status) {
             // No answer (see `no_answer`): tonic's message, then what the transport said.
@@ -244,7 +360,7 @@ impl Error {
                         key: key.to_owned(),
                         cell,
                     },
-                    (None, None) => Error::Status(status),
+                    (None, None) => plain(status),
                 }
             }
             (Code::ResourceExhausted, Call::Watch(key)) => {
@@ -253,7 +369,7 @@ impl Error {
                         key: key.to_owned(),
                         resume_from,
                     },
-                    None => Error::Status(status),
+                    None => plain(status),
                 }
             }
             (Code::ResourceExhausted, _) => Error::ResourceExhausted(status.message().to_owned()),
@@ -274,7 +390,7 @@ impl Error {
             }
             // The proxy's answer for a session it does not know, whatever the wording.
             (Code::NotFound, Call::Session(id)) => gone(id),
-            _ => Error::Status(status),
+            _ => plain(status),
         }
     }
 
@@ -393,7 +509,7 @@ mod tests {
         }
         // The proxy's own UNKNOWN (no source) is its answer, not a broken connection.
         let e = Error::from_status(Status::unknown("transport error"), Call::Unbound);
-        assert!(matches!(e, Error::Status(_)), "{e:?}");
+        assert!(matches!(e, Error::Status { .. }), "{e:?}");
         assert!(no_answer(&broken_mid_call()));
         assert!(!no_answer(&Status::unavailable("draining")));
     }
@@ -459,13 +575,19 @@ mod tests {
         let e = Error::from_status(Status::unavailable("no lease"), Call::Unbound);
         assert!(matches!(e, Error::Unavailable(ref m) if m == "no lease"));
         let e = Error::from_status(Status::internal("boom"), Call::Session("s1"));
-        assert!(matches!(e, Error::Status(ref s) if s.code() == Code::Internal));
+        assert!(matches!(
+            e,
+            Error::Status {
+                code: StatusCode::Internal,
+                ..
+            }
+        ));
         // Without a session, NOT_FOUND and FAILED_PRECONDITION mean nothing more specific.
         for status in [Status::not_found("x"), Status::failed_precondition(EXPIRED)] {
             let code = status.code();
             let e = Error::from_status(status, Call::Unbound);
             assert!(
-                matches!(e, Error::Status(ref s) if s.code() == code),
+                matches!(e, Error::Status { code: c, .. } if c == StatusCode::of(code)),
                 "{e:?}"
             );
         }
@@ -492,7 +614,13 @@ mod tests {
             Status::failed_precondition("lock class \"jobs/\" allows no shared locks"),
             Call::Session("s1"),
         );
-        assert!(matches!(e, Error::Status(ref s) if s.code() == Code::FailedPrecondition));
+        assert!(matches!(
+            e,
+            Error::Status {
+                code: StatusCode::FailedPrecondition,
+                ..
+            }
+        ));
         // ...but NOT_FOUND on one is the proxy not knowing the session.
         let e = Error::from_status(Status::not_found("x"), Call::Session("s1"));
         assert!(is_expired(&e), "{e:?}");
@@ -542,7 +670,7 @@ mod tests {
             let code = status.code();
             let e = Error::from_status(status, Call::Watch("k"));
             assert!(
-                matches!(e, Error::Status(ref s) if s.code() == code),
+                matches!(e, Error::Status { code: c, .. } if c == StatusCode::of(code)),
                 "{e:?}"
             );
         }
@@ -551,7 +679,7 @@ mod tests {
             watch_end(Code::OutOfRange, COMPACT_REVISION, "7"),
             Call::Unbound,
         );
-        assert!(matches!(e, Error::Status(_)), "{e:?}");
+        assert!(matches!(e, Error::Status { .. }), "{e:?}");
         // The other codes map as for any call.
         let e = Error::from_status(Status::unavailable("stopping"), Call::Watch("k"));
         assert!(

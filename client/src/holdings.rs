@@ -3,14 +3,17 @@
 //! jeopardy, safe again, moved, a hold lost, expired.
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use lockcell_proto::v1::{HeldKey, HeldKind};
 use lockcell_proto::FencingToken;
 use tokio::sync::{broadcast, watch};
 use tokio::time::{sleep_until, Instant};
 
+use crate::stream::{Steps, Stream};
 use crate::validity::{SessionState, Validity};
 use lockcell_proto::suspend;
 
@@ -123,6 +126,11 @@ impl Holding {
         }
     }
 
+    /// For an ephemeral key, the mod revision of the session's last write of it.
+    pub(crate) fn written(&self) -> i64 {
+        self.written.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.borrow().is_some()
     }
@@ -220,6 +228,16 @@ impl Holdings {
             .lock()
             .expect("holdings")
             .retain(|h| !Arc::ptr_eq(h, holding));
+    }
+
+    /// The session's record of its ephemeral `key`, if it wrote it.
+    pub(crate) fn ephemeral(&self, key: &str) -> Option<Arc<Holding>> {
+        self.held
+            .lock()
+            .expect("holdings")
+            .iter()
+            .find(|h| matches!(&h.held, Held::Ephemeral { key: k, .. } if k == key))
+            .cloned()
     }
 
     /// The live hold of `lock` in either mode (a lock or a leadership), if the session
@@ -329,9 +347,29 @@ fn same_key(a: &HeldKey, b: &HeldKey) -> bool {
     a.kind == b.kind && a.name == b.name && a.revision == b.revision
 }
 
-/// The events of one session, in order; see [`Session::events`](crate::Session::events).
+/// The events of one session, in order, as a [`Stream`](tokio_stream::Stream); see
+/// [`Session::events`](crate::Session::events).
+///
+/// ```no_run
+/// # async fn example(session: lockcell_client::Session) {
+/// use lockcell_client::SessionEvent;
+///
+/// let mut events = session.events();
+/// while let Some(event) = events.next().await {
+///     if let SessionEvent::Lost { held, reason } = event {
+///         eprintln!("lost {held:?}: {reason}");
+///     }
+/// }
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct SessionEvents {
+    steps: Steps<Events, SessionEvent>,
+}
+
+/// What a [`SessionEvents`] keeps between events.
+#[derive(Debug)]
+struct Events {
     /// Keeps the session's channels open while events are followed.
     _session: Arc<crate::shared::SessionShared>,
     discrete: broadcast::Receiver<SessionEvent>,
@@ -349,19 +387,57 @@ impl SessionEvents {
         let last = validity
             .borrow()
             .state_at(Instant::now(), suspend::generation());
-        SessionEvents {
+        let events = Events {
             _session: session,
             discrete,
             validity,
             last,
             done: false,
+        };
+        SessionEvents {
+            steps: Steps::new(events, |mut events| {
+                Box::pin(async move {
+                    let event = events.next().await;
+                    (events, event)
+                })
+            }),
         }
     }
 
     /// The next event; `None` after [`SessionEvent::Expired`]. Events a slow reader
     /// missed (more than 64 behind) are skipped; the state changes are never missed,
-    /// since they are read off the session's state.
+    /// since they are read off the session's state. Cancel-safe.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) {
+    /// use lockcell_client::SessionEvent;
+    ///
+    /// let mut events = session.events();
+    /// while let Some(event) = events.next().await {
+    ///     match event {
+    ///         SessionEvent::Jeopardy => eprintln!("stop acting: the session may be gone"),
+    ///         SessionEvent::Safe => eprintln!("the session is valid again"),
+    ///         other => eprintln!("{other:?}"),
+    ///     }
+    /// }
+    /// # }
+    /// ```
     pub async fn next(&mut self) -> Option<SessionEvent> {
+        crate::stream::next(self).await
+    }
+}
+
+impl Stream for SessionEvents {
+    type Item = SessionEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<SessionEvent>> {
+        self.steps.poll_step(cx)
+    }
+}
+
+impl Events {
+    /// The next item of [`SessionEvents::next`].
+    async fn next(&mut self) -> Option<SessionEvent> {
         loop {
             if self.done {
                 return None;

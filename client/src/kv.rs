@@ -253,7 +253,9 @@ impl Client {
     ///     .await?;
     /// // Every change after the snapshot, none missed, none twice; or
     /// // `Error::WatchMoved` if the prefix moved to another cell in between.
-    /// let batch = watcher.next().await?;
+    /// if let Some(batch) = watcher.next().await {
+    ///     println!("{} changes", batch?.events.len());
+    /// }
     /// # Ok(()) }
     /// ```
     pub async fn snapshot_prefix(&self, prefix: &str) -> Result<Snapshot, Error> {

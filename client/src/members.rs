@@ -9,7 +9,9 @@
 //! name is one segment: not empty, no `/`.
 
 use std::collections::BTreeMap;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use tokio::sync::watch;
 
@@ -17,6 +19,7 @@ use crate::client::Client;
 use crate::error::{Error, ErrorKind};
 use crate::kv::{Condition, Written};
 use crate::session::Session;
+use crate::stream::{Steps, Stream};
 use crate::watch::{EventKind, WatchEvent, WatchOptions, Watcher};
 
 /// Where every group's members live.
@@ -57,14 +60,52 @@ impl Session {
     ///
     /// [`Error::InvalidArgument`]: `member` is empty or contains `/`, or the proxy
     /// refused the group name.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// session.announce("web", "host-7", b"10.0.3.7:8080").await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn announce(
         &self,
         group: &str,
         member: &str,
-        value: &[u8],
+        value: impl AsRef<[u8]>,
     ) -> Result<Written, Error> {
         let key = member_key(group, member)?;
-        self.put_ephemeral(&key, value, Condition::Always).await
+        self.put_ephemeral(&key, value.as_ref(), Condition::Always)
+            .await
+    }
+
+    /// Takes `member` out of `group` before the session ends, if this session's
+    /// announcement is still the member's: `false` when it is not (the session never
+    /// announced it, or another session announced the same name since, which then keeps
+    /// it). The session goes on; a later [`announce`](Session::announce) joins again.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// session.announce("web", "host-7", b"10.0.3.7:8080").await?;
+    /// // Draining: stop receiving traffic, keep the session's locks.
+    /// assert!(session.leave("web", "host-7").await?);
+    /// # Ok(()) }
+    /// ```
+    pub async fn leave(&self, group: &str, member: &str) -> Result<bool, Error> {
+        let key = member_key(group, member)?;
+        let holdings = &self.shared().holdings;
+        let Some(holding) = holdings.ephemeral(&key) else {
+            return Ok(false);
+        };
+        // Still named by a move meanwhile, so the delete finds the key wherever it went;
+        // its loss in a move is no news.
+        holding.let_go();
+        let deleted = self
+            .client()
+            .delete(&key, Condition::ModRevision(holding.written()))
+            .await;
+        if deleted.is_ok() {
+            holdings.remove(&holding);
+        }
+        deleted
     }
 }
 
@@ -79,10 +120,32 @@ pub enum MemberChange {
     Left { member: String },
 }
 
-/// A group's members as of a revision, kept up to date by [`changed`](Members::changed).
-/// From [`Client::members`].
+/// A group's members as of a revision, and a [`Stream`](tokio_stream::Stream) of the
+/// changes that keep them up to date ([`next`](Members::next), or
+/// [`changed`](Members::changed), which never ends). From [`Client::members`].
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// let mut web = client.members("web").await?;
+/// while let Some(changes) = web.next().await {
+///     changes?;
+///     println!("{} backends: {:?}", web.current().len(), web.current().keys());
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct Members {
+    steps: Steps<Following, Result<Vec<MemberChange>, Error>>,
+    /// `members/<group>/`, for logs.
+    prefix: String,
+    /// The group as of `revision`: the changes handed out, applied.
+    current: BTreeMap<String, Vec<u8>>,
+    revision: i64,
+}
+
+/// What a [`Members`] keeps between changes.
+#[derive(Debug)]
+struct Following {
     client: Client,
     /// `members/<group>/`: events under it but for nested groups are ignored.
     prefix: String,
@@ -113,10 +176,23 @@ impl Client {
         let prefix = group_prefix(group);
         let (current, watcher) = self.list_and_watch(&prefix).await?;
         Ok(Members {
-            client: self.clone(),
-            prefix,
-            current,
-            watcher,
+            prefix: prefix.clone(),
+            current: current.clone(),
+            revision: watcher.revision(),
+            steps: Steps::new(
+                Following {
+                    client: self.clone(),
+                    prefix,
+                    current,
+                    watcher,
+                },
+                |mut following| {
+                    Box::pin(async move {
+                        let changes = following.changed().await;
+                        (following, Some(changes))
+                    })
+                },
+            ),
         })
     }
 
@@ -141,48 +217,73 @@ impl Client {
 impl Members {
     /// Who is in the group, with the values they announced, as of
     /// [`revision`](Members::revision).
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let web = client.members("web").await?;
+    /// for (member, address) in web.current() {
+    ///     println!("{member} at {}", String::from_utf8_lossy(address));
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn current(&self) -> &BTreeMap<String, Vec<u8>> {
         &self.current
     }
 
     /// The revision [`current`](Members::current) reflects.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let web = client.members("web").await?;
+    /// println!("{} members as of revision {}", web.current().len(), web.revision());
+    /// # Ok(()) }
+    /// ```
     pub fn revision(&self) -> i64 {
-        self.watcher.revision()
+        self.revision
     }
 
-    /// Waits for the next change of membership, applies it to
-    /// [`current`](Members::current) and returns it (in order; never empty).
+    /// The next changes of membership, in order and never empty, already applied to
+    /// [`current`](Members::current). The stream never ends (`None` is never
+    /// returned): [`changed`](Members::changed) is the same without the `Option`.
     ///
     /// Going on needs no help from the application: a watch cut off for falling behind
     /// resumes where it was, and one whose revisions were compacted away (after a long
     /// outage) is replaced by a fresh read, whose difference from `current` is returned.
     /// [`Error::Unavailable`]: the proxy could not be reached for a while; calling
-    /// again goes on from the same place.
+    /// again goes on from the same place. Cancel-safe.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let mut web = client.members("web").await?;
+    /// while let Some(changes) = web.next().await {
+    ///     println!("{:?}", changes?);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn next(&mut self) -> Option<Result<Vec<MemberChange>, Error>> {
+        crate::stream::next(self).await
+    }
+
+    /// Waits for the next change of membership, applies it to
+    /// [`current`](Members::current) and returns it: [`next`](Members::next) for a
+    /// stream that never ends.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::MemberChange;
+    ///
+    /// let mut web = client.members("web").await?;
+    /// loop {
+    ///     for change in web.changed().await? {
+    ///         if let MemberChange::Left { member } = change {
+    ///             println!("{member} left");
+    ///         }
+    ///     }
+    /// }
+    /// # }
+    /// ```
     pub async fn changed(&mut self) -> Result<Vec<MemberChange>, Error> {
-        loop {
-            match self.watcher.next().await {
-                Ok(batch) => {
-                    let changes = apply(&mut self.current, &self.prefix, &batch.events);
-                    if !changes.is_empty() {
-                        return Ok(changes);
-                    }
-                }
-                Err(Error::WatchCutOff { resume_from, .. }) => {
-                    tracing::info!(members.group = %self.prefix, resume_from, "membership watch cut off; resuming");
-                }
-                Err(error @ (Error::Compacted { .. } | Error::WatchMoved { .. })) => {
-                    tracing::info!(members.group = %self.prefix, %error, "membership watch cannot go on; reading the group again");
-                    let (fresh, watcher) = self.client.list_and_watch(&self.prefix).await?;
-                    let changes = diff(&self.current, &fresh);
-                    self.current = fresh;
-                    self.watcher = watcher;
-                    if !changes.is_empty() {
-                        return Ok(changes);
-                    }
-                }
-                Err(error) => return Err(error),
-            }
-        }
+        self.next().await.expect("a member list never ends")
     }
 
     /// Keeps the group current in a task of its own and returns a receiver of it, as a
@@ -197,7 +298,7 @@ impl Members {
     /// let backends: Vec<String> = web.borrow().keys().cloned().collect();
     /// # Ok(()) }
     /// ```
-    pub fn watch(mut self) -> watch::Receiver<Arc<BTreeMap<String, Vec<u8>>>> {
+    pub fn watch(mut self) -> MemberCache {
         let (tx, rx) = watch::channel(Arc::new(self.current.clone()));
         tokio::spawn(async move {
             loop {
@@ -222,6 +323,76 @@ impl Members {
         rx
     }
 }
+
+impl Stream for Members {
+    type Item = Result<Vec<MemberChange>, Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let item = std::task::ready!(self.steps.poll_step(cx));
+        if let Some(Ok(changes)) = &item {
+            let this = &mut *self;
+            for change in changes {
+                match change {
+                    MemberChange::Joined { member, value }
+                    | MemberChange::Updated { member, value } => {
+                        this.current.insert(member.clone(), value.clone());
+                    }
+                    MemberChange::Left { member } => {
+                        this.current.remove(member);
+                    }
+                }
+            }
+        }
+        if let Some(following) = self.steps.idle() {
+            self.revision = following.watcher.revision();
+        }
+        Poll::Ready(item)
+    }
+}
+
+impl Following {
+    /// The next changes of membership, applied to `current` ([`Members::next`]).
+    async fn changed(&mut self) -> Result<Vec<MemberChange>, Error> {
+        loop {
+            let failed = match self.watcher.next().await {
+                Some(Ok(batch)) => {
+                    let changes = apply(&mut self.current, &self.prefix, &batch.events);
+                    if !changes.is_empty() {
+                        return Ok(changes);
+                    }
+                    continue;
+                }
+                Some(Err(Error::WatchCutOff { resume_from, .. })) => {
+                    tracing::info!(members.group = %self.prefix, resume_from, "membership watch cut off; resuming");
+                    continue;
+                }
+                Some(Err(error @ (Error::Compacted { .. } | Error::WatchMoved { .. }))) => error,
+                Some(Err(error)) => return Err(error),
+                None => Error::Protocol("the membership watch ended".to_owned()),
+            };
+            tracing::info!(members.group = %self.prefix, error = %failed, "membership watch cannot go on; reading the group again");
+            let (fresh, watcher) = self.client.list_and_watch(&self.prefix).await?;
+            let changes = diff(&self.current, &fresh);
+            self.current = fresh;
+            self.watcher = watcher;
+            if !changes.is_empty() {
+                return Ok(changes);
+            }
+        }
+    }
+}
+
+/// A group's members kept current by a task of its own ([`Members::watch`]): `borrow()`
+/// it whenever, `changed().await` to wake on a change. Each value is the whole group,
+/// member name to announced value.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// let web: lockcell_client::MemberCache = client.members("web").await?.watch();
+/// let backends: Vec<String> = web.borrow().keys().cloned().collect();
+/// # Ok(()) }
+/// ```
+pub type MemberCache = watch::Receiver<Arc<BTreeMap<String, Vec<u8>>>>;
 
 /// How long a membership cache waits before asking again after the proxy could not be
 /// reached (the watch under it already waited a while before saying so).

@@ -22,7 +22,9 @@ use crate::validity::{SessionState, Stamp};
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
     /// Requested TTL: how long the proxy keeps the session without hearing a renewal.
-    /// The proxy clamps it to its bounds; [`Session::ttl`] says what was granted.
+    /// The proxy clamps it to its bounds (by default 1 s to 120 s; a lock class may set
+    /// others); [`Session::ttl`] says what was granted, and the SDK logs a warning when
+    /// that is not what was asked.
     pub ttl: Duration,
     /// Who this client is, recorded with every grant so an operator can tell which
     /// process held a lock.
@@ -185,9 +187,11 @@ impl Session {
     /// how many of its keys the close deleted (holds, ephemeral keys, and its fence once
     /// it has moved between proxies).
     ///
-    /// The session counts as expired from the moment the Close is sent (the proxy may
-    /// hand its locks on at once), also for other handles and guards still around.
-    pub async fn close(self) -> Result<u32, Error> {
+    /// A session is one however many clones of it there are: closing through any of
+    /// them closes it for all. It counts as expired from the moment the Close is sent
+    /// (the proxy may hand its locks on at once), for every clone and guard still
+    /// around, whose calls then fail with [`Error::SessionExpired`].
+    pub async fn close(&self) -> Result<u32, Error> {
         let inner = &self.inner;
         inner.closed.store(true, Ordering::Relaxed);
         inner.client.keepalive().unregister(&inner.shared.id);

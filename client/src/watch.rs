@@ -8,6 +8,8 @@
 
 mod position;
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
@@ -17,8 +19,9 @@ use tokio::time::Instant;
 use tonic::{Code, Status, Streaming};
 
 use crate::client::{Client, UNARY_TIMEOUT};
-use crate::error::{Call, Error};
+use crate::error::{no_answer, Call, Error};
 use crate::kv::Entry;
+use crate::stream::{Steps, Stream};
 
 use self::position::Position;
 
@@ -164,15 +167,41 @@ pub struct WatchBatch {
     pub events: Vec<WatchEvent>,
 }
 
-/// A watch of a key or prefix, from [`Client::watch`].
+/// A watch of a key or prefix, from [`Client::watch`]: a [`Stream`](tokio_stream::Stream)
+/// of [`WatchBatch`]es, as every stream of the SDK is.
 ///
 /// It remembers the last revision it delivered. When the stream breaks (the proxy
 /// stops or loses etcd, the connection drops, the stream just ends), the next call to
 /// [`next`](Watcher::next) watches again from that revision + 1, with backoff, for up to
 /// [`WatchOptions::reconnect_for`]; events at or below what was already delivered are
 /// dropped, so the application sees no gap and no duplicate.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::WatchOptions;
+///
+/// let mut flags = client.watch("config/flags/", WatchOptions::prefix()).await?;
+/// while let Some(batch) = flags.next().await {
+///     for event in batch?.events {
+///         println!("{} changed at {}", event.entry.key, event.entry.mod_revision);
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct Watcher {
+    steps: Steps<WatchState, Result<WatchBatch, Error>>,
+    /// The watch as first asked for, for [`Watcher::key`].
+    key: String,
+    /// As of the last item: [`Watcher::at`].
+    at: crate::CellRevision,
+}
+
+/// What a [`Watcher`] keeps between batches.
+#[derive(Debug)]
+struct WatchState {
+    /// Set once an error that ends the watch was handed out: the stream has ended.
+    ended: bool,
     client: Client,
     /// The watch as first asked for; each reopening changes only `start_revision`.
     request: WatchRequest,
@@ -216,8 +245,8 @@ impl Client {
     /// use lockcell_client::{Error, EventKind, WatchOptions};
     ///
     /// let mut watcher = client.watch("config/api/", WatchOptions::prefix()).await?;
-    /// loop {
-    ///     let batch = match watcher.next().await {
+    /// while let Some(batch) = watcher.next().await {
+    ///     let batch = match batch {
     ///         Ok(batch) => batch,
     ///         // Too slow for the proxy's buffers; the next call goes on with no gap.
     ///         Err(Error::WatchCutOff { .. }) => continue,
@@ -230,7 +259,7 @@ impl Client {
     ///         }
     ///     }
     /// }
-    /// # }
+    /// # Ok(()) }
     /// ```
     pub async fn watch(&self, key: &str, opts: WatchOptions) -> Result<Watcher, Error> {
         let request = WatchRequest {
@@ -261,7 +290,8 @@ impl Client {
                 cell,
             });
         }
-        Ok(Watcher {
+        Ok(Watcher::new(WatchState {
+            ended: false,
             client: self.clone(),
             position: Position::created(opts.start_revision, created),
             request,
@@ -275,42 +305,135 @@ impl Client {
             proven: false,
             broken_since: None,
             last_break: String::new(),
-        })
+        }))
     }
 }
 
 impl Watcher {
+    fn new(state: WatchState) -> Watcher {
+        Watcher {
+            key: state.request.key.clone(),
+            at: state.at(),
+            steps: Steps::new(state, |mut state| {
+                Box::pin(async move {
+                    let item = state.item().await;
+                    (state, item)
+                })
+            }),
+        }
+    }
+
     /// The key or prefix watched.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let watcher = client.watch("config/api/", lockcell_client::WatchOptions::prefix()).await?;
+    /// assert_eq!(watcher.key(), "config/api/");
+    /// # Ok(()) }
+    /// ```
     pub fn key(&self) -> &str {
-        &self.request.key
+        &self.key
     }
 
     /// Every event at or before this revision has been delivered (at first: the
     /// revision after which the watch delivers events).
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let mut watcher = client.watch("config/api/", lockcell_client::WatchOptions::prefix()).await?;
+    /// let before = watcher.revision();
+    /// if let Some(batch) = watcher.next().await {
+    ///     assert!(batch?.revision > before);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn revision(&self) -> i64 {
-        self.position.revision
+        self.at.revision
     }
 
     /// [`revision`](Watcher::revision) and the cell it is of: where a later watch goes
     /// on from ([`WatchOptions::after`]) with nothing missed and nothing twice.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::WatchOptions;
+    ///
+    /// let watcher = client.watch("config/api/", WatchOptions::prefix()).await?;
+    /// let saved = watcher.at();
+    /// drop(watcher);
+    /// // Later, perhaps in another process: nothing missed, nothing twice.
+    /// let again = client.watch("config/api/", WatchOptions::prefix().after(&saved)).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn at(&self) -> crate::CellRevision {
+        self.at.clone()
+    }
+
+    /// The next batch of events, or a progress report (empty `events`); `None` after an
+    /// error that ends the watch.
+    ///
+    /// Errors: [`Error::WatchCutOff`] once when the proxy cut this watcher off for
+    /// falling behind (the next call goes on from where it says); [`Error::Unavailable`]
+    /// when a broken stream could not be resumed within [`WatchOptions::reconnect_for`]
+    /// (a later call tries again from the same place). Two errors end the watch (the
+    /// next call returns `None`): [`Error::Compacted`], when the revisions to resume
+    /// from are gone, and [`Error::WatchMoved`], when another cell serves the watched
+    /// names now; read again and watch from the read.
+    ///
+    /// Cancel-safe: a call dropped before it returns (in a `select!`, say) loses no
+    /// event; the next call goes on from the same place.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let mut watcher = client.watch("config/api/limit", Default::default()).await?;
+    /// while let Some(batch) = watcher.next().await {
+    ///     let batch = batch?;
+    ///     println!("{} events up to revision {}", batch.events.len(), batch.revision);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn next(&mut self) -> Option<Result<WatchBatch, Error>> {
+        crate::stream::next(self).await
+    }
+}
+
+impl Stream for Watcher {
+    type Item = Result<WatchBatch, Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let item = std::task::ready!(self.steps.poll_step(cx));
+        if let Some(state) = self.steps.idle() {
+            self.at = state.at();
+        }
+        Poll::Ready(item)
+    }
+}
+
+impl WatchState {
+    fn at(&self) -> crate::CellRevision {
         crate::CellRevision {
             revision: self.position.revision,
             cell: self.cell.clone(),
         }
     }
 
-    /// The next batch of events, or a progress report (empty `events`).
-    ///
-    /// Errors: [`Error::WatchCutOff`] once when the proxy cut this watcher off for
-    /// falling behind (the next call goes on from where it says); [`Error::Compacted`]
-    /// when the revisions to resume from are gone (final: every later call says so too);
-    /// [`Error::Unavailable`] when a broken stream could not be resumed within
-    /// [`WatchOptions::reconnect_for`] (a later call tries again from the same place).
-    ///
-    /// Cancel-safe: a call dropped before it returns (in a `select!`, say) loses no
-    /// event; the next call goes on from the same place.
-    pub async fn next(&mut self) -> Result<WatchBatch, Error> {
+    /// The next item of the stream: the next batch or error, `None` once an error
+    /// that ends the watch was handed out.
+    async fn item(&mut self) -> Option<Result<WatchBatch, Error>> {
+        if self.ended {
+            return None;
+        }
+        let item = self.batch().await;
+        self.ended = matches!(
+            item,
+            Err(Error::Compacted { .. } | Error::WatchMoved { .. })
+        );
+        Some(item)
+    }
+
+    /// The next batch of events, or a progress report, or the error that stopped it
+    /// ([`Watcher::next`] says which). Cancel-safe.
+    async fn batch(&mut self) -> Result<WatchBatch, Error> {
         if let Some(compact_revision) = self.compacted {
             return Err(Error::Compacted {
                 key: self.request.key.clone(),
@@ -453,19 +576,26 @@ enum Broken {
     Fatal(Error),
 }
 
-/// UNAVAILABLE is the proxy's word for "resume elsewhere or later". A broken connection
-/// surfaces as UNKNOWN, INTERNAL or CANCELLED (tonic's codes for transport errors), and
-/// a timed-out one as DEADLINE_EXCEEDED. Every other code is the proxy's answer.
+/// No answer at all (the SDK's one rule, [`no_answer`]) is transient. Of the proxy's own
+/// answers, UNAVAILABLE is its word for "resume elsewhere or later", and UNKNOWN,
+/// INTERNAL, CANCELLED, DEADLINE_EXCEEDED and ABORTED are what a proxy stopping (or a
+/// connection breaking under tonic's feet) answers with; a watch resumes from its
+/// position after them. Every other code is the proxy's refusal.
 fn classify(status: Status, key: &str) -> Broken {
-    match status.code() {
-        Code::Unavailable
-        | Code::Unknown
-        | Code::Internal
-        | Code::Cancelled
-        | Code::DeadlineExceeded
-        | Code::Aborted => Broken::Transient(format!("{:?}: {}", status.code(), status.message())),
-        _ => Broken::Fatal(Error::from_status(status, Call::Watch(key))),
+    let transient = no_answer(&status)
+        || matches!(
+            status.code(),
+            Code::Unavailable
+                | Code::Unknown
+                | Code::Internal
+                | Code::Cancelled
+                | Code::DeadlineExceeded
+                | Code::Aborted
+        );
+    if transient {
+        return Broken::Transient(Error::from_status(status, Call::Watch(key)).to_string());
     }
+    Broken::Fatal(Error::from_status(status, Call::Watch(key)))
 }
 
 /// Opens a watch and waits for its `created` response; returns the stream and that

@@ -24,7 +24,10 @@ fn plan(fake: &Fake, faults: &[WatchFault]) {
 }
 
 async fn next(watcher: &mut Watcher) -> Result<WatchBatch, Error> {
-    timeout(PATIENCE, watcher.next()).await.expect("a batch")
+    timeout(PATIENCE, watcher.next())
+        .await
+        .expect("a batch")
+        .expect("the watch goes on")
 }
 
 /// Reads batches until one reaches `revision`; returns every event as (revision, key,
@@ -192,18 +195,21 @@ async fn compaction_is_reported_with_the_revision_and_ends_the_watch() {
         writes(&[(4, "k", "4")])
     );
     fake.compacted.store(6, Ordering::Relaxed);
+    let err = next(&mut watcher).await.expect_err("compacted");
+    assert!(
+        matches!(
+            err,
+            Error::Compacted {
+                compact_revision: 6,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // The error ended the stream: every later call says so, without asking the proxy.
     for _ in 0..2 {
-        let err = next(&mut watcher).await.expect_err("compacted");
-        assert!(
-            matches!(
-                err,
-                Error::Compacted {
-                    compact_revision: 6,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        let after = timeout(PATIENCE, watcher.next()).await.expect("at once");
+        assert!(after.is_none(), "{after:?}");
     }
     assert_eq!(*fake.watch_starts.borrow(), [2, 4, 5]);
 }
@@ -385,5 +391,83 @@ async fn members_read_the_group_again_when_the_watch_was_compacted_away() {
             member: "a".into(),
             value: "10".into()
         }]
+    );
+}
+
+/// Every stream of the SDK is a `Stream`; a `next()` dropped half-way (a `select!` that
+/// took another branch) loses nothing: the next call delivers what the dropped one was
+/// waiting for, once, and `current` and `revision` stay readable meanwhile.
+#[tokio::test]
+async fn streams_take_combinators_and_a_dropped_next_loses_nothing() {
+    use tokio_stream::StreamExt;
+
+    let proxy = start(5_000).await;
+    let fake = &proxy.fake;
+    let client = connect(&proxy).await;
+    let mut watcher = client.watch("k", WatchOptions::default()).await.unwrap();
+    let mut members = client.members("web").await.unwrap();
+
+    // Nothing to deliver yet: both calls are dropped while they wait.
+    assert!(timeout(Duration::from_millis(50), watcher.next())
+        .await
+        .is_err());
+    assert!(timeout(Duration::from_millis(50), members.next())
+        .await
+        .is_err());
+    assert!(members.current().is_empty());
+    assert_eq!(members.revision(), 0);
+
+    fake.put("k", "1");
+    fake.put("k", "2");
+    let session = client
+        .open_session(SessionOptions::default())
+        .await
+        .unwrap();
+    session.announce("web", "a", "10.0.0.1").await.unwrap();
+
+    // Through the `Stream` trait, with its combinators.
+    let mut values = Vec::new();
+    {
+        let mut batches = (&mut watcher).map(|batch| batch.expect("no error").events);
+        while values.len() < 2 {
+            let events = timeout(PATIENCE, batches.next())
+                .await
+                .expect("a batch")
+                .expect("the watch goes on");
+            values.extend(
+                events
+                    .into_iter()
+                    .map(|event| String::from_utf8(event.entry.value).unwrap()),
+            );
+        }
+    }
+    assert_eq!(values, ["1", "2"]);
+    assert_eq!(watcher.revision(), 2);
+    let joined_now = timeout(PATIENCE, StreamExt::next(&mut members))
+        .await
+        .expect("a change")
+        .expect("a member list never ends")
+        .unwrap();
+    assert_eq!(joined_now, [joined("a", "10.0.0.1")]);
+    assert_eq!(*members.current(), group(&[("a", "10.0.0.1")]));
+    assert_eq!(members.revision(), 3);
+
+    // A session's events and an election's leaders are streams too.
+    let mut events = session.events();
+    let mut leaders = client.observe("e").await.unwrap();
+    let first = timeout(PATIENCE, StreamExt::next(&mut leaders))
+        .await
+        .expect("the current leader");
+    assert!(matches!(first, Some(Ok(None))), "{first:?}");
+    session.close().await.unwrap();
+    let ended = timeout(PATIENCE, (&mut events).collect::<Vec<_>>())
+        .await
+        .expect("the events end with the session");
+    assert!(
+        matches!(
+            ended.last(),
+            Some(lockcell_client::SessionEvent::Expired { .. })
+        ),
+        "{ended:?}"
     );
 }

@@ -282,7 +282,7 @@ async fn follow_keys(client: Client, name: String, prefix: &'static str, recorde
         }
         loop {
             match watch.next().await {
-                Ok(batch) => {
+                Some(Ok(batch)) => {
                     let events = batch
                         .events
                         .iter()
@@ -305,11 +305,12 @@ async fn follow_keys(client: Client, name: String, prefix: &'static str, recorde
                     }
                 }
                 // Goes on where it was, with no gap.
-                Err(Error::WatchCutOff { .. } | Error::Unavailable(_)) => {}
-                Err(e) => {
+                Some(Err(Error::WatchCutOff { .. } | Error::Unavailable(_))) => {}
+                Some(Err(e)) => {
                     eprintln!("{name}: watch {prefix}: {e}; watching again from now");
                     break;
                 }
+                None => break,
             }
         }
     }

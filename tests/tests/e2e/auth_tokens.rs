@@ -25,7 +25,7 @@ async fn values_until(
     let mut seen = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), async {
         while !seen.iter().any(|v: &Vec<u8>| v == last) {
-            for event in watcher.next().await?.events {
+            for event in watcher.next().await.context("the watch ended")??.events {
                 seen.push(event.entry.value);
             }
         }

@@ -117,12 +117,13 @@ pub async fn prefix_grants_refuse_what_they_should_and_allow_what_they_should() 
     // An allowed watch runs (no events: nobody may write config/ here); a refused one
     // ends with the refusal.
     let mut watcher = client.watch("config/", WatchOptions::prefix()).await?;
-    if let Ok(Err(e)) = tokio::time::timeout(Duration::from_millis(500), watcher.next()).await {
+    if let Ok(Some(Err(e))) = tokio::time::timeout(Duration::from_millis(500), watcher.next()).await
+    {
         anyhow::bail!("a watch the grants allow ended: {e}");
     }
     let refused = async {
         let mut watcher = client.watch("billing/", WatchOptions::prefix()).await?;
-        watcher.next().await.map(drop)
+        watcher.next().await.transpose().map(drop)
     };
     denied(refused.await, "a watch outside the watch grants")?;
 

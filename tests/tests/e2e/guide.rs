@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use lockcell_client::{
-    Client, ClientOptions, ClientTls, Condition, Error, FencingToken, Session, SessionEvent,
-    SessionOptions, Wait, WatchOptions,
+    Client, ClientOptions, ClientTls, Condition, Error, FencingToken, MemberCache, Session,
+    SessionEvent, SessionOptions, Wait, WatchOptions,
 };
 use lockcell_tests::{EtcdCluster, ProxyOptions, ProxyProcess};
 
@@ -180,11 +180,10 @@ pub async fn join_the_web_group(proxy: &str) -> Result<Vec<String>, Error> {
     Ok(names)
 }
 
-pub async fn web_backends(client: &Client) -> Result<Vec<String>, Error> {
-    // A cache of the group, kept current by a task of its own while `web` lives.
-    let web = client.members("web").await?.watch();
-    let backends = web.borrow().keys().cloned().collect();
-    Ok(backends)
+pub async fn web_backends(client: &Client) -> Result<MemberCache, Error> {
+    // The group, kept current by a task of its own while a receiver lives, across
+    // proxy restarts: `borrow()` it whenever, `changed().await` to wake on a change.
+    Ok(client.members("web").await?.watch())
 }
 // --- end ---
 
@@ -198,10 +197,11 @@ pub async fn follow_the_rates(proxy: &str) -> Result<(), Error> {
         .put("config/rates/eu", b"100", Condition::Always)
         .await?;
     // Every change in order, none missed or repeated, also across a restarted proxy.
-    let batch = watcher.next().await?;
-    for event in batch.events {
-        let value = String::from_utf8_lossy(&event.entry.value);
-        println!("{:?} {} = {value}", event.kind, event.entry.key);
+    if let Some(batch) = watcher.next().await {
+        for event in batch?.events {
+            let value = String::from_utf8_lossy(&event.entry.value);
+            println!("{:?} {} = {value}", event.kind, event.entry.key);
+        }
     }
     Ok(())
 }
@@ -339,7 +339,7 @@ pub async fn the_client_guides_examples_run_against_a_real_cell() -> anyhow::Res
     let member = client.open_session(SessionOptions::default()).await?;
     member.announce("web", "host-8", b"10.0.0.8:8080").await?;
     ensure!(
-        web_backends(&client).await? == ["host-8"],
+        web_backends(&client).await?.borrow().keys().eq(["host-8"]),
         "the member cache did not show the member"
     );
     member.close().await?;
@@ -367,5 +367,141 @@ pub async fn the_client_guides_examples_run_against_a_real_cell() -> anyhow::Res
         "the watched write is not there"
     );
     log_session_events(&addr).await?;
+    Ok(())
+}
+
+/// The guide's three programs (the run-once job, the lead loop, the live member list)
+/// run at once through two proxies, preferring the first, which is SIGKILLed under them:
+/// the job waiting for its lock still runs once with a fresh token, the lead loop goes
+/// on term after term with rising tokens, and the member list keeps a member whose
+/// proxy died, sees a member join and one leave afterwards.
+pub async fn the_guides_programs_go_on_through_a_proxy_kill() -> anyhow::Result<()> {
+    use nix::sys::signal::Signal;
+    use std::sync::Arc;
+
+    let (_etcd, proxies) = crate::support::cell(&["a", "b"]).await?;
+    let (a, b) = (proxies[0].addr.clone(), proxies[1].addr.clone());
+    let both = format!("{a},{b}");
+    let on_b = Client::connect(&b).await?;
+
+    // The job waits behind a holder on the proxy that lives.
+    let holder = on_b.open_session(SessionOptions::default()).await?;
+    let held = holder
+        .acquire("reports/nightly", Wait::Forever)
+        .await?
+        .context("the holder's acquire")?;
+    let reports = Arc::new(ReportStore::default());
+    let job = tokio::spawn({
+        let (both, reports) = (both.clone(), reports.clone());
+        async move { run_the_nightly_report(&both, &reports).await }
+    });
+    lockcell_tests::eventually("the job waiting on a", Duration::from_secs(10), || async {
+        Ok((proxies[0].metric("lockcell_waiters").await? >= 1.0).then_some(()))
+    })
+    .await?;
+
+    // The lead loop, on a.
+    let leading = Client::connect(&both).await?;
+    let leader = leading.open_session(SessionOptions::default()).await?;
+    let terms = Arc::new(ReportStore::default());
+    let lead = tokio::spawn({
+        let terms = terms.clone();
+        async move { lead_the_reports(&leader, &terms).await }
+    });
+    let terms_past = |n: usize| {
+        let terms = terms.clone();
+        move || {
+            let terms = terms.clone();
+            async move { Ok((terms.reports.lock().unwrap().len() >= n).then_some(())) }
+        }
+    };
+    lockcell_tests::eventually("two terms", Duration::from_secs(20), terms_past(2)).await?;
+
+    // The member list, through a, with a member whose session is on a.
+    let watching = Client::connect(&both).await?;
+    let web = web_backends(&watching).await?;
+    let members = Client::connect(&both).await?;
+    let seven = members.open_session(SessionOptions::default()).await?;
+    seven.announce("web", "host-7", "10.0.0.7:8080").await?;
+    let shows = |web: &MemberCache, want: &'static [&'static str]| {
+        let mut web = web.clone();
+        async move {
+            let wanted = |group: &Arc<std::collections::BTreeMap<String, Vec<u8>>>| {
+                group.keys().map(String::as_str).eq(want.iter().copied())
+            };
+            tokio::time::timeout(Duration::from_secs(30), web.wait_for(wanted))
+                .await
+                .with_context(|| format!("the member list never showed {want:?}"))?
+                .context("the member cache stopped")?;
+            anyhow::Ok(())
+        }
+    };
+    shows(&web, &["host-7"]).await?;
+    let mut seven_events = seven.events();
+
+    proxies[0].signal(Signal::SIGKILL)?;
+    let terms_before = terms.reports.lock().unwrap().len();
+    let held_token = held.token();
+    held.release().await?;
+    let ran = tokio::time::timeout(Duration::from_secs(30), job)
+        .await
+        .context("the job did not end within 30 s of the kill")???;
+    ensure!(ran, "the job did not get its lock after the kill");
+    let (job_token, _) = reports.reports.lock().unwrap()[0].clone();
+    ensure!(
+        job_token > held_token,
+        "the job wrote with token {job_token}, not newer than the holder's {held_token}"
+    );
+    ensure!(
+        !still_the_holder(&on_b, job_token).await?,
+        "the job's grant is still current after it ended"
+    );
+
+    lockcell_tests::eventually(
+        "three terms after the kill",
+        Duration::from_secs(30),
+        terms_past(terms_before + 3),
+    )
+    .await?;
+    ensure!(!lead.is_finished(), "the lead loop ended: {:?}", lead.await);
+    lead.abort();
+    let tokens: Vec<FencingToken> = terms.reports.lock().unwrap().iter().map(|r| r.0).collect();
+    ensure!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "a term of the lead loop reused or went back on a token: {tokens:?}"
+    );
+    println!(
+        "through the kill: the job wrote with {job_token}; the lead loop ran {} terms, {terms_before} before the kill",
+        tokens.len()
+    );
+
+    // host-7's session moved with its member key (a key a move cannot take along is
+    // reported lost); others come and go as before.
+    let moved = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(event) = seven_events.next().await {
+            match event {
+                SessionEvent::Moved { .. } => return Ok(()),
+                SessionEvent::Lost { held, reason } => {
+                    anyhow::bail!("host-7 lost {held:?} in the move: {reason}")
+                }
+                _ => {}
+            }
+        }
+        anyhow::bail!("host-7's session ended")
+    });
+    moved
+        .await
+        .context("host-7's session did not move within 20 s")??;
+    let eight = on_b.open_session(SessionOptions::default()).await?;
+    eight.announce("web", "host-8", "10.0.0.8:8080").await?;
+    shows(&web, &["host-7", "host-8"]).await?;
+    seven.close().await?;
+    shows(&web, &["host-8"]).await?;
+    ensure!(
+        eight.leave("web", "host-8").await?,
+        "host-8 could not leave the group"
+    );
+    shows(&web, &[]).await?;
+    ensure!(!eight.leave("web", "host-8").await?, "host-8 left twice");
     Ok(())
 }

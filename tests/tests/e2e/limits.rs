@@ -94,9 +94,10 @@ fn exhausted<T>(result: Result<T, Error>, what: &str, names: &[&str]) -> anyhow:
     };
     let message = match &error {
         Error::ResourceExhausted(message) => message.clone(),
-        Error::Status(status) if status.code() == tonic::Code::ResourceExhausted => {
-            status.message().to_owned()
-        }
+        Error::Status {
+            code: lockcell_client::StatusCode::ResourceExhausted,
+            message,
+        } => message.clone(),
         other => anyhow::bail!("{what} failed, but not as RESOURCE_EXHAUSTED: {other:?}"),
     };
     for name in names {

@@ -215,6 +215,7 @@ fn main() {
         operations::audit_events_name_the_sessions_proxy_the_grants_epoch_and_the_writer,
         shardmap::a_moved_keys_history_spans_both_cells_trails_with_the_move_marked,
         guide::the_client_guides_examples_run_against_a_real_cell,
+        guide::the_guides_programs_go_on_through_a_proxy_kill,
         grants::prefix_grants_refuse_what_they_should_and_allow_what_they_should,
         grants::a_proxy_reaches_etcd_over_mutual_tls,
         rbac::each_role_can_do_what_it_should_and_nothing_more,

@@ -88,7 +88,9 @@ pub async fn members_leave_when_their_session_ends_or_their_proxy_dies() -> anyh
     }
     let mut got = Vec::new();
     while got.len() < 3 {
-        let batch = tokio::time::timeout(Duration::from_secs(10), watch.next()).await??;
+        let batch = tokio::time::timeout(Duration::from_secs(10), watch.next())
+            .await?
+            .context("the watch ended")??;
         got.extend(batch.events.iter().map(|e| e.entry.mod_revision));
     }
     proxies[0].process.kill();
@@ -104,7 +106,9 @@ pub async fn members_leave_when_their_session_ends_or_their_proxy_dies() -> anyh
         );
     }
     while got.len() < want.len() {
-        let batch = tokio::time::timeout(Duration::from_secs(30), watch.next()).await??;
+        let batch = tokio::time::timeout(Duration::from_secs(30), watch.next())
+            .await?
+            .context("the watch ended")??;
         ensure!(batch.events.iter().all(|e| e.kind == EventKind::Put));
         got.extend(batch.events.iter().map(|e| e.entry.mod_revision));
     }

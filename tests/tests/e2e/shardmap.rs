@@ -240,7 +240,8 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
     );
     let batch = tokio::time::timeout(Duration::from_secs(10), watcher.next())
         .await
-        .context("the watch of billing/ saw nothing")??;
+        .context("the watch of billing/ saw nothing")?
+        .context("the watch ended")??;
     ensure!(
         batch.events.iter().any(|e| e.entry.key == "billing/config"),
         "the watch of billing/ did not see billing/config: {batch:?}"
@@ -344,7 +345,7 @@ pub async fn two_cells_route_correctly_and_a_prefix_move_never_shows_two_holders
     let at_move = grants(&ledger);
     let ended = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
-            if let Err(e) = moving_watch.next().await {
+            if let Some(Err(e)) = moving_watch.next().await {
                 return e;
             }
         }
@@ -617,7 +618,9 @@ pub async fn a_watch_resumed_across_a_prefix_move_ends_rather_than_skip_events(
                 .reconnecting_for(Duration::from_secs(30)),
         )
         .await?;
-    let first = tokio::time::timeout(Duration::from_secs(10), watch.next()).await??;
+    let first = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await?
+        .context("the watch ended")??;
     ensure!(
         first.events.iter().any(|e| e.entry.key == "billing/old"),
         "the watch from revision 1 did not deliver billing/old: {first:?}"
@@ -666,10 +669,10 @@ pub async fn a_watch_resumed_across_a_prefix_move_ends_rather_than_skip_events(
         .await
         .context("the watcher heard nothing within 20s of its proxy's restart")?;
     match resumed {
-        Err(Error::WatchMoved { cell, .. }) => {
+        Some(Err(Error::WatchMoved { cell, .. })) => {
             println!("the watch ended: cell {cell} serves billing/ now")
         }
-        Ok(batch) if batch.events.iter().any(|e| e.entry.key == "billing/new") => {
+        Some(Ok(batch)) if batch.events.iter().any(|e| e.entry.key == "billing/new") => {
             println!("the watch delivered billing/new")
         }
         other => anyhow::bail!(
@@ -932,7 +935,9 @@ pub async fn a_reads_position_carried_across_a_move_is_refused_not_read_in_the_o
         .watch("cfg/x", WatchOptions::default().after(&now.at))
         .await?;
     client.put("cfg/x", b"3", Condition::Always).await?;
-    let batch = tokio::time::timeout(Duration::from_secs(10), watch.next()).await??;
+    let batch = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await?
+        .context("the watch ended")??;
     ensure!(
         batch.events.len() == 1 && batch.events[0].entry.value == b"3",
         "the watch after the new read: {batch:?}"

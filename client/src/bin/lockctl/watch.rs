@@ -184,7 +184,10 @@ pub(crate) async fn watch(
     );
     loop {
         let next = tokio::select! {
-            next = watcher.next() => next,
+            // A watch ends with an error first, which stops lockctl.
+            next = watcher.next() => next.unwrap_or_else(|| {
+                Err(Error::Protocol("the watch ended without saying why".to_owned()))
+            }),
             _ = signals.recv() => return Ok(0),
         };
         match next {
