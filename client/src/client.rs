@@ -23,6 +23,19 @@ use crate::validity::Stamp;
 pub(crate) const UNARY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How a client reaches the service. Its `Debug` output never shows the token.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), lockcell_client::Error> {
+/// use std::time::Duration;
+///
+/// use lockcell_client::{Client, ClientOptions};
+///
+/// // Own zone first; sessions ride out a minute with no proxy reached.
+/// let options = ClientOptions::new(["10.0.1.7:7420", "10.0.2.7:7420", "10.0.3.7:7420"])
+///     .grace(Duration::from_secs(60));
+/// let client = Client::connect_with(options).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct ClientOptions {
     /// Proxy addresses in order of preference: the client's own zone first, then the
@@ -63,6 +76,17 @@ impl std::fmt::Debug for ClientOptions {
 
 impl ClientOptions {
     /// `proxies` in order of preference, with the default grace period.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::ClientOptions;
+    ///
+    /// let options = ClientOptions::new(["10.0.1.7:7420", "10.0.2.7:7420"]);
+    /// assert_eq!(options.proxies, ["10.0.1.7:7420", "10.0.2.7:7420"]);
+    /// assert_eq!(options.grace, Duration::from_secs(45));
+    /// assert!(options.tls.is_none() && options.token.is_none());
+    /// ```
     pub fn new<S: Into<String>>(proxies: impl IntoIterator<Item = S>) -> Self {
         ClientOptions {
             proxies: proxies.into_iter().map(Into::into).collect(),
@@ -75,24 +99,70 @@ impl ClientOptions {
     }
 
     /// Sets the grace period.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::ClientOptions;
+    ///
+    /// // A batch job that would rather wait out a long outage than start over.
+    /// let options = ClientOptions::new(["10.0.1.7:7420"]).grace(Duration::from_secs(120));
+    /// assert_eq!(options.grace, Duration::from_secs(120));
+    /// ```
     pub fn grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
         self
     }
 
     /// Sets TLS to the proxies.
+    ///
+    /// ```no_run
+    /// # fn example() -> std::io::Result<()> {
+    /// use lockcell_client::{ClientOptions, ClientTls};
+    ///
+    /// // Mutual TLS: the certificate's common name is the identity the grants know.
+    /// let tls = ClientTls {
+    ///     ca_pem: std::fs::read("/etc/billing/lockcell/ca.pem")?,
+    ///     identity_pem: Some((
+    ///         std::fs::read("/etc/billing/lockcell/client.pem")?,
+    ///         std::fs::read("/etc/billing/lockcell/client.key")?,
+    ///     )),
+    ///     domain: None,
+    /// };
+    /// let options = ClientOptions::new(["proxy.zone-a:7420", "proxy.zone-b:7420"]).tls(tls);
+    /// # Ok(()) }
+    /// ```
     pub fn tls(mut self, tls: ClientTls) -> Self {
         self.tls = Some(tls);
         self
     }
 
     /// Sets the bearer token sent with every call.
+    ///
+    /// ```
+    /// use lockcell_client::ClientOptions;
+    ///
+    /// let options = ClientOptions::new(["proxy.zone-a:7420"]).token("billing-7f3a9c");
+    /// assert_eq!(options.token.as_deref(), Some("billing-7f3a9c"));
+    /// // Safe to log.
+    /// assert!(!format!("{options:?}").contains("billing-7f3a9c"));
+    /// ```
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
         self
     }
 
     /// Sets how long before trying to go back to a more preferred proxy.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::ClientOptions;
+    ///
+    /// let options = ClientOptions::new(["10.0.1.7:7420", "10.0.2.7:7420"])
+    ///     .fail_back_after(Duration::from_secs(300));
+    /// assert_eq!(options.fail_back_after, Duration::from_secs(300));
+    /// ```
     pub fn fail_back_after(mut self, after: Duration) -> Self {
         self.fail_back_after = after;
         self
@@ -113,6 +183,15 @@ impl ClientOptions {
 ///
 /// The connection (and its keep-alive task) lives while any clone, [`Session`] or
 /// [`LockGuard`](crate::LockGuard) made from it lives.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), lockcell_client::Error> {
+/// let client = lockcell_client::Client::connect("10.0.1.7:7420,10.0.2.7:7420").await?;
+/// // Another handle on the same connection, for a task of its own.
+/// let rates = client.clone();
+/// tokio::spawn(async move { rates.get_prefix("config/rates/").await });
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Client {
     inner: Arc<ClientInner>,
@@ -135,12 +214,36 @@ impl Client {
     ///
     /// Connects eagerly, so a wrong or unreachable address is reported here, naming the
     /// address, rather than at the first call.
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Client;
+    ///
+    /// let client = Client::connect("10.0.1.7:7420,10.0.2.7:7420,10.0.3.7:7420").await?;
+    /// println!("connected to {}", client.addr());
+    /// # Ok(()) }
+    /// ```
     pub async fn connect(addr: &str) -> Result<Client, Error> {
         let addrs = addr.split(',').map(str::trim).filter(|a| !a.is_empty());
         Client::connect_with(ClientOptions::new(addrs)).await
     }
 
     /// Connects to the first proxy of `options` that answers.
+    ///
+    /// ```no_run
+    /// # async fn example(token: &str) -> Result<(), Box<dyn std::error::Error>> {
+    /// use lockcell_client::{Client, ClientOptions, ClientTls};
+    ///
+    /// let tls = ClientTls {
+    ///     ca_pem: std::fs::read("/etc/billing/lockcell/ca.pem")?,
+    ///     ..ClientTls::default()
+    /// };
+    /// let options = ClientOptions::new(["proxy.zone-a:7420", "proxy.zone-b:7420"])
+    ///     .tls(tls)
+    ///     .token(token);
+    /// let client = Client::connect_with(options).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn connect_with(options: ClientOptions) -> Result<Client, Error> {
         if options.tls.is_some() {
             // rustls needs one crypto provider per process; keep the application's if
@@ -168,6 +271,22 @@ impl Client {
     ///
     /// The session is valid until `send time of the Open + valid_for` and is kept valid
     /// by renewals; see [`Session::jeopardy`] for what the application must watch.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::SessionOptions;
+    ///
+    /// let session = client
+    ///     .open_session(SessionOptions {
+    ///         ttl: Duration::from_secs(10),
+    ///         identity: "billing-worker-7".to_owned(),
+    ///     })
+    ///     .await?;
+    /// println!("session {} with a TTL of {:?}", session.id(), session.ttl());
+    /// # Ok(()) }
+    /// ```
     pub async fn open_session(&self, opts: SessionOptions) -> Result<Session, Error> {
         // A proxy that refuses ("use another proxy": draining, no lease, etcd away) or
         // does not answer is left for the next that takes the client, each at most once.
@@ -239,6 +358,14 @@ impl Client {
     }
 
     /// The address of the proxy in use now.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let session = client.open_session(Default::default()).await?;
+    /// // Changes when the client moves its sessions to another proxy.
+    /// println!("session {} via {}", session.id(), client.addr());
+    /// # Ok(()) }
+    /// ```
     pub fn addr(&self) -> &str {
         self.inner.proxies.addr(self.inner.proxies.current())
     }

@@ -10,6 +10,21 @@ use crate::proxies::ClientTls;
 
 /// The proxies and credentials of a client, by file path. Its `Debug` output never
 /// shows the token.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::{Client, ConnectSettings};
+///
+/// // From the billing service's own configuration file.
+/// let mut settings = ConnectSettings::new("proxy.zone-a:7420,proxy.zone-b:7420");
+/// settings.tls_ca = Some("/etc/billing/lockcell/ca.pem".into());
+/// settings.tls_identity = Some((
+///     "/etc/billing/lockcell/client.pem".into(),
+///     "/etc/billing/lockcell/client.key".into(),
+/// ));
+/// let client = Client::connect_with(settings.options()?).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Default)]
 #[non_exhaustive]
 pub struct ConnectSettings {
@@ -39,10 +54,30 @@ impl std::fmt::Debug for ConnectSettings {
 }
 
 /// The proxy `lockctl` talks to when none is named.
+///
+/// ```
+/// use lockcell_client::{ConnectSettings, DEFAULT_PROXY};
+///
+/// // A cell on this machine, as `lockctl` reaches it with no flags.
+/// let settings = ConnectSettings::new(DEFAULT_PROXY);
+/// assert_eq!(settings.proxies, "127.0.0.1:7420");
+/// ```
 pub const DEFAULT_PROXY: &str = "127.0.0.1:7420";
 
 impl ConnectSettings {
     /// `proxies` (comma-separated, own zone first), with no TLS and no token.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::ConnectSettings;
+    ///
+    /// let mut settings = ConnectSettings::new("10.0.1.7:7420,10.0.2.7:7420");
+    /// settings.auth_token = Some("billing-7f3a9c".to_owned());
+    /// let options = settings.options()?;
+    /// assert_eq!(options.proxies, ["10.0.1.7:7420", "10.0.2.7:7420"]);
+    /// assert_eq!(options.token.as_deref(), Some("billing-7f3a9c"));
+    /// # Ok(()) }
+    /// ```
     pub fn new(proxies: &str) -> ConnectSettings {
         ConnectSettings {
             proxies: proxies.to_owned(),
@@ -54,6 +89,16 @@ impl ConnectSettings {
     /// ([`DEFAULT_PROXY`] when unset), `LOCKCELL_TLS_CA`, `LOCKCELL_CLIENT_TLS_CERT` with
     /// `LOCKCELL_CLIENT_TLS_KEY`, `LOCKCELL_TLS_DOMAIN` and `LOCKCELL_AUTH_TOKEN`. A
     /// variable set empty counts as unset.
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::{Client, ConnectSettings};
+    ///
+    /// let settings = ConnectSettings::from_env();
+    /// eprintln!("lockcell: {settings:?}"); // the token shows as ***
+    /// let client = Client::connect_with(settings.options()?).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn from_env() -> ConnectSettings {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         ConnectSettings {
@@ -69,6 +114,25 @@ impl ConnectSettings {
 
     /// The options these settings make: the files read, each error naming the file and
     /// what it was for.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), lockcell_client::Error> {
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::ConnectSettings;
+    ///
+    /// // Adjusted before connecting: a longer grace period for this service.
+    /// let options = ConnectSettings::new("10.0.1.7:7420, 10.0.2.7:7420")
+    ///     .options()?
+    ///     .grace(Duration::from_secs(60));
+    /// assert_eq!(options.proxies, ["10.0.1.7:7420", "10.0.2.7:7420"]);
+    ///
+    /// let mut settings = ConnectSettings::new("10.0.1.7:7420");
+    /// settings.tls_ca = Some("/etc/billing/lockcell/missing-ca.pem".into());
+    /// let error = settings.options().unwrap_err().to_string();
+    /// assert!(error.contains("/etc/billing/lockcell/missing-ca.pem"));
+    /// # Ok(()) }
+    /// ```
     pub fn options(&self) -> Result<ClientOptions, Error> {
         let proxies = self
             .proxies
@@ -115,6 +179,13 @@ impl Client {
     /// credentials the `LOCKCELL_*` variables name ([`ConnectSettings::from_env`]), so
     /// a program and the `lockctl` beside it share one configuration (the dev cell's
     /// `.lockcell-dev/env` sets them).
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), lockcell_client::Error> {
+    /// // After `. .lockcell-dev/env`, the dev cell; in production, what the unit sets.
+    /// let client = lockcell_client::Client::from_env().await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn from_env() -> Result<Client, Error> {
         Client::connect_with(ConnectSettings::from_env().options()?).await
     }

@@ -15,6 +15,25 @@ use crate::error::{Call, Error};
 use crate::session::Session;
 
 /// When a write applies.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::Condition;
+///
+/// // The first deployment to get here sets the default rate; later ones leave it.
+/// client
+///     .put("config/rates/eu", b"100", Condition::Absent)
+///     .await?;
+/// // Raise it only if nobody changed it since it was read (compare-and-swap).
+/// if let Some(rate) = client.get("config/rates/eu").await? {
+///     let raise = Condition::ModRevision(rate.mod_revision);
+///     let written = client.put("config/rates/eu", b"110", raise).await?;
+///     if !written.succeeded {
+///         // Someone else wrote it first: `written.current` is what they wrote.
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Condition {
     /// Always.
@@ -28,12 +47,31 @@ pub enum Condition {
 }
 
 /// A small key as read.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// if let Some(entry) = client.get("config/rates/eu").await? {
+///     let rate = String::from_utf8_lossy(&entry.value);
+///     println!(
+///         "{} = {rate} (written {} times, last at revision {})",
+///         entry.key, entry.version, entry.mod_revision
+///     );
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
+    /// The key's name.
     pub key: String,
+    /// Its value.
     pub value: Vec<u8>,
+    /// The store revision that created the key.
     pub create_revision: i64,
+    /// The store revision of the key's last write: what [`Condition::ModRevision`]
+    /// compares.
     pub mod_revision: i64,
+    /// How many times the key has been written since it was created: what
+    /// [`Condition::Version`] compares.
     pub version: i64,
     /// True for an ephemeral key.
     pub ephemeral: bool,
@@ -48,8 +86,24 @@ pub struct Entry {
 ///
 /// Written as `REVISION@CELL` (`Display`, `FromStr`), for scripts and files; a bare
 /// `REVISION` parses with no cell (not checked). A cell is `CLUSTER/EPOCH/ROUTE-EPOCH`.
+///
+/// ```
+/// # fn main() -> Result<(), String> {
+/// use lockcell_client::CellRevision;
+///
+/// // A position saved by an earlier run (`Watcher::at`, or `lockctl get --position`).
+/// let at: CellRevision = "4521@6a1f/1796184997/0".parse()?;
+/// assert_eq!(at.revision, 4521);
+/// assert_eq!(at.cell, "6a1f/1796184997/0");
+/// assert_eq!(at.to_string(), "4521@6a1f/1796184997/0");
+/// // A bare revision has no cell: a watch after it cannot tell a move.
+/// assert_eq!("4521".parse::<CellRevision>()?.cell, "");
+/// assert!("4521@".parse::<CellRevision>().is_err());
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct CellRevision {
+    /// A revision of the cell's store.
     pub revision: i64,
     /// The cell's position: its cluster id, epoch and route epoch (empty: unknown).
     pub cell: String,
@@ -105,13 +159,41 @@ impl std::str::FromStr for CellRevision {
 /// A linearizable read with the position it reflects: every key it found, and the
 /// revision (of its cell) it was made at. Watch from [`Snapshot::at`] to follow on
 /// with nothing missed and nothing twice.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// let snapshot = client.snapshot_prefix("config/rates/").await?;
+/// for entry in &snapshot.entries {
+///     println!("{} = {}", entry.key, String::from_utf8_lossy(&entry.value));
+/// }
+/// // `REVISION@CELL`: saved, a later run watches on from here.
+/// println!("as of {}", snapshot.at);
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Snapshot {
+    /// Every key found (none: nothing there).
     pub entries: Vec<Entry>,
+    /// The position the read reflects.
     pub at: CellRevision,
 }
 
 /// What a write did.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::Condition;
+///
+/// let written = client
+///     .put("config/rates/eu", b"100", Condition::Absent)
+///     .await?;
+/// if !written.succeeded {
+///     if let Some(current) = &written.current {
+///         println!("already set, at revision {}", current.mod_revision);
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Written {
     /// False when the condition did not hold; nothing was written.
@@ -158,11 +240,31 @@ pub struct Txn {
 
 impl Txn {
     /// An empty transaction.
+    ///
+    /// ```
+    /// use lockcell_client::Txn;
+    ///
+    /// // One rate per region, all written at one revision.
+    /// let mut txn = Txn::new();
+    /// for region in ["eu", "us", "ca"] {
+    ///     txn = txn.put(&format!("config/rates/{region}"), b"100");
+    /// }
+    /// ```
     pub fn new() -> Self {
         Txn::default()
     }
 
     /// Makes the writes depend on `key` meeting `condition`.
+    ///
+    /// ```
+    /// use lockcell_client::{Condition, Txn};
+    ///
+    /// // Publish the new rates only while the schema they follow is still version 3.
+    /// let txn = Txn::new()
+    ///     .when("config/rates/schema", Condition::Version(3))
+    ///     .put("config/rates/eu", b"110")
+    ///     .put("config/rates/us", b"120");
+    /// ```
     pub fn when(mut self, key: &str, condition: Condition) -> Self {
         self.request.compares.push(Compare {
             key: key.to_owned(),
@@ -172,11 +274,34 @@ impl Txn {
     }
 
     /// Writes `value` to `key` (never ephemeral).
+    ///
+    /// ```
+    /// use lockcell_client::{Condition, Txn};
+    ///
+    /// # let pool_revision = 41;
+    /// // Switch the web backends to the green pool and drain the blue one together,
+    /// // unless the pool changed since it was read.
+    /// let txn = Txn::new()
+    ///     .when("config/web/pool", Condition::ModRevision(pool_revision))
+    ///     .put("config/web/pool", b"green")
+    ///     .put("config/web/draining", b"blue");
+    /// ```
     pub fn put(self, key: &str, value: &[u8]) -> Self {
         self.write(key, Op::Put(value.to_vec()))
     }
 
     /// Deletes `key` (nothing happens to a key that does not exist).
+    ///
+    /// ```
+    /// use lockcell_client::{Condition, Txn};
+    ///
+    /// # let claim_revision = 57;
+    /// // Record the job's result and drop its claim, only while the claim is this one.
+    /// let txn = Txn::new()
+    ///     .when("jobs/nightly/claim", Condition::ModRevision(claim_revision))
+    ///     .put("jobs/nightly/result", b"ok")
+    ///     .delete("jobs/nightly/claim");
+    /// ```
     pub fn delete(self, key: &str) -> Self {
         self.write(key, Op::Delete(true))
     }
@@ -191,6 +316,32 @@ impl Txn {
 }
 
 /// What a [`Txn`] did.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::{Condition, Txn};
+///
+/// // Count a billing run: read once, then go on from what a failed attempt shows.
+/// let mut seen = client.get("billing/runs").await?;
+/// loop {
+///     let (condition, runs) = match &seen {
+///         Some(entry) => {
+///             let runs: u64 = String::from_utf8_lossy(&entry.value).parse().unwrap_or(0);
+///             (Condition::ModRevision(entry.mod_revision), runs)
+///         }
+///         None => (Condition::Absent, 0),
+///     };
+///     let txn = Txn::new()
+///         .when("billing/runs", condition)
+///         .put("billing/runs", (runs + 1).to_string().as_bytes());
+///     let outcome = client.commit(txn).await?;
+///     if outcome.succeeded {
+///         break;
+///     }
+///     seen = outcome.current.into_iter().next();
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TxnOutcome {
     /// False when a condition did not hold; nothing was written.
@@ -209,6 +360,26 @@ impl Client {
     /// After [`Error::Unavailable`] the transaction may or may not have been applied;
     /// with conditions on revisions, a retry that finds it applied fails its condition
     /// and shows the keys as they are.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::{Condition, Txn};
+    ///
+    /// // Rename a rate key, unless someone touches either name meanwhile.
+    /// let Some(old) = client.get("config/rates/eu").await? else {
+    ///     return Ok(());
+    /// };
+    /// let txn = Txn::new()
+    ///     .when("config/rates/eu", Condition::ModRevision(old.mod_revision))
+    ///     .when("config/rates/emea", Condition::Absent)
+    ///     .delete("config/rates/eu")
+    ///     .put("config/rates/emea", &old.value);
+    /// let outcome = client.commit(txn).await?;
+    /// if outcome.succeeded {
+    ///     println!("renamed at revision {}", outcome.revision);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn commit(&self, txn: Txn) -> Result<TxnOutcome, Error> {
         let mut request = tonic::Request::new(txn.request);
         request.set_timeout(UNARY_TIMEOUT);
@@ -225,17 +396,46 @@ impl Client {
     }
 
     /// One key, as of now (linearizable).
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let rate = match client.get("config/rates/eu").await? {
+    ///     Some(entry) => String::from_utf8_lossy(&entry.value).into_owned(),
+    ///     None => "100".to_owned(), // not configured: the default
+    /// };
+    /// # Ok(()) }
+    /// ```
     pub async fn get(&self, key: &str) -> Result<Option<Entry>, Error> {
         Ok(self.read(key, false).await?.entries.into_iter().next())
     }
 
     /// Every key under `prefix`, as of now (linearizable).
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// for entry in client.get_prefix("config/rates/").await? {
+    ///     println!("{} = {}", entry.key, String::from_utf8_lossy(&entry.value));
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn get_prefix(&self, prefix: &str) -> Result<Vec<Entry>, Error> {
         Ok(self.read(prefix, true).await?.entries)
     }
 
     /// One key as of now (linearizable), with the position the read reflects: to watch
     /// the key from there, `client.watch(key, WatchOptions::default().after(&snapshot.at))`.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::WatchOptions;
+    ///
+    /// let snapshot = client.snapshot("config/rates/eu").await?;
+    /// let rate = snapshot.entries.first().map(|entry| entry.value.clone());
+    /// // Every change after that read, none missed.
+    /// let options = WatchOptions::default().after(&snapshot.at);
+    /// let mut watcher = client.watch("config/rates/eu", options).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn snapshot(&self, key: &str) -> Result<Snapshot, Error> {
         self.read(key, false).await
     }
@@ -263,6 +463,17 @@ impl Client {
     }
 
     /// Writes `key` if `condition` holds.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Condition;
+    ///
+    /// let written = client
+    ///     .put("config/rates/eu", b"110", Condition::Always)
+    ///     .await?;
+    /// println!("written at revision {}", written.revision);
+    /// # Ok(()) }
+    /// ```
     pub async fn put(
         &self,
         key: &str,
@@ -273,6 +484,16 @@ impl Client {
     }
 
     /// Deletes `key` if `condition` holds; returns whether it deleted it.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Condition;
+    ///
+    /// if !client.delete("config/rates/eu", Condition::Always).await? {
+    ///     println!("config/rates/eu was not set");
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn delete(&self, key: &str, condition: Condition) -> Result<bool, Error> {
         let mut request = tonic::Request::new(DeleteRequest {
             key: key.to_owned(),
@@ -360,6 +581,20 @@ impl Session {
     /// Writes an ephemeral `key`: it is deleted when this session ends (closed, expired,
     /// or its proxy gone), as membership keys should be. It moves with the session when
     /// the session resumes on another proxy.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Condition;
+    ///
+    /// // Claim shard 7 for as long as this worker's session lives.
+    /// let claim = session
+    ///     .put_ephemeral("jobs/shards/7", b"worker-3", Condition::Absent)
+    ///     .await?;
+    /// if !claim.succeeded {
+    ///     // Another worker has it.
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn put_ephemeral(
         &self,
         key: &str,

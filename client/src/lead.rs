@@ -12,6 +12,25 @@ use crate::session::Session;
 use crate::FencingToken;
 
 /// One term of leadership, handed to the work of [`Session::lead`].
+///
+/// ```no_run
+/// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+/// session
+///     .lead("reports/leader", "host-7", |term| async move {
+///         // A task the work spawns is not dropped with it: it stops on `revoked`.
+///         let (stop, token) = (term.revoked.clone(), term.token);
+///         let compaction = tokio::spawn(async move {
+///             tokio::select! {
+///                 _ = compact_old_reports(token) => {}
+///                 _ = stop.cancelled() => {}
+///             }
+///         });
+///         let _ = compaction.await;
+///     })
+///     .await
+/// # }
+/// # async fn compact_old_reports(_token: lockcell_client::FencingToken) {}
+/// ```
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Term {

@@ -27,6 +27,22 @@ use tokio_util::sync::CancellationToken;
 const ACQUIRE_SLACK: Duration = Duration::from_secs(5);
 
 /// How long an Acquire may wait while another session holds the lock.
+///
+/// ```no_run
+/// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+/// use std::time::Duration;
+///
+/// use lockcell_client::Wait;
+///
+/// // Queue for up to a minute behind the worker running the nightly billing.
+/// let wait = Wait::Timeout(Duration::from_secs(60));
+/// match session.acquire("billing/nightly", wait).await? {
+///     Some(guard) => run_nightly_billing(guard.token()).await,
+///     None => eprintln!("billing/nightly still held after a minute"),
+/// }
+/// # Ok(()) }
+/// # async fn run_nightly_billing(_token: lockcell_client::FencingToken) {}
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wait {
     /// Try once; do not wait.
@@ -101,6 +117,20 @@ impl Session {
 }
 
 /// How a lock is held.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::Mode;
+///
+/// let state = client.describe("billing/prices").await?;
+/// let readers = state
+///     .holders
+///     .iter()
+///     .filter(|h| h.mode == Mode::Shared)
+///     .count();
+/// println!("{readers} readers of the price list");
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Mode {
     /// One holder at a time: the holder may change what the lock protects.
@@ -138,6 +168,26 @@ impl Session {
     /// the caller gave up is released, and the session's next acquire of `lock` waits
     /// for that. Without a tokio runtime to send from, such a grant is released when
     /// the session ends.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Wait;
+    ///
+    /// // Wait as long as it takes, unless the service is told to stop (the call is
+    /// // withdrawn then).
+    /// let acquired = tokio::select! {
+    ///     acquired = session.acquire("billing/invoices", Wait::Forever) => acquired?,
+    ///     _ = tokio::signal::ctrl_c() => return Ok(()),
+    /// };
+    /// if let Some(guard) = acquired {
+    ///     tokio::select! {
+    ///         _ = send_invoices(guard.token()) => {}
+    ///         revoked = guard.revoked() => eprintln!("stopped sending invoices: {revoked}"),
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// # async fn send_invoices(_token: lockcell_client::FencingToken) {}
+    /// ```
     pub async fn acquire(&self, lock: &str, wait: Wait) -> Result<Option<LockGuard>, Error> {
         self.acquire_mode(lock, Mode::Exclusive, wait).await
     }
@@ -145,6 +195,22 @@ impl Session {
     /// Acquires `lock` shared, waiting as `wait` says while an exclusive holder has it.
     /// Otherwise as [`acquire`](Session::acquire); the lock's class must allow shared
     /// holders.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::Wait;
+    ///
+    /// // Readers of the price list hold it together; whoever changes it waits for them.
+    /// let wait = Wait::Timeout(Duration::from_secs(5));
+    /// if let Some(guard) = session.acquire_shared("billing/prices", wait).await? {
+    ///     let prices = load_prices().await;
+    ///     guard.release().await?;
+    /// }
+    /// # Ok(()) }
+    /// # async fn load_prices() {}
+    /// ```
     pub async fn acquire_shared(&self, lock: &str, wait: Wait) -> Result<Option<LockGuard>, Error> {
         self.acquire_mode(lock, Mode::Shared, wait).await
     }
@@ -198,6 +264,17 @@ impl Session {
 ///
 /// Dropping it without [`release`](LockGuard::release) releases it in the background
 /// (when a tokio runtime is around); releasing explicitly tells whether it worked.
+///
+/// ```no_run
+/// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::Wait;
+///
+/// if let Some(guard) = session.acquire("billing/invoices", Wait::Try).await? {
+///     send_invoices(guard.token()).await;
+/// } // the guard is dropped here: released in the background
+/// # Ok(()) }
+/// # async fn send_invoices(_token: lockcell_client::FencingToken) {}
+/// ```
 #[derive(Debug)]
 #[must_use = "dropping a LockGuard releases the lock"]
 pub struct LockGuard {
@@ -216,27 +293,82 @@ pub struct LockGuard {
 
 impl LockGuard {
     /// The lock's name.
+    ///
+    /// ```no_run
+    /// fn log_hold(guard: &lockcell_client::LockGuard) {
+    ///     eprintln!("holding {} with token {}", guard.lock(), guard.token());
+    /// }
+    /// ```
     pub fn lock(&self) -> &str {
         &self.lock
     }
 
     /// Whether the lock is held exclusively or shared.
+    ///
+    /// ```no_run
+    /// use lockcell_client::{LockGuard, Mode};
+    ///
+    /// // Only an exclusive holder may change the price list; shared holders read it.
+    /// fn may_change_prices(guard: &LockGuard) -> bool {
+    ///     guard.mode() == Mode::Exclusive && guard.is_valid()
+    /// }
+    /// ```
     pub fn mode(&self) -> Mode {
         self.mode
     }
 
     /// The grant's fencing token: hand it to every resource acted on under the lock.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Wait;
+    ///
+    /// if let Some(guard) = session.acquire("reports/nightly", Wait::Try).await? {
+    ///     // The store refuses any token older than the highest it has seen.
+    ///     if let Err(refused) = write_report(guard.token(), "nightly").await {
+    ///         eprintln!("the store refused a stale token: {refused}");
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// # async fn write_report(_: lockcell_client::FencingToken, _: &str) -> Result<(), String> {
+    /// #     Ok(())
+    /// # }
+    /// ```
     pub fn token(&self) -> FencingToken {
         self.token
     }
 
     /// The session this lock was acquired through.
+    ///
+    /// ```no_run
+    /// fn describe_hold(guard: &lockcell_client::LockGuard) -> String {
+    ///     let session = guard.session();
+    ///     format!(
+    ///         "{} held by session {} on proxy {}",
+    ///         guard.lock(),
+    ///         session.id(),
+    ///         session.proxy_id()
+    ///     )
+    /// }
+    /// ```
     pub fn session(&self) -> &Session {
         &self.session
     }
 
     /// Whether the application may still act as holder: its session is before its
     /// deadline and not expired, and the lock was not lost when the session moved.
+    ///
+    /// ```no_run
+    /// # async fn example(guard: lockcell_client::LockGuard, invoices: Vec<String>) {
+    /// for invoice in invoices {
+    ///     if !guard.is_valid() {
+    ///         break; // another worker may hold the lock by now
+    ///     }
+    ///     send_invoice(guard.token(), &invoice).await;
+    /// }
+    /// # }
+    /// # async fn send_invoice(_token: lockcell_client::FencingToken, _invoice: &str) {}
+    /// ```
     pub fn is_valid(&self) -> bool {
         self.session.state() == SessionState::Valid && !self.holding.is_lost()
     }
@@ -244,6 +376,13 @@ impl LockGuard {
     /// Resolves, with the reason, once the lock is lost for good: the session expired,
     /// or the lock was found gone when the session moved to another proxy. (Jeopardy
     /// comes earlier and may pass: race work against [`Session::jeopardy`] too.)
+    ///
+    /// ```no_run
+    /// # async fn example(guard: lockcell_client::LockGuard) {
+    /// let reason = guard.lost().await;
+    /// eprintln!("{} is gone for good: {reason}", guard.lock());
+    /// # }
+    /// ```
     pub async fn lost(&self) -> String {
         self.session.hold_lost(&self.holding).await
     }
@@ -252,12 +391,43 @@ impl LockGuard {
     /// jeopardy ([`Revoked::Jeopardy`], which may pass: see [`Session::valid`]) or the
     /// lock is gone for good ([`Revoked::Lost`], with why). At once if that is so now.
     /// Race the work done as holder against it.
+    ///
+    /// ```no_run
+    /// # async fn example(guard: lockcell_client::LockGuard, invoices: Vec<String>) {
+    /// for invoice in invoices {
+    ///     tokio::select! {
+    ///         _ = send_invoice(guard.token(), &invoice) => {}
+    ///         revoked = guard.revoked() => {
+    ///             eprintln!("stopped before invoice {invoice}: {revoked}");
+    ///             break;
+    ///         }
+    ///     }
+    /// }
+    /// # }
+    /// # async fn send_invoice(_token: lockcell_client::FencingToken, _invoice: &str) {}
+    /// ```
     pub async fn revoked(&self) -> Revoked {
         crate::revoked::revoked(self.session.shared(), &self.holding).await
     }
 
     /// Until when the lock may be acted on, as far as the client knows now (the
     /// session's deadline; renewals push it on); `None` once it may not.
+    ///
+    /// ```no_run
+    /// # async fn example(guard: lockcell_client::LockGuard) {
+    /// use std::time::Duration;
+    ///
+    /// use tokio::time::Instant;
+    ///
+    /// // Start the next export only if it can end before the lock may pass on.
+    /// let step = Duration::from_secs(2);
+    /// match guard.valid_until() {
+    ///     Some(until) if until > Instant::now() + step => export_batch(guard.token()).await,
+    ///     _ => eprintln!("not enough time left on {}", guard.lock()),
+    /// }
+    /// # }
+    /// # async fn export_batch(_token: lockcell_client::FencingToken) {}
+    /// ```
     pub fn valid_until(&self) -> Option<tokio::time::Instant> {
         crate::revoked::valid_until(self.session.shared(), &self.holding)
     }
@@ -266,6 +436,20 @@ impl LockGuard {
     /// [`revoked`](Self::revoked) would resolve, or once the lock is let go (or its
     /// handle dropped). It stays cancelled: after a jeopardy that passed, ask for a new
     /// one. Needs a tokio runtime.
+    ///
+    /// ```no_run
+    /// # async fn example(guard: lockcell_client::LockGuard) {
+    /// let (stop, token) = (guard.cancellation(), guard.token());
+    /// let reindex = tokio::spawn(async move {
+    ///     tokio::select! {
+    ///         _ = reindex_invoices(token) => {}
+    ///         _ = stop.cancelled() => eprintln!("reindex stopped: the lock may pass on"),
+    ///     }
+    /// });
+    /// let _ = reindex.await;
+    /// # }
+    /// # async fn reindex_invoices(_token: lockcell_client::FencingToken) {}
+    /// ```
     pub fn cancellation(&self) -> CancellationToken {
         crate::revoked::cancellation(
             self.session.shared().clone(),
@@ -277,6 +461,20 @@ impl LockGuard {
     /// Releases the lock. `Ok(false)`: it was no longer held by this grant (e.g. the
     /// session had already lost it); the proxy may also say so with
     /// [`Error::NotHolder`].
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Wait;
+    ///
+    /// if let Some(guard) = session.acquire("billing/invoices", Wait::Try).await? {
+    ///     send_invoices(guard.token()).await;
+    ///     if !guard.release().await? {
+    ///         eprintln!("billing/invoices had passed on before the release");
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// # async fn send_invoices(_token: lockcell_client::FencingToken) {}
+    /// ```
     pub async fn release(mut self) -> Result<bool, Error> {
         self.released = true;
         let holdings = &self.session.shared().holdings;
@@ -422,6 +620,17 @@ fn clone_request<T: Clone>(request: &tonic::Request<T>) -> tonic::Request<T> {
 }
 
 /// The answer of a sequencer check.
+///
+/// ```no_run
+/// # use lockcell_client::{Client, Error, FencingToken};
+/// # async fn example(client: Client, token: FencingToken) -> Result<(), Error> {
+/// let check = client.check_sequencer("billing/invoices", token).await?;
+/// if !check.current {
+///     let holder = check.holder.map_or("nobody".to_owned(), |t| t.to_string());
+///     eprintln!("refusing a charge under {token}: the exclusive holder is {holder}");
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sequencer {
     /// Whether the token checked is the lock's current exclusive grant.
@@ -438,6 +647,18 @@ impl Client {
     ///
     /// The answer is already old when it arrives; a resource that can keep the highest
     /// token is safer comparing tokens itself.
+    ///
+    /// ```no_run
+    /// # use lockcell_client::{Client, Error, FencingToken};
+    /// # async fn example(client: Client, token: FencingToken) -> Result<(), Error> {
+    /// // A payment gateway that keeps no state asks before each charge.
+    /// let check = client.check_sequencer("billing/invoices", token).await?;
+    /// if check.current {
+    ///     charge_the_card().await;
+    /// }
+    /// # Ok(()) }
+    /// # async fn charge_the_card() {}
+    /// ```
     pub async fn check_sequencer(
         &self,
         lock: &str,
@@ -458,6 +679,15 @@ impl Client {
 }
 
 /// Who holds a lock and who waits for it in line ([`Client::describe`]).
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// let state = client.describe("billing/invoices").await?;
+/// if state.holders.is_empty() {
+///     println!("billing/invoices is free ({} waiting)", state.waiters.len());
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LockState {
     /// Every hold: one exclusive, or any number of shared.
@@ -470,15 +700,31 @@ pub struct LockState {
 }
 
 /// One hold of a lock.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// for holder in client.describe("billing/invoices").await?.holders {
+///     let held_for = holder.acquired_at.elapsed().unwrap_or_default();
+///     println!(
+///         "{} (session {}) has held it for {held_for:?} through {} in zone {}",
+///         holder.identity, holder.session_id, holder.proxy_id, holder.zone
+///     );
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LockHolder {
+    /// Exclusive or shared.
     pub mode: Mode,
+    /// The grant's fencing token.
     pub token: FencingToken,
+    /// The session that holds it.
     pub session_id: String,
     /// The identity its client gave when it opened its session.
     pub identity: String,
     /// The proxy that made the grant, and its zone.
     pub proxy_id: String,
+    /// The zone of that proxy.
     pub zone: String,
     /// When the grant was made (the granting proxy's clock).
     pub acquired_at: std::time::SystemTime,
@@ -487,9 +733,23 @@ pub struct LockHolder {
 }
 
 /// One waiter in a fair class's line.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// let state = client.describe("billing/invoices").await?;
+/// for (place, waiter) in state.waiters.iter().enumerate() {
+///     println!(
+///         "{place}: session {} waits ({:?})",
+///         waiter.session_id, waiter.mode
+///     );
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LockWaiter {
+    /// The hold it waits for: exclusive or shared.
     pub mode: Mode,
+    /// The waiting session.
     pub session_id: String,
     /// Its place in line (lower goes first).
     pub revision: i64,
@@ -498,6 +758,16 @@ pub struct LockWaiter {
 impl Client {
     /// Who holds `lock` and who waits for it, for people investigating a lock that is
     /// not released (needs the lock or read right on the name).
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// let state = client.describe("billing/invoices").await?;
+    /// match state.holders.first() {
+    ///     Some(holder) => println!("held by {} under token {}", holder.identity, holder.token),
+    ///     None => println!("free"),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn describe(&self, lock: &str) -> Result<LockState, Error> {
         let mut request = tonic::Request::new(DescribeRequest {
             lock: lock.to_owned(),

@@ -20,8 +20,24 @@ pub(crate) type Channel = InterceptedService<tonic::transport::Channel, Credenti
 /// TLS to the proxies: the CA that signed their certificates, and the client's own
 /// certificate for proxies that require one (its subject common name is the identity
 /// the proxy's prefix grants know the client by). All PEM.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+/// use lockcell_client::{Client, ClientOptions, ClientTls};
+///
+/// // Proxies reached by address, whose certificates all name one service.
+/// let tls = ClientTls {
+///     ca_pem: std::fs::read("/etc/billing/lockcell/ca.pem")?,
+///     domain: Some("proxy.lockcell.internal".to_owned()),
+///     ..ClientTls::default()
+/// };
+/// let options = ClientOptions::new(["10.0.1.7:7420", "10.0.2.7:7420"]).tls(tls);
+/// let client = Client::connect_with(options).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Default)]
 pub struct ClientTls {
+    /// The CA that signed the proxies' certificates.
     pub ca_pem: Vec<u8>,
     /// The client certificate and its key, for mutual TLS.
     pub identity_pem: Option<(Vec<u8>, Vec<u8>)>,

@@ -13,6 +13,22 @@ use crate::shared::SessionShared;
 use crate::validity::SessionState;
 
 /// Why a hold may no longer be acted on.
+///
+/// ```no_run
+/// # async fn example(guard: lockcell_client::LockGuard) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::Revoked;
+///
+/// match guard.revoked().await {
+///     // Stopped acting; wait for the session, then see whether the lock survived.
+///     Revoked::Jeopardy => {
+///         guard.session().valid().await?;
+///         println!("back; still holding {}: {}", guard.lock(), guard.is_valid());
+///     }
+///     Revoked::Lost(reason) => eprintln!("lost {}: {reason}", guard.lock()),
+///     _ => {}
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Revoked {

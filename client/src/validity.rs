@@ -14,6 +14,20 @@ use tokio::time::Instant;
 pub(crate) const MIN_RENEW_GAP: Duration = Duration::from_millis(50);
 
 /// Where a session stands, as far as the application may act on it.
+///
+/// ```no_run
+/// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::SessionState;
+///
+/// match session.state() {
+///     SessionState::Valid => send_invoices().await,
+///     // Stop acting; `valid` waits for it to come back (or fails: it expired).
+///     SessionState::Jeopardy => session.valid().await?,
+///     SessionState::Expired => eprintln!("session over: {:?}", session.expired_reason()),
+/// }
+/// # Ok(()) }
+/// # async fn send_invoices() {}
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SessionState {
     /// Before the deadline: the application may act as holder of what it acquired.
