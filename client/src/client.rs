@@ -89,7 +89,11 @@ impl ClientOptions {
     /// ```
     pub fn new<S: Into<String>>(proxies: impl IntoIterator<Item = S>) -> Self {
         ClientOptions {
-            proxies: proxies.into_iter().map(Into::into).collect(),
+            proxies: proxies
+                .into_iter()
+                .map(|proxy| proxy.into().trim().to_owned())
+                .filter(|proxy| !proxy.is_empty())
+                .collect(),
             grace: Duration::from_secs(45),
             fail_back_after: Duration::from_secs(30),
             tls: None,
@@ -213,7 +217,8 @@ impl Client {
     /// still resume on it (a restarted proxy).
     ///
     /// Connects eagerly, so a wrong or unreachable address is reported here, naming the
-    /// address, rather than at the first call.
+    /// address (the last one tried, when none of several answers), rather than at the
+    /// first call.
     ///
     /// ```no_run
     /// # async fn example() -> Result<(), lockcell_client::Error> {
@@ -453,6 +458,12 @@ mod tests {
             !shown.contains("s3cret") && shown.contains("***"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn addresses_are_trimmed_and_empty_ones_dropped() {
+        let options = ClientOptions::new(["a:1", " b:2 ", ""]);
+        assert_eq!(options.proxies, ["a:1", "b:2"]);
     }
 
     #[test]

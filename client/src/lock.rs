@@ -49,7 +49,9 @@ pub enum Wait {
     Try,
     /// Wait up to this long.
     Timeout(Duration),
-    /// Wait until granted, or until the session ends.
+    /// Wait until granted, or until the session ends (an error). Rarely a proxy ends
+    /// such a wait without a grant (one it had to take back at once), which reads as
+    /// `Ok(None)` like a wait that ran out: handle `None` here too, by asking again.
     Forever,
 }
 
@@ -458,9 +460,10 @@ impl LockGuard {
         )
     }
 
-    /// Releases the lock. `Ok(false)`: it was no longer held by this grant (e.g. the
-    /// session had already lost it); the proxy may also say so with
-    /// [`Error::NotHolder`].
+    /// Releases the lock. `Ok(false)`: the proxy found it no longer held by this grant
+    /// (lost in a move of the session, say); it may also say so with
+    /// [`Error::NotHolder`]. A session that has expired does not ask the proxy:
+    /// [`Error::SessionExpired`] (its locks are gone with it).
     ///
     /// ```no_run
     /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {

@@ -36,7 +36,10 @@ pub enum SessionState {
     /// the application must stop acting as holder. Renewals continue; a later reply can
     /// bring the session back to `Valid`.
     Jeopardy,
-    /// The proxy said the session is gone (or the application closed it). Terminal.
+    /// The session is over. Terminal. The proxy said it is gone, or the application
+    /// closed it (or called [`Client::shutdown`](crate::Client::shutdown)), or it stayed
+    /// in jeopardy past the client's grace period
+    /// ([`ClientOptions::grace`](crate::ClientOptions::grace)) with no proxy answering.
     Expired,
 }
 
