@@ -41,6 +41,30 @@ impl Session {
     /// a `select!`), the campaign is withdrawn in the background. A leadership the proxy
     /// granted as the caller gave up is resigned, and the session's next campaign of
     /// `election` waits for that.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::Wait;
+    ///
+    /// let wait = Wait::Timeout(Duration::from_secs(10));
+    /// match session
+    ///     .campaign("reports/leader", "10.0.3.7:8080", wait)
+    ///     .await?
+    /// {
+    ///     Some(leadership) => {
+    ///         tokio::select! {
+    ///             _ = write_daily_reports(leadership.token()) => {}
+    ///             revoked = leadership.revoked() => eprintln!("stopped leading: {revoked}"),
+    ///         }
+    ///         leadership.resign().await?;
+    ///     }
+    ///     None => println!("another instance writes the reports"),
+    /// }
+    /// # Ok(()) }
+    /// # async fn write_daily_reports(_token: lockcell_client::FencingToken) {}
+    /// ```
     pub async fn campaign(
         &self,
         election: &str,
@@ -86,6 +110,20 @@ impl Session {
 ///
 /// Dropping it without [`resign`](Leadership::resign) resigns in the background (when
 /// a tokio runtime is around); resigning explicitly tells whether it worked.
+///
+/// ```no_run
+/// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::Wait;
+///
+/// if let Some(leadership) = session
+///     .campaign("reports/leader", "host-7", Wait::Try)
+///     .await?
+/// {
+///     write_daily_reports(leadership.token()).await;
+/// } // the leadership is dropped here: resigned in the background
+/// # Ok(()) }
+/// # async fn write_daily_reports(_token: lockcell_client::FencingToken) {}
+/// ```
 #[derive(Debug)]
 #[must_use = "dropping a Leadership resigns it"]
 pub struct Leadership {
@@ -102,17 +140,55 @@ pub struct Leadership {
 
 impl Leadership {
     /// The election's name.
+    ///
+    /// ```no_run
+    /// fn log_term(leadership: &lockcell_client::Leadership) {
+    ///     let (election, token) = (leadership.election(), leadership.token());
+    ///     eprintln!("leading {election} with token {token}");
+    /// }
+    /// ```
     pub fn election(&self) -> &str {
         &self.election
     }
 
     /// The leadership's fencing token: hand it to every resource the leader changes.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Wait;
+    ///
+    /// if let Some(leadership) = session
+    ///     .campaign("reports/leader", "host-7", Wait::Try)
+    ///     .await?
+    /// {
+    ///     // The report store refuses any token older than the highest it has seen.
+    ///     if let Err(refused) = write_report(leadership.token(), "daily").await {
+    ///         eprintln!("the store refused a stale token: {refused}");
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// # async fn write_report(_: lockcell_client::FencingToken, _: &str) -> Result<(), String> {
+    /// #     Ok(())
+    /// # }
+    /// ```
     pub fn token(&self) -> FencingToken {
         self.token
     }
 
     /// Whether the application may still act as leader: its session is before its
     /// deadline and not expired, and the leadership was not lost when the session moved.
+    ///
+    /// ```no_run
+    /// # async fn example(leadership: lockcell_client::Leadership, days: Vec<String>) {
+    /// for day in days {
+    ///     if !leadership.is_valid() {
+    ///         break; // another instance may lead by now
+    ///     }
+    ///     write_daily_report(leadership.token(), &day).await;
+    /// }
+    /// # }
+    /// # async fn write_daily_report(_token: lockcell_client::FencingToken, _day: &str) {}
+    /// ```
     pub fn is_valid(&self) -> bool {
         self.session.state() == SessionState::Valid && !self.holding.is_lost()
     }
@@ -121,6 +197,13 @@ impl Leadership {
     /// expired, or the leadership was found gone when the session moved to another
     /// proxy. (Jeopardy comes earlier and may pass: race work against
     /// [`Session::jeopardy`] too.)
+    ///
+    /// ```no_run
+    /// # async fn example(leadership: lockcell_client::Leadership) {
+    /// let reason = leadership.lost().await;
+    /// eprintln!("no longer leading {}: {reason}", leadership.election());
+    /// # }
+    /// ```
     pub async fn lost(&self) -> String {
         self.session.hold_lost(&self.holding).await
     }
@@ -129,12 +212,43 @@ impl Leadership {
     /// jeopardy ([`Revoked::Jeopardy`], which may pass: see [`Session::valid`]) or the
     /// leadership is gone for good ([`Revoked::Lost`], with why). At once if that is so now.
     /// Race the work done as leader against it.
+    ///
+    /// ```no_run
+    /// # async fn example(leadership: lockcell_client::Leadership, days: Vec<String>) {
+    /// for day in days {
+    ///     tokio::select! {
+    ///         _ = write_daily_report(leadership.token(), &day) => {}
+    ///         revoked = leadership.revoked() => {
+    ///             eprintln!("stopped before the report of {day}: {revoked}");
+    ///             break;
+    ///         }
+    ///     }
+    /// }
+    /// # }
+    /// # async fn write_daily_report(_token: lockcell_client::FencingToken, _day: &str) {}
+    /// ```
     pub async fn revoked(&self) -> Revoked {
         crate::revoked::revoked(self.session.shared(), &self.holding).await
     }
 
     /// Until when the leadership may be acted on, as far as the client knows now (the
     /// session's deadline; renewals push it on); `None` once it may not.
+    ///
+    /// ```no_run
+    /// # async fn example(leadership: lockcell_client::Leadership) {
+    /// use std::time::Duration;
+    ///
+    /// use tokio::time::Instant;
+    ///
+    /// // Start compacting old reports only if it can end while this instance leads.
+    /// let step = Duration::from_secs(5);
+    /// match leadership.valid_until() {
+    ///     Some(until) if until > Instant::now() + step => compact_reports(leadership.token()).await,
+    ///     _ => eprintln!("not enough time left leading {}", leadership.election()),
+    /// }
+    /// # }
+    /// # async fn compact_reports(_token: lockcell_client::FencingToken) {}
+    /// ```
     pub fn valid_until(&self) -> Option<tokio::time::Instant> {
         crate::revoked::valid_until(self.session.shared(), &self.holding)
     }
@@ -143,6 +257,20 @@ impl Leadership {
     /// [`revoked`](Self::revoked) would resolve, or once the leadership is let go (or its
     /// handle dropped). It stays cancelled: after a jeopardy that passed, ask for a new
     /// one. Needs a tokio runtime.
+    ///
+    /// ```no_run
+    /// # async fn example(leadership: lockcell_client::Leadership) {
+    /// let (stop, token) = (leadership.cancellation(), leadership.token());
+    /// let compaction = tokio::spawn(async move {
+    ///     tokio::select! {
+    ///         _ = compact_reports(token) => {}
+    ///         _ = stop.cancelled() => eprintln!("compaction stopped: no longer leading"),
+    ///     }
+    /// });
+    /// let _ = compaction.await;
+    /// # }
+    /// # async fn compact_reports(_token: lockcell_client::FencingToken) {}
+    /// ```
     pub fn cancellation(&self) -> CancellationToken {
         crate::revoked::cancellation(
             self.session.shared().clone(),
@@ -152,12 +280,38 @@ impl Leadership {
     }
 
     /// The session this leadership was won through.
+    ///
+    /// ```no_run
+    /// # async fn example(leadership: lockcell_client::Leadership) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Revoked;
+    ///
+    /// if let Revoked::Jeopardy = leadership.revoked().await {
+    ///     // Wait for the session, then see whether the leadership survived.
+    ///     leadership.session().valid().await?;
+    ///     let still = leadership.is_valid();
+    ///     println!("still leading {}: {still}", leadership.election());
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn session(&self) -> &Session {
         &self.session
     }
 
     /// Changes the value observers see for this leader (an address that moved, say).
     /// [`Error::NotHolder`]: this leadership has ended, and so must the leading.
+    ///
+    /// ```no_run
+    /// # async fn example(leadership: lockcell_client::Leadership) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Error;
+    ///
+    /// // The leader's reports API moved to another port: tell the observers.
+    /// match leadership.proclaim("10.0.3.7:8443").await {
+    ///     Ok(()) => {}
+    ///     Err(Error::NotHolder(why)) => eprintln!("no longer leading: {why}"),
+    ///     Err(error) => return Err(error),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn proclaim(&self, value: &str) -> Result<(), Error> {
         if self.session.shared().is_expired() {
             return Err(self.session.expired_error());
@@ -179,6 +333,15 @@ impl Leadership {
 
     /// Gives up leadership. `Ok(false)`: it had already ended (e.g. the session lost
     /// it); the proxy may also say so with [`Error::NotHolder`].
+    ///
+    /// ```no_run
+    /// # async fn example(leadership: lockcell_client::Leadership) -> Result<(), lockcell_client::Error> {
+    /// // Hand the reports over before a deploy restarts this instance.
+    /// if !leadership.resign().await? {
+    ///     eprintln!("the leadership had already ended");
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn resign(mut self) -> Result<bool, Error> {
         self.resigned = true;
         let holdings = &self.session.shared().holdings;
@@ -317,6 +480,17 @@ pub(crate) async fn resign(
 }
 
 /// Who leads an election, as the proxy saw it when it answered.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// if let Some(leader) = client.leader("reports/leader").await? {
+///     println!(
+///         "{} leads at {} (session {}, token {})",
+///         leader.identity, leader.value, leader.session_id, leader.token
+///     );
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaderInfo {
     /// The leader's session.
@@ -354,6 +528,17 @@ fn leader_info(election: &str, leader: Option<Leader>) -> Result<Option<LeaderIn
 
 impl Client {
     /// Who leads `election` now (`None`: nobody). No session needed.
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// // Send the report request to whichever instance leads now.
+    /// match client.leader("reports/leader").await? {
+    ///     Some(leader) => request_report(&leader.value, leader.token).await,
+    ///     None => eprintln!("no instance leads the reports right now; try again shortly"),
+    /// }
+    /// # Ok(()) }
+    /// # async fn request_report(_addr: &str, _token: lockcell_client::FencingToken) {}
+    /// ```
     pub async fn leader(&self, election: &str) -> Result<Option<LeaderInfo>, Error> {
         let mut request = tonic::Request::new(LeaderRequest {
             election: election.to_owned(),

@@ -9,6 +9,22 @@ use tonic::{Code, Status};
 /// The variants an application is expected to act on are their own: a bad argument is a
 /// bug to fix, an unavailable proxy is worth retrying, an expired session must be
 /// reopened (and everything it held is lost).
+///
+/// ```no_run
+/// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::{Error, Wait};
+///
+/// match session.acquire("billing/nightly", Wait::Try).await {
+///     Ok(Some(guard)) => run_nightly_billing(guard.token()).await,
+///     Ok(None) => println!("another worker runs the nightly billing"),
+///     // Gone, with everything it held: start over with a new session.
+///     Err(Error::SessionExpired { session }) => eprintln!("session {session} expired"),
+///     Err(Error::PermissionDenied(why)) => eprintln!("not ours to run: {why}"),
+///     Err(error) => return Err(error),
+/// }
+/// # Ok(()) }
+/// # async fn run_nightly_billing(_token: lockcell_client::FencingToken) {}
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -224,6 +240,26 @@ impl std::fmt::Display for StatusCode {
 }
 
 /// What a caller can do about an [`Error`] ([`Error::kind`]).
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use std::time::Duration;
+///
+/// use lockcell_client::ErrorKind;
+///
+/// // Load the rates, waiting out a proxy that restarts; give up on anything else.
+/// let rates = loop {
+///     match client.get_prefix("config/rates/").await {
+///         Ok(rates) => break rates,
+///         Err(error) if error.kind() == ErrorKind::Retry => {
+///             eprintln!("rates not loaded yet: {error}");
+///             tokio::time::sleep(Duration::from_secs(1)).await;
+///         }
+///         Err(error) => return Err(error),
+///     }
+/// };
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ErrorKind {
@@ -241,6 +277,22 @@ pub enum ErrorKind {
 
 impl Error {
     /// What a caller can do about this error: retry, open a new session, or give up.
+    ///
+    /// ```
+    /// use lockcell_client::{Error, ErrorKind};
+    ///
+    /// let cut_off = Error::WatchCutOff {
+    ///     key: "config/rates/".into(),
+    ///     resume_from: 4522,
+    /// };
+    /// assert_eq!(cut_off.kind(), ErrorKind::Retry); // the watcher goes on by itself
+    /// let expired = Error::SessionExpired {
+    ///     session: "7f3a9c".into(),
+    /// };
+    /// assert_eq!(expired.kind(), ErrorKind::NewSession);
+    /// let refused = Error::PermissionDenied("\"reports\" may not lock \"billing/nightly\"".into());
+    /// assert_eq!(refused.kind(), ErrorKind::Fatal);
+    /// ```
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::Connect { .. }

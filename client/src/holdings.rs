@@ -21,17 +21,48 @@ use lockcell_proto::suspend;
 const EVENT_BACKLOG: usize = 64;
 
 /// A key the session holds, as the application knows it.
+///
+/// ```no_run
+/// # async fn example(session: lockcell_client::Session) {
+/// use lockcell_client::{Held, SessionEvent};
+///
+/// let mut events = session.events();
+/// while let Some(event) = events.next().await {
+///     if let SessionEvent::Lost { held, reason } = event {
+///         match held {
+///             Held::Exclusive { lock, token } | Held::Shared { lock, token } => {
+///                 eprintln!("lost {lock} (token {token}): {reason}")
+///             }
+///             Held::Ephemeral { key, .. } => eprintln!("{key} is no longer ours: {reason}"),
+///         }
+///     }
+/// }
+/// # }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Held {
     /// A lock held exclusively, or an election's leadership.
-    Exclusive { lock: String, token: FencingToken },
+    Exclusive {
+        /// The lock's (or the election's) name.
+        lock: String,
+        /// The grant's fencing token.
+        token: FencingToken,
+    },
     /// A lock held shared.
-    Shared { lock: String, token: FencingToken },
+    Shared {
+        /// The lock's name.
+        lock: String,
+        /// The grant's fencing token.
+        token: FencingToken,
+    },
     /// An ephemeral small key, created at `create_revision` and written by this session
     /// last at `mod_revision` (its write's revision).
     Ephemeral {
+        /// The key's name.
         key: String,
+        /// The revision that created the key.
         create_revision: i64,
+        /// The revision of this session's last write of the key.
         mod_revision: i64,
     },
 }
@@ -78,6 +109,23 @@ impl Held {
 }
 
 /// Something that happened to a session; see [`Session::events`](crate::Session::events).
+///
+/// ```no_run
+/// # async fn example(session: lockcell_client::Session) {
+/// use lockcell_client::SessionEvent;
+///
+/// let mut events = session.events();
+/// while let Some(event) = events.next().await {
+///     match event {
+///         SessionEvent::Jeopardy => eprintln!("stop acting: no word from a proxy in time"),
+///         SessionEvent::Safe => eprintln!("valid again"),
+///         SessionEvent::Moved { proxy_id } => eprintln!("moved to {proxy_id}"),
+///         SessionEvent::Lost { held, reason } => eprintln!("lost {held:?}: {reason}"),
+///         SessionEvent::Expired { reason } => eprintln!("session over: {reason}"),
+///     }
+/// }
+/// # }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SessionEvent {
     /// Past the deadline: stop acting as holder of anything the session holds. The SDK
@@ -87,12 +135,25 @@ pub enum SessionEvent {
     /// [`Lost`](SessionEvent::Lost) event named), with the same tokens.
     Safe,
     /// The session now lives on another proxy.
-    Moved { proxy_id: String },
+    Moved {
+        /// The proxy it lives on now, as [`Session::proxy_id`](crate::Session::proxy_id)
+        /// names it.
+        proxy_id: String,
+    },
     /// A key the session held is no longer its own (found gone or granted again when
     /// the session moved).
-    Lost { held: Held, reason: String },
+    Lost {
+        /// What it held.
+        held: Held,
+        /// Why it is gone, as the proxy said.
+        reason: String,
+    },
     /// The session has ended and everything it held is lost. The last event.
-    Expired { reason: String },
+    Expired {
+        /// Why: the proxy's word, or the application's (a close, the last handle
+        /// dropped, [`Client::shutdown`](crate::Client::shutdown)).
+        reason: String,
+    },
 }
 
 /// One hold registered with its session; its guard watches `lost`.

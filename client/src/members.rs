@@ -110,14 +110,45 @@ impl Session {
 }
 
 /// A change in a group's membership.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::MemberChange;
+///
+/// let mut web = client.members("web").await?;
+/// while let Some(changes) = web.next().await {
+///     for change in changes? {
+///         match change {
+///             MemberChange::Joined { member, value } | MemberChange::Updated { member, value } => {
+///                 println!("backend {member} at {}", String::from_utf8_lossy(&value))
+///             }
+///             MemberChange::Left { member } => println!("backend {member} left"),
+///         }
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MemberChange {
     /// A member that was not in the group is now.
-    Joined { member: String, value: Vec<u8> },
+    Joined {
+        /// The member's name.
+        member: String,
+        /// The value it announced (its address, say).
+        value: Vec<u8>,
+    },
     /// A member announced a new value.
-    Updated { member: String, value: Vec<u8> },
+    Updated {
+        /// The member's name.
+        member: String,
+        /// The value it announced now.
+        value: Vec<u8>,
+    },
     /// A member left (its session ended, or it was deleted).
-    Left { member: String },
+    Left {
+        /// The member's name.
+        member: String,
+    },
 }
 
 /// A group's members as of a revision, and a [`Stream`](tokio_stream::Stream) of the

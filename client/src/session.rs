@@ -19,6 +19,19 @@ use crate::shared::SessionShared;
 use crate::validity::{SessionState, Stamp};
 
 /// What to ask for when opening a session.
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use lockcell_client::SessionOptions;
+///
+/// // Named for the audit trail; the default TTL of 12 s, renewed every 4 s.
+/// let options = SessionOptions {
+///     identity: "billing-worker-7".to_owned(),
+///     ..SessionOptions::default()
+/// };
+/// assert_eq!(options.ttl, Duration::from_secs(12));
+/// ```
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
     /// Requested TTL: how long the proxy keeps the session without hearing a renewal.
@@ -93,6 +106,25 @@ pub(crate) struct Sent {
 ///
 /// While any of them lives, the client renews the session. When the last one is dropped
 /// the renewals stop and the session is closed in the background, releasing its locks.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::{SessionOptions, Wait};
+///
+/// let session = client.open_session(SessionOptions::default()).await?;
+/// // One session for the whole worker: each task gets a clone of it.
+/// for shard in 0..4 {
+///     let session = session.clone();
+///     tokio::spawn(async move {
+///         let lock = format!("jobs/reindex/{shard}");
+///         if let Ok(Some(guard)) = session.acquire(&lock, Wait::Try).await {
+///             reindex_shard(shard, guard.token()).await;
+///         }
+///     });
+/// }
+/// # Ok(()) }
+/// # async fn reindex_shard(_shard: u32, _token: lockcell_client::FencingToken) {}
+/// ```
 #[derive(Clone, Debug)]
 pub struct Session {
     inner: Arc<SessionInner>,
@@ -120,6 +152,17 @@ impl Session {
 
     /// The session id the proxy assigned. It is public (Leader shows it): on its own it
     /// lets no one act for the session.
+    ///
+    /// ```no_run
+    /// # async fn example(
+    /// #     client: lockcell_client::Client,
+    /// #     session: lockcell_client::Session,
+    /// # ) -> Result<(), lockcell_client::Error> {
+    /// // Whether this process is the one that leads the reports.
+    /// let leader = client.leader("reports/leader").await?;
+    /// let leading = leader.is_some_and(|leader| leader.session_id == session.id());
+    /// # Ok(()) }
+    /// ```
     pub fn id(&self) -> &str {
         &self.inner.shared.id
     }
@@ -128,16 +171,54 @@ impl Session {
     /// this client's. The SDK sends it with every call; a program needs it only to
     /// speak the wire protocol itself. Never log it, and hand it only to a process you
     /// would hand this client's own credentials to.
+    ///
+    /// ```no_run
+    /// # fn example(session: lockcell_client::Session) -> std::io::Result<()> {
+    /// use std::process::Command;
+    ///
+    /// // A report uploader that speaks the wire protocol itself, on this session: the
+    /// // secret goes in its environment, never on its command line (which anyone sees).
+    /// let uploader = Command::new("/usr/local/bin/report-uploader")
+    ///     .env("REPORTS_SESSION_ID", session.id())
+    ///     .env("REPORTS_SESSION_SECRET", session.secret())
+    ///     .spawn()?;
+    /// # Ok(()) }
+    /// ```
     pub fn secret(&self) -> &str {
         &self.inner.shared.secret
     }
 
     /// The TTL the proxy granted (not necessarily the one requested).
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::SessionOptions;
+    ///
+    /// let asked = Duration::from_secs(300);
+    /// let options = SessionOptions {
+    ///     ttl: asked,
+    ///     ..SessionOptions::default()
+    /// };
+    /// let session = client.open_session(options).await?;
+    /// if session.ttl() != asked {
+    ///     eprintln!("the proxy granted a TTL of {:?}", session.ttl()); // 120 s by default
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn ttl(&self) -> Duration {
         self.inner.shared.ttl
     }
 
     /// The id of the proxy holding the session now (it changes when the session moves).
+    ///
+    /// ```no_run
+    /// # fn example(session: lockcell_client::Session) {
+    /// // For the billing worker's logs: which proxy serves it now.
+    /// eprintln!("session {} on proxy {}", session.id(), session.proxy_id());
+    /// # }
+    /// ```
     pub fn proxy_id(&self) -> String {
         self.inner.shared.home().proxy_id
     }
@@ -145,22 +226,75 @@ impl Session {
     /// What happens to the session from now on: jeopardy, safe again, moved to another
     /// proxy, a hold lost, expired (the last). A lock's own fate is also on its guard
     /// ([`LockGuard::lost`](crate::LockGuard::lost)).
+    ///
+    /// ```no_run
+    /// # fn example(session: lockcell_client::Session) {
+    /// use lockcell_client::SessionEvent;
+    ///
+    /// let mut events = session.events();
+    /// tokio::spawn(async move {
+    ///     while let Some(event) = events.next().await {
+    ///         match event {
+    ///             SessionEvent::Moved { proxy_id } => eprintln!("session moved to {proxy_id}"),
+    ///             SessionEvent::Expired { reason } => eprintln!("session over: {reason}"),
+    ///             other => eprintln!("session: {other:?}"),
+    ///         }
+    ///     }
+    /// });
+    /// # }
+    /// ```
     pub fn events(&self) -> SessionEvents {
         self.inner.shared.events()
     }
 
     /// Until when (exclusive) the application may act on what this session holds.
     /// Renewals move it forward; nothing ever moves it back.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) {
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::SessionState;
+    /// use tokio::time::Instant;
+    ///
+    /// // Start the next billing run only if it can end well before the deadline.
+    /// let run = Duration::from_secs(3);
+    /// let time_left = session.deadline().saturating_duration_since(Instant::now());
+    /// if session.state() == SessionState::Valid && time_left > run {
+    ///     run_billing().await;
+    /// }
+    /// # }
+    /// # async fn run_billing() {}
+    /// ```
     pub fn deadline(&self) -> Instant {
         self.inner.shared.deadline()
     }
 
     /// Where the session stands right now.
+    ///
+    /// ```no_run
+    /// use lockcell_client::{Session, SessionState};
+    ///
+    /// // The health check of a billing worker: it takes jobs only while its session is
+    /// // valid (in jeopardy, its locks may pass on at any moment).
+    /// fn ready(session: &Session) -> bool {
+    ///     session.state() == SessionState::Valid
+    /// }
+    /// ```
     pub fn state(&self) -> SessionState {
         self.inner.shared.state()
     }
 
     /// Why the session expired, once it has.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) {
+    /// if session.valid().await.is_err() {
+    ///     let reason = session.expired_reason().unwrap_or_default();
+    ///     eprintln!("session {} is over: {reason}", session.id());
+    /// }
+    /// # }
+    /// ```
     pub fn expired_reason(&self) -> Option<String> {
         self.inner.shared.expired_reason()
     }
@@ -168,6 +302,20 @@ impl Session {
     /// Resolves as soon as the session is past its deadline or expired: from then on the
     /// proxy may give its locks to someone else, so the application must stop acting as
     /// holder. Race the work done under a lock against this.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::Wait;
+    ///
+    /// if let Some(guard) = session.acquire("billing/nightly", Wait::Try).await? {
+    ///     tokio::select! {
+    ///         _ = run_nightly_billing(guard.token()) => {}
+    ///         _ = session.jeopardy() => eprintln!("stopped: the lock may pass on at any moment"),
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// # async fn run_nightly_billing(_token: lockcell_client::FencingToken) {}
+    /// ```
     pub async fn jeopardy(&self) {
         self.inner.shared.jeopardy().await
     }
@@ -175,6 +323,20 @@ impl Session {
     /// Resolves once the session is valid: at once if it is, or when a renewal or a move
     /// brings it back from jeopardy with everything still held (each hold's own
     /// `is_valid` says whether it survived). Fails if the session expires instead.
+    ///
+    /// ```no_run
+    /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {
+    /// loop {
+    ///     // Waits out a jeopardy (a proxy restarting, say); fails once the session expired.
+    ///     session.valid().await?;
+    ///     tokio::select! {
+    ///         _ = publish_rates() => break,
+    ///         _ = session.jeopardy() => eprintln!("paused: no word from a proxy in time"),
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// # async fn publish_rates() {}
+    /// ```
     pub async fn valid(&self) -> Result<(), Error> {
         if self.inner.shared.valid().await {
             Ok(())
@@ -191,6 +353,20 @@ impl Session {
     /// them closes it for all. It counts as expired from the moment the Close is sent
     /// (the proxy may hand its locks on at once), for every clone and guard still
     /// around, whose calls then fail with [`Error::SessionExpired`].
+    ///
+    /// ```no_run
+    /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+    /// use lockcell_client::SessionOptions;
+    ///
+    /// let session = client.open_session(SessionOptions::default()).await?;
+    /// session.announce("web", "host-7", b"10.0.3.7:8080").await?;
+    /// serve_until_told_to_stop().await;
+    /// // Out of the group, and every lock released, at once rather than a TTL later.
+    /// let deleted = session.close().await?;
+    /// println!("session closed, {deleted} keys deleted");
+    /// # Ok(()) }
+    /// # async fn serve_until_told_to_stop() {}
+    /// ```
     pub async fn close(&self) -> Result<u32, Error> {
         let inner = &self.inner;
         inner.closed.store(true, Ordering::Relaxed);

@@ -34,6 +34,21 @@ const RECONNECT_MAX: Duration = Duration::from_secs(2);
 const CREATED_TIMEOUT: Duration = UNARY_TIMEOUT;
 
 /// What to watch and how.
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use lockcell_client::WatchOptions;
+///
+/// // Every key under `config/rates/`, with the value each change replaced, and a
+/// // progress batch after a minute of quiet.
+/// let opts = WatchOptions::prefix()
+///     .with_prev_kv()
+///     .with_progress(Duration::from_secs(60));
+/// assert!(opts.prefix && opts.prev_kv);
+/// assert_eq!(opts.start_revision, 0); // from now
+/// assert_eq!(opts.reconnect_for, Duration::from_secs(30)); // the default
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WatchOptions {
     /// Watch every key starting with the given key rather than that one key.
@@ -75,6 +90,14 @@ impl Default for WatchOptions {
 impl WatchOptions {
     /// Watch every key under the given prefix: `client.watch("config/",
     /// WatchOptions::prefix())`.
+    ///
+    /// ```
+    /// use lockcell_client::WatchOptions;
+    ///
+    /// let opts = WatchOptions::prefix();
+    /// assert!(opts.prefix);
+    /// assert!(!WatchOptions::default().prefix); // one key
+    /// ```
     pub fn prefix() -> Self {
         WatchOptions {
             prefix: true,
@@ -83,6 +106,15 @@ impl WatchOptions {
     }
 
     /// Deliver every event from `revision` on.
+    ///
+    /// ```
+    /// use lockcell_client::WatchOptions;
+    ///
+    /// // The rate loader applied everything up to revision 4521: go on from the next one.
+    /// // (A bare revision is checked against no cell; `after` checks a `CellRevision`.)
+    /// let opts = WatchOptions::prefix().from_revision(4522);
+    /// assert_eq!(opts.start_revision, 4522);
+    /// ```
     pub fn from_revision(self, revision: i64) -> Self {
         WatchOptions {
             start_revision: revision,
@@ -91,6 +123,14 @@ impl WatchOptions {
     }
 
     /// Deliver each event's previous value as well.
+    ///
+    /// ```
+    /// use lockcell_client::WatchOptions;
+    ///
+    /// // Each event then carries the value it replaced (`WatchEvent::prev`).
+    /// let opts = WatchOptions::prefix().with_prev_kv();
+    /// assert!(opts.prev_kv);
+    /// ```
     pub fn with_prev_kv(self) -> Self {
         WatchOptions {
             prev_kv: true,
@@ -99,6 +139,16 @@ impl WatchOptions {
     }
 
     /// Ask for a progress batch after `every` without events.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::WatchOptions;
+    ///
+    /// // A quiet watch of the rates still says every 30 s that it is up to date.
+    /// let opts = WatchOptions::prefix().with_progress(Duration::from_secs(30));
+    /// assert_eq!(opts.progress_interval, Some(Duration::from_secs(30)));
+    /// ```
     pub fn with_progress(self, every: Duration) -> Self {
         WatchOptions {
             progress_interval: Some(every),
@@ -107,6 +157,14 @@ impl WatchOptions {
     }
 
     /// Allow watching the empty prefix (every small key).
+    ///
+    /// ```
+    /// use lockcell_client::WatchOptions;
+    ///
+    /// // A backup of every small key of the cell: `client.watch("", opts)`.
+    /// let opts = WatchOptions::prefix().allow_all_keys();
+    /// assert!(opts.prefix && opts.all_keys);
+    /// ```
     pub fn allow_all_keys(self) -> Self {
         WatchOptions {
             all_keys: true,
@@ -115,6 +173,16 @@ impl WatchOptions {
     }
 
     /// Keep resuming a broken stream for up to `d`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use lockcell_client::WatchOptions;
+    ///
+    /// // Report a cell out of reach after 5 s rather than 30 s.
+    /// let opts = WatchOptions::prefix().reconnecting_for(Duration::from_secs(5));
+    /// assert_eq!(opts.reconnect_for, Duration::from_secs(5));
+    /// ```
     pub fn reconnecting_for(self, d: Duration) -> Self {
         WatchOptions {
             reconnect_for: d,
@@ -127,6 +195,17 @@ impl WatchOptions {
     /// cell serves the key now (its prefix moved, or the cell was restored from a
     /// backup), the watch ends with [`Error::WatchMoved`] rather than read one cell's
     /// revision in another.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), String> {
+    /// use lockcell_client::{CellRevision, WatchOptions};
+    ///
+    /// // Where the rate loader stood when it stopped: a `Watcher::at` it saved.
+    /// let saved: CellRevision = "4521@6a1f/1796184997/0".parse()?;
+    /// let opts = WatchOptions::prefix().after(&saved);
+    /// assert_eq!(opts.start_revision, 4522);
+    /// # Ok(()) }
+    /// ```
     pub fn after(self, at: &crate::CellRevision) -> Self {
         WatchOptions {
             start_revision: at.revision.saturating_add(1),
@@ -137,6 +216,33 @@ impl WatchOptions {
 }
 
 /// What happened to a key.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use std::collections::BTreeMap;
+///
+/// use lockcell_client::{EventKind, WatchOptions};
+///
+/// // A copy of the rates: read, then kept current with every change after the read.
+/// let read = client.snapshot_prefix("config/rates/").await?;
+/// let mut rates: BTreeMap<String, Vec<u8>> =
+///     read.entries.into_iter().map(|e| (e.key, e.value)).collect();
+/// let opts = WatchOptions::prefix().after(&read.at);
+/// let mut watcher = client.watch("config/rates/", opts).await?;
+/// while let Some(batch) = watcher.next().await {
+///     for event in batch?.events {
+///         match event.kind {
+///             EventKind::Put => {
+///                 rates.insert(event.entry.key, event.entry.value);
+///             }
+///             EventKind::Delete => {
+///                 rates.remove(&event.entry.key);
+///             }
+///         }
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum EventKind {
     /// Written (created or changed).
@@ -146,8 +252,27 @@ pub enum EventKind {
 }
 
 /// One change of one key.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use lockcell_client::WatchOptions;
+///
+/// // An audit log of the rates: each change with the value it replaced.
+/// let opts = WatchOptions::prefix().with_prev_kv();
+/// let mut watcher = client.watch("config/rates/", opts).await?;
+/// while let Some(batch) = watcher.next().await {
+///     for event in batch?.events {
+///         let was = event.prev.map(|prev| prev.value);
+///         let was = was.map(|value| String::from_utf8_lossy(&value).into_owned());
+///         let now = String::from_utf8_lossy(&event.entry.value);
+///         println!("{:?} {}: {was:?} -> {now:?}", event.kind, event.entry.key);
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WatchEvent {
+    /// Whether the key was written or deleted.
     pub kind: EventKind,
     /// The key after the event; for a delete, the key with an empty value and the
     /// delete's revision as `mod_revision`.
@@ -158,6 +283,27 @@ pub struct WatchEvent {
 }
 
 /// What one [`Watcher::next`] delivers.
+///
+/// ```no_run
+/// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
+/// use std::time::Duration;
+///
+/// use lockcell_client::WatchOptions;
+///
+/// let opts = WatchOptions::prefix().with_progress(Duration::from_secs(30));
+/// let mut watcher = client.watch("config/rates/", opts).await?;
+/// while let Some(batch) = watcher.next().await {
+///     let batch = batch?;
+///     if batch.events.is_empty() {
+///         println!("no rate changed up to revision {}", batch.revision);
+///     }
+///     for event in &batch.events {
+///         apply_rate(&event.entry.key, &event.entry.value);
+///     }
+/// }
+/// # Ok(()) }
+/// # fn apply_rate(_key: &str, _value: &[u8]) {}
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WatchBatch {
     /// Every event at or before this revision has now been delivered.
