@@ -265,7 +265,9 @@ impl std::fmt::Display for StatusCode {
 pub enum ErrorKind {
     /// Try the call again after a pause: no proxy answered, the proxy or its etcd could
     /// not serve it now, or a limit refused it that may free up (a call rate, sessions
-    /// or keys others end). The SDK has already retried what it safely could: across
+    /// or keys others end). [`Error::Connect`] is here too, although an address that
+    /// does not parse, or a TLS setup the proxy refuses, needs fixing first: its message
+    /// says which. The SDK has already retried what it safely could: across
     /// proxies, the waits of acquires and campaigns whose proxy went away.
     Retry,
     /// The session is gone and everything it held with it: open a new session.

@@ -578,9 +578,10 @@ fn written(reply: lockcell_proto::v1::PutResponse) -> Written {
 }
 
 impl Session {
-    /// Writes an ephemeral `key`: it is deleted when this session ends (closed, expired,
-    /// or its proxy gone), as membership keys should be. It moves with the session when
-    /// the session resumes on another proxy.
+    /// Writes an ephemeral `key`: it is deleted when this session ends (closed, or
+    /// expired: no renewal reached any proxy for its TTL), as membership keys should
+    /// be. It moves with the session when the session resumes on another proxy (its
+    /// proxy died, drained or lost etcd).
     ///
     /// ```no_run
     /// # async fn example(session: lockcell_client::Session) -> Result<(), lockcell_client::Error> {

@@ -54,8 +54,9 @@ fn member_of<'k>(prefix: &str, key: &'k str) -> Option<&'k str> {
 
 impl Session {
     /// Makes `member` a member of `group` with `value` for as long as this session
-    /// lives: the key is ephemeral, so the member leaves when the session is closed,
-    /// expires, or its proxy goes. Announcing again changes the value. The last session
+    /// lives: the key is ephemeral, so the member leaves when the session is closed or
+    /// expires (a proxy that dies does not end it: the session and its member move to
+    /// another proxy). Announcing again changes the value. The last session
     /// to announce a member name owns it.
     ///
     /// [`Error::InvalidArgument`]: `member` is empty or contains `/`, or the proxy

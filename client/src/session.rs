@@ -248,7 +248,11 @@ impl Session {
     }
 
     /// Until when (exclusive) the application may act on what this session holds.
-    /// Renewals move it forward; nothing ever moves it back.
+    /// Renewals move it forward. Two things move it back: a grant from a proxy the
+    /// session is leaving counts for nothing until the move settles (the deadline is
+    /// then now), and after the machine slept every earlier grant counts for nothing
+    /// ([`state`](Session::state) says `Jeopardy` even while the deadline is ahead).
+    /// Check [`state`](Session::state), or race the work against a guard's `revoked()`.
     ///
     /// ```no_run
     /// # async fn example(session: lockcell_client::Session) {

@@ -105,7 +105,8 @@ impl WatchOptions {
         }
     }
 
-    /// Deliver every event from `revision` on.
+    /// Deliver every event from `revision` on. (After [`after`](WatchOptions::after),
+    /// the cell it named still holds: the revision is checked against it.)
     ///
     /// ```
     /// use lockcell_client::WatchOptions;
