@@ -587,15 +587,24 @@ impl Client {
         })
     }
 
+    /// Opens an Observe stream. The stream has no deadline (it lasts), so its opening
+    /// gets one of its own: a frozen proxy never answers it.
     async fn observe_stream(&self, election: &str) -> Result<Streaming<LeaderResponse>, Error> {
-        let stream = ElectionClient::new(self.channel())
-            .observe(LeaderRequest {
-                election: election.to_owned(),
-            })
+        let mut observer = ElectionClient::new(self.channel());
+        let opening = observer.observe(LeaderRequest {
+            election: election.to_owned(),
+        });
+        let opened = tokio::time::timeout(UNARY_TIMEOUT, opening)
             .await
+            .map_err(|_| {
+                Error::Unavailable(format!(
+                    "no answer from the proxy: it did not start observing {election:?} within {}",
+                    humantime::format_duration(UNARY_TIMEOUT)
+                ))
+            })?;
+        Ok(opened
             .map_err(|status| Error::from_status(status, Call::Unbound))?
-            .into_inner();
-        Ok(stream)
+            .into_inner())
     }
 }
 

@@ -448,6 +448,16 @@ impl Error {
         }
     }
 
+    /// What went wrong, to go inside another error's message: an
+    /// [`Error::Unavailable`]'s own text (its "proxy unavailable" is said by the
+    /// outer error), any other error's whole text.
+    pub(crate) fn into_reason(self) -> String {
+        match self {
+            Error::Unavailable(reason) => reason,
+            other => other.to_string(),
+        }
+    }
+
     /// A transport error, with its causes, for [`Error::Connect`]: tonic's own text is
     /// often just "transport error", the useful part is further down the chain.
     pub(crate) fn connect(addr: &str, err: &(dyn StdError + 'static)) -> Error {

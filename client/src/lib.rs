@@ -50,6 +50,7 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod deadline;
 mod election;
 mod env;
 mod error;

@@ -12,10 +12,11 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::service::Interceptor;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
+use crate::deadline::Deadline;
 use crate::error::Error;
 
 /// A connection to one proxy, with the client's credentials on every call.
-pub(crate) type Channel = InterceptedService<tonic::transport::Channel, Credentials>;
+pub(crate) type Channel = InterceptedService<Deadline<tonic::transport::Channel>, Credentials>;
 
 /// TLS to the proxies: the CA that signed their certificates, and the client's own
 /// certificate for proxies that require one (its subject common name is the identity
@@ -255,7 +256,7 @@ async fn connect(addr: &str, security: &Security, timeout: Duration) -> Result<C
         .await
         .map_err(|e| Error::connect(addr, &e))?;
     Ok(InterceptedService::new(
-        channel,
+        Deadline(channel),
         security.credentials.clone(),
     ))
 }

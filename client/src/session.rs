@@ -468,13 +468,18 @@ impl Session {
         tokio::select! {
             reply = call => match reply {
                 Ok(reply) => Ok((reply.into_inner(), sent)),
-                Err(status) if shared.moved_since_epoch(sent.epoch) => Err(CallFailed {
-                    error: Error::Unavailable(format!(
-                        "{}; the session moved to another proxy meanwhile, ask again",
-                        status.message()
-                    )),
-                    left_behind: true,
-                }),
+                Err(status) if shared.moved_since_epoch(sent.epoch) => {
+                    // What the proxy left behind said, for the message only: the session
+                    // lives on where it went.
+                    let cause = Error::from_status(status, Call::Unbound).into_reason();
+                    Err(CallFailed {
+                        error: Error::Unavailable(format!(
+                            "{cause}; the session moved meanwhile (to another proxy, or \
+                             resumed on this one): ask again"
+                        )),
+                        left_behind: true,
+                    })
+                }
                 Err(status) => Err(CallFailed {
                     left_behind: left_behind(&status),
                     error: self.call_failed(status),

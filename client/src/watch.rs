@@ -740,7 +740,7 @@ fn classify(status: Status, key: &str) -> Broken {
                 | Code::Aborted
         );
     if transient {
-        return Broken::Transient(Error::from_status(status, Call::Watch(key)).to_string());
+        return Broken::Transient(Error::from_status(status, Call::Watch(key)).into_reason());
     }
     Broken::Fatal(Error::from_status(status, Call::Watch(key)))
 }

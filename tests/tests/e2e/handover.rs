@@ -735,3 +735,112 @@ pub async fn a_release_sent_to_a_killed_proxy_releases_where_the_session_went() 
     );
     Ok(())
 }
+
+/// Every kind of call over TLS to a proxy that is frozen (SIGSTOP) or dead (SIGKILL),
+/// with no other proxy to go to: each fails as a retryable error (`ErrorKind::Retry`)
+/// that says the proxy did not answer, never as a refusal or a bare transport error;
+/// and once the proxy is back, the same calls go through on the same client.
+pub async fn every_call_over_tls_to_a_frozen_or_dead_proxy_says_retry() -> anyhow::Result<()> {
+    use lockcell_client::{ErrorKind, WatchOptions};
+
+    let etcd = lockcell_tests::EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let ca = lockcell_tests::certs::Authority::new(&dir.path().join("certs"))?;
+    let server = ca.server("proxy")?;
+    let mut options = ProxyOptions::new("a", etcd.endpoints());
+    options.extra_args = vec![
+        "--tls-cert".into(),
+        server.cert.display().to_string(),
+        "--tls-key".into(),
+        server.key.display().to_string(),
+    ];
+    let proxy = ProxyProcess::start(&options, &etcd.dir).await?;
+    let tls = lockcell_client::ClientTls {
+        ca_pem: std::fs::read(&ca.ca)?,
+        identity_pem: None,
+        domain: Some("localhost".into()),
+    };
+    let client =
+        Client::connect_with(ClientOptions::new([proxy.addr.clone()]).tls(tls.clone())).await?;
+    let session = client.open_session(short_session(TTL)).await?;
+
+    // Each call once, each given 30 s (the SDK's own deadlines are shorter); what each
+    // returned, by name. The first two go alone: by the time they fail, the client has
+    // given up the connection to the frozen proxy, and the others need a new one (the
+    // kernel accepts it for the stopped process, whose TLS handshake never comes).
+    type Outcome = Result<Result<(), lockcell_client::Error>, tokio::time::error::Elapsed>;
+    let calls = || async {
+        let patience = Duration::from_secs(30);
+        let get = tokio::time::timeout(patience, client.get("tls-calls/k")).await;
+        let put =
+            tokio::time::timeout(patience, client.put("tls-calls/k", b"v", Condition::Always))
+                .await;
+        let (acquire, campaign, leader, observe, watch, open) = tokio::join!(
+            tokio::time::timeout(patience, session.acquire("tls-calls/x", Wait::Try)),
+            tokio::time::timeout(patience, session.campaign("tls-calls/e", "me", Wait::Try)),
+            tokio::time::timeout(patience, client.leader("tls-calls/e")),
+            tokio::time::timeout(patience, client.observe("tls-calls/e")),
+            tokio::time::timeout(patience, client.watch("tls-calls/", WatchOptions::prefix())),
+            tokio::time::timeout(patience, client.open_session(short_session(TTL))),
+        );
+        let results: Vec<(&str, Outcome)> = vec![
+            ("get", get.map(|r| r.map(drop))),
+            ("put", put.map(|r| r.map(drop))),
+            ("acquire", acquire.map(|r| r.map(drop))),
+            ("campaign", campaign.map(|r| r.map(drop))),
+            ("leader", leader.map(|r| r.map(drop))),
+            ("observe", observe.map(|r| r.map(drop))),
+            ("watch", watch.map(|r| r.map(drop))),
+            ("open a session", open.map(|r| r.map(drop))),
+        ];
+        results
+    };
+    let all_retry = |phase: &str, results: Vec<(&str, Outcome)>| {
+        let mut wrong = Vec::new();
+        for (call, result) in results {
+            match result {
+                // Said once: a message that repeats itself hides what it says.
+                Ok(Err(e)) if e.to_string().matches("unavailable").count() > 1 => {
+                    wrong.push(format!("{call}: says it twice: {e}"))
+                }
+                Ok(Err(e)) if lockcell_client::Error::kind(&e) == ErrorKind::Retry => {
+                    println!("{phase}: {call}: {e}")
+                }
+                Ok(other) => wrong.push(format!("{call}: {other:?}")),
+                Err(_) => wrong.push(format!("{call}: no answer within 30 s")),
+            }
+        }
+        ensure!(
+            wrong.is_empty(),
+            "{phase}: calls that did not fail as retryable: {wrong:#?}"
+        );
+        Ok(())
+    };
+
+    proxy.signal(Signal::SIGSTOP)?;
+    let frozen = calls().await;
+    proxy.signal(Signal::SIGCONT)?;
+    all_retry("frozen", frozen)?;
+
+    proxy.signal(Signal::SIGKILL)?;
+    let dead = calls().await;
+    all_retry("dead", dead)?;
+
+    // Back on the same address: the same client goes on with a new session.
+    let mut restarted = options.clone();
+    restarted.listen = Some(proxy.addr.clone());
+    restarted.zone = "a-again".into();
+    let _proxy = ProxyProcess::start(&restarted, &etcd.dir).await?;
+    eventually(
+        "a call through the restarted proxy",
+        Duration::from_secs(20),
+        || async { Ok(client.get("tls-calls/k").await.ok()) },
+    )
+    .await?;
+    let again = client.open_session(short_session(TTL)).await?;
+    ensure!(
+        again.acquire("tls-calls/x", Wait::Try).await?.is_some(),
+        "the lock was not granted through the restarted proxy"
+    );
+    Ok(())
+}
