@@ -298,7 +298,10 @@ impl Client {
         let mut others = self.inner.proxies.count() - 1;
         let (reply, sent, generation) = loop {
             let mut request = tonic::Request::new(OpenRequest {
-                ttl_ms: u64::try_from(opts.ttl.as_millis()).unwrap_or(u64::MAX),
+                // 0 would ask for the proxy's default: the shortest it allows is meant.
+                ttl_ms: u64::try_from(opts.ttl.as_millis())
+                    .unwrap_or(u64::MAX)
+                    .max(1),
                 identity: opts.identity.clone(),
             });
             request.set_timeout(UNARY_TIMEOUT);

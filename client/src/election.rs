@@ -324,10 +324,11 @@ impl Leadership {
             value: value.to_owned(),
         });
         request.set_timeout(UNARY_TIMEOUT);
+        let generation = self.session.client().proxies().generation();
         ElectionClient::new(self.session.client().channel())
             .proclaim(request)
             .await
-            .map_err(|status| self.session.grant_call_failed(status))?;
+            .map_err(|status| self.session.grant_call_failed(status, generation))?;
         Ok(())
     }
 
@@ -458,14 +459,9 @@ pub(crate) async fn resign(
             .resign(sent)
             .await
         {
-            Err(status)
-                if crate::session::left_behind(&status)
-                    && session.moved_since(generation).await =>
-            {
-                continue
-            }
+            Err(status) if session.left(&status, generation).await => continue,
             Err(status) => {
-                return match session.grant_call_failed(status) {
+                return match session.grant_call_failed(status, generation) {
                     // Resigned before the move: nothing of it was left to move.
                     Error::NotHolder(_) if again > 0 => Ok(false),
                     error => Err(error),

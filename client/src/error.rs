@@ -521,7 +521,7 @@ fn reads_tls_as_http2(text: &str) -> bool {
 
 /// Whether the proxy's message says the session itself is gone (expired, or unknown to
 /// it), as opposed to a grant of a live session being stale.
-fn names_a_gone_session(message: &str) -> bool {
+pub(crate) fn names_a_gone_session(message: &str) -> bool {
     message.contains("has expired") || message.contains("is not known")
 }
 

@@ -66,6 +66,10 @@ const COMMAND_QUEUE: usize = 64;
 const OUTBOUND_QUEUE: usize = 256;
 /// When the outbound queue is full, renewals due are tried again this much later.
 const FULL_RETRY: Duration = Duration::from_millis(5);
+
+/// A year: a fail-back period longer than this is never.
+const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// When the stream fails to deliver, retry at this pace: quickly at first, because the
 /// deadlines keep running while it is down.
 const RECONNECT_MIN: Duration = Duration::from_millis(50);
@@ -110,6 +114,8 @@ impl KeepAlive {
         fail_back_after: Duration,
         move_stall: Duration,
     ) -> KeepAlive {
+        // Longer than a year is never (and keeps `Instant` arithmetic from overflowing).
+        let fail_back_after = fail_back_after.min(YEAR);
         let sessions = Arc::new(SessionTable::new());
         let (commands, rx) = mpsc::channel(COMMAND_QUEUE);
         let driver = Driver {

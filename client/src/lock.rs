@@ -26,6 +26,10 @@ use tokio_util::sync::CancellationToken;
 /// proxy's "not granted" answer arrives before the call is cut off.
 const ACQUIRE_SLACK: Duration = Duration::from_secs(5);
 
+/// The longest wait an acquire or campaign asks for: a longer `Wait::Timeout` is this
+/// (a deadline gRPC can say).
+const LONGEST_WAIT: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
 /// How long an Acquire may wait while another session holds the lock.
 ///
 /// ```no_run
@@ -60,7 +64,9 @@ impl Wait {
     pub(crate) fn wait_timeout_ms(self) -> Option<u64> {
         match self {
             Wait::Try => Some(0),
-            Wait::Timeout(d) => Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            Wait::Timeout(d) => {
+                Some(u64::try_from(d.min(LONGEST_WAIT).as_millis()).unwrap_or(u64::MAX))
+            }
             Wait::Forever => None,
         }
     }
@@ -83,7 +89,8 @@ impl Wait {
     pub(crate) fn call_timeout(self) -> Option<Duration> {
         match self {
             Wait::Try => Some(ACQUIRE_SLACK),
-            Wait::Timeout(d) => Some(d.saturating_add(ACQUIRE_SLACK)),
+            // gRPC cannot say a deadline of thousands of years: ten years is forever.
+            Wait::Timeout(d) => Some(d.min(LONGEST_WAIT).saturating_add(ACQUIRE_SLACK)),
             Wait::Forever => None,
         }
     }
@@ -598,13 +605,8 @@ pub(crate) async fn release(
             .release(clone_request(&request))
             .await;
         match reply {
-            Err(status)
-                if crate::session::left_behind(&status)
-                    && session.moved_since(generation).await =>
-            {
-                continue
-            }
-            Err(status) => return Err(session.grant_call_failed(status)),
+            Err(status) if session.left(&status, generation).await => continue,
+            Err(status) => return Err(session.grant_call_failed(status, generation)),
             Ok(reply) => return Ok(reply.into_inner().released),
         }
     }
@@ -901,9 +903,10 @@ mod tests {
         );
         assert_eq!(Wait::Timeout(Duration::ZERO).wait_timeout_ms(), Some(0));
         assert_eq!(Wait::Forever.wait_timeout_ms(), None);
+        // Longer than gRPC can say is ten years.
         assert_eq!(
             Wait::Timeout(Duration::MAX).wait_timeout_ms(),
-            Some(u64::MAX)
+            Some(LONGEST_WAIT.as_millis() as u64)
         );
     }
 
@@ -917,8 +920,11 @@ mod tests {
         );
         assert_eq!(
             Wait::Timeout(Duration::MAX).call_timeout(),
-            Some(Duration::MAX)
+            Some(LONGEST_WAIT + ACQUIRE_SLACK)
         );
+        // A deadline gRPC can say: tonic refuses (panics on) one it cannot.
+        let mut request = tonic::Request::new(());
+        request.set_timeout(Wait::Timeout(Duration::MAX).call_timeout().unwrap());
         assert_eq!(Wait::Forever.call_timeout(), None);
     }
 }

@@ -16,7 +16,7 @@ use std::task::{Context, Poll};
 use tokio::sync::watch;
 
 use crate::client::Client;
-use crate::error::{Error, ErrorKind};
+use crate::error::{Error, ErrorKind, StatusCode};
 use crate::kv::{Condition, Written};
 use crate::session::Session;
 use crate::stream::{Steps, Stream};
@@ -92,6 +92,9 @@ impl Session {
     /// ```
     pub async fn leave(&self, group: &str, member: &str) -> Result<bool, Error> {
         let key = member_key(group, member)?;
+        if self.shared().is_expired() {
+            return Err(self.expired_error());
+        }
         let holdings = &self.shared().holdings;
         let Some(holding) = holdings.ephemeral(&key) else {
             return Ok(false);
@@ -183,6 +186,8 @@ struct Following {
     prefix: String,
     current: BTreeMap<String, Vec<u8>>,
     watcher: Watcher,
+    /// Set once an error that going on would not cure was handed out.
+    ended: bool,
 }
 
 impl Client {
@@ -217,10 +222,16 @@ impl Client {
                     prefix,
                     current,
                     watcher,
+                    ended: false,
                 },
                 |mut following| {
                     Box::pin(async move {
+                        if following.ended {
+                            return (following, None);
+                        }
                         let changes = following.changed().await;
+                        following.ended =
+                            matches!(&changes, Err(error) if error.kind() == ErrorKind::Fatal);
                         (following, Some(changes))
                     })
                 },
@@ -275,8 +286,9 @@ impl Members {
     }
 
     /// The next changes of membership, in order and never empty, already applied to
-    /// [`current`](Members::current). The stream never ends (`None` is never
-    /// returned): [`changed`](Members::changed) is the same without the `Option`.
+    /// [`current`](Members::current). The stream ends (`None`) only after an error that
+    /// going on would not cure ([`ErrorKind::Fatal`], such as a refusal by the proxy's
+    /// grants), handed out once.
     ///
     /// Going on needs no help from the application: a watch cut off for falling behind
     /// resumes where it was, and one whose revisions were compacted away (after a long
@@ -297,8 +309,9 @@ impl Members {
     }
 
     /// Waits for the next change of membership, applies it to
-    /// [`current`](Members::current) and returns it: [`next`](Members::next) for a
-    /// stream that never ends.
+    /// [`current`](Members::current) and returns it: [`next`](Members::next) without the
+    /// `Option`. Once the stream has ended, every call fails (a refusal: kind
+    /// [`ErrorKind::Fatal`]).
     ///
     /// ```no_run
     /// # async fn example(client: lockcell_client::Client) -> Result<(), lockcell_client::Error> {
@@ -315,7 +328,15 @@ impl Members {
     /// # }
     /// ```
     pub async fn changed(&mut self) -> Result<Vec<MemberChange>, Error> {
-        self.next().await.expect("a member list never ends")
+        self.next().await.unwrap_or_else(|| {
+            Err(Error::Status {
+                code: StatusCode::FailedPrecondition,
+                message: format!(
+                    "the list of {:?} has ended after an error that going on would not cure",
+                    self.prefix
+                ),
+            })
+        })
     }
 
     /// Keeps the group current in a task of its own and returns a receiver of it, as a

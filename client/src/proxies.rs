@@ -251,9 +251,17 @@ async fn connect(addr: &str, security: &Security, timeout: Duration) -> Result<C
             .tls_config(config)
             .map_err(|e| Error::connect(addr, &e))?;
     }
-    let channel = endpoint
-        .connect()
+    // `connect_timeout` bounds the TCP connect only; a stopped proxy's kernel completes
+    // that, and the TLS or HTTP/2 handshake after it never ends.
+    let channel = tokio::time::timeout(timeout, endpoint.connect())
         .await
+        .map_err(|_| Error::Connect {
+            addr: addr.to_owned(),
+            reason: format!(
+                "the proxy accepted the connection but did not answer within {} (stopped or overloaded?)",
+                humantime::format_duration(timeout)
+            ),
+        })?
         .map_err(|e| Error::connect(addr, &e))?;
     Ok(InterceptedService::new(
         Deadline(channel),

@@ -541,6 +541,34 @@ impl Session {
         !self.shared().is_expired()
     }
 
+    /// Whether a call sent when the client's proxy generation was `generation` failed
+    /// because the session has left that proxy, so that it is to be asked again where
+    /// the session is now: no answer, or the proxy does not know the session (then a
+    /// move is waited for); or the proxy says the session is gone while the client has
+    /// already moved away from it (a proxy that was stopped, and woke after its lease
+    /// ran out, says its sessions expired: they live on elsewhere).
+    pub(crate) async fn left(&self, status: &Status, generation: u64) -> bool {
+        if left_behind(status) {
+            return self.moved_since(generation).await;
+        }
+        if !self.answered_by_a_left_proxy(status, generation) {
+            return false;
+        }
+        let patience = self.ttl().min(MOVE_PATIENCE);
+        let _ = tokio::time::timeout(patience, self.shared().move_over()).await;
+        !self.shared().is_expired()
+    }
+
+    /// Whether `status` says the session is gone, from a proxy the client had already
+    /// switched away from when it answered (`generation` is when the call was sent).
+    fn answered_by_a_left_proxy(&self, status: &Status, generation: u64) -> bool {
+        matches!(
+            status.code(),
+            tonic::Code::NotFound | tonic::Code::FailedPrecondition
+        ) && crate::error::names_a_gone_session(status.message())
+            && self.client().proxies().generation() != generation
+    }
+
     /// Turns a failed request's status (Acquire, Campaign) into an [`Error`]; when the
     /// proxy says the session is gone, the local session expires too, so every handle
     /// and guard learns of it.
@@ -551,7 +579,16 @@ impl Session {
     /// As [`call_failed`](Session::call_failed), for a call about a grant the session
     /// holds (Release, Proclaim, Resign): a stale grant is [`Error::NotHolder`] and
     /// leaves the session as it is.
-    pub(crate) fn grant_call_failed(&self, status: Status) -> Error {
+    ///
+    /// A proxy the client had left when it answered (the call was sent at
+    /// `generation`) saying the session is gone does not end it: [`Error::Unavailable`].
+    pub(crate) fn grant_call_failed(&self, status: Status, generation: u64) -> Error {
+        if self.answered_by_a_left_proxy(&status, generation) {
+            return Error::Unavailable(format!(
+                "{}; said by a proxy the session has left (it lives on where it went): ask again",
+                status.message()
+            ));
+        }
         self.failed(status, Call::Grant(self.id()))
     }
 

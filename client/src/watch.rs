@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use tonic::{Code, Status, Streaming};
 
 use crate::client::{Client, UNARY_TIMEOUT};
-use crate::error::{no_answer, Call, Error};
+use crate::error::{no_answer, Call, Error, ErrorKind};
 use crate::kv::Entry;
 use crate::stream::{Steps, Stream};
 
@@ -384,7 +384,8 @@ impl Client {
     /// once the proxy has set the watch up; [`Watcher::revision`] then says after which
     /// revision events are delivered.
     ///
-    /// [`Error::Compacted`]: `start_revision` is older than etcd keeps; read the keys
+    /// A `start_revision` older than etcd keeps is [`Error::Compacted`], here or (when
+    /// the proxy sets the watch up first) at the first [`Watcher::next`]: read the keys
     /// and watch from the read's revision + 1.
     ///
     /// ```no_run
@@ -522,10 +523,12 @@ impl Watcher {
     /// Errors: [`Error::WatchCutOff`] once when the proxy cut this watcher off for
     /// falling behind (the next call goes on from where it says); [`Error::Unavailable`]
     /// when a broken stream could not be resumed within [`WatchOptions::reconnect_for`]
-    /// (a later call tries again from the same place). Two errors end the watch (the
-    /// next call returns `None`): [`Error::Compacted`], when the revisions to resume
-    /// from are gone, and [`Error::WatchMoved`], when another cell serves the watched
-    /// names now; read again and watch from the read.
+    /// (a later call tries again from the same place). An error that going on would not
+    /// cure ([`ErrorKind::Fatal`](crate::ErrorKind::Fatal)) ends the watch (the next
+    /// call returns `None`): [`Error::Compacted`], when the revisions to resume from are
+    /// gone, and [`Error::WatchMoved`], when another cell serves the watched names now
+    /// (read again and watch from the read), or a refusal such as
+    /// [`Error::PermissionDenied`] when the proxy's grants changed.
     ///
     /// Cancel-safe: a call dropped before it returns (in a `select!`, say) loses no
     /// event; the next call goes on from the same place.
@@ -571,10 +574,8 @@ impl WatchState {
             return None;
         }
         let item = self.batch().await;
-        self.ended = matches!(
-            item,
-            Err(Error::Compacted { .. } | Error::WatchMoved { .. })
-        );
+        // Compacted, moved, or refused (grants, a bad key): going on would not cure it.
+        self.ended = matches!(&item, Err(error) if error.kind() == ErrorKind::Fatal);
         Some(item)
     }
 

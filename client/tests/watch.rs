@@ -471,3 +471,38 @@ async fn streams_take_combinators_and_a_dropped_next_loses_nothing() {
         "{ended:?}"
     );
 }
+
+/// A refusal ends a watch as compaction does: handed out once, then `None`, and a
+/// member list built on it ends the same way.
+#[tokio::test]
+async fn a_refused_reopening_ends_the_stream_after_one_error() {
+    let proxy = start(5_000).await;
+    let fake = &proxy.fake;
+    fake.put("k", "1");
+    // The first stream ends after its first event; opened again, the grants refuse it.
+    plan(
+        fake,
+        &[
+            WatchFault::EndAfter {
+                responses: 1,
+                code: Code::Unavailable,
+            },
+            WatchFault::Refuse(Code::PermissionDenied),
+        ],
+    );
+    let client = connect(&proxy).await;
+    let mut watcher = client
+        .watch("k", WatchOptions::default().from_revision(1))
+        .await
+        .unwrap();
+    assert_eq!(
+        events_through(&mut watcher, 1).await,
+        writes(&[(1, "k", "1")])
+    );
+    let refused = next(&mut watcher).await.expect_err("refused");
+    assert!(matches!(refused, Error::PermissionDenied(_)), "{refused:?}");
+    for _ in 0..2 {
+        let after = timeout(PATIENCE, watcher.next()).await.expect("at once");
+        assert!(after.is_none(), "{after:?}");
+    }
+}

@@ -760,8 +760,8 @@ pub async fn every_call_over_tls_to_a_frozen_or_dead_proxy_says_retry() -> anyho
         identity_pem: None,
         domain: Some("localhost".into()),
     };
-    let client =
-        Client::connect_with(ClientOptions::new([proxy.addr.clone()]).tls(tls.clone())).await?;
+    let addr = proxy.addr.clone();
+    let client = Client::connect_with(ClientOptions::new([addr.clone()]).tls(tls.clone())).await?;
     let session = client.open_session(short_session(TTL)).await?;
 
     // Each call once, each given 30 s (the SDK's own deadlines are shorter); what each
@@ -775,13 +775,16 @@ pub async fn every_call_over_tls_to_a_frozen_or_dead_proxy_says_retry() -> anyho
         let put =
             tokio::time::timeout(patience, client.put("tls-calls/k", b"v", Condition::Always))
                 .await;
-        let (acquire, campaign, leader, observe, watch, open) = tokio::join!(
+        let connecting =
+            || Client::connect_with(ClientOptions::new([addr.clone()]).tls(tls.clone()));
+        let (acquire, campaign, leader, observe, watch, open, connect) = tokio::join!(
             tokio::time::timeout(patience, session.acquire("tls-calls/x", Wait::Try)),
             tokio::time::timeout(patience, session.campaign("tls-calls/e", "me", Wait::Try)),
             tokio::time::timeout(patience, client.leader("tls-calls/e")),
             tokio::time::timeout(patience, client.observe("tls-calls/e")),
             tokio::time::timeout(patience, client.watch("tls-calls/", WatchOptions::prefix())),
             tokio::time::timeout(patience, client.open_session(short_session(TTL))),
+            tokio::time::timeout(patience, connecting()),
         );
         let results: Vec<(&str, Outcome)> = vec![
             ("get", get.map(|r| r.map(drop))),
@@ -792,6 +795,7 @@ pub async fn every_call_over_tls_to_a_frozen_or_dead_proxy_says_retry() -> anyho
             ("observe", observe.map(|r| r.map(drop))),
             ("watch", watch.map(|r| r.map(drop))),
             ("open a session", open.map(|r| r.map(drop))),
+            ("connect a new client", connect.map(|r| r.map(drop))),
         ];
         results
     };
@@ -842,5 +846,87 @@ pub async fn every_call_over_tls_to_a_frozen_or_dead_proxy_says_retry() -> anyho
         again.acquire("tls-calls/x", Wait::Try).await?.is_some(),
         "the lock was not granted through the restarted proxy"
     );
+    Ok(())
+}
+
+/// A release sent to a proxy that then stops (SIGSTOP) waits there while the session
+/// moves on; the proxy wakes after its etcd lease ran out and answers that the session
+/// has expired. That is the word of a proxy the session left: the session lives on,
+/// the release is asked again where it went, and the session's other lock stays held.
+pub async fn a_proxy_that_wakes_after_its_session_left_does_not_end_it() -> anyhow::Result<()> {
+    let (etcd, proxies) = cell(&["a", "b"]).await?;
+    let addrs = vec![proxies[0].addr.clone(), proxies[1].addr.clone()];
+    let client = Client::connect_with(ClientOptions::new(addrs)).await?;
+    let session = client.open_session(short_session(TTL)).await?;
+    ensure!(
+        session.proxy_id().starts_with("a-"),
+        "{}",
+        session.proxy_id()
+    );
+    let x = session
+        .acquire("wake/x", Wait::Try)
+        .await?
+        .context("wake/x was not granted")?;
+    let y = session
+        .acquire("wake/y", Wait::Try)
+        .await?
+        .context("wake/y was not granted")?;
+    let leases_before: Vec<i64> = etcd
+        .client()
+        .await?
+        .leases()
+        .await?
+        .leases()
+        .iter()
+        .map(|l| l.id())
+        .collect();
+
+    proxies[0].signal(Signal::SIGSTOP)?;
+    let releasing = tokio::spawn(async move { x.release().await });
+    eventually(
+        "the session moves to proxy b",
+        Duration::from_secs(15),
+        || async { Ok(session.proxy_id().starts_with("b-").then_some(())) },
+    )
+    .await?;
+    // Proxy a's lease runs out while it is stopped.
+    eventually(
+        "a lease of the stopped proxy runs out",
+        Duration::from_secs(20),
+        || async {
+            let now = etcd.client().await?.leases().await?;
+            let now: Vec<i64> = now.leases().iter().map(|l| l.id()).collect();
+            Ok(leases_before
+                .iter()
+                .any(|id| !now.contains(id))
+                .then_some(()))
+        },
+    )
+    .await?;
+    proxies[0].signal(Signal::SIGCONT)?;
+
+    let released = tokio::time::timeout(Duration::from_secs(20), releasing)
+        .await
+        .context("the release did not end within 20 s of the wake")??;
+    ensure!(
+        matches!(released, Ok(true)),
+        "the release after the wake: {released:?}"
+    );
+    ensure!(
+        session.state() != SessionState::Expired,
+        "the session expired on the word of the proxy it had left: {:?}",
+        session.expired_reason()
+    );
+    eventually(
+        "the session valid on proxy b",
+        Duration::from_secs(10),
+        || async { Ok((session.state() == SessionState::Valid).then_some(())) },
+    )
+    .await?;
+    ensure!(y.is_valid(), "wake/y is no longer valid after the wake");
+    let check = client.check_sequencer("wake/y", y.token()).await?;
+    ensure!(check.current, "wake/y's token is no longer current");
+    y.release().await?;
+    session.close().await?;
     Ok(())
 }
