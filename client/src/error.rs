@@ -427,6 +427,14 @@ impl Error {
                 }
             }
             (Code::ResourceExhausted, _) => Error::ResourceExhausted(status.message().to_owned()),
+            // The proxy's gRPC layer refusing a request over its message size, before
+            // any of lockcell's own checks (which name the key and the limit) could run.
+            (Code::OutOfRange, _) if status.message().contains("message length too large") => {
+                Error::InvalidArgument(format!(
+                    "the request is larger than the proxy accepts: {}",
+                    status.message()
+                ))
+            }
             (Code::FailedPrecondition, _) if status.metadata().get(ALREADY_HELD).is_some() => {
                 Error::AlreadyHeld(status.message().to_owned())
             }
@@ -738,6 +746,17 @@ mod tests {
                 "{e:?}"
             );
         }
+        // An oversized request, refused by the proxy's gRPC layer, is a bad argument.
+        let e = Error::from_status(
+            Status::out_of_range(
+                "decoded message length too large: found 2097170 bytes, the limit is: 1101824 bytes",
+            ),
+            Call::Unbound,
+        );
+        assert!(
+            matches!(e, Error::InvalidArgument(ref m) if m.contains("larger than the proxy accepts")),
+            "{e:?}"
+        );
         // The same codes from other calls mean nothing watch-specific.
         let e = Error::from_status(
             watch_end(Code::OutOfRange, COMPACT_REVISION, "7"),
