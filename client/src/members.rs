@@ -102,14 +102,22 @@ impl Session {
         // Still named by a move meanwhile, so the delete finds the key wherever it went;
         // its loss in a move is no news.
         holding.let_go();
-        let deleted = self
-            .client()
-            .delete(&key, Condition::ModRevision(holding.written()))
-            .await;
-        if deleted.is_ok() {
-            holdings.remove(&holding);
+        // A move of the session rewrites the key (a new mod revision): a delete that
+        // missed because of one is asked again with the revision the move wrote.
+        for _ in 0..crate::lock::MOVES_FOLLOWED {
+            let written = holding.written();
+            let deleted = self
+                .client()
+                .delete(&key, Condition::ModRevision(written))
+                .await?;
+            if deleted || holding.written() == written {
+                holdings.remove(&holding);
+                return Ok(deleted);
+            }
         }
-        deleted
+        Err(Error::Unavailable(format!(
+            "leaving group {group:?} kept racing moves of the session; ask again"
+        )))
     }
 }
 

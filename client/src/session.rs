@@ -537,6 +537,12 @@ impl Session {
         if !proxies.switched_since(generation, patience).await {
             return false;
         }
+        self.lives_after_move().await
+    }
+
+    /// Waits (a while) for the move under way to end; whether the session lives on.
+    async fn lives_after_move(&self) -> bool {
+        let patience = self.ttl().min(MOVE_PATIENCE);
         let _ = tokio::time::timeout(patience, self.shared().move_over()).await;
         !self.shared().is_expired()
     }
@@ -551,12 +557,7 @@ impl Session {
         if left_behind(status) {
             return self.moved_since(generation).await;
         }
-        if !self.answered_by_a_left_proxy(status, generation) {
-            return false;
-        }
-        let patience = self.ttl().min(MOVE_PATIENCE);
-        let _ = tokio::time::timeout(patience, self.shared().move_over()).await;
-        !self.shared().is_expired()
+        self.answered_by_a_left_proxy(status, generation) && self.lives_after_move().await
     }
 
     /// Whether `status` says the session is gone, from a proxy the client had already

@@ -930,3 +930,36 @@ pub async fn a_proxy_that_wakes_after_its_session_left_does_not_end_it() -> anyh
     session.close().await?;
     Ok(())
 }
+
+/// A member leaves its group while its proxy is SIGKILLed under it: asked again after a
+/// retryable error, as the SDK says to, the leave lands where the session went (the
+/// move rewrote the key), the member is gone, and a second leave finds nothing.
+pub async fn a_leave_racing_its_proxys_death_takes_the_member_out() -> anyhow::Result<()> {
+    use lockcell_client::ErrorKind;
+
+    let (_etcd, proxies) = cell(&["a", "b"]).await?;
+    let addrs = vec![proxies[0].addr.clone(), proxies[1].addr.clone()];
+    let client = Client::connect_with(ClientOptions::new(addrs)).await?;
+    let session = client.open_session(short_session(TTL)).await?;
+    session.announce("race", "m", "10.0.0.1").await?;
+    proxies[0].signal(Signal::SIGKILL)?;
+    let left = eventually("the leave lands", Duration::from_secs(20), || async {
+        match session.leave("race", "m").await {
+            Ok(left) => Ok(Some(left)),
+            Err(e) if e.kind() == ErrorKind::Retry => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    })
+    .await?;
+    ensure!(left, "the member was not taken out");
+    ensure!(
+        client.get("members/race/m").await?.is_none(),
+        "the member's key is still there"
+    );
+    ensure!(!session.leave("race", "m").await?, "the member left twice");
+    ensure!(
+        session.state() != SessionState::Expired,
+        "the session ended"
+    );
+    Ok(())
+}

@@ -146,6 +146,7 @@ fn main() {
         handover::a_wait_over_tls_goes_on_after_its_proxy_is_killed,
         handover::every_call_over_tls_to_a_frozen_or_dead_proxy_says_retry,
         handover::a_proxy_that_wakes_after_its_session_left_does_not_end_it,
+        handover::a_leave_racing_its_proxys_death_takes_the_member_out,
         handover::a_new_lockctl_passes_over_a_draining_first_proxy,
         handover::a_release_sent_to_a_killed_proxy_releases_where_the_session_went,
         cancels::a_cancelled_acquire_or_campaign_never_leaves_a_grant_without_a_guard,
