@@ -91,7 +91,8 @@ pub fn record_etcd_call(call: &'static str, outcome: &'static str, took: Duratio
 }
 
 /// Runs one etcd call with a deadline, naming the call in any error (and in its
-/// latency, [`ETCD_REQUEST_SECONDS`]).
+/// latency, [`ETCD_REQUEST_SECONDS`]); its time counts as time the current call spent
+/// outside the process ([`crate::timing`]).
 pub async fn with_timeout<T>(
     op: &'static str,
     after: Duration,
@@ -104,7 +105,9 @@ pub async fn with_timeout<T>(
         Ok(Err(_)) => "error",
         Err(_) => "timeout",
     };
-    record_etcd_call(op, outcome, started.elapsed());
+    let took = started.elapsed();
+    record_etcd_call(op, outcome, took);
+    crate::timing::add_outside(took);
     match result {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(source)) => Err(CellError::Etcd { op, source }),

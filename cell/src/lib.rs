@@ -24,6 +24,7 @@ pub mod locklog;
 pub mod presence;
 pub mod rbac;
 pub mod shardmap;
+pub mod timing;
 pub mod tls;
 
 pub use error::CellError;

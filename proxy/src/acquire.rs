@@ -18,7 +18,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lockcell_cell::grants::Limit;
 use lockcell_cell::locklog::{Acquired, Grant, HolderRecord, Place};
-use lockcell_cell::{CellError, LockName, Mode};
+use lockcell_cell::{timing, CellError, LockName, Mode};
 use tokio::time::Instant;
 
 use crate::classes::LockClass;
@@ -212,7 +212,7 @@ async fn arbitrated(
                 None => waiter.out_of_time(),
                 Some(patience) => {
                     waiting.get_or_insert_with(|| m::Counted::in_gauge(m::WAITERS));
-                    let woke = ticket.turn(patience).await;
+                    let woke = timing::waiting(ticket.turn(patience)).await;
                     let may_try = ticket.may_try();
                     if may_try && woke {
                         woken = Some(Instant::now());
@@ -322,11 +322,11 @@ fn wait_budget(session: &Session, give_up: Option<Instant>) -> Option<Duration> 
 async fn sleep_until(until: Instant, give_up: Option<Instant>) -> bool {
     match give_up {
         Some(g) if g < until => {
-            tokio::time::sleep_until(g).await;
+            timing::waiting(tokio::time::sleep_until(g)).await;
             false
         }
         _ => {
-            tokio::time::sleep_until(until).await;
+            timing::waiting(tokio::time::sleep_until(until)).await;
             true
         }
     }

@@ -37,7 +37,8 @@ impl Barrier {
         self.tx
             .send(tx)
             .map_err(|_| "the read barrier has stopped".to_owned())?;
-        rx.await
+        lockcell_cell::timing::waiting(rx)
+            .await
             .map_err(|_| "the read barrier has stopped".to_owned())?
     }
 }

@@ -236,7 +236,8 @@ impl Feed {
     /// Waits until the mirror has applied `revision`, for at most `patience`.
     pub async fn applied_through(&self, revision: i64, patience: Duration) -> bool {
         let mut rx = self.applied.subscribe();
-        tokio::time::timeout(patience, rx.wait_for(|r| *r >= revision))
+        let applied = tokio::time::timeout(patience, rx.wait_for(|r| *r >= revision));
+        lockcell_cell::timing::waiting(applied)
             .await
             .is_ok_and(|r| r.is_ok())
     }

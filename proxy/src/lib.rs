@@ -52,6 +52,7 @@ mod members;
 mod memory;
 mod metrics;
 mod mirror;
+mod overhead;
 mod pause;
 mod process;
 mod queues;

@@ -4,21 +4,27 @@
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tower::layer::util::{Identity, Stack};
 
 use crate::config::ProxyConfig;
+use crate::overhead::OverheadLayer;
 use crate::tls;
 
 /// The bounds every client connection has, on either API: at most
 /// `--max-streams-per-connection` calls open at once (each call is one HTTP/2 stream,
 /// so this is also the bound on its calls in flight), and pings while it is quiet
 /// (`--client-ping-interval`), so a vanished client's connection does not stay open.
-pub(crate) fn client_server(config: &ProxyConfig) -> tonic::transport::Server {
+/// Each call's own time in the proxy is measured ([`crate::overhead`]).
+pub(crate) fn client_server(
+    config: &ProxyConfig,
+) -> tonic::transport::Server<Stack<OverheadLayer, Identity>> {
     let every = config.client_ping_interval;
     tonic::transport::Server::builder()
         .max_concurrent_streams(Some(config.max_streams_per_connection))
         .http2_keepalive_interval(Some(every))
         .http2_keepalive_timeout(Some(every))
         .tcp_keepalive(Some(every))
+        .layer(OverheadLayer)
 }
 
 /// The TLS files of the client APIs, when --tls-cert and --tls-key are given (and

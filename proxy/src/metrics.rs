@@ -59,10 +59,17 @@ pub const RESUME_SECONDS: &str = "lockcell_resume_duration_seconds";
 pub const VALIDITY_GRANTED: &str = "lockcell_validity_granted_seconds";
 pub const ETCD_WATCHES: &str = "lockcell_etcd_watches";
 pub const ETCD_REACHABLE: &str = "lockcell_etcd_reachable";
+pub const OVERHEAD_SECONDS: &str = "lockcell_proxy_overhead_seconds";
 
 /// Histogram buckets for acquire latency, in seconds: 1 ms to 30 s.
 pub const ACQUIRE_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+];
+
+/// Histogram buckets for the proxy's own time on a call, in seconds: 10 µs to 1 s.
+pub const OVERHEAD_BUCKETS: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.000075, 0.0001, 0.00015, 0.0002, 0.0003, 0.0005, 0.00075, 0.001,
+    0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 ];
 
 /// Histogram buckets for etcd calls and resumes, in seconds: 0.5 ms to 10 s.
@@ -246,6 +253,11 @@ fn describe_locks() {
         ACQUIRE_SECONDS,
         Unit::Seconds,
         "Time from an Acquire call to its grant, waiting included."
+    );
+    describe_histogram!(
+        OVERHEAD_SECONDS,
+        Unit::Seconds,
+        "The proxy's own time on a call, by call (acquire, release, put, etcd_txn, ...): from the request to the answer, less its etcd round trips and its waits for a turn or a holder."
     );
     counter(
         LOCKS_GRANTED,

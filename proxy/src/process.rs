@@ -29,6 +29,7 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
         (metrics::RESUME_SECONDS, metrics::ETCD_BUCKETS),
         (metrics::HANDOVER_SECONDS, metrics::ETCD_BUCKETS),
         (metrics::VALIDITY_GRANTED, metrics::VALIDITY_BUCKETS),
+        (metrics::OVERHEAD_SECONDS, metrics::OVERHEAD_BUCKETS),
     ];
     let handle = buckets
         .into_iter()

@@ -34,7 +34,7 @@ pub(super) async fn grant(
     let queued = queued.map(|(id, rev)| (id.to_owned(), rev));
     // A withdrawal of the call waits for this attempt to end.
     let running = caller.calls.part(&call.session_id, &call.call_id);
-    let attempt = tokio::spawn(async move {
+    let attempt = tokio::spawn(timing::measured(async move {
         let _running = running;
         metrics::counter!(m::GRANT_ATTEMPTS).increment(1);
         let pending = Grant::unsettled_hold(&lock, mode, &session.id, &record.call)
@@ -46,10 +46,11 @@ pub(super) async fn grant(
         unsettled::owned_write(state.owners(), &session, pending, attempt, unknown)
             .await
             .unwrap_or_else(|| Err(gone(&state, &session.id)))
-    });
-    let outcome = attempt
+    }));
+    let (outcome, outside) = attempt
         .await
         .map_err(|e| ProxyError::Internal(format!("grant attempt failed: {e}")))?;
+    timing::add_outside(outside);
     if let Err(ProxyError::Store(CellError::CellChanged { reason })) = &outcome {
         caller.cell_changed(reason);
     }
@@ -136,10 +137,12 @@ async fn inside_lock_delay(state: &ProxyState, lock: &LockName, revision: i64) -
     if delay.is_zero() {
         return false;
     }
-    let followed = state
-        .events
-        .lock_log_through(revision, state.config.etcd_timeout)
-        .await;
+    let followed = timing::waiting(
+        state
+            .events
+            .lock_log_through(revision, state.config.etcd_timeout),
+    )
+    .await;
     !followed || state.events.delayed_until(lock, delay).is_some()
 }
 

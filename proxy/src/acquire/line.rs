@@ -193,7 +193,7 @@ impl FairRun<'_> {
                     None => waiter.out_of_time(),
                     Some(wait) => {
                         let changes = self.lock_changes.as_mut().expect("watched since the read");
-                        if changes.changed_after(self.seen_at, wait).await {
+                        if timing::waiting(changes.changed_after(self.seen_at, wait)).await {
                             self.line.woken = Some(Instant::now());
                         }
                         waiter.waited()
@@ -203,7 +203,7 @@ impl FairRun<'_> {
             FairStep::Pause => match wait_budget(&self.session, give_up) {
                 None => waiter.out_of_time(),
                 Some(pause) => {
-                    tokio::time::sleep(pause.min(RETRY_PAUSE)).await;
+                    timing::waiting(tokio::time::sleep(pause.min(RETRY_PAUSE))).await;
                     waiter.paused()
                 }
             },
@@ -259,7 +259,7 @@ async fn wait_behind(
         return Ok(None);
     };
     Ok(Some(
-        again == predecessor && sub.changed_after(seen_at, patience).await,
+        again == predecessor && timing::waiting(sub.changed_after(seen_at, patience)).await,
     ))
 }
 
@@ -277,7 +277,7 @@ async fn join_line(
     map_revision: i64,
 ) -> Result<LeaveLine, ProxyError> {
     let (state, call, session, id) = (state.clone(), call.clone(), session.clone(), id.to_owned());
-    let joining = tokio::spawn(async move {
+    let joining = tokio::spawn(timing::measured(async move {
         let claim = state
             .cleanup
             .claims
@@ -293,10 +293,12 @@ async fn join_line(
             woken: None,
             _claim: claim,
         })
-    });
-    joining
+    }));
+    let (joined, outside) = joining
         .await
-        .map_err(|e| ProxyError::Internal(format!("joining the line failed: {e}")))?
+        .map_err(|e| ProxyError::Internal(format!("joining the line failed: {e}")))?;
+    timing::add_outside(outside);
+    joined
 }
 
 /// Puts the fair waiter `id` in line and records its key in the session. The key is

@@ -145,7 +145,8 @@ impl EtcdApi {
         ::metrics::counter!(crate::metrics::ETCD_API_WRITES_QUEUED).increment(1);
         let _waiting = crate::metrics::Counted::in_gauge(crate::metrics::ETCD_API_WRITES_WAITING);
         let started = tokio::time::Instant::now();
-        match tokio::time::timeout(deadline, self.in_etcd.acquire()).await {
+        let turn = tokio::time::timeout(deadline, self.in_etcd.acquire());
+        match lockcell_cell::timing::waiting(turn).await {
             Ok(turn) => Ok((
                 turn.expect("the write turns are never closed"),
                 started.elapsed(),
