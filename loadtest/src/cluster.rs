@@ -298,6 +298,23 @@ impl Cell {
         Ok(total)
     }
 
+    /// Each zone's lockcell proxy's metrics, zone by zone: `None` for a zone without
+    /// one (the other targets) or whose proxy does not answer (killed).
+    pub async fn proxy_samples(&self) -> Vec<Option<Vec<prom::Sample>>> {
+        let mut out = Vec::with_capacity(self.zones.len());
+        for zone in &self.zones {
+            let page = match &zone.proxy {
+                Some(proxy) => tokio::time::timeout(Duration::from_secs(5), proxy.metrics())
+                    .await
+                    .ok()
+                    .and_then(Result::ok),
+                None => None,
+            };
+            out.push(page.map(|page| prom::parse(&page)));
+        }
+        out
+    }
+
     /// Trackers for the CPU and memory of every process the cell started, by kind.
     pub fn trackers(&self) -> Vec<(&'static str, ProcTracker)> {
         let mut out = Vec::new();

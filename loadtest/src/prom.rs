@@ -107,6 +107,73 @@ pub fn sum(samples: &[Sample], name: &str, filter: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
+/// The buckets of one Prometheus histogram, summed over every series named
+/// `<name>_bucket` whose labels include all of `filter` (so over several proxies):
+/// `(upper bound, cumulative count)` by rising bound, `+Inf` last.
+pub fn histogram(samples: &[Sample], name: &str, filter: &[(&str, &str)]) -> Vec<(f64, f64)> {
+    let bucket = format!("{name}_bucket");
+    let mut by_bound: Vec<(f64, f64)> = Vec::new();
+    for s in samples.iter().filter(|s| s.name == bucket) {
+        let matches = filter
+            .iter()
+            .all(|(k, v)| s.labels.get(*k).is_some_and(|have| have == v));
+        let Some(le) = s.labels.get("le").and_then(|le| parse_value(le)) else {
+            continue;
+        };
+        if !matches {
+            continue;
+        }
+        match by_bound.iter_mut().find(|(b, _)| *b == le) {
+            Some((_, count)) => *count += s.value,
+            None => by_bound.push((le, s.value)),
+        }
+    }
+    by_bound.sort_by(|a, b| a.0.total_cmp(&b.0));
+    by_bound
+}
+
+/// The counts a histogram gained since `before` (bucket by bucket; a bound missing
+/// from `before` counts from zero).
+pub fn histogram_delta(after: &[(f64, f64)], before: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    after
+        .iter()
+        .map(|(le, count)| {
+            let was = before
+                .iter()
+                .find(|(b, _)| b == le)
+                .map_or(0.0, |(_, c)| *c);
+            (*le, (count - was).max(0.0))
+        })
+        .collect()
+}
+
+/// The `q` quantile (0 to 1) of a histogram's observations, as Prometheus'
+/// `histogram_quantile` estimates it: linear within the bucket it falls in, the highest
+/// finite bound when it falls in `+Inf`; `None` with no observation.
+pub fn quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut below = (0.0, 0.0);
+    for &(le, count) in buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                return Some(below.0);
+            }
+            let share = if count > below.1 {
+                (rank - below.1) / (count - below.1)
+            } else {
+                1.0
+            };
+            return Some(below.0 + (le - below.0) * share);
+        }
+        below = (le, count);
+    }
+    Some(below.0)
+}
+
 /// A set of counters read before and after a phase, possibly from several processes (etcd members): `Counters` maps a key (String) to a summed value;
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Counters(pub BTreeMap<String, f64>);
@@ -454,5 +521,43 @@ etcd_disk_wal_fsync_duration_seconds_count 104530
         assert_eq!(d.get("b"), 20.0, "a reset counter counts from zero");
         assert_eq!(d.get("c"), 3.0);
         assert_eq!(d.get("missing"), 0.0);
+    }
+
+    #[test]
+    fn a_histogram_over_two_proxies_gives_the_quantiles_prometheus_would() {
+        let page = |fast: u32, slow: u32| {
+            format!(
+                "x_bucket{{call=\"acquire\",le=\"0.0001\"}} {fast}\n\
+                 x_bucket{{call=\"acquire\",le=\"0.001\"}} {}\n\
+                 x_bucket{{call=\"acquire\",le=\"+Inf\"}} {}\n\
+                 x_bucket{{call=\"release\",le=\"+Inf\"}} 1000\n",
+                fast + slow,
+                fast + slow
+            )
+        };
+        let mut samples = parse(&page(40, 0));
+        samples.extend(parse(&page(40, 20)));
+        let before = histogram(&parse(&page(30, 0)), "x", &[("call", "acquire")]);
+        let after = histogram(&samples, "x", &[("call", "acquire")]);
+        assert_eq!(
+            after,
+            vec![(0.0001, 80.0), (0.001, 100.0), (f64::INFINITY, 100.0)]
+        );
+        let gained = histogram_delta(&after, &before);
+        assert_eq!(gained[0], (0.0001, 50.0));
+        assert_eq!(gained[2], (f64::INFINITY, 70.0));
+        // 50 of the 70 new ones took under 100 µs: the median is inside that bucket.
+        let p50 = quantile(&gained, 0.5).unwrap();
+        assert!((p50 - 0.00007).abs() < 1e-9, "{p50}");
+        // The 99th falls in the 100 µs to 1 ms bucket.
+        let p99 = quantile(&gained, 0.99).unwrap();
+        assert!(p99 > 0.0001 && p99 < 0.001, "{p99}");
+        assert_eq!(quantile(&[], 0.5), None);
+        assert_eq!(quantile(&[(f64::INFINITY, 0.0)], 0.5), None);
+        // Past the last finite bound the estimate is that bound.
+        assert_eq!(
+            quantile(&[(0.5, 0.0), (f64::INFINITY, 3.0)], 0.5),
+            Some(0.5)
+        );
     }
 }

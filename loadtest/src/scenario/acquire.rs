@@ -13,7 +13,7 @@ use lockcell_proto::v1::lock_client::LockClient;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::{open_fleet, Resources};
+use super::{open_fleet, per_operation, Overhead, Resources};
 use crate::cluster::{Cell, CellOptions, Target};
 use crate::fleet::FleetSpec;
 use crate::locks::Locker;
@@ -49,6 +49,8 @@ pub async fn run(
     let fleet = open_fleet(&cell, spec).await?;
     let done = Arc::new(AtomicU64::new(0));
     let mut resources = Resources::start(&cell);
+    let overhead = Overhead::start(&cell).await;
+    let etcd_before = cell.etcd_counters().await?;
     let start = Instant::now();
     let end = start + args.duration;
     let mut tasks = JoinSet::new();
@@ -94,9 +96,16 @@ pub async fn run(
         release.merge(&r);
     }
     bar.finish_and_clear();
+    let etcd = cell.etcd_counters().await?.delta(&etcd_before);
+    overhead.finish(&cell, &mut report).await;
     fleet.finish().await;
 
     report.metric("acquires", acquire.len() as f64);
+    // Each acquire is followed by its release: the pair is one operation here.
+    report.metric(
+        "etcd_proposals_per_acquire",
+        etcd.get("proposals_committed") / acquire.len().max(1) as f64,
+    );
     report.metric(
         "acquires_per_s",
         pacing::rate(acquire.len() as u64, start.elapsed()),
@@ -110,5 +119,11 @@ pub async fn run(
         }
     }
     resources.finish(&mut report, clients);
+    per_operation(
+        &mut report,
+        "proxy_cpu_s",
+        "proxy_cpu_ms_per_acquire",
+        acquire.len(),
+    );
     Ok(report)
 }

@@ -19,7 +19,7 @@ use lockcell_proto::v1::lock_client::LockClient;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::{open_fleet, Resources};
+use super::{open_fleet, per_operation, Overhead, Resources};
 use crate::cluster::{Cell, CellOptions, Target};
 use crate::fleet::{FleetSpec, SessionKey};
 use crate::locks::{Grant, Locker};
@@ -98,6 +98,7 @@ pub async fn run(
     tokio::time::sleep(args.settle).await;
 
     let before = cell.etcd_counters().await?;
+    let overhead = Overhead::start(&cell).await;
     let mut resources = Resources::start(&cell);
     let started = Instant::now();
     for (l, held) in holders.into_iter().enumerate() {
@@ -113,6 +114,7 @@ pub async fn run(
     bar.finish_and_clear();
     let elapsed = started.elapsed();
     let after = cell.etcd_counters().await?;
+    overhead.finish(&cell, &mut report).await;
     fleet.finish().await;
 
     let delta = after.delta(&before);
@@ -135,6 +137,12 @@ pub async fn run(
         delta.get("proposals_committed") / waiters as f64,
     );
     resources.finish(&mut report, sessions);
+    per_operation(
+        &mut report,
+        "proxy_cpu_s",
+        "proxy_cpu_ms_per_handover",
+        waiters,
+    );
     Ok(report)
 }
 

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockcell_loadtest::procstat::{ProcSample, ProcTracker};
+use lockcell_loadtest::prom::{self, Sample};
 use lockcell_loadtest::report::Report;
 
 use crate::cluster::Cell;
@@ -127,5 +128,78 @@ impl StallWatch {
     fn finish(self) -> Duration {
         self.task.abort();
         Duration::from_micros(self.worst_us.load(Ordering::Relaxed))
+    }
+}
+
+/// Records `figure` (a CPU time in seconds already in `report`) per operation, in
+/// milliseconds, as `name`; nothing when the report has no such figure.
+pub fn per_operation(report: &mut Report, figure: &str, name: &str, operations: usize) {
+    if let Some(seconds) = report.metrics.get(figure).copied() {
+        report.metric(name, seconds * 1e3 / operations.max(1) as f64);
+    }
+}
+
+/// The proxies' own time on each call over a phase, from their
+/// `lockcell_proxy_overhead_seconds` histograms: what a proxy adds to a call beyond its
+/// etcd round trips and its waits.
+pub struct Overhead {
+    before: Vec<Option<Vec<Sample>>>,
+}
+
+impl Overhead {
+    const HISTOGRAM: &'static str = "lockcell_proxy_overhead_seconds";
+
+    pub async fn start(cell: &Cell) -> Self {
+        Overhead {
+            before: cell.proxy_samples().await,
+        }
+    }
+
+    /// Adds `proxy_overhead_<call>_p50_us` and `_p99_us` for every call the proxies
+    /// answered during the phase (nothing for targets without lockcell proxies). A
+    /// proxy that stopped answering in the phase (a killed zone) is left out.
+    pub async fn finish(self, cell: &Cell, report: &mut Report) {
+        let after = cell.proxy_samples().await;
+        let mut by_call: std::collections::BTreeMap<String, Vec<(f64, f64)>> = Default::default();
+        for (before, after) in self.before.iter().zip(&after) {
+            let (Some(before), Some(after)) = (before, after) else {
+                continue;
+            };
+            for call in Self::calls(after) {
+                let filter = [("call", call.as_str())];
+                let gained = prom::histogram_delta(
+                    &prom::histogram(after, Self::HISTOGRAM, &filter),
+                    &prom::histogram(before, Self::HISTOGRAM, &filter),
+                );
+                let total = by_call.entry(call).or_default();
+                for (le, count) in gained {
+                    match total.iter_mut().find(|(b, _)| *b == le) {
+                        Some((_, c)) => *c += count,
+                        None => total.push((le, count)),
+                    }
+                }
+            }
+        }
+        for (call, mut buckets) in by_call {
+            buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+            for (name, q) in [("p50", 0.5), ("p99", 0.99)] {
+                if let Some(seconds) = prom::quantile(&buckets, q) {
+                    report.metric(&format!("proxy_overhead_{call}_{name}_us"), seconds * 1e6);
+                }
+            }
+        }
+    }
+
+    /// The calls a proxy's page has an overhead histogram for.
+    fn calls(samples: &[Sample]) -> Vec<String> {
+        let bucket = format!("{}_bucket", Self::HISTOGRAM);
+        let mut calls: Vec<String> = samples
+            .iter()
+            .filter(|s| s.name == bucket)
+            .filter_map(|s| s.labels.get("call").cloned())
+            .collect();
+        calls.sort();
+        calls.dedup();
+        calls
     }
 }

@@ -20,7 +20,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tonic::transport::Endpoint;
 
-use super::{open_fleet, Resources};
+use super::{open_fleet, Overhead, Resources};
 use crate::cluster::{Cell, CellOptions, Target};
 use crate::fleet::{report_expiries, FleetSpec};
 use crate::locks::Locker;
@@ -187,6 +187,7 @@ pub async fn run(
     .await?;
 
     let before = cell.etcd_counters().await?;
+    let overhead = Overhead::start(&cell).await;
     let mut resources = Resources::start(&cell);
     let killed = Instant::now();
     if let Some(m) = membership.as_mut() {
@@ -256,6 +257,7 @@ pub async fn run(
     }
     bar.finish_and_clear();
     let after = cell.etcd_counters().await?;
+    overhead.finish(&cell, &mut report).await;
     watch_load.sample(&after);
     if let Some(m) = membership {
         m.finish(&mut report).await;
