@@ -257,7 +257,7 @@ fn describe_locks() {
     describe_histogram!(
         OVERHEAD_SECONDS,
         Unit::Seconds,
-        "The proxy's own time on a call, by call (acquire, release, put, etcd_txn, ...): from the request to the answer, less its etcd round trips and its waits for a turn or a holder."
+        "The proxy's own time on a call, by call (acquire, release, put, etcd_txn, ...): from the request to the answer, less its etcd round trips and its waits (for a turn, a holder, the proxy's copy of the cell, another proxy)."
     );
     counter(
         LOCKS_GRANTED,

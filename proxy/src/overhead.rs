@@ -1,7 +1,7 @@
 //! The proxy's own time on each call (`lockcell_proxy_overhead_seconds{call}`): from the
 //! request reaching the service to its answer, less the time the call spent outside the
-//! process, in its etcd round trips and its waits for a turn, a holder or the proxy's
-//! copy of the cell ([`lockcell_cell::timing`]). What is left is what a proxy adds to a
+//! process, in its etcd round trips and its waits for a turn, a holder, the proxy's copy
+//! of the cell or another proxy it was forwarded to ([`lockcell_cell::timing`]). What is left is what a proxy adds to a
 //! call: decoding, checks, bookkeeping, scheduling on a busy runtime.
 //!
 //! Measured for the calls named in [`call_name`] on both client APIs, so a client that

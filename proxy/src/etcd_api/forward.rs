@@ -91,7 +91,7 @@ const MOVED_PAUSE: Duration = Duration::from_millis(50);
 /// just `denied` having the lease.
 pub(in crate::etcd_api) async fn pause_if_denied_by(denied: Option<&str>, proxy: &str) {
     if denied == Some(proxy) {
-        tokio::time::sleep(MOVED_PAUSE).await;
+        lockcell_cell::timing::waiting(tokio::time::sleep(MOVED_PAUSE)).await;
     }
 }
 
@@ -397,7 +397,8 @@ impl EtcdApi {
 }
 
 impl Peer {
-    /// Calls unary `path` at this proxy.
+    /// Calls unary `path` at this proxy. The round trip counts as time the call spent
+    /// outside this proxy ([`lockcell_cell::timing`]).
     pub async fn unary<Req, Resp>(
         &self,
         path: &'static str,
@@ -407,10 +408,13 @@ impl Peer {
         Req: prost::Message + Send + 'static,
         Resp: prost::Message + Default + Send + 'static,
     {
-        let mut grpc = self.ready().await?;
-        let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
-        grpc.unary(request, PathAndQuery::from_static(path), codec)
-            .await
+        lockcell_cell::timing::waiting(async {
+            let mut grpc = self.ready().await?;
+            let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
+            grpc.unary(request, PathAndQuery::from_static(path), codec)
+                .await
+        })
+        .await
     }
 
     /// Opens streaming call `path` at this proxy.

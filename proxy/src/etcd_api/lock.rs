@@ -135,7 +135,8 @@ impl EtcdApi {
             })
             .await;
         });
-        let (key, revision) = answer
+        // The task's etcd calls and its wait count as time outside the proxy.
+        let (key, revision) = lockcell_cell::timing::waiting(answer)
             .await
             .map_err(|_| Status::unavailable("the lock's wait ended with the proxy"))??;
         Ok(Response::new(LockResponse {
