@@ -47,12 +47,21 @@ pub async fn measured<F: Future>(call: F) -> (F::Output, Duration) {
 }
 
 /// Awaits `wait` and counts the time it took as time spent outside the process, in the
-/// scope of the [`measured`] call around it (if any).
+/// scope of the [`measured`] call around it (if any). A wait dropped half-way (the
+/// call withdrawn, a `select!` that took another branch) counts up to then.
 pub async fn waiting<F: Future>(wait: F) -> F::Output {
-    let started = Instant::now();
-    let output = wait.await;
-    add_outside(started.elapsed());
-    output
+    let _counted = Waited(Instant::now());
+    wait.await
+}
+
+/// Counts the time since it was made as time outside when it is dropped, whether the
+/// wait it covers ended or was given up.
+struct Waited(Instant);
+
+impl Drop for Waited {
+    fn drop(&mut self) {
+        add_outside(self.0.elapsed());
+    }
 }
 
 /// Counts `took` as time the current call spent outside the process; nothing outside a
@@ -76,6 +85,19 @@ mod tests {
         .await;
         assert!(outside >= Duration::from_millis(35), "{outside:?}");
         assert!(outside < Duration::from_millis(100), "{outside:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_given_up_half_way_counts_up_to_then() {
+        let ((), outside) = measured(async {
+            tokio::select! {
+                () = waiting(tokio::time::sleep(Duration::from_secs(60))) => {}
+                () = tokio::time::sleep(Duration::from_millis(400)) => {}
+            }
+        })
+        .await;
+        assert!(outside >= Duration::from_millis(400), "{outside:?}");
+        assert!(outside < Duration::from_secs(60), "{outside:?}");
     }
 
     #[tokio::test]

@@ -164,10 +164,13 @@ pub async fn acquire(state: &Arc<ProxyState>, call: Call) -> Result<Option<Grant
 /// if any, is returned for the caller to release. Nothing is ever granted by it.
 pub async fn withdraw(state: &Arc<ProxyState>, call: &Call) -> Result<Option<Granted>, ProxyError> {
     let patience = state.config.etcd_timeout * 2;
-    state
-        .calls
-        .withdraw(&call.session_id, &call.call_id, patience)
-        .await;
+    // Waiting for the call's parts to end is waiting on another call.
+    timing::waiting(
+        state
+            .calls
+            .withdraw(&call.session_id, &call.call_id, patience),
+    )
+    .await;
     let session = live(state, &call.session_id)?;
     match grant::own_grant(state, call, &session).await {
         // Another call's hold of the lock: nothing of this call's.
