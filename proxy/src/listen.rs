@@ -7,16 +7,17 @@ use tokio::net::TcpListener;
 use tower::layer::util::{Identity, Stack};
 
 use crate::config::ProxyConfig;
-use crate::overhead::OverheadLayer;
+use crate::overhead::{Api, OverheadLayer};
 use crate::tls;
 
 /// The bounds every client connection has, on either API: at most
 /// `--max-streams-per-connection` calls open at once (each call is one HTTP/2 stream,
 /// so this is also the bound on its calls in flight), and pings while it is quiet
 /// (`--client-ping-interval`), so a vanished client's connection does not stay open.
-/// Each call's own time in the proxy is measured ([`crate::overhead`]).
+/// Each call of `api`'s own time in the proxy is measured ([`crate::overhead`]).
 pub(crate) fn client_server(
     config: &ProxyConfig,
+    api: Api,
 ) -> tonic::transport::Server<Stack<OverheadLayer, Identity>> {
     let every = config.client_ping_interval;
     tonic::transport::Server::builder()
@@ -24,7 +25,7 @@ pub(crate) fn client_server(
         .http2_keepalive_interval(Some(every))
         .http2_keepalive_timeout(Some(every))
         .tcp_keepalive(Some(every))
-        .layer(OverheadLayer)
+        .layer(OverheadLayer(api))
 }
 
 /// The TLS files of the client APIs, when --tls-cert and --tls-key are given (and

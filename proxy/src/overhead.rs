@@ -4,8 +4,9 @@
 //! of the cell or another proxy it was forwarded to ([`lockcell_cell::timing`]). What is left is what a proxy adds to a
 //! call: decoding, checks, bookkeeping, scheduling on a busy runtime.
 //!
-//! Measured for the calls named in [`call_name`] on both client APIs, so a client that
-//! sends unknown paths cannot grow the metric's label set.
+//! Measured for the calls named in [`call_name`], each on the API that serves it, so a
+//! client that sends unknown paths, or one API's paths to the other's listener, cannot
+//! grow the metric's label set or add to a call that listener never ran.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,21 +18,31 @@ use tonic::codegen::Service;
 
 use crate::metrics as m;
 
-/// Wraps a server's routes so each named call's own time is recorded.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct OverheadLayer;
+/// The client API a listener serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Api {
+    /// lockcell's own (`lockcell.v1`).
+    Lockcell,
+    /// etcd's v3 API and its Lock and Election services.
+    Etcd,
+}
+
+/// Wraps a server's routes so each named call of `Api`'s own time is recorded.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct OverheadLayer(pub(crate) Api);
 
 impl<S> tower::Layer<S> for OverheadLayer {
     type Service = Overhead<S>;
 
     fn layer(&self, inner: S) -> Overhead<S> {
-        Overhead(inner)
+        Overhead(inner, self.0)
     }
 }
 
-/// A service that records [`m::OVERHEAD_SECONDS`] for every call [`call_name`] knows.
+/// A service that records [`m::OVERHEAD_SECONDS`] for every call of its API that
+/// [`call_name`] knows.
 #[derive(Clone, Debug)]
-pub(crate) struct Overhead<S>(S);
+pub(crate) struct Overhead<S>(S, Api);
 
 impl<S, B> Service<Request<B>> for Overhead<S>
 where
@@ -47,9 +58,9 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let name = call_name(request.uri().path());
+        let name = call_name(request.uri().path()).filter(|(api, _)| *api == self.1);
         let call = self.0.call(request);
-        let Some(name) = name else {
+        let Some((_, name)) = name else {
             return Box::pin(call);
         };
         Box::pin(async move {
@@ -62,10 +73,15 @@ where
     }
 }
 
-/// The label of a call whose own time is measured, by its gRPC path; `None` for
-/// streams (their time is their life) and for paths no service serves.
-pub(crate) fn call_name(path: &str) -> Option<&'static str> {
-    Some(match path {
+/// The API and label of a call whose own time is measured, by its gRPC path; `None`
+/// for streams (their time is their life) and for paths no service serves.
+pub(crate) fn call_name(path: &str) -> Option<(Api, &'static str)> {
+    let api = if path.starts_with("/lockcell.v1.") {
+        Api::Lockcell
+    } else {
+        Api::Etcd
+    };
+    let name = match path {
         "/lockcell.v1.Session/Open" => "open",
         "/lockcell.v1.Session/Close" => "close",
         "/lockcell.v1.Session/Resume" => "resume",
@@ -95,7 +111,8 @@ pub(crate) fn call_name(path: &str) -> Option<&'static str> {
         "/v3electionpb.Election/Resign" => "etcd_resign",
         "/v3electionpb.Election/Leader" => "etcd_leader",
         _ => return None,
-    })
+    };
+    Some((api, name))
 }
 
 #[cfg(test)]
@@ -123,6 +140,13 @@ mod tests {
             );
         }
         assert_eq!(call_name("/lockcell.v1.Lock/Nonsense"), None);
-        assert_eq!(call_name("/etcdserverpb.KV/Txn"), Some("etcd_txn"));
+        assert_eq!(
+            call_name("/etcdserverpb.KV/Txn"),
+            Some((Api::Etcd, "etcd_txn"))
+        );
+        assert_eq!(
+            call_name("/lockcell.v1.Lock/Acquire"),
+            Some((Api::Lockcell, "acquire"))
+        );
     }
 }

@@ -272,7 +272,7 @@ fn client_api(
         engines.iter().map(|e| e.state.clone()).collect(),
     ));
     let sizes = MessageSizes::for_config(config);
-    let router = client_server(config)
+    let router = client_server(config, crate::overhead::Api::Lockcell)
         .add_service(
             SessionServer::from_arc(front.clone()).max_decoding_message_size(sizes.session),
         )

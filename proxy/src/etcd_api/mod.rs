@@ -242,7 +242,7 @@ impl EtcdApi {
             lockcell_proto::etcd_election::election_server::ElectionServer::new(self.clone()),
         )
         .prepare();
-        let server = crate::listen::client_server(&self.state.config);
+        let server = crate::listen::client_server(&self.state.config, crate::overhead::Api::Etcd);
         let api = self;
         // etcd's JSON gateway beside the gRPC services, on HTTP/1.1 as well as HTTP/2:
         // base64 and JSON take up to 3 bytes of request for each byte of the call.
