@@ -120,16 +120,23 @@ pub fn histogram(samples: &[Sample], name: &str, filter: &[(&str, &str)]) -> Vec
         let Some(le) = s.labels.get("le").and_then(|le| parse_value(le)) else {
             continue;
         };
-        if !matches {
-            continue;
-        }
-        match by_bound.iter_mut().find(|(b, _)| *b == le) {
-            Some((_, count)) => *count += s.value,
-            None => by_bound.push((le, s.value)),
+        if matches {
+            add_buckets(&mut by_bound, &[(le, s.value)]);
         }
     }
-    by_bound.sort_by(|a, b| a.0.total_cmp(&b.0));
     by_bound
+}
+
+/// Adds `more`'s counts into `total` bound by bound (a bound `total` lacks is added),
+/// keeping `total` in rising order of bound.
+pub fn add_buckets(total: &mut Vec<(f64, f64)>, more: &[(f64, f64)]) {
+    for &(le, count) in more {
+        match total.iter_mut().find(|(b, _)| *b == le) {
+            Some((_, c)) => *c += count,
+            None => total.push((le, count)),
+        }
+    }
+    total.sort_by(|a, b| a.0.total_cmp(&b.0));
 }
 
 /// The counts a histogram gained since `before` (bucket by bucket; a bound missing

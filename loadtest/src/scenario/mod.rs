@@ -171,17 +171,10 @@ impl Overhead {
                     &prom::histogram(after, Self::HISTOGRAM, &filter),
                     &prom::histogram(before, Self::HISTOGRAM, &filter),
                 );
-                let total = by_call.entry(call).or_default();
-                for (le, count) in gained {
-                    match total.iter_mut().find(|(b, _)| *b == le) {
-                        Some((_, c)) => *c += count,
-                        None => total.push((le, count)),
-                    }
-                }
+                prom::add_buckets(by_call.entry(call).or_default(), &gained);
             }
         }
-        for (call, mut buckets) in by_call {
-            buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (call, buckets) in by_call {
             for (name, q) in [("p50", 0.5), ("p99", 0.99)] {
                 if let Some(seconds) = prom::quantile(&buckets, q) {
                     report.metric(&format!("proxy_overhead_{call}_{name}_us"), seconds * 1e6);
