@@ -68,6 +68,7 @@ fn main() {
         locks::retried_acquire_and_release_are_idempotent,
         locks::a_lost_acquire_reply_and_its_retry_make_one_grant,
         overhead::a_wait_for_a_holder_is_not_the_proxys_own_time,
+        overhead::a_withdrawn_wait_is_not_the_proxys_own_time,
         safety::a_dropped_guard_and_the_next_acquire_never_share_a_grant,
         safety::a_second_acquire_of_a_held_lock_is_refused_by_name,
         safety::a_grant_etcd_applied_after_the_deadline_is_still_the_sessions,
